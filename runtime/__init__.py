@@ -1,0 +1,33 @@
+"""The actor kernel: actors, refs, mailboxes, supervision. It knows nothing about LLMs."""
+
+from __future__ import annotations
+
+from ._actor import Actor as Actor
+from ._actor import ThreadActor as ThreadActor
+from ._errors import ActorDeadError as ActorDeadError
+from ._errors import ActorError as ActorError
+from ._errors import AskTimeout as AskTimeout
+from ._errors import MailboxFull as MailboxFull
+from ._mailbox import MailboxStatistics as MailboxStatistics
+from ._ref import DEFAULT_ASK_TIMEOUT as DEFAULT_ASK_TIMEOUT
+from ._ref import ActorRef as ActorRef
+from ._reply import Reply as Reply
+from ._reply import ReplyStream as ReplyStream
+from ._runtime import Runtime as Runtime
+from ._supervision import RestartPolicy as RestartPolicy
+
+__all__ = (
+    "DEFAULT_ASK_TIMEOUT",
+    "Actor",
+    "ActorDeadError",
+    "ActorError",
+    "ActorRef",
+    "AskTimeout",
+    "MailboxFull",
+    "MailboxStatistics",
+    "Reply",
+    "ReplyStream",
+    "RestartPolicy",
+    "Runtime",
+    "ThreadActor",
+)

@@ -1,0 +1,26 @@
+"""Every exception the actor kernel raises."""
+
+from __future__ import annotations
+
+__all__ = (
+    "ActorDeadError",
+    "ActorError",
+    "AskTimeout",
+    "MailboxFull",
+)
+
+
+class ActorError(Exception):
+    """Base class of the actor kernel's errors."""
+
+
+class ActorDeadError(ActorError):
+    """The actor has stopped or crashed for good: it will not handle this message."""
+
+
+class MailboxFull(ActorError):
+    """``tell_nowait`` found the actor's mailbox at capacity."""
+
+
+class AskTimeout(ActorError, TimeoutError):
+    """No reply came within the ask's timeout (the request was withdrawn)."""

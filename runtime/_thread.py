@@ -1,0 +1,100 @@
+"""The one OS thread a ThreadActor owns."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from ._loop import LoopCaller
+
+__all__ = ("ActorThread",)
+
+_Job = tuple[Callable[..., Any], tuple[Any, ...], Callable[[bool, Any], None]]
+
+
+class ActorThread:
+    """Runs jobs one at a time on a dedicated thread; results come back to the event loop.
+
+    When the job queue is empty and ``idle`` is set, the thread calls ``idle()`` repeatedly
+    while it returns True, checking for new jobs between calls; otherwise it sleeps until a
+    job arrives. An exception from ``idle`` is handed to ``on_idle_error`` on the loop.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        caller: LoopCaller,
+        on_idle_error: Callable[[BaseException], object],
+    ) -> None:
+        self._caller = caller
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._on_idle_error = on_idle_error
+        self.idle: Callable[[], bool] | None = None
+        self._thread = threading.Thread(target=self._main, name=f"kvactor:{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the thread and return (or raise) its result.
+
+        Cancelling the awaiting task stops the wait, not the job already on the thread.
+        """
+        done = anyio.Event()
+        outcome: list[tuple[bool, Any]] = []
+
+        def finish(ok: bool, value: Any) -> None:
+            outcome.append((ok, value))
+            done.set()
+
+        self._jobs.put((fn, args, finish))
+        await done.wait()
+        ok, value = outcome[0]
+        if ok:
+            return value
+        raise value
+
+    def close(self) -> None:
+        """Let the thread exit after the jobs already queued."""
+        self._jobs.put(None)
+
+    def _run_idle(self) -> bool:
+        idle = self.idle
+        if idle is None:
+            return False
+        try:
+            return bool(idle())
+        except BaseException as exc:  # handed to the supervisor
+            self.idle = None
+            self._caller.call_soon(self._on_idle_error, exc)
+            return False
+
+    def _main(self) -> None:
+        busy = False
+        while True:
+            job: _Job | None
+            if busy:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    busy = self._run_idle()
+                    continue
+            else:
+                job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, finish = job
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # re-raised in the awaiting task
+                self._caller.call_soon(finish, False, exc)
+            else:
+                self._caller.call_soon(finish, True, result)
+            # A message may have brought new background work.
+            busy = self.idle is not None
