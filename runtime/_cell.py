@@ -127,7 +127,8 @@ class ActorCell:
             if envelope.reply is not None:
                 envelope.reply.fail_dead(self.name, failure)
         if self._thread is not None:
-            self._thread.close()
+            with anyio.move_on_after(self._stop_timeout):
+                await self._thread.close()
         self._dead.set()
 
     async def _stop_actor(self) -> None:

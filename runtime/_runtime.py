@@ -61,8 +61,10 @@ class Runtime:
             with anyio.CancelScope(shield=True):
                 await self.stop_all()
         finally:
-            suppressed = await tg.__aexit__(exc_type, exc, tb)
-        return suppressed
+            # Every actor task has ended, so the group closes at once. The body's own
+            # exception propagates as it is, not wrapped in an exception group.
+            await tg.__aexit__(None, None, None)
+        return None
 
     async def spawn(
         self,

@@ -34,6 +34,7 @@ class ActorThread:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._on_idle_error = on_idle_error
         self.idle: Callable[[], bool] | None = None
+        self._exited: anyio.Event | None = None
         self._thread = threading.Thread(target=self._main, name=f"kvactor:{name}", daemon=True)
         self._thread.start()
 
@@ -60,9 +61,22 @@ class ActorThread:
             return value
         raise value
 
-    def close(self) -> None:
-        """Let the thread exit after the jobs already queued."""
+    async def close(self) -> None:
+        """Let the thread exit after the jobs already queued, and wait until it has.
+
+        Waiting matters: a native library (MLX) that still has a live thread at interpreter
+        exit may abort the process.
+        """
+        exited = anyio.Event()
         self._jobs.put(None)
+        self._exited = exited
+        if not self._thread.is_alive():
+            return
+        await exited.wait()
+
+    def _mark_exited(self) -> None:
+        if self._exited is not None:
+            self._exited.set()
 
     def _run_idle(self) -> bool:
         idle = self.idle
@@ -88,6 +102,7 @@ class ActorThread:
             else:
                 job = self._jobs.get()
             if job is None:
+                self._caller.call_soon(self._mark_exited)
                 return
             fn, args, finish = job
             try:

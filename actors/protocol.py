@@ -1,0 +1,182 @@
+"""Messages between agents and the engine: plain msgspec Structs, tagged unions."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import msgspec
+
+from .errors import InvalidAgentId
+
+__all__ = (
+    "AGENT_ID_MAX",
+    "CacheInfo",
+    "CacheQuery",
+    "DropCache",
+    "EngineMessage",
+    "EngineStats",
+    "Finished",
+    "Generate",
+    "GetModelInfo",
+    "ModelInfo",
+    "Piece",
+    "Sampling",
+    "StatsQuery",
+    "Timings",
+    "check_agent_id",
+)
+
+AGENT_ID_MAX = 128
+_AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_agent_id(agent: object) -> str:
+    """Return ``agent`` if it is a safe id (it names a cache file later); else raise.
+
+    Raises InvalidAgentId for a non-string, an empty or over-long id, or any character
+    outside letters, digits, ``.``, ``_``, ``-`` (so no ``/``, ``\\``, ``..`` or NUL).
+    """
+    if not isinstance(agent, str):
+        raise InvalidAgentId(f"agent id must be a str, got {type(agent).__name__}")
+    if not 0 < len(agent) <= AGENT_ID_MAX:
+        raise InvalidAgentId(f"agent id must have 1 to {AGENT_ID_MAX} characters: {agent!r}")
+    if not _AGENT_ID.fullmatch(agent) or ".." in agent:
+        raise InvalidAgentId(
+            f"agent id {agent!r} may only use letters, digits, '.', '_', '-' "
+            "(starting with a letter or digit, no '..')"
+        )
+    return agent
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick tokens. ``temperature == 0`` is greedy (the default)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> Sampling:
+        """Build from keyword options; raises TypeError (unknown name) or ValueError (range)."""
+        known = set(cls.__struct_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown sampling option(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        if isinstance(options.get("stop"), str):
+            options = {**options, "stop": (options["stop"],)}
+        elif "stop" in options:
+            options = {**options, "stop": tuple(options["stop"])}
+        try:
+            sampling = msgspec.convert(options, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"bad sampling option: {exc}") from None
+        sampling.validate()
+        return sampling
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+
+class Generate(msgspec.Struct, frozen=True, tag=True):
+    """Continue ``agent``'s cache so that it holds ``tokens``, then generate.
+
+    The engine reuses the longest common prefix of ``tokens`` and what the agent's cache
+    holds, trims the rest, and prefills only the difference. The reply is a stream of
+    Piece items ending with one Finished.
+    """
+
+    agent: str
+    tokens: list[int]
+    sampling: Sampling
+    sent_at: float
+
+
+class DropCache(msgspec.Struct, frozen=True, tag=True):
+    agent: str
+
+
+class CacheQuery(msgspec.Struct, frozen=True, tag=True):
+    agent: str
+
+
+class GetModelInfo(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class StatsQuery(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+EngineMessage = Generate | DropCache | CacheQuery | GetModelInfo | StatsQuery
+
+
+class Piece(msgspec.Struct, frozen=True, tag=True):
+    """Newly generated text (may be empty while a UTF-8 character or stop string is pending)."""
+
+    text: str
+    token_id: int
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    queue_s: float
+    prefill_s: float
+    ttft_s: float
+    decode_s: float
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    generated_tokens: int
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if self.decode_s > 0 and steps > 0 else 0.0
+
+
+class Finished(msgspec.Struct, frozen=True, tag=True):
+    """The end of a generation: why it stopped, what it cost, what the cache now holds."""
+
+    reason: str  # "eos" | "stop" | "length"
+    text: str
+    token_ids: list[int]
+    cached_tokens: int
+    timings: Timings
+
+
+class CacheInfo(msgspec.Struct, frozen=True):
+    agent: str
+    tokens: int
+    nbytes: int
+    busy: bool
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    name: str
+    fingerprint: str
+    context_length: int
+    n_layers: int
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    agents_cached: int
+    cache_bytes: int
+    prefilling: int
+    decoding: int
+    waiting: int
+    steps: int
+    generated_tokens: int
+    max_batch_seen: int

@@ -1,0 +1,9 @@
+"""Array code: Q4 block format, quantized attention, CPU BLAS selection."""
+
+from __future__ import annotations
+
+from .blas import BlasInfo as BlasInfo
+from .blas import SlowBlasWarning as SlowBlasWarning
+from .blas import ensure_blas as ensure_blas
+
+__all__ = ("BlasInfo", "SlowBlasWarning", "ensure_blas")

@@ -1,0 +1,242 @@
+"""The engine and agent actors on a tiny random-weight model (real MLX on the CPU)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import anyio
+import pytest
+
+import kvactor
+from kvactor import (
+    AgentBusy,
+    ContextOverflow,
+    InvalidAgentId,
+    Session,
+    UnknownAgent,
+    make_tiny_model,
+)
+from kvactor.actors.protocol import Generate, Sampling
+
+PROMPTS = [
+    "hello there",
+    "the quick brown fox",
+    "jumps over the lazy dog",
+    "ünïcödé ✓ text",
+    "1 2 3 4 5 6 7 8",
+    "actors own their state",
+    "a longer prompt that takes a few more tokens to prefill than the others do",
+    "z",
+]
+
+
+def tiny(**overrides: Any) -> Any:
+    return functools.partial(make_tiny_model, 0, **overrides)
+
+
+async def test_multi_turn_prefills_only_the_new_text() -> None:
+    async with kvactor.open(tiny()) as session:
+        agent = await session.spawn_agent("a", system="be brief")
+        first = await agent.generate("hello", max_tokens=6)
+        assert first.finish_reason == "length" and len(first.token_ids) == 6
+        assert first.timings.reused_tokens == 0
+        info = await agent.cache_info()
+        # The last generated token is sampled but not yet fed: it is fed with the next turn.
+        assert info.tokens == first.timings.prompt_tokens + 5
+        second = await agent.generate("more please", max_tokens=4)
+        assert second.timings.reused_tokens == info.tokens
+        new_text = "<|im_end|>\n<|im_start|>user\nmore please<|im_end|>\n<|im_start|>assistant\n"
+        assert second.timings.prefilled_tokens == 1 + len(session.tokenizer.encode(new_text))
+        history = await agent.history()
+        assert [m["role"] for m in history] == ["system", "user", "assistant"] * 1 + [
+            "user",
+            "assistant",
+        ]
+        assert history[2]["content"] == first.text
+
+
+async def test_greedy_output_is_the_same_alone_and_in_a_batch_of_8() -> None:
+    async with kvactor.open(tiny(), max_batch=8) as session:
+        solo = []
+        for i, prompt in enumerate(PROMPTS):
+            agent = await session.spawn_agent(f"solo-{i}")
+            solo.append((await agent.generate(prompt, max_tokens=12)).token_ids)
+        agents = [await session.spawn_agent(f"batch-{i}") for i in range(len(PROMPTS))]
+        batched: list[list[int]] = [[] for _ in PROMPTS]
+
+        async def run(i: int) -> None:
+            batched[i] = (await agents[i].generate(PROMPTS[i], max_tokens=12)).token_ids
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(run, i)
+        assert batched == solo
+        stats = await session.stats()
+        assert stats.max_batch_seen >= 4  # they really decoded together
+
+
+async def test_decode_goes_on_while_a_long_prompt_is_prefilled_in_chunks() -> None:
+    async with kvactor.open(tiny(), prefill_chunk=8) as session:
+        talker = await session.spawn_agent("talker")
+        reader = await session.spawn_agent("reader")
+        events: list[str] = []
+
+        async def talk() -> None:
+            async for _ in talker.stream("go", max_tokens=60):
+                events.append("talker")
+
+        async def read() -> None:
+            events.append("reader-submitted")
+            async for _ in reader.stream("word " * 60, max_tokens=1):
+                events.append("reader-first")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(talk)
+            while "talker" not in events:
+                await anyio.sleep(0.001)
+            tg.start_soon(read)
+        start, first = events.index("reader-submitted"), events.index("reader-first")
+        # ~40 prefill chunks for the reader; the talker decoded between them.
+        assert events[start:first].count("talker") >= 10
+
+
+async def test_leaving_a_stream_cancels_the_generation_and_frees_the_slot() -> None:
+    async with kvactor.open(tiny()) as session:
+        agent = await session.spawn_agent("a")
+        pieces = 0
+        async with agent.stream("tell me everything", max_tokens=500) as stream:
+            async for _ in stream:
+                pieces += 1
+                if pieces == 3:
+                    break
+        with anyio.fail_after(10):
+            while (await session.stats()).decoding:
+                await anyio.sleep(0.01)
+        info = await agent.cache_info()
+        assert not info.busy and info.tokens > 0  # the partial cache is kept
+        again = await agent.generate("and now?", max_tokens=3)
+        assert len(again.token_ids) == 3
+
+
+async def test_cancelling_the_caller_cancels_the_generation() -> None:
+    async with kvactor.open(tiny()) as session:
+        agent = await session.spawn_agent("a")
+        with anyio.move_on_after(0.2):
+            await agent.generate("go on forever", max_tokens=100_000)
+        with anyio.fail_after(10):
+            while (await session.stats()).decoding:
+                await anyio.sleep(0.01)
+
+
+async def test_stop_strings_end_the_text_before_the_stop() -> None:
+    async with kvactor.open(tiny()) as session:
+        agent = await session.spawn_agent("probe")
+        full = (await agent.generate("x", max_tokens=40)).text
+        stop = full[10:13]
+        assert len(stop) == 3
+        other = await session.spawn_agent("stopper")
+        pieces = []
+        async with other.stream("x", max_tokens=40, stop=[stop]) as stream:
+            async for piece in stream:
+                pieces.append(piece)
+        assert stream.completion is not None
+        assert stream.completion.finish_reason == "stop"
+        assert "".join(pieces) == stream.completion.text == full[: full.index(stop)]
+
+
+async def test_seeded_sampling_repeats_and_differs_from_greedy() -> None:
+    async with kvactor.open(tiny()) as session:
+        outs = []
+        for i, seed in enumerate([7, 7, 8]):
+            agent = await session.spawn_agent(f"s{i}")
+            options = {"temperature": 1.5, "top_p": 0.95, "seed": seed, "max_tokens": 16}
+            outs.append((await agent.generate("sample", **options)).token_ids)
+        greedy = await (await session.spawn_agent("g")).generate("sample", max_tokens=16)
+        assert outs[0] == outs[1]
+        assert outs[0] != outs[2]
+        assert outs[0] != greedy.token_ids
+
+
+async def test_many_agents_from_one_task_group() -> None:
+    async with kvactor.open(tiny(), max_batch=4) as session:
+        results: dict[str, str] = {}
+
+        async def one(i: int) -> None:
+            agent = await session.spawn_agent(f"agent-{i}")
+            for turn in range(2):
+                results[f"{i}.{turn}"] = (await agent.generate(f"turn {turn}", max_tokens=4)).text
+
+        async with anyio.create_task_group() as tg:
+            for i in range(10):
+                tg.start_soon(one, i)
+        assert len(results) == 20
+        assert (await session.stats()).agents_cached == 10
+
+
+async def test_bad_input_gets_clear_errors_and_the_engine_keeps_serving() -> None:
+    async with kvactor.open(tiny(max_position_embeddings=160)) as session:
+        agent = await session.spawn_agent("a")
+        with pytest.raises(TypeError, match="unknown sampling option.*temprature"):
+            await agent.generate("hi", temprature=0.5)
+        with pytest.raises(ValueError, match="temperature"):
+            await agent.generate("hi", temperature=-1)
+        with pytest.raises(ValueError, match="empty"):
+            await agent.generate("   ")
+        with pytest.raises(ContextOverflow, match="context of 160"):
+            await agent.generate("x" * 300)
+        for hostile in ["../x", "a/b", "", "a\\b", "..", "x" * 200, "nul\x00"]:
+            with pytest.raises(InvalidAgentId):
+                await session.spawn_agent(hostile)
+        with pytest.raises(ValueError, match="already exists"):
+            await session.spawn_agent("a")
+        with pytest.raises(UnknownAgent):
+            session.agent("nobody")
+        # Near the context end, max_tokens is cut to what fits instead of overflowing.
+        done = await agent.generate("y" * 20, max_tokens=1000)
+        assert done.finish_reason in {"length", "eos"}
+        assert done.timings.prompt_tokens + len(done.token_ids) <= 160
+        with pytest.raises(ContextOverflow):  # the conversation has filled the context
+            await agent.generate("still fine?", max_tokens=2)
+        other = await session.spawn_agent("b")
+        assert (await other.generate("still fine?", max_tokens=2)).token_ids
+
+
+async def test_engine_refuses_a_second_generation_for_a_busy_agent() -> None:
+    async with kvactor.open(tiny()) as session:
+        engine = session.engine
+        first = Generate("x", [1, 2, 3], Sampling(max_tokens=200), 0.0)
+        async with engine.stream(first) as stream:
+            await stream.__anext__()
+            with pytest.raises(AgentBusy):
+                async for _ in engine.stream(Generate("x", [1, 2], Sampling(), 0.0)):
+                    pass
+            with pytest.raises(ValueError, match="token ids"):
+                async for _ in engine.stream(Generate("y", [10**9], Sampling(), 0.0)):
+                    pass
+
+
+async def test_forget_drops_the_cache() -> None:
+    async with kvactor.open(tiny()) as session:
+        agent = await session.spawn_agent("a")
+        await agent.generate("remember me", max_tokens=2)
+        await session.forget("a")
+        with pytest.raises(UnknownAgent):
+            session.agent("a")
+        assert (await session.stats()).agents_cached == 0
+
+
+async def test_open_can_be_awaited_and_closed() -> None:
+    session: Session = await kvactor.open(tiny())
+    try:
+        agent = await session.spawn_agent("a")
+        assert (await agent.generate("hi", max_tokens=2)).token_ids
+    finally:
+        await session.aclose()
+    assert not session.engine.alive
+
+
+async def test_a_model_that_fails_to_load_fails_open() -> None:
+    with pytest.raises(kvactor.ModelLoadError):
+        async with kvactor.open("/nonexistent/model.gguf"):
+            pass
