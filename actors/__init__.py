@@ -27,7 +27,7 @@ from .session import Agent as Agent
 from .session import Completion as Completion
 from .session import Session as Session
 from .session import TextStream as TextStream
-from .session import open as open  # noqa: A004
+from .session import open as open
 
 __all__ = (
     "Agent",

@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 
 from ..runtime import Actor, ActorRef
-from .protocol import Finished, Generate, Piece, Sampling
 from ._tokenizer import Tokenizer
+from .protocol import Finished, Generate, Piece, Sampling
 
 __all__ = ("AgentActor", "GetHistory", "Turn")
 

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -94,7 +94,7 @@ class _Request:
 def _settle_random_state() -> None:
     """Evaluate MLX's global random key: building a model splits it lazily on this thread,
     and a lazy array tied to a thread that has exited aborts the process at exit."""
-    mx.eval(list(mx.random.state))
+    mx.eval(list(cast(Any, mx.random.state)))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -279,14 +279,13 @@ class EngineActor(ThreadActor):
             mx.eval([layer.state[:2] for layer in request.cache.layers])
             return
         self._prefilling.popleft()
-        token = int(
-            sample_rows(
-                logits[:, -1, :],
-                [request.sampling.temperature],
-                [request.sampling.top_p],
-                [request.next_key()],
-            ).item()
+        pick = sample_rows(
+            logits[:, -1, :],
+            [request.sampling.temperature],
+            [request.sampling.top_p],
+            [request.next_key()],
         )
+        token = cast(int, pick.item())
         request.prefill_end = request.first_token_at = time.perf_counter()
         if self._emit(request, token):
             self._ready.append(request)
@@ -322,17 +321,20 @@ class EngineActor(ThreadActor):
         batch = self._batch
         inputs = mx.array([[r.generated[-1]] for r in batch], dtype=mx.uint32)
         logits = self.lm.model(inputs, cache=self._batch_cache)[:, -1, :]
-        picks = sample_rows(
-            logits,
-            [r.sampling.temperature for r in batch],
-            [r.sampling.top_p for r in batch],
-            [r.next_key() for r in batch],
-        ).tolist()
+        picks = cast(
+            list[int],
+            sample_rows(
+                logits,
+                [r.sampling.temperature for r in batch],
+                [r.sampling.top_p for r in batch],
+                [r.next_key() for r in batch],
+            ).tolist(),
+        )
         self._steps += 1
         done = []
         for i, (request, token) in enumerate(zip(batch, picks, strict=True)):
             request.cache.tokens.append(request.generated[-1])
-            if not self._emit(request, int(token)):
+            if not self._emit(request, token):
                 done.append(i)
         if done:
             self._leave_batch(done)
@@ -358,9 +360,10 @@ class EngineActor(ThreadActor):
             (k for s in sampling.stop for k in range(1, len(s)) if request.held.endswith(s[:k])),
             default=0,
         )
-        out, request.held = request.held[: len(request.held) - hold], request.held[
-            len(request.held) - hold :
-        ]
+        out, request.held = (
+            request.held[: len(request.held) - hold],
+            request.held[len(request.held) - hold :],
+        )
         request.text += out
         request.reply.send(Piece(out, token))
         if len(request.generated) >= sampling.max_tokens:

@@ -216,7 +216,7 @@ class _Opening:
         await self._session.__aexit__(exc_type, exc, tb)
 
 
-def open(  # noqa: A001 - the public name the docs use: kvactor.open()
+def open(
     model: ModelSpec = None,
     *,
     max_batch: int = 8,

@@ -177,7 +177,7 @@ async def test_many_agents_from_one_task_group() -> None:
 async def test_bad_input_gets_clear_errors_and_the_engine_keeps_serving() -> None:
     async with kvactor.open(tiny(max_position_embeddings=160)) as session:
         agent = await session.spawn_agent("a")
-        with pytest.raises(TypeError, match="unknown sampling option.*temprature"):
+        with pytest.raises(TypeError, match=r"unknown sampling option.*temprature"):
             await agent.generate("hi", temprature=0.5)
         with pytest.raises(ValueError, match="temperature"):
             await agent.generate("hi", temperature=-1)
