@@ -7,6 +7,8 @@ from ._tokenizer import Tokenizer as Tokenizer
 from .engine import EngineActor as EngineActor
 from .engine import EngineConfig as EngineConfig
 from .errors import AgentBusy as AgentBusy
+from .errors import BudgetExceeded as BudgetExceeded
+from .errors import CacheMiss as CacheMiss
 from .errors import ContextOverflow as ContextOverflow
 from .errors import EngineStopped as EngineStopped
 from .errors import InvalidAgentId as InvalidAgentId
@@ -32,6 +34,8 @@ from .session import open as open
 __all__ = (
     "Agent",
     "AgentBusy",
+    "BudgetExceeded",
+    "CacheMiss",
     "CacheInfo",
     "Completion",
     "ContextOverflow",

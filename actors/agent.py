@@ -1,7 +1,22 @@
-"""The agent actor: one conversation, its token history, and its turns through the engine."""
+"""The agent actor: one conversation, the exact tokens its cache holds, and its turns.
+
+Each turn renders the prompt (the chat template over the history, or the caller's raw
+prompt), compares its characters with the text the cache already spells and picks:
+
+- EXACT: the same text: reuse every cached token (the engine re-feeds only the last one);
+- EXTEND: the cache spells a prefix: reuse it, tokenize and prefill only the rest;
+- DIVERGE: they share a shorter prefix: reuse up to the last token boundary inside it and
+  trim the rest.
+
+The boundary is verified: the cached token just before it must come out the same when the
+new suffix is tokenized after it, so the tokens kept are the ones a fresh tokenization of
+the new prompt would most likely produce there. Generated tokens stay in the cache, so the
+next turn of a growing conversation prefills only what is new.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,82 +25,245 @@ import msgspec
 
 from ..runtime import Actor, ActorRef
 from ._tokenizer import Tokenizer
-from .protocol import Finished, Generate, Piece, Sampling
+from .errors import CacheMiss
+from .protocol import Export, Finished, Generate, Piece, Sampling, Timings, Written
 
-__all__ = ("AgentActor", "GetHistory", "Turn")
+__all__ = ("AgentActor", "AgentState", "GetState", "Turn", "TurnDone", "match_prefix")
+
+log = logging.getLogger("kvactor.agent")
 
 
 class Turn(msgspec.Struct, frozen=True, tag=True):
-    """A user message; the reply streams text pieces, then one Finished."""
+    """A user message (``raw=False``) or a whole raw prompt (``raw=True``); the reply
+    streams text pieces, then one TurnDone."""
 
     text: str
     sampling: Sampling
+    raw: bool = False
 
 
-class GetHistory(msgspec.Struct, frozen=True, tag=True):
+class GetState(msgspec.Struct, frozen=True, tag=True):
     pass
+
+
+class AgentState(msgspec.Struct, frozen=True):
+    agent: str
+    messages: list[dict[str, str]]
+    tokens: int
+    persisted: int
+    restored: bool
+    turns: int
+
+
+class TurnDone(msgspec.Struct, frozen=True):
+    """A finished turn, with how its cache was found: ``path`` is cold (nothing reused),
+    warm (reloaded from disk for this turn) or hot; ``match`` is new / exact / extend /
+    diverge."""
+
+    text: str
+    reason: str
+    token_ids: list[int]
+    timings: Timings
+    path: str
+    match: str
+
+
+def _common_chars(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    # Compare in blocks first: prompts share thousands of characters.
+    step = 256
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def match_prefix(
+    tokenizer: Tokenizer, tokens: list[int], text: str, new_text: str
+) -> tuple[list[int], str]:
+    """The tokens for ``new_text`` that reuse as much of ``tokens`` (which spell ``text``) as
+    is safe, and the kind of match: "new", "exact", "extend" or "diverge"."""
+    if not tokens:
+        return tokenizer.encode(new_text), "new"
+    common = _common_chars(text, new_text)
+    if common == len(text) == len(new_text):
+        return list(tokens), "exact"
+    kind = "extend" if common == len(text) else "diverge"
+    keep = len(tokens) if kind == "extend" else _tokens_within(tokenizer, tokens, common)
+    while keep > 0:
+        prefix = tokenizer.decode(tokens[:keep])
+        if "\ufffd" in prefix[-1:] or not new_text.startswith(prefix):
+            keep -= 1  # ends inside a character, or past the shared text
+            continue
+        suffix = new_text[len(prefix) :]
+        if not suffix:
+            return list(tokens[:keep]), kind
+        last = tokenizer.decode(tokens[keep - 1 : keep])
+        if _splits_after(tokenizer, last, suffix):
+            return list(tokens[:keep]) + tokenizer.encode(suffix), kind
+        keep -= 1  # the suffix would merge into the last cached token: step back
+    return tokenizer.encode(new_text), "diverge"
+
+
+def _splits_after(tokenizer: Tokenizer, head: str, suffix: str) -> bool:
+    """Whether tokenizing ``head + suffix`` puts a token boundary right after ``head``: then
+    the suffix does not merge into the last cached token, and tokenizing it on its own is
+    what a fresh tokenization would do there."""
+    ids = tokenizer.encode(head + suffix[:64])
+    detok = tokenizer.detokenizer()
+    length = 0
+    for token in ids:
+        length += len(detok.add(token))
+        if length >= len(head):
+            return length == len(head)
+    return False
+
+
+def _tokens_within(tokenizer: Tokenizer, tokens: list[int], chars: int) -> int:
+    """The largest k such that the text of tokens[:k] has at most ``chars`` characters."""
+    detok = tokenizer.detokenizer()
+    length = 0
+    for k, token in enumerate(tokens):
+        length += len(detok.add(token))
+        if length > chars:
+            return k
+    return len(tokens)
 
 
 class AgentActor(Actor):
     """Keeps an agent's conversation and the exact tokens its engine cache holds.
 
-    Each turn renders the chat template and, when the new prompt extends the text of the
-    last one (the usual case), tokenizes only the new suffix and appends it to the cached
-    tokens, so the engine prefills only what is new and the generated tokens stay reused.
-    Turns of one agent run one at a time, in order.
+    With a warm tier (``store``), the new tokens of every turn are written to disk after
+    the turn; a new process restores the conversation from there, and the first turn
+    stages the warm cache into the engine instead of re-prefilling. Turns of one agent run
+    one at a time, in order.
     """
 
     def __init__(
-        self, agent_id: str, engine: ActorRef[Any], tokenizer: Tokenizer, system: str | None
+        self,
+        agent_id: str,
+        engine: ActorRef[Any],
+        tokenizer: Tokenizer,
+        system: str | None,
+        warm: Any | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.engine = engine
         self.tokenizer = tokenizer
+        self.warm = warm  # the warm tier (actors.session.WarmTier), or None
+        self.system = system
         self.messages: list[dict[str, str]] = []
         if system:
             self.messages.append({"role": "system", "content": system})
-        self.tokens: list[int] = []  # what the engine's cache holds for this agent (or will)
+        self.tokens: list[int] = []  # what the engine's cache holds for this agent
         self.text = ""  # the text those tokens spell
+        self.persisted = 0  # tokens safe in the warm tier
+        self.restored = False
+        self.turns = 0
 
-    async def receive(self, message: Turn | GetHistory) -> Any:
+    async def on_start(self) -> None:
+        if self.warm is None:
+            return
+        saved = await self.warm.restore(self.agent_id)
+        if saved is None:
+            return
+        tokens, text, messages = saved
+        if self.system and messages[:1] != [{"role": "system", "content": self.system}]:
+            log.warning("agent %r: system prompt changed; not resuming its warm cache", self.name)
+            return
+        self.tokens, self.text, self.messages = tokens, text, messages
+        self.persisted = len(tokens)
+        self.restored = True
+
+    async def receive(self, message: Turn | GetState) -> Any:
         match message:
-            case Turn(text, sampling):
+            case Turn(text, sampling, raw):
                 if not text.strip():
                     raise ValueError("the prompt is empty")
-                return self._turn(text, sampling)
-            case GetHistory():
-                return [dict(m) for m in self.messages]
+                return self._turn(text, sampling, raw)
+            case GetState():
+                return AgentState(
+                    agent=self.agent_id,
+                    messages=[dict(m) for m in self.messages],
+                    tokens=len(self.tokens),
+                    persisted=self.persisted,
+                    restored=self.restored,
+                    turns=self.turns,
+                )
         raise TypeError(f"an agent does not handle {type(message).__name__}")
 
-    def _prompt_tokens(self, rendered: str) -> list[int]:
-        if self.text and rendered.startswith(self.text):
-            return self.tokens + self.tokenizer.encode(rendered[len(self.text) :])
-        return self.tokenizer.encode(rendered)
-
-    async def _turn(self, text: str, sampling: Sampling) -> AsyncIterator[str | Finished]:
-        messages = [*self.messages, {"role": "user", "content": text}]
-        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        tokens = self._prompt_tokens(rendered)
-        request = Generate(self.agent_id, tokens, sampling, time.perf_counter())
+    async def _turn(
+        self, text: str, sampling: Sampling, raw: bool
+    ) -> AsyncIterator[str | TurnDone]:
+        if raw:
+            messages = self.messages
+            prompt = text
+        else:
+            messages = [*self.messages, {"role": "user", "content": text}]
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        tokens, match = match_prefix(self.tokenizer, self.tokens, self.text, prompt)
+        path = "hot"
         finished: Finished | None = None
-        async with self.engine.stream(request) as items:
-            async for item in items:
-                if isinstance(item, Piece):
-                    if item.text:
-                        yield item.text
-                elif isinstance(item, Finished):
-                    finished = item
+        for attempt in range(2):
+            request = Generate(
+                self.agent_id, tokens, sampling, time.perf_counter(), warm=self.persisted > 0
+            )
+            try:
+                async with self.engine.stream(request) as items:
+                    async for item in items:
+                        if isinstance(item, Piece):
+                            if item.text:
+                                yield item.text
+                        elif isinstance(item, Finished):
+                            finished = item
+                break
+            except CacheMiss:
+                if attempt or self.warm is None:
+                    raise
+                path = "warm"
+                if not await self.warm.stage(self.agent_id):
+                    self.persisted = 0  # unreadable or refused: start cold
+                    path = "cold"
         if finished is None:
             raise RuntimeError("the engine ended a generation without saying why")
-        self.messages = [*messages, {"role": "assistant", "content": finished.text}]
-        if finished.reason == "stop":
-            # The stop string's tokens are in the cache but not in the text: re-tokenize;
-            # the engine then reuses the common prefix.
-            generated = self.tokenizer.encode(finished.text)
-        elif finished.reason == "eos":
-            generated = finished.token_ids[:-1]
-        else:
-            generated = finished.token_ids
-        self.tokens = tokens + generated
-        self.text = rendered + finished.text
-        yield finished
+        if finished.timings.reused_tokens == 0:
+            path = "cold"
+        if not raw:
+            self.messages = [*messages, {"role": "assistant", "content": finished.text}]
+        self.tokens = finished.cache_tokens
+        self.text = self.tokenizer.decode(self.tokens)
+        self.turns += 1
+        yield TurnDone(
+            text=finished.text,
+            reason=finished.reason,
+            token_ids=finished.token_ids,
+            timings=finished.timings,
+            path=path,
+            match=match,
+        )
+        # The caller has its answer; make the new tokens durable before the next turn.
+        if self.warm is not None:
+            await self._persist()
+
+    async def _persist(self) -> None:
+        assert self.warm is not None
+        exported = await self.engine.ask(Export(self.agent_id))
+        upto = exported.persisted
+        try:
+            for start, stop, tensors in exported.ranges:
+                await self.warm.append(
+                    self.agent_id,
+                    start,
+                    tensors,
+                    tokens=exported.tokens[:stop],
+                    text=self.tokenizer.decode(exported.tokens[:stop]),
+                    messages=self.messages,
+                )
+                upto = stop
+        except Exception:
+            log.exception("agent %r: could not write its warm cache", self.agent_id)
+        finally:
+            self.persisted = upto
+            await self.engine.tell(Written(self.agent_id, exported.export_id, upto))

@@ -11,25 +11,42 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+import msgspec
+from mlx_lm.models.cache import BatchKVCache
 
+from ..kernels.agent_cache import AgentKV, StoredRange
+from ..kernels.qcodec import DEFAULT_CODEC, KVCodec
 from ..kernels.sampling import sample_rows
 from ..runtime import Reply, ThreadActor
-from .errors import AgentBusy, ContextOverflow, EngineStopped, UnknownAgent
+from .errors import (
+    AgentBusy,
+    BudgetExceeded,
+    CacheMiss,
+    ContextOverflow,
+    EngineStopped,
+    UnknownAgent,
+)
 from .model import LoadedModel, load_model
+from .pool import Candidate, EvictionPolicy, LRUPolicy, MemoryBudget
 from .protocol import (
     CacheInfo,
     CacheQuery,
     DropCache,
     EngineStats,
+    Export,
+    Exported,
     Finished,
     Generate,
     GetModelInfo,
+    Install,
     ModelInfo,
     Piece,
+    Release,
+    Reserve,
     Sampling,
     StatsQuery,
     Timings,
+    Written,
     check_agent_id,
 )
 
@@ -41,27 +58,39 @@ ModelSpec = str | os.PathLike[str] | None | Callable[[], LoadedModel]
 @dataclass(frozen=True)
 class EngineConfig:
     """``max_batch``: agents decoding in one forward. ``prefill_chunk``: prompt tokens per
-    prefill step; decode steps of other agents run between chunks."""
+    prefill step (decode steps of other agents run between chunks). ``codec``: how stored
+    caches are quantized (None: the default Q4 codec). ``budget_bytes``: the hot tier's
+    byte budget (None: unbounded). ``persistent``: a warm tier exists, so only caches safe
+    on disk may be demoted; without one, demotion drops a cache to cold (text only)."""
 
     max_batch: int = 8
     prefill_chunk: int = 256
     weights: str = "auto"
+    codec: KVCodec | None = None
+    budget_bytes: int | None = None
+    persistent: bool = False
+    policy: EvictionPolicy = field(default_factory=LRUPolicy)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
+        if self.budget_bytes is not None and self.budget_bytes < 1:
+            raise ValueError("budget_bytes must be positive (or None for no budget)")
 
 
 @dataclass
-class _Cached:
-    """An agent's KV cache while it is not decoding: per-layer caches and the tokens in them."""
+class _Entry:
+    """An agent's hot cache and its bookkeeping."""
 
-    layers: list[KVCache]
-    tokens: list[int]
+    kv: AgentKV
+    last_used: float = 0.0
+    persisted: int = 0  # tokens known to be safe in the warm tier
+    busy: bool = False  # a request is using it
+    pinned: bool = False  # staged for a turn that is about to start: not a demotion victim
 
     @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.layers)
+    def clean(self) -> bool:
+        return self.persisted >= len(self.kv.tokens)
 
 
 @dataclass
@@ -72,17 +101,23 @@ class _Request:
     reply: Reply
     sent_at: float
     received_at: float
-    cache: _Cached
+    entry: _Entry
     todo: list[int]
     reused: int
     key: mx.array | None
     detok: Any
+    reserve: int  # bytes its working copy may grow to (checked against the budget)
+    active: bool = False  # its working copy exists
     held: str = ""  # text held back while it could still become a stop string
     text: str = ""
     generated: list[int] = field(default_factory=list)
     prefill_start: float = 0.0
     prefill_end: float = 0.0
     first_token_at: float = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.entry.kv.tokens
 
     def next_key(self) -> mx.array | None:
         if self.key is None:
@@ -105,27 +140,42 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def _round_up(n: int, step: int = 256) -> int:
+    return -(-n // step) * step
+
+
 class EngineActor(ThreadActor):
     """Owns the model and every MLX array, on its own OS thread.
 
     ``Generate`` requests are queued; ``on_idle`` alternates one prefill chunk of the oldest
     prefilling request with one batched decode step of every decoding agent, so long prompts
     never starve decodes and new agents join the batch while others decode. Each agent's
-    cache stays in the engine between turns.
+    cache stays in the engine between turns, quantized; while it decodes it also has a
+    float working copy. One byte budget covers all of it, plus caches being written to
+    disk and prefetches being staged; when a request needs room, the policy demotes idle
+    agents (hot → warm when their warm copy is complete, hot → cold without a warm tier).
     """
 
     def __init__(self, model: ModelSpec = None, config: EngineConfig | None = None) -> None:
         self._spec = model
         self.config = config or EngineConfig()
+        self.codec = self.config.codec or DEFAULT_CODEC
+        self.budget = MemoryBudget(self.config.budget_bytes)
         self.lm: LoadedModel
-        self._caches: dict[str, _Cached] = {}
+        self._caches: dict[str, _Entry] = {}
         self._prefilling: deque[_Request] = deque()
         self._ready: deque[_Request] = deque()  # prefilled, waiting for a batch slot
         self._batch: list[_Request] = []
         self._batch_cache: list[BatchKVCache] | None = None
+        self._pinned: dict[int, int] = {}  # export id -> bytes still being written
+        self._reserved: dict[str, int] = {}  # agent -> bytes of a prefetch being staged
+        self._room_waiters: deque[tuple[str, int, Reply]] = deque()
+        self._export_ids = 0
         self._steps = 0
         self._generated = 0
         self._max_batch_seen = 0
+        self._demotions = {"warm": 0, "cold": 0}
+        self._installs = 0
 
     # -- lifecycle --------------------------------------------------------------------
     def on_start(self) -> None:
@@ -133,6 +183,9 @@ class EngineActor(ThreadActor):
         self.lm = spec() if callable(spec) else load_model(spec, weights=self.config.weights)
         _settle_random_state()
         self._eos = self.lm.tokenizer.eos_token_ids
+        # A codec that cannot store this model's heads fails here, not mid-turn.
+        for role in ("key", "value"):
+            self.codec.expected_parts(0, 1, self.lm.n_kv_heads, self.lm.head_dim, role=role)
 
     def on_stop(self) -> None:
         # MLX arrays made on this thread must die before it exits: MLX aborts the process
@@ -147,6 +200,10 @@ class EngineActor(ThreadActor):
         self.__dict__.pop("lm", None)
         gc.collect()
         _settle_random_state()
+        mx.synchronize()
+
+    def _new_kv(self) -> AgentKV:
+        return AgentKV(self.codec, self.lm.n_layers, self.lm.n_kv_heads, self.lm.head_dim)
 
     # -- messages ---------------------------------------------------------------------
     def receive(self, message: Any) -> Any:
@@ -154,42 +211,72 @@ class EngineActor(ThreadActor):
             case Generate():
                 self._admit(message)
                 return None
+            case Export(agent):
+                return self._export(agent)
+            case Written(agent, export_id, upto):
+                self._pinned.pop(export_id, None)
+                entry = self._caches.get(agent)
+                if entry is not None and upto <= len(entry.kv.tokens):
+                    entry.persisted = max(entry.persisted, upto)
+                self._measure()
+                self._grant_waiters()
+                return None
+            case Reserve(agent, nbytes, wait):
+                return self._reserve(agent, nbytes, wait)
+            case Install(agent, tokens, ranges, pin):
+                return self._install(agent, tokens, ranges, pin)
+            case Release(agent):
+                self._reserved.pop(agent, None)
+                self._measure()
+                self._grant_waiters()
+                return None
             case GetModelInfo():
                 return ModelInfo(
                     name=self.lm.name,
                     fingerprint=self.lm.fingerprint,
                     context_length=self.lm.context_length,
                     n_layers=self.lm.n_layers,
+                    n_kv_heads=self.lm.n_kv_heads,
+                    head_dim=self.lm.head_dim,
+                    codec=self.codec.describe(),
                 ), self.lm.tokenizer
             case DropCache(agent):
-                if self._is_busy(agent):
+                entry = self._caches.get(agent)
+                if entry is not None and entry.busy:
                     raise AgentBusy(f"agent {agent!r} is generating; cancel it first")
-                return self._caches.pop(agent, None) is not None
+                self._reserved.pop(agent, None)
+                dropped = self._caches.pop(agent, None) is not None
+                self._measure()
+                return dropped
             case CacheQuery(agent):
-                cached = self._caches.get(agent)
-                if cached is None and not self._is_busy(agent):
-                    raise UnknownAgent(f"no cache for agent {agent!r}")
+                entry = self._caches.get(agent)
+                if entry is None:
+                    raise UnknownAgent(f"agent {agent!r} has no hot cache")
                 return CacheInfo(
                     agent=agent,
-                    tokens=len(cached.tokens) if cached else 0,
-                    nbytes=cached.nbytes if cached else 0,
-                    busy=self._is_busy(agent),
+                    tokens=len(entry.kv.tokens),
+                    nbytes=entry.kv.nbytes,
+                    busy=entry.busy,
+                    persisted=entry.persisted,
                 )
             case StatsQuery():
+                self._measure()
                 return EngineStats(
                     agents_cached=len(self._caches),
-                    cache_bytes=sum(c.nbytes for c in self._caches.values()),
+                    cache_bytes=self.budget.used,
+                    budget_bytes=self.budget.limit,
+                    peak_bytes=self.budget.peak,
                     prefilling=len(self._prefilling),
                     decoding=len(self._batch),
                     waiting=len(self._ready),
                     steps=self._steps,
                     generated_tokens=self._generated,
                     max_batch_seen=self._max_batch_seen,
+                    demoted_warm=self._demotions["warm"],
+                    demoted_cold=self._demotions["cold"],
+                    installs=self._installs,
                 )
         raise TypeError(f"the engine does not handle {type(message).__name__}")
-
-    def _is_busy(self, agent: str) -> bool:
-        return any(r.agent == agent for r in (*self._prefilling, *self._ready, *self._batch))
 
     def _admit(self, msg: Generate) -> None:
         agent = check_agent_id(msg.agent)
@@ -204,30 +291,31 @@ class EngineActor(ThreadActor):
             raise ContextOverflow(
                 f"prompt of {len(msg.tokens)} tokens does not fit the context of {limit} tokens"
             )
-        if self._is_busy(agent):
+        entry = self._caches.get(agent)
+        if entry is not None and entry.busy:
             raise AgentBusy(f"agent {agent!r} already has a generation in flight")
+        if entry is None and msg.warm:
+            raise CacheMiss(f"agent {agent!r} is not hot: stage its warm cache first")
         sampling = msg.sampling
         sampling.validate()
         if len(msg.tokens) + sampling.max_tokens > limit:
-            sampling = Sampling(
-                max_tokens=limit - len(msg.tokens),
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                seed=sampling.seed,
-                stop=sampling.stop,
-            )
-        cache = self._caches.pop(agent, None) or _Cached(self.lm.make_cache(), [])
+            sampling = msgspec.structs.replace(sampling, max_tokens=limit - len(msg.tokens))
+        if entry is None:
+            entry = self._caches[agent] = _Entry(self._new_kv())
+        kv = entry.kv
         # Reuse the longest common prefix; the last prompt token is always fed again so
         # that its logits are there to sample from.
-        keep = min(_common_prefix(cache.tokens, msg.tokens), len(msg.tokens) - 1)
-        if keep < len(cache.tokens):
-            for layer in cache.layers:
-                layer.trim(len(cache.tokens) - keep)
-            del cache.tokens[keep:]
+        keep = min(_common_prefix(kv.tokens, msg.tokens), len(msg.tokens) - 1)
+        kv.trim(keep)
+        entry.persisted = min(entry.persisted, keep)
+        entry.busy = True
+        entry.pinned = False
+        entry.last_used = time.monotonic()
         key = None
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else time.time_ns() % (1 << 63)
             key = mx.random.key(seed)
+        grow = _round_up(len(msg.tokens) + sampling.max_tokens) * kv.fp_bytes_per_token()
         self._prefilling.append(
             _Request(
                 agent=agent,
@@ -236,24 +324,148 @@ class EngineActor(ThreadActor):
                 reply=self.reply.detach(),
                 sent_at=msg.sent_at,
                 received_at=time.perf_counter(),
-                cache=cache,
+                entry=entry,
                 todo=list(msg.tokens[keep:]),
                 reused=keep,
                 key=key,
                 detok=self.lm.tokenizer.detokenizer(),
+                # the batch pads and merge copies: reserve twice the working copy
+                reserve=2 * grow,
             )
+        )
+
+    # -- memory -----------------------------------------------------------------------
+    def _measure(self) -> int:
+        used = sum(e.kv.nbytes for e in self._caches.values())
+        if self._batch_cache is not None:
+            used += sum(layer.nbytes for layer in self._batch_cache)
+        used += sum(self._pinned.values()) + sum(self._reserved.values())
+        self.budget.set_used(used)
+        return used
+
+    def _committed(self) -> int:
+        """Bytes in use plus what active requests may still grow into."""
+        growth = sum(
+            max(0, r.reserve - r.entry.kv.work_bytes)
+            for r in (*self._prefilling, *self._ready, *self._batch)
+            if r.active
+        )
+        return self._measure() + growth
+
+    def _make_room(self, need: int) -> bool:
+        """Demote idle agents until ``need`` more bytes fit; False if that is impossible now."""
+        limit = self.budget.limit
+        if limit is None:
+            return True
+        missing = self._committed() + need - limit
+        if missing <= 0:
+            return True
+        persistent = self.config.persistent
+        candidates = [
+            Candidate(agent, e.kv.nbytes, e.last_used, e.clean)
+            for agent, e in self._caches.items()
+            if not e.busy and not e.pinned and (e.clean or not persistent)
+        ]
+        for agent in self.config.policy.victims(candidates, missing):
+            entry = self._caches.pop(agent)
+            self._demotions["warm" if entry.clean and persistent else "cold"] += 1
+        return self._committed() + need <= limit
+
+    def _reserve(self, agent: str, nbytes: int, wait: bool) -> str | None:
+        """Room for staging ``nbytes`` of the agent's warm cache: "reserved", "hot" (nothing
+        to do), "no room" (when not waiting) or "too big". With ``wait`` the answer is
+        deferred until running turns have freed enough."""
+        if agent in self._caches:
+            return "hot"
+        if agent in self._reserved:
+            return "reserved"
+        if self.budget.limit is not None and nbytes > self.budget.limit:
+            return "too big"
+        if self._make_room(nbytes):
+            self._reserved[agent] = nbytes
+            self._measure()
+            return "reserved"
+        if not wait:
+            return "no room"
+        assert self.reply is not None
+        self._room_waiters.append((agent, nbytes, self.reply.detach()))
+        return None
+
+    def _grant_waiters(self) -> None:
+        while self._room_waiters:
+            agent, nbytes, reply = self._room_waiters[0]
+            if reply.cancelled:
+                self._room_waiters.popleft()
+                continue
+            if agent in self._caches:
+                self._room_waiters.popleft()
+                reply.resolve("hot")
+                continue
+            if not self._make_room(nbytes):
+                return
+            self._room_waiters.popleft()
+            self._reserved[agent] = nbytes
+            self._measure()
+            reply.resolve("reserved")
+
+    def _install(
+        self,
+        agent: str,
+        tokens: list[int],
+        ranges: list[tuple[int, int, dict[str, Any]]],
+        pin: bool,
+    ) -> bool:
+        """Turn a staged warm cache (host arrays) into a hot one (one copy into MLX)."""
+        reserved = self._reserved.pop(agent, None)
+        if agent in self._caches:
+            return False  # already hot: that copy is at least as new
+        if reserved is None and not self._make_room(sum(_host_bytes(t) for *_, t in ranges)):
+            raise BudgetExceeded(f"no room in the hot tier for agent {agent!r}")
+        kv = self._new_kv()
+        kv.tokens = list(tokens)
+        kv.ranges = [
+            StoredRange.from_numpy(start, stop, self.lm.n_layers, tensors)
+            for start, stop, tensors in ranges
+        ]
+        if kv.stored_tokens != len(tokens):
+            raise ValueError("staged ranges do not cover the staged tokens")
+        mx.eval([a for r in kv.ranges for k, v in r.layers for a in (*k.values(), *v.values())])
+        self._caches[agent] = _Entry(kv, time.monotonic(), persisted=len(tokens), pinned=pin)
+        self._installs += 1
+        self._measure()
+        return True
+
+    def _export(self, agent: str) -> Exported:
+        """Host views of an idle agent's stored ranges past what is persisted, pinned in the
+        budget until the matching ``Written`` arrives."""
+        entry = self._caches.get(agent)
+        if entry is None:
+            raise UnknownAgent(f"agent {agent!r} has no hot cache to export")
+        if entry.busy:
+            raise AgentBusy(f"agent {agent!r} is generating")
+        ranges = entry.kv.ranges_from(entry.persisted)
+        self._export_ids += 1
+        self._pinned[self._export_ids] = sum(r.nbytes for r in ranges)
+        return Exported(
+            export_id=self._export_ids,
+            persisted=entry.persisted,
+            tokens=list(entry.kv.tokens),
+            ranges=[(r.start, r.stop, r.to_numpy()) for r in ranges],
         )
 
     # -- the work loop ----------------------------------------------------------------
     def on_idle(self) -> bool:
         self._drop_cancelled()
+        progressed = False
         if self._prefilling:
-            self._prefill_step(self._prefilling[0])
+            progressed = self._prefill_step(self._prefilling[0])
         while self._ready and len(self._batch) < self.config.max_batch:
             self._join_batch(self._ready.popleft())
         if self._batch:
             self._decode_step()
-        return bool(self._prefilling or self._ready or self._batch)
+            progressed = True
+        # Waiting only for memory (writes to disk to finish): sleep until a message comes.
+        return progressed and bool(self._prefilling or self._ready or self._batch)
 
     def _drop_cancelled(self) -> None:
         for queue in (self._prefilling, self._ready):
@@ -265,19 +477,40 @@ class EngineActor(ThreadActor):
             self._leave_batch(gone)
 
     def _park(self, request: _Request) -> None:
-        """Keep what the request's cache holds for the agent's next turn."""
-        self._caches[request.agent] = request.cache
+        """The turn is over: store the new tokens quantized, drop the working copy."""
+        entry = request.entry
+        entry.kv.deactivate()
+        entry.busy = False
+        entry.last_used = time.monotonic()
+        self._measure()
+        self._grant_waiters()
 
-    def _prefill_step(self, request: _Request) -> None:
-        if not request.prefill_start:
+    def _prefill_step(self, request: _Request) -> bool:
+        if not request.active:
+            if not self._make_room(request.reserve):
+                if self.budget.limit is not None and request.reserve > self.budget.limit:
+                    self._prefilling.popleft()
+                    self._park(request)
+                    request.reply.fail(
+                        BudgetExceeded(
+                            f"this turn may need {request.reserve} bytes of working cache; "
+                            f"the hot budget is {self.budget.limit} bytes"
+                        )
+                    )
+                    return True
+                return False  # wait for running turns to end or writes to finish
+            request.entry.kv.activate()
+            request.active = True
             request.prefill_start = time.perf_counter()
         chunk = request.todo[: self.config.prefill_chunk]
         del request.todo[: len(chunk)]
-        logits = self.lm.model(mx.array(chunk, dtype=mx.uint32)[None], cache=request.cache.layers)
-        request.cache.tokens.extend(chunk)
+        work = request.entry.kv.activate()
+        logits = self.lm.model(mx.array(chunk, dtype=mx.uint32)[None], cache=work)
+        request.tokens.extend(chunk)
         if request.todo:
-            mx.eval([layer.state[:2] for layer in request.cache.layers])
-            return
+            mx.eval([layer.state[:2] for layer in work])
+            self._measure()
+            return True
         self._prefilling.popleft()
         pick = sample_rows(
             logits[:, -1, :],
@@ -291,9 +524,13 @@ class EngineActor(ThreadActor):
             self._ready.append(request)
         else:
             self._park(request)
+        return True
 
     def _join_batch(self, request: _Request) -> None:
-        merged = [BatchKVCache.merge([layer]) for layer in request.cache.layers]
+        kv = request.entry.kv
+        assert kv.work is not None
+        merged = [BatchKVCache.merge([layer]) for layer in kv.work]
+        kv.work = None  # the batch cache holds it now
         if self._batch_cache is None:
             self._batch_cache = merged
         else:
@@ -306,15 +543,17 @@ class EngineActor(ThreadActor):
         assert self._batch_cache is not None
         for i in rows:
             request = self._batch[i]
-            request.cache.layers = [layer.extract(i) for layer in self._batch_cache]
-            self._park(request)
+            request.entry.kv.work = [layer.extract(i) for layer in self._batch_cache]
         keep = [i for i in range(len(self._batch)) if i not in set(rows)]
+        leaving = [self._batch[i] for i in rows]
         self._batch = [self._batch[i] for i in keep]
         if not keep:
             self._batch_cache = None
-            return
-        for layer in self._batch_cache:
-            layer.filter(mx.array(keep))
+        else:
+            for layer in self._batch_cache:
+                layer.filter(mx.array(keep))
+        for request in leaving:
+            self._park(request)
 
     def _decode_step(self) -> None:
         assert self._batch_cache is not None
@@ -331,9 +570,10 @@ class EngineActor(ThreadActor):
             ).tolist(),
         )
         self._steps += 1
+        self._measure()
         done = []
         for i, (request, token) in enumerate(zip(batch, picks, strict=True)):
-            request.cache.tokens.append(request.generated[-1])
+            request.tokens.append(request.generated[-1])
             if not self._emit(request, token):
                 done.append(i)
         if done:
@@ -383,7 +623,7 @@ class EngineActor(ThreadActor):
                 reason=reason,
                 text=request.text,
                 token_ids=list(request.generated),
-                cached_tokens=len(request.cache.tokens),  # the last pick is not fed
+                cache_tokens=list(request.tokens),  # the last pick is not fed
                 timings=Timings(
                     queue_s=(request.prefill_start or now) - request.sent_at,
                     prefill_s=request.prefill_end - request.prefill_start,
@@ -398,3 +638,7 @@ class EngineActor(ThreadActor):
         )
         request.reply.resolve(None)
         return False
+
+
+def _host_bytes(tensors: dict[str, Any]) -> int:
+    return sum(int(a.nbytes) for a in tensors.values())

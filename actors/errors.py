@@ -4,10 +4,14 @@ from __future__ import annotations
 
 __all__ = (
     "AgentBusy",
+    "BudgetExceeded",
+    "CacheMiss",
+    "CacheRejected",
     "ContextOverflow",
     "EngineStopped",
     "InvalidAgentId",
     "KvactorError",
+    "StoreWriteError",
     "UnknownAgent",
 )
 
@@ -37,3 +41,24 @@ class ContextOverflow(KvactorError, ValueError):
 
 class EngineStopped(KvactorError):
     """The engine stopped (shutdown or crash) while a generation was in flight."""
+
+
+class CacheMiss(KvactorError):
+    """The agent's cache is not hot in the engine: stage its warm copy first."""
+
+
+class BudgetExceeded(KvactorError):
+    """The hot tier's byte budget cannot hold what this request needs."""
+
+
+class CacheRejected(KvactorError):
+    """A warm cache that is corrupt, hostile, or made by another model, codec or format."""
+
+    def __init__(self, reason: str, path: str = "") -> None:
+        super().__init__(f"{reason} ({path})" if path else reason)
+        self.reason = reason
+        self.path = path
+
+
+class StoreWriteError(KvactorError):
+    """Writing a warm cache failed (disk full, I/O error); its previous state is intact."""

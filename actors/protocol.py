@@ -17,14 +17,20 @@ __all__ = (
     "DropCache",
     "EngineMessage",
     "EngineStats",
+    "Export",
+    "Exported",
     "Finished",
     "Generate",
     "GetModelInfo",
+    "Install",
     "ModelInfo",
     "Piece",
+    "Release",
+    "Reserve",
     "Sampling",
     "StatsQuery",
     "Timings",
+    "Written",
     "check_agent_id",
 )
 
@@ -103,6 +109,53 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     tokens: list[int]
     sampling: Sampling
     sent_at: float
+    warm: bool = False  # the agent has a warm copy: fail with CacheMiss instead of starting cold
+
+
+class Export(msgspec.Struct, frozen=True, tag=True):
+    """Host views of an idle agent's stored ranges not yet known to be in the warm tier."""
+
+    agent: str
+
+
+class Exported(msgspec.Struct, frozen=True):
+    export_id: int
+    persisted: int  # tokens already safe on disk (the ranges start at or before this)
+    tokens: list[int]  # every token the cache holds
+    ranges: list[tuple[int, int, dict[str, Any]]]  # (start, stop, {name: numpy array})
+
+
+class Written(msgspec.Struct, frozen=True, tag=True):
+    """The store has made an export durable up to ``upto`` tokens (releases its pin)."""
+
+    agent: str
+    export_id: int
+    upto: int
+
+
+class Reserve(msgspec.Struct, frozen=True, tag=True):
+    """Ask for hot-tier room for a warm cache about to be staged. Answers "reserved", "hot",
+    "no room" or "too big"; with ``wait`` it answers once running turns have made room."""
+
+    agent: str
+    nbytes: int
+    wait: bool = False
+
+
+class Install(msgspec.Struct, frozen=True, tag=True):
+    """A staged warm cache (host arrays) to make hot. ``pin`` keeps it from being demoted
+    until the agent's next turn starts (an on-demand load for a turn that is waiting)."""
+
+    agent: str
+    tokens: list[int]
+    ranges: list[tuple[int, int, dict[str, Any]]]
+    pin: bool = False
+
+
+class Release(msgspec.Struct, frozen=True, tag=True):
+    """Give back a reservation whose staging failed."""
+
+    agent: str
 
 
 class DropCache(msgspec.Struct, frozen=True, tag=True):
@@ -121,7 +174,18 @@ class StatsQuery(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-EngineMessage = Generate | DropCache | CacheQuery | GetModelInfo | StatsQuery
+EngineMessage = (
+    Generate
+    | Export
+    | Written
+    | Reserve
+    | Install
+    | Release
+    | DropCache
+    | CacheQuery
+    | GetModelInfo
+    | StatsQuery
+)
 
 
 class Piece(msgspec.Struct, frozen=True, tag=True):
@@ -153,7 +217,7 @@ class Finished(msgspec.Struct, frozen=True, tag=True):
     reason: str  # "eos" | "stop" | "length"
     text: str
     token_ids: list[int]
-    cached_tokens: int
+    cache_tokens: list[int]  # exactly what the agent's cache now holds
     timings: Timings
 
 
@@ -162,6 +226,7 @@ class CacheInfo(msgspec.Struct, frozen=True):
     tokens: int
     nbytes: int
     busy: bool
+    persisted: int
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -169,14 +234,22 @@ class ModelInfo(msgspec.Struct, frozen=True):
     fingerprint: str
     context_length: int
     n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    codec: dict[str, Any]
 
 
 class EngineStats(msgspec.Struct, frozen=True):
     agents_cached: int
     cache_bytes: int
+    budget_bytes: int | None
+    peak_bytes: int
     prefilling: int
     decoding: int
     waiting: int
     steps: int
     generated_tokens: int
     max_batch_seen: int
+    demoted_warm: int
+    demoted_cold: int
+    installs: int

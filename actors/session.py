@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Generator
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import msgspec
 
+from ..kernels.agent_cache import segment_layout
+from ..kernels.qcodec import DEFAULT_CODEC, KVCodec
 from ..runtime import ActorRef, ReplyStream, Runtime
 from ._tokenizer import Tokenizer
-from .agent import AgentActor, GetHistory, Turn
+from .agent import AgentActor, AgentState, GetState, Turn, TurnDone
 from .engine import EngineActor, EngineConfig, ModelSpec
-from .errors import UnknownAgent
+from .errors import CacheRejected, UnknownAgent
+from .pool import EvictionPolicy, LRUPolicy
+from .prefetch import Prefetch, PrefetchActor, Stage, StageResult
 from .protocol import (
     CacheInfo,
     CacheQuery,
     DropCache,
     EngineStats,
-    Finished,
     GetModelInfo,
     ModelInfo,
     Sampling,
@@ -26,21 +32,27 @@ from .protocol import (
     Timings,
     check_agent_id,
 )
+from .store import Append, CacheIdentity, Forget, ListAgents, Manifest, StoreActor, WarmInfo
 
-__all__ = ("Agent", "Completion", "Session", "TextStream", "open")
+__all__ = ("Agent", "Completion", "Session", "TextStream", "WarmTier", "open")
+
+log = logging.getLogger("kvactor.session")
 
 
 class Completion(msgspec.Struct, frozen=True):
-    """One finished turn: the text, why it stopped (eos / stop / length), and its timings."""
+    """One finished turn: the text, why it stopped (eos / stop / length), its timings, and how
+    the cache was found: ``path`` cold / warm / hot, ``match`` new / exact / extend / diverge."""
 
     text: str
     finish_reason: str
     token_ids: list[int]
     timings: Timings
+    path: str
+    match: str
 
 
-def _completion(finished: Finished) -> Completion:
-    return Completion(finished.text, finished.reason, finished.token_ids, finished.timings)
+def _completion(done: TurnDone) -> Completion:
+    return Completion(done.text, done.reason, done.token_ids, done.timings, done.path, done.match)
 
 
 class TextStream:
@@ -59,15 +71,19 @@ class TextStream:
         return self
 
     async def __anext__(self) -> str:
+        if self.completion is not None:
+            raise StopAsyncIteration
         item = await self._inner.__anext__()
-        if isinstance(item, Finished):
+        if isinstance(item, TurnDone):
             self.completion = _completion(item)
             raise StopAsyncIteration
         assert isinstance(item, str)
         return item
 
     async def aclose(self) -> None:
-        await self._inner.aclose()
+        # After the last piece the agent may still be saving its cache: let it finish.
+        if self.completion is None:
+            await self._inner.aclose()
 
     async def __aenter__(self) -> TextStream:
         return self
@@ -88,8 +104,19 @@ class Agent:
         return f"<Agent {self.name!r}>"
 
     def stream(self, text: str, **sampling: Any) -> TextStream:
-        """Stream the reply to ``text``. Raises TypeError / ValueError for bad options."""
+        """Stream the reply to the user message ``text``. Raises TypeError / ValueError for
+        bad options."""
         return TextStream(self.ref.stream(Turn(text, Sampling.from_options(sampling))))
+
+    def stream_raw(self, prompt: str, **sampling: Any) -> TextStream:
+        """Stream a completion of the whole raw ``prompt`` (no chat template, no history).
+
+        A prompt that extends the previous one (plus what was generated) reuses the cache."""
+        return TextStream(self.ref.stream(Turn(prompt, Sampling.from_options(sampling), raw=True)))
+
+    async def complete(self, prompt: str, **sampling: Any) -> Completion:
+        """The completion of the raw ``prompt``; see ``stream_raw`` and ``generate``."""
+        return await _drain(self.stream_raw(prompt, **sampling))
 
     async def generate(self, text: str, **sampling: Any) -> Completion:
         """The whole reply to ``text``.
@@ -98,19 +125,63 @@ class Agent:
         Raises TypeError for an unknown option, ValueError for an empty prompt or a bad
         value, ContextOverflow when the prompt does not fit the model.
         """
-        async with self.stream(text, **sampling) as pieces:
-            async for _ in pieces:
-                pass
-        assert pieces.completion is not None
-        return pieces.completion
+        return await _drain(self.stream(text, **sampling))
+
+    async def state(self) -> AgentState:
+        state: AgentState = await self.ref.ask(GetState())
+        return state
 
     async def history(self) -> list[dict[str, str]]:
-        history: list[dict[str, str]] = await self.ref.ask(GetHistory())
-        return history
+        return (await self.state()).messages
 
     async def cache_info(self) -> CacheInfo:
         info: CacheInfo = await self._session.engine.ask(CacheQuery(self.name))
         return info
+
+
+async def _drain(stream: TextStream) -> Completion:
+    async with stream as pieces:
+        async for _ in pieces:
+            pass
+    assert pieces.completion is not None
+    return pieces.completion
+
+
+class WarmTier:
+    """The warm tier as an agent sees it: restore its conversation, stage its cache into the
+    engine, append the new tokens of a turn. Backed by the store and prefetch actors."""
+
+    def __init__(self, store: ActorRef[Any], prefetch: ActorRef[Any]) -> None:
+        self.store = store
+        self.prefetch = prefetch
+
+    async def restore(self, agent: str) -> tuple[list[int], str, list[dict[str, str]]] | None:
+        try:
+            manifest = await self.store.ask(Manifest(agent))
+        except CacheRejected as exc:
+            log.warning("agent %r starts cold: %s", agent, exc)
+            return None
+        if manifest is None:
+            return None
+        return list(manifest.token_ids), manifest.text, [dict(m) for m in manifest.messages]
+
+    async def stage(self, agent: str) -> bool:
+        result: StageResult = await self.prefetch.ask(Stage(agent), timeout=None)
+        if not result.staged:
+            log.warning("agent %r: warm cache not staged (%s): starting cold", agent, result.reason)
+        return result.staged
+
+    async def append(
+        self,
+        agent: str,
+        start: int,
+        tensors: dict[str, Any],
+        *,
+        tokens: list[int],
+        text: str,
+        messages: list[dict[str, str]],
+    ) -> None:
+        await self.store.ask(Append(agent, start, tensors, tokens, text, messages), timeout=120)
 
 
 class Session:
@@ -120,11 +191,23 @@ class Session:
     then ``await session.aclose()``.
     """
 
-    def __init__(self, model: ModelSpec, config: EngineConfig, mailbox_size: int) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        config: EngineConfig,
+        mailbox_size: int,
+        cache_dir: str | os.PathLike[str] | None,
+        delete_rejected: bool,
+    ) -> None:
         self._model = model
         self.config = config
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._delete_rejected = delete_rejected
         self.runtime = Runtime(mailbox_size=mailbox_size)
         self.engine: ActorRef[Any]
+        self.store: ActorRef[Any] | None = None
+        self.prefetcher: ActorRef[Any] | None = None
+        self.warm: WarmTier | None = None
         self.model: ModelInfo
         self.tokenizer: Tokenizer
         self._agents: dict[str, Agent] = {}
@@ -137,13 +220,34 @@ class Session:
                 EngineActor, self._model, self.config, name="engine"
             )
             self.model, self.tokenizer = await self.engine.ask(GetModelInfo())
+            if self.cache_dir is not None:
+                await self._start_warm_tier(self.cache_dir)
         except BaseException as exc:
             await self.runtime.__aexit__(type(exc), exc, exc.__traceback__)
             raise
         return self
 
+    async def _start_warm_tier(self, root: Path) -> None:
+        info = self.model
+        codec = self.config.codec or DEFAULT_CODEC
+        identity = CacheIdentity(
+            model_fingerprint=info.fingerprint,
+            codec=codec.describe(),
+            n_layers=info.n_layers,
+            n_kv_heads=info.n_kv_heads,
+            head_dim=info.head_dim,
+        )
+        expect = segment_layout(codec, info.n_layers, info.n_kv_heads, info.head_dim)
+        self.store = await self.runtime.spawn(
+            StoreActor, identity, expect, root, delete_rejected=self._delete_rejected, name="store"
+        )
+        self.prefetcher = await self.runtime.spawn(
+            PrefetchActor, self.engine, root, identity, expect, name="prefetch"
+        )
+        self.warm = WarmTier(self.store, self.prefetcher)
+
     async def aclose(self) -> None:
-        """Stop every agent, then the engine."""
+        """Stop every agent (each first saves its last turn), then the engine."""
         await self.runtime.__aexit__(None, None, None)
 
     async def __aenter__(self) -> Session:
@@ -166,7 +270,7 @@ class Session:
         if name in self._agents:
             raise ValueError(f"agent {name!r} already exists")
         ref = await self.runtime.spawn(
-            AgentActor, name, self.engine, self.tokenizer, system, name=f"agent:{name}"
+            AgentActor, name, self.engine, self.tokenizer, system, self.warm, name=f"agent:{name}"
         )
         agent = Agent(self, name, ref)
         self._agents[name] = agent
@@ -183,12 +287,33 @@ class Session:
     def agents(self) -> dict[str, Agent]:
         return dict(self._agents)
 
-    async def forget(self, name: str) -> None:
-        """Stop the agent and drop every byte of its cache."""
-        agent = self.agent(name)
-        await agent.ref.stop()
-        del self._agents[name]
+    async def forget(self, name: str) -> int:
+        """Stop the agent (if running) and delete every byte of its cache: hot and warm.
+
+        Returns the bytes freed on disk. Raises InvalidAgentId for an unsafe name."""
+        check_agent_id(name)
+        agent = self._agents.pop(name, None)
+        if agent is not None:
+            await agent.ref.stop()
         await self.engine.ask(DropCache(name))
+        if self.store is None:
+            return 0
+        freed: int = await self.store.ask(Forget(name))
+        return freed
+
+    async def prefetch(self, name: str) -> None:
+        """Hint that agent ``name`` runs next: its warm cache is staged into the hot tier in
+        the background, if there is room, so that its next turn starts hot."""
+        check_agent_id(name)
+        if self.prefetcher is not None:
+            await self.prefetcher.tell(Prefetch(name))
+
+    async def warm_agents(self) -> list[WarmInfo]:
+        """Every agent with a warm cache under ``cache_dir`` (refused ones say why)."""
+        if self.store is None:
+            return []
+        infos: list[WarmInfo] = await self.store.ask(ListAgents())
+        return infos
 
     async def stats(self) -> EngineStats:
         stats: EngineStats = await self.engine.ask(StatsQuery())
@@ -223,10 +348,30 @@ def open(
     prefill_chunk: int = 256,
     weights: str = "auto",
     mailbox_size: int = 64,
+    budget_bytes: int | None = None,
+    codec: KVCodec | None = None,
+    policy: EvictionPolicy | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    delete_rejected: bool = False,
 ) -> _Opening:
     """Open a session on ``model``: None for the default model (fetched once, verified), a
     ``.gguf`` file, a local MLX / Hugging Face model directory, or a callable returning a
     LoadedModel. ``max_batch`` agents decode together; prompts are prefilled
-    ``prefill_chunk`` tokens at a time between decode steps."""
-    config = EngineConfig(max_batch=max_batch, prefill_chunk=prefill_chunk, weights=weights)
-    return _Opening(Session(model, config, mailbox_size))
+    ``prefill_chunk`` tokens at a time between decode steps.
+
+    ``cache_dir`` turns on the warm tier there (``kvactor.default_cache_dir()`` is the
+    usual place): every turn's new tokens are written to disk, demoted agents reload from
+    there, and agents of a new session resume from it. ``budget_bytes`` bounds the hot
+    tier; ``codec`` picks how caches are stored (default: Q4 with Hadamard rotation);
+    ``policy`` picks whom to demote (default LRU). ``delete_rejected`` deletes warm caches
+    that are refused (another model, corrupt) instead of setting them aside."""
+    config = EngineConfig(
+        max_batch=max_batch,
+        prefill_chunk=prefill_chunk,
+        weights=weights,
+        codec=codec,
+        budget_bytes=budget_bytes,
+        persistent=cache_dir is not None,
+        policy=policy or LRUPolicy(),
+    )
+    return _Opening(Session(model, config, mailbox_size, cache_dir, delete_rejected))

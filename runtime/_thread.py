@@ -62,17 +62,22 @@ class ActorThread:
         raise value
 
     async def close(self) -> None:
-        """Let the thread exit after the jobs already queued, and wait until it has.
+        """Let the thread exit after the jobs already queued, and wait until it is gone.
 
-        Waiting matters: a native library (MLX) that still has a live thread at interpreter
-        exit may abort the process.
+        Waiting matters: a thread still inside a native library (MLX's thread-local
+        teardown) when the interpreter finalizes is killed mid-C++ and aborts the process.
         """
         exited = anyio.Event()
-        self._jobs.put(None)
         self._exited = exited
-        if not self._thread.is_alive():
-            return
-        await exited.wait()
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            await exited.wait()
+        # The last callback ran just before the thread returned: wait out its teardown
+        # without blocking the loop.
+        delay = 0.0005
+        while self._thread.is_alive():
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def _mark_exited(self) -> None:
         if self._exited is not None:

@@ -32,7 +32,8 @@ PROMPTS = [
 
 
 def tiny(**overrides: Any) -> Any:
-    return functools.partial(make_tiny_model, 0, **overrides)
+    # head_dim 64 so that the default Q4 g64 codec applies, as on real models
+    return functools.partial(make_tiny_model, 0, **{"head_dim": 64, **overrides})
 
 
 async def test_multi_turn_prefills_only_the_new_text() -> None:
@@ -240,3 +241,36 @@ async def test_a_model_that_fails_to_load_fails_open() -> None:
     with pytest.raises(kvactor.ModelLoadError):
         async with kvactor.open("/nonexistent/model.gguf"):
             pass
+
+
+async def test_the_hot_budget_is_never_exceeded_and_caches_never_mix() -> None:
+    prompts = [f"agent number {i} says {'abc'[i % 3] * (i + 1)}" for i in range(12)]
+    async with kvactor.open(tiny()) as session:
+        solo = []
+        for i, prompt in enumerate(prompts):
+            agent = await session.spawn_agent(f"solo-{i}")
+            solo.append((await agent.generate(prompt, max_tokens=10)).token_ids)
+    budget = 3 * 1024 * 1024  # room for ~2 working copies of this model at once
+    async with kvactor.open(tiny(), budget_bytes=budget, max_batch=8) as session:
+        agents = [await session.spawn_agent(f"a-{i}") for i in range(len(prompts))]
+        outs: list[list[int]] = [[] for _ in prompts]
+
+        async def run(i: int) -> None:
+            outs[i] = (await agents[i].generate(prompts[i], max_tokens=10)).token_ids
+            await agents[i].generate("and again", max_tokens=4)  # a second turn: reload/cold
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(run, i)
+        stats = await session.stats()
+        assert outs == solo  # nobody got another agent's cache
+        assert stats.peak_bytes <= budget
+        assert stats.demoted_cold > 0  # demotions really happened (no warm tier here)
+        assert stats.cache_bytes <= budget
+
+
+async def test_a_turn_larger_than_the_whole_budget_is_refused() -> None:
+    async with kvactor.open(tiny(), budget_bytes=64 * 1024) as session:
+        agent = await session.spawn_agent("big")
+        with pytest.raises(kvactor.BudgetExceeded, match="hot budget"):
+            await agent.generate("hello", max_tokens=100)

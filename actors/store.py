@@ -1,0 +1,283 @@
+"""The warm tier: StoreActor writes, verifies, lists and forgets agents' caches on disk.
+
+Each agent owns a folder ``<root>/agents/<agent>/`` of immutable segment files
+``seg-<n>.safetensors`` (the quantized K/V of one token range, all layers) and a
+``manifest.json`` that commits them (the format: ``_manifest``, the strict reader:
+``_safetensors``). A turn that extends a warm cache
+appends one segment with only its new tokens. The actor runs every file operation in a
+worker thread, never on the event loop or the engine's thread; the same operations are
+plain functions here for the CLI and a prefetch actor. No MLX: numpy arrays and bytes only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import numpy as np
+
+from ..runtime import Actor
+from ._manifest import (
+    FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
+    CacheIdentity,
+    CacheManifest,
+    ExpectFn,
+    Loaded,
+    SegmentEntry,
+    WarmInfo,
+    agent_dir,
+    default_cache_dir,
+    read_manifest,
+)
+from ._warm import append_cache, forget, list_agents, read_cache
+from .errors import CacheRejected
+from .protocol import check_agent_id
+
+__all__ = (
+    "FORMAT_VERSION",
+    "MAX_MANIFEST_BYTES",
+    "Append",
+    "CacheIdentity",
+    "CacheManifest",
+    "ExpectFn",
+    "Forget",
+    "ListAgents",
+    "Load",
+    "Loaded",
+    "Manifest",
+    "SegmentEntry",
+    "StoreActor",
+    "StoreMessage",
+    "WarmInfo",
+    "agent_dir",
+    "append_cache",
+    "default_cache_dir",
+    "forget",
+    "format_table",
+    "inspect_rows",
+    "list_agents",
+    "read_cache",
+    "read_manifest",
+)
+
+
+# --------------------------------------------------------------------------- messages
+class Append(msgspec.Struct, frozen=True, tag=True):
+    """Make ``agent``'s warm cache hold ``tokens``: keep its first ``start`` tokens, store
+    ``tensors`` (tokens [start, len(tokens)), named ``"{layer}.{k|v}.{part}"``) as one new
+    segment, then commit ``text``, ``messages`` and ``extra`` with them.
+
+    ``start`` below the cached count cuts the cache first (a DIVERGE); empty ``tensors``
+    with ``len(tokens) == start`` only rewrites the manifest. Answers a WarmInfo. The
+    arrays are read in a worker thread: keep them alive and unchanged until the answer.
+    """
+
+    agent: str
+    start: int
+    tensors: dict[str, np.ndarray[Any, Any]]
+    tokens: list[int]
+    text: str = ""
+    messages: list[dict[str, str]] = []
+    extra: dict[str, Any] = {}
+
+
+class Load(msgspec.Struct, frozen=True, tag=True):
+    """Read and verify ``agent``'s warm cache: answers a Loaded."""
+
+    agent: str
+
+
+class Manifest(msgspec.Struct, frozen=True, tag=True):
+    """``agent``'s manifest (a CacheManifest), or None when it has no warm cache."""
+
+    agent: str
+
+
+class ListAgents(msgspec.Struct, frozen=True, tag=True):
+    """A WarmInfo for every agent folder, refused ones with their reason."""
+
+
+class Forget(msgspec.Struct, frozen=True, tag=True):
+    """Delete every byte of ``agent``'s warm cache; answers the bytes freed (0 if none)."""
+
+    agent: str
+
+
+StoreMessage = Append | Load | Manifest | ListAgents | Forget
+
+
+# ------------------------------------------------------------------------------ actor
+class StoreActor(Actor):
+    """Owns the warm tier under ``root`` (default: ``default_cache_dir()``).
+
+    ``identity`` is what caches must have been made with to be loaded; ``expect(start,
+    stop)`` gives the exact tensors of a segment (from the codec). Handlers raise what the
+    functions they run raise: InvalidAgentId, UnknownAgent, CacheRejected, StoreWriteError,
+    ValueError (see ``append_cache`` and ``read_cache``). A refused cache is kept for
+    inspection unless ``delete_rejected``. Manifests are cached: this actor must be the
+    only writer of its root.
+    """
+
+    def __init__(
+        self,
+        identity: CacheIdentity,
+        expect: ExpectFn,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        delete_rejected: bool = False,
+    ) -> None:
+        self.identity = identity
+        self.expect = expect
+        self.root = Path(root) if root is not None else default_cache_dir()
+        self.delete_rejected = delete_rejected
+        self._manifests: dict[str, CacheManifest | None] = {}
+        self._refused: dict[str, str] = {}  # reasons found by Load, for ListAgents
+
+    async def receive(self, message: StoreMessage) -> Any:
+        match message:
+            case Append():
+                return await self._append(message)
+            case Load(agent):
+                return await self._load(check_agent_id(agent))
+            case Manifest(agent):
+                return await self._manifest(check_agent_id(agent))
+            case ListAgents():
+                return await self._list()
+            case Forget(agent):
+                return await self._forget(check_agent_id(agent))
+        raise TypeError(f"the store does not handle {type(message).__name__}")
+
+    async def _append(self, m: Append) -> WarmInfo:
+        agent = check_agent_id(m.agent)
+        self._manifests.pop(agent, None)  # unknown until the write ends, whatever happens
+        info = await anyio.to_thread.run_sync(
+            functools.partial(
+                append_cache,
+                self.root,
+                self.identity,
+                self.expect,
+                agent,
+                m.start,
+                m.tensors,
+                m.tokens,
+                text=m.text,
+                messages=m.messages,
+                extra=m.extra,
+                delete_rejected=self.delete_rejected,
+            )
+        )
+        self._refused.pop(agent, None)
+        return info
+
+    async def _load(self, agent: str) -> Loaded:
+        try:
+            loaded = await anyio.to_thread.run_sync(
+                functools.partial(
+                    read_cache,
+                    self.root,
+                    self.identity,
+                    self.expect,
+                    agent,
+                    delete_rejected=self.delete_rejected,
+                )
+            )
+        except CacheRejected as exc:
+            self._manifests.pop(agent, None)
+            if not self.delete_rejected:
+                self._refused[agent] = exc.reason
+            raise
+        self._manifests[agent] = loaded.manifest
+        return loaded
+
+    async def _manifest(self, agent: str) -> CacheManifest | None:
+        if agent not in self._manifests:
+            self._manifests[agent] = await anyio.to_thread.run_sync(
+                read_manifest, self.root, self.identity, agent
+            )
+        return self._manifests[agent]
+
+    async def _list(self) -> list[WarmInfo]:
+        infos = await anyio.to_thread.run_sync(list_agents, self.root, self.identity)
+        return [
+            msgspec.structs.replace(info, rejected=self._refused[info.agent])
+            if info.rejected is None and info.agent in self._refused
+            else info
+            for info in infos
+        ]
+
+    async def _forget(self, agent: str) -> int:
+        self._manifests.pop(agent, None)
+        self._refused.pop(agent, None)
+        freed: int = await anyio.to_thread.run_sync(forget, self.root, agent)
+        return freed
+
+
+# -------------------------------------------------------------------------------- CLI
+def inspect_rows(
+    root: str | os.PathLike[str] | None = None, identity: CacheIdentity | None = None
+) -> list[dict[str, Any]]:
+    """One row per agent folder for ``kvactor inspect``: agent, tier, tokens, bytes, model
+    (fingerprint, shortened), codec, updated (unix time), status ("ok" or "rejected") and
+    reason. Given ``identity``, caches of another model or codec show as rejected."""
+    root = default_cache_dir() if root is None else root
+    return [
+        {
+            "agent": info.agent,
+            "tier": "warm",
+            "tokens": info.tokens,
+            "bytes": info.nbytes,
+            "model": info.model_fingerprint[:12],
+            "codec": ",".join(f"{k}={v}" for k, v in sorted(info.codec.items())),
+            "updated": info.updated,
+            "status": "ok" if info.rejected is None else "rejected",
+            "reason": info.rejected or "",
+        }
+        for info in list_agents(root, identity)
+    ]
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``inspect_rows`` as an aligned text table (one line saying so when empty)."""
+    if not rows:
+        return "no warm caches"
+    head = ("AGENT", "TIER", "TOKENS", "SIZE", "MODEL", "CODEC", "UPDATED", "STATUS")
+    lines = [head]
+    for row in rows:
+        status = row["status"] if not row.get("reason") else f"{row['status']}: {row['reason']}"
+        updated = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["updated"]))
+        lines.append(
+            (
+                str(row["agent"]),
+                str(row["tier"]),
+                str(row["tokens"]),
+                _size(int(row["bytes"])),
+                str(row["model"]) or "-",
+                str(row["codec"]) or "-",
+                updated,
+                status,
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
+    right = {2, 3}  # numbers
+    out = []
+    for line in lines:
+        cells = [
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(line, widths, strict=False))
+        ]
+        out.append("  ".join([*cells, line[-1]]).rstrip())
+    return "\n".join(out)

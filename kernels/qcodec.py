@@ -1,0 +1,411 @@
+"""The stored form of K/V caches: per-token affine quantization (Q4 / Q8) or fp16.
+
+One layer's K (after RoPE) or V is a float array ``(1, n_kv_heads, T, head_dim)``. The codec
+turns a token range of it into named *parts* (plain arrays: what the hot tier keeps and the warm
+tier writes to safetensors, byte for byte) and back. Groups of ``group_size`` values run along
+``head_dim``, so every token is coded on its own: quantizing a range in pieces gives exactly the
+bytes of quantizing it at once, and the warm tier can append new token ranges as new segments.
+
+Parts of one range (``{prefix}`` is ``""`` for the body and ``"sink_"`` for sink tokens):
+
+- quantized roles: ``{prefix}q`` uint32 ``(1, H, n, head_dim * bits / 32)`` (packed values),
+  ``{prefix}s`` and ``{prefix}b`` float16 ``(1, H, n, head_dim / group_size)`` (scale, bias);
+- a 16-bit role: ``x`` float16 ``(1, H, n, head_dim)``.
+
+Options, all measured by ``bench/fidelity.py`` on the default model:
+
+- ``rotate``: multiply each head vector by the orthonormal Sylvester Hadamard matrix H before
+  quantizing and by Hᵀ (= H) after dequantizing. Orthonormal, so the values that come back can
+  feed any attention unchanged; it only spreads outlier channels over the group before rounding.
+- ``sink_tokens``: the first N tokens of the sequence (attention sinks) are stored at 8 bits.
+- ``key_bits`` / ``key_group_size``: keys coded differently from values (K8/V4 and the like).
+
+Per-channel key quantization (KIVI) is not offered: its groups run along tokens, so a new token
+range would re-quantize old ones and the warm tier could no longer only append.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = (
+    "DEFAULT_CODEC",
+    "FP16_CODEC",
+    "FORMAT",
+    "KVCodec",
+    "Role",
+    "concat_parts",
+    "parts_tokens",
+)
+
+Role = Literal["key", "value"]
+
+FORMAT = "kvactor-kv"
+"""The ``format`` entry of :meth:`KVCodec.describe`; bumped with ``_VERSION`` on any change."""
+_VERSION = 1
+_QUANT_BITS = (2, 3, 4, 5, 6, 8)
+_BITS = (*_QUANT_BITS, 16)
+_GROUP_SIZES = (32, 64, 128)
+_SINK_BITS = 8
+_SCALE_DTYPE = "float16"
+_SINK = "sink_"
+_DESCRIPTION_KEYS = frozenset(
+    {
+        "format",
+        "version",
+        "bits",
+        "group_size",
+        "key_bits",
+        "key_group_size",
+        "rotate",
+        "sink_tokens",
+        "sink_bits",
+        "scale_dtype",
+    }
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """How a K/V cache is stored. ``bits`` 2, 3, 4, 5, 6 or 8 quantize (affine, scales and biases
+    in fp16), 16 stores plain fp16. ``key_bits`` / ``key_group_size`` override ``bits`` /
+    ``group_size`` for keys (``None``: same as values).
+
+    Raises ValueError for bits or group sizes outside those sets, a negative ``sink_tokens``,
+    or fields of the wrong type.
+    """
+
+    bits: int = 4
+    group_size: int = 64
+    rotate: bool = False
+    sink_tokens: int = 0
+    key_bits: int | None = None
+    key_group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("bits", "key_bits"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value not in _BITS):
+                raise ValueError(f"{name} must be one of {_BITS}, not {value!r}")
+        for name in ("group_size", "key_group_size"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value not in _GROUP_SIZES):
+                raise ValueError(f"{name} must be one of {_GROUP_SIZES}, not {value!r}")
+        if not isinstance(self.rotate, bool):
+            raise ValueError(f"rotate must be a bool, not {self.rotate!r}")
+        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an int >= 0, not {self.sink_tokens!r}")
+        # One spelling per codec, so that equal behaviour means equal objects and descriptions.
+        if self.key_bits == self.bits:
+            object.__setattr__(self, "key_bits", None)
+        if self.key_group_size == self.group_size:
+            object.__setattr__(self, "key_group_size", None)
+
+    # ------------------------------------------------------------------ settings per role
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether keys and values are coded alike (then ``role`` may be left out)."""
+        return self.key_bits is None and self.key_group_size is None
+
+    @property
+    def name(self) -> str:
+        """A short label: ``q4g64``, ``q4g64+h+s4``, ``k8g64v4g64``, ``fp16``."""
+
+        def one(bits: int, group: int) -> str:
+            return "16" if bits == 16 else f"{bits}g{group}"
+
+        kb, kg = self._spec("key")
+        vb, vg = self._spec("value")
+        if self.symmetric:
+            label = "fp16" if vb == 16 else f"q{one(vb, vg)}"
+        else:
+            label = f"k{one(kb, kg)}v{one(vb, vg)}"
+        if self.rotate:
+            label += "+h"
+        if self.sink_tokens:
+            label += f"+s{self.sink_tokens}"
+        return label
+
+    def _spec(self, role: Role | None) -> tuple[int, int]:
+        """(bits, group_size) of one role. Raises ValueError for a missing role of an asymmetric
+        codec or an unknown role."""
+        if role is None:
+            if not self.symmetric:
+                raise ValueError(f"codec {self.name} codes keys and values differently: pass role")
+            return self.bits, self.group_size
+        if role == "key":
+            return (
+                self.bits if self.key_bits is None else self.key_bits,
+                self.group_size if self.key_group_size is None else self.key_group_size,
+            )
+        if role == "value":
+            return self.bits, self.group_size
+        raise ValueError(f"role must be 'key' or 'value', not {role!r}")
+
+    def _n_sink(self, bits: int, start: int, n: int) -> int:
+        """How many of tokens ``start .. start + n - 1`` are sinks kept apart at 8 bits."""
+        if bits >= _SINK_BITS:
+            return 0  # the body is already at >= 8 bits: no separate sink parts
+        return max(0, min(self.sink_tokens - start, n))
+
+    def _check_head_dim(self, head_dim: int, bits: int, group: int) -> None:
+        if bits != 16 and head_dim % group:
+            raise ValueError(f"group_size {group} does not divide head_dim {head_dim}")
+        if self.rotate and bits != 16 and head_dim & (head_dim - 1):
+            raise ValueError(f"rotate needs a power-of-two head_dim, not {head_dim}")
+
+    # ------------------------------------------------------------------ coding
+
+    def quantize(self, x: mx.array, start: int, *, role: Role | None = None) -> dict[str, mx.array]:
+        """The stored parts of ``x`` (``(1, H, n, head_dim)`` float, K after RoPE or V) whose first
+        token sits at absolute position ``start`` of the sequence. Lazy: nothing is evaluated.
+
+        Values must lie within fp16 range (they are rounded to fp16 before quantizing, so the
+        scales and biases stored in fp16 are the ones the rounding used).
+
+        Raises ValueError if ``x`` is not 4-D with batch 1, ``start`` is negative, ``role`` is
+        missing for an asymmetric codec, or ``head_dim`` does not suit the codec.
+        """
+        if x.ndim != 4 or x.shape[0] != 1:
+            raise ValueError(f"expected (1, n_kv_heads, tokens, head_dim), got {x.shape}")
+        if start < 0:
+            raise ValueError(f"start must be >= 0, not {start}")
+        bits, group = self._spec(role)
+        self._check_head_dim(x.shape[-1], bits, group)
+        n = x.shape[2]
+        if n == 0:
+            return {}
+        if bits == 16:
+            return {"x": x.astype(mx.float16)}
+        if self.rotate:
+            x = mx.hadamard_transform(x.astype(mx.float32))
+        x = x.astype(mx.float16)
+        n_sink = self._n_sink(bits, start, n)
+        parts: dict[str, mx.array] = {}
+        if n_sink:
+            parts.update(_quantize(x[:, :, :n_sink], _SINK_BITS, group, _SINK))
+        if n_sink < n:
+            parts.update(_quantize(x[:, :, n_sink:], bits, group, ""))
+        return parts
+
+    def dequantize(
+        self,
+        parts: Mapping[str, mx.array],
+        start: int,
+        n: int,
+        dtype: mx.Dtype = mx.float32,
+        *,
+        role: Role | None = None,
+    ) -> mx.array:
+        """``(1, H, n, head_dim)`` in ``dtype`` from the parts of tokens ``start .. start + n - 1``.
+
+        Raises ValueError if the part names or token counts do not fit that range (the shapes
+        of untrusted parts are checked against :meth:`expected_parts` by their reader).
+        """
+        bits, group = self._spec(role)
+        names = set(self._part_names(bits, start, n))
+        if set(parts) != names:
+            raise ValueError(f"parts {sorted(parts)} do not match {sorted(names)} for {self.name}")
+        if n == 0:
+            raise ValueError("cannot dequantize an empty range: its shape is unknown")
+        if parts_tokens(parts) != n:
+            raise ValueError(f"parts hold {parts_tokens(parts)} tokens, not {n}")
+        if bits == 16:
+            return parts["x"].astype(dtype)
+        pieces = []
+        if _SINK + "q" in parts:
+            pieces.append(_dequantize(parts, _SINK_BITS, group, _SINK))
+        if "q" in parts:
+            pieces.append(_dequantize(parts, bits, group, ""))
+        x = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+        if self.rotate:
+            x = mx.hadamard_transform(x)  # H is symmetric and orthonormal: H·H = I
+        return x.astype(dtype)
+
+    def _part_names(self, bits: int, start: int, n: int) -> list[str]:
+        if n == 0:
+            return []
+        if bits == 16:
+            return ["x"]
+        n_sink = self._n_sink(bits, start, n)
+        names = [_SINK + k for k in "qsb"] if n_sink else []
+        return names + (list("qsb") if n_sink < n else [])
+
+    def expected_parts(
+        self, start: int, n: int, n_kv_heads: int, head_dim: int, *, role: Role | None = None
+    ) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Name -> (shape, numpy dtype name) of every part that :meth:`quantize` returns for
+        tokens ``start .. start + n - 1``; ``{}`` for an empty range.
+
+        Raises ValueError for negative arguments, a missing role of an asymmetric codec, or a
+        ``head_dim`` that does not suit the codec.
+        """
+        if min(start, n, n_kv_heads, head_dim) < 0:
+            raise ValueError("start, n, n_kv_heads and head_dim must be >= 0")
+        bits, group = self._spec(role)
+        self._check_head_dim(head_dim, bits, group)
+        if n == 0:
+            return {}
+        if bits == 16:
+            return {"x": ((1, n_kv_heads, n, head_dim), "float16")}
+        n_sink = self._n_sink(bits, start, n)
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for prefix, b, count in ((_SINK, _SINK_BITS, n_sink), ("", bits, n - n_sink)):
+            if count:
+                out[prefix + "q"] = ((1, n_kv_heads, count, head_dim * b // 32), "uint32")
+                scale_shape = (1, n_kv_heads, count, head_dim // group)
+                out[prefix + "s"] = (scale_shape, _SCALE_DTYPE)
+                out[prefix + "b"] = (scale_shape, _SCALE_DTYPE)
+        return out
+
+    # ------------------------------------------------------------------ sizes
+
+    def nbytes(self, n_tokens: int, n_kv_heads: int, head_dim: int, start: int = 0) -> int:
+        """Bytes of K *and* V of one layer for tokens ``start .. start + n_tokens - 1`` (multiply
+        by the number of layers for a whole cache). Raises ValueError like
+        :meth:`expected_parts`."""
+        total = 0
+        for role in ("key", "value"):
+            for shape, dtype in self.expected_parts(
+                start, n_tokens, n_kv_heads, head_dim, role=role
+            ).values():
+                total += int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return total
+
+    def bytes_ratio_vs_fp16(self, head_dim: int) -> float:
+        """Bytes of the body (tokens past the sinks) over the bytes of the same K/V in fp16;
+        exact: Q4 g64 is 0.28125. Raises ValueError if ``head_dim`` does not suit the codec."""
+        ratio = Fraction(0)
+        for role in ("key", "value"):
+            bits, group = self._spec(role)
+            self._check_head_dim(head_dim, bits, group)
+            per_value = Fraction(16) if bits == 16 else bits + Fraction(2 * 16, group)
+            ratio += per_value / 16 / 2
+        return float(ratio)
+
+    # ------------------------------------------------------------------ description
+
+    def describe(self) -> dict[str, int | bool | str]:
+        """Everything that decides the stored bytes, for file metadata and compatibility checks:
+        a cache written under another description must be refused."""
+        key_bits, key_group = self._spec("key")
+        return {
+            "format": FORMAT,
+            "version": _VERSION,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "key_bits": key_bits,
+            "key_group_size": key_group,
+            "rotate": self.rotate,
+            "sink_tokens": self.sink_tokens,
+            "sink_bits": _SINK_BITS,
+            "scale_dtype": _SCALE_DTYPE,
+        }
+
+    @classmethod
+    def from_description(cls, d: Mapping[str, object]) -> KVCodec:
+        """The codec that :meth:`describe` returned ``d`` for.
+
+        Raises ValueError for a missing or unknown key, another format or version, or a value
+        of the wrong type or outside the allowed set.
+        """
+        keys = set(d)
+        if keys != _DESCRIPTION_KEYS:
+            missing = sorted(_DESCRIPTION_KEYS - keys)
+            unknown = sorted(keys - _DESCRIPTION_KEYS)
+            raise ValueError(f"bad codec description: missing {missing}, unknown {unknown}")
+        fixed = {
+            "format": FORMAT,
+            "version": _VERSION,
+            "sink_bits": _SINK_BITS,
+            "scale_dtype": _SCALE_DTYPE,
+        }
+        for key, want in fixed.items():
+            got = d[key]
+            if type(got) is not type(want) or got != want:
+                raise ValueError(f"codec description has {key}={got!r}; this build reads {want!r}")
+        rotate = d["rotate"]
+        if not isinstance(rotate, bool):
+            raise ValueError(f"codec description: rotate must be a bool, not {rotate!r}")
+        return cls(
+            bits=_int_entry(d, "bits"),
+            group_size=_int_entry(d, "group_size"),
+            rotate=rotate,
+            sink_tokens=_int_entry(d, "sink_tokens"),
+            key_bits=_int_entry(d, "key_bits"),
+            key_group_size=_int_entry(d, "key_group_size"),
+        )
+
+
+def _int_entry(d: Mapping[str, object], key: str) -> int:
+    value = d[key]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"codec description: {key} must be an int, not {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------- parts
+
+
+def _quantize(x: mx.array, bits: int, group: int, prefix: str) -> dict[str, mx.array]:
+    # x is fp16, so MLX rounds scale and bias to fp16 before it rounds the values against them.
+    q, scales, biases = mx.quantize(x, group_size=group, bits=bits)
+    return {prefix + "q": q, prefix + "s": scales, prefix + "b": biases}
+
+
+def _dequantize(parts: Mapping[str, mx.array], bits: int, group: int, prefix: str) -> mx.array:
+    return mx.dequantize(
+        parts[prefix + "q"],
+        parts[prefix + "s"],
+        parts[prefix + "b"],
+        group_size=group,
+        bits=bits,
+        dtype=mx.float32,
+    )
+
+
+def parts_tokens(parts: Mapping[str, mx.array]) -> int:
+    """How many tokens a dict of parts holds (0 for ``{}``)."""
+    return sum(parts[k].shape[2] for k in ("x", "q", _SINK + "q") if k in parts)
+
+
+def concat_parts(pieces: Sequence[Mapping[str, mx.array]]) -> dict[str, mx.array]:
+    """The parts of adjacent token ranges, given in sequence order, as the parts of their union
+    (each part concatenated along the token axis). Sink parts may only appear before body parts,
+    as they do in a sequence; the result equals quantizing the union at once, bit for bit.
+
+    Raises ValueError if a piece holds sink parts after an earlier piece held body parts, or if
+    the pieces mix fp16 and quantized parts.
+    """
+    seen_body = False
+    names: list[str] = []
+    for piece in pieces:
+        if seen_body and any(k.startswith(_SINK) for k in piece):
+            raise ValueError("sink parts after body parts: pieces out of order or not adjacent")
+        seen_body = seen_body or "q" in piece or "x" in piece
+        names += [k for k in piece if k not in names]
+    if "x" in names and len(names) > 1:
+        raise ValueError(f"pieces mix fp16 and quantized parts: {sorted(names)}")
+    out: dict[str, mx.array] = {}
+    for name in names:
+        arrays = [piece[name] for piece in pieces if name in piece]
+        out[name] = arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=2)
+    return out
+
+
+FP16_CODEC = KVCodec(bits=16)
+"""Plain fp16 storage: the baseline for capacity and fidelity comparisons."""
+
+DEFAULT_CODEC = KVCodec(bits=4, group_size=64, rotate=True, sink_tokens=4)
+"""The stored form the engine uses unless told otherwise (chosen by ``bench/fidelity.py``)."""

@@ -1,0 +1,394 @@
+from __future__ import annotations
+
+import itertools
+from fractions import Fraction
+from typing import Any
+
+import kvactor  # noqa: F401 - first: loads the BLAS before mlx.core
+
+# isort: split
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvactor.kernels import qcodec
+from kvactor.kernels.qcodec import (
+    DEFAULT_CODEC,
+    FP16_CODEC,
+    KVCodec,
+    Role,
+    concat_parts,
+    parts_tokens,
+)
+
+H, D = 3, 64
+
+
+def normal(tokens: int, seed: int = 0, heads: int = H, dim: int = D) -> mx.array:
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.normal(size=(1, heads, tokens, dim)).astype(np.float32))
+
+
+def with_outliers(tokens: int, seed: int = 0) -> mx.array:
+    # Like post-RoPE keys: a few channels an order of magnitude larger than the rest.
+    x = np.array(normal(tokens, seed))
+    x[..., [3, 17, 40]] *= 25.0
+    return mx.array(x)
+
+
+def round_trip(codec: KVCodec, x: mx.array, start: int = 0) -> mx.array:
+    return codec.dequantize(codec.quantize(x, start), start, x.shape[2])
+
+
+def rms(a: mx.array, b: mx.array) -> float:
+    return float(mx.sqrt(mx.mean((a - b) ** 2)))
+
+
+def bitwise_equal(a: dict[str, mx.array], b: dict[str, mx.array]) -> bool:
+    return set(a) == set(b) and all(
+        a[k].dtype == b[k].dtype and np.array_equal(np.array(a[k]), np.array(b[k])) for k in a
+    )
+
+
+def sylvester(n: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def test_all_names_exist() -> None:
+    for name in qcodec.__all__:
+        assert hasattr(qcodec, name)
+
+
+# ---------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "bound"),
+    [(8, 32, 0.006), (8, 64, 0.008), (4, 32, 0.09), (4, 64, 0.13), (3, 64, 0.26), (2, 64, 0.6)],
+)
+def test_round_trip_error_is_bounded(bits: int, group: int, bound: float) -> None:
+    x = normal(50)
+    y = round_trip(KVCodec(bits=bits, group_size=group), x)
+    assert y.shape == x.shape and y.dtype == mx.float32
+    # MLX's affine grid keeps 0.0 exact by snapping the scale, so the far edge of a group may
+    # clip: the bound is about one step (range / (2^bits - 1)), not half of one.
+    groups = x.reshape(1, H, 50, D // group, group)
+    step = (mx.max(groups, axis=-1) - mx.min(groups, axis=-1)) / (2**bits - 1)
+    error = mx.max(mx.abs(y - x).reshape(groups.shape), axis=-1)
+    assert float(mx.max(error / step)) <= 1.1
+    assert rms(x, y) < bound
+
+
+def test_smaller_groups_and_more_bits_are_more_accurate() -> None:
+    x = normal(50)
+    errors = [rms(x, round_trip(KVCodec(bits=b, group_size=g), x)) for b, g in [(4, 64), (4, 32)]]
+    assert errors[1] < errors[0]
+    assert rms(x, round_trip(KVCodec(bits=8), x)) < errors[1] / 8
+
+
+def test_fp16_codec_round_trips_to_fp16_precision() -> None:
+    x = normal(20)
+    parts = FP16_CODEC.quantize(x, 0)
+    assert set(parts) == {"x"} and parts["x"].dtype == mx.float16
+    assert np.array_equal(np.array(round_trip(FP16_CODEC, x)), np.array(x.astype(mx.float16)))
+
+
+def test_dequantize_dtype() -> None:
+    x = normal(8)
+    y = KVCodec().dequantize(KVCodec().quantize(x, 0), 0, 8, mx.float16)
+    assert y.dtype == mx.float16
+
+
+def test_fp16_scales_cost_nothing_at_4_bits() -> None:
+    # The stored scales/biases are fp16; against fp32 ones the error must not grow (> 1%).
+    x = normal(200, seed=3)
+    q, s, b = mx.quantize(x, group_size=64, bits=4)
+    reference = rms(x, mx.dequantize(q, s, b, group_size=64, bits=4))
+    assert rms(x, round_trip(KVCodec(), x)) <= reference * 1.01
+
+
+# ---------------------------------------------------------------------- rotation
+
+
+def test_rotation_is_the_orthonormal_sylvester_hadamard() -> None:
+    x = normal(10)
+    h = sylvester(D)
+    np.testing.assert_allclose(h @ h.T, np.eye(D), atol=1e-12)
+    rotated = np.array(mx.hadamard_transform(x))
+    np.testing.assert_allclose(rotated, np.array(x) @ h, atol=1e-5)
+
+
+def test_rotation_alone_is_exact() -> None:
+    # H is symmetric and orthonormal, so rotating twice (store, then load) is the identity.
+    x = normal(10)
+    back = mx.hadamard_transform(mx.hadamard_transform(x))
+    np.testing.assert_allclose(np.array(back), np.array(x), atol=1e-5)
+
+
+def test_rotation_shrinks_error_on_outlier_channels() -> None:
+    x = with_outliers(100)
+    plain = rms(x, round_trip(KVCodec(), x))
+    rotated = rms(x, round_trip(KVCodec(rotate=True), x))
+    assert rotated < 0.5 * plain
+
+
+def test_rotation_needs_power_of_two_head_dim() -> None:
+    codec = KVCodec(rotate=True, group_size=32)
+    with pytest.raises(ValueError, match="power-of-two"):
+        codec.quantize(normal(4, dim=96), 0)
+    with pytest.raises(ValueError, match="power-of-two"):
+        codec.expected_parts(0, 4, H, 96)
+
+
+# ---------------------------------------------------------------------- sinks
+
+
+def test_sink_tokens_come_back_at_8_bit_accuracy() -> None:
+    x = with_outliers(40)
+    y = round_trip(KVCodec(sink_tokens=6), x)
+    y8 = round_trip(KVCodec(bits=8), x)
+    y4 = round_trip(KVCodec(), x)
+    np.testing.assert_array_equal(np.array(y[:, :, :6]), np.array(y8[:, :, :6]))
+    np.testing.assert_array_equal(np.array(y[:, :, 6:]), np.array(y4[:, :, 6:]))
+    assert rms(x[:, :, :6], y[:, :, :6]) < rms(x[:, :, :6], y4[:, :, :6]) / 8
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize(("start", "n"), [(0, 3), (2, 3), (0, 10), (3, 10), (5, 4), (9, 4)])
+def test_ranges_inside_and_across_the_sink_boundary(rotate: bool, start: int, n: int) -> None:
+    codec = KVCodec(sink_tokens=5, rotate=rotate)
+    whole = normal(16)
+    x = whole[:, :, start : start + n]
+    parts = codec.quantize(x, start)
+    n_sink = max(0, min(5 - start, n))
+    assert ("sink_q" in parts) == (n_sink > 0)
+    assert ("q" in parts) == (n_sink < n)
+    assert parts_tokens(parts) == n
+    # The same tokens decode to the same values whichever range they were stored in.
+    full = round_trip(codec, whole)
+    np.testing.assert_array_equal(
+        np.array(codec.dequantize(parts, start, n)), np.array(full[:, :, start : start + n])
+    )
+
+
+def test_sinks_are_ignored_at_8_bits_and_above() -> None:
+    assert set(KVCodec(bits=8, sink_tokens=4).quantize(normal(8), 0)) == {"q", "s", "b"}
+
+
+# ---------------------------------------------------------------------- appending
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [
+        KVCodec(),
+        KVCodec(bits=8, group_size=32),
+        KVCodec(rotate=True),
+        KVCodec(rotate=True, sink_tokens=4),
+        KVCodec(sink_tokens=32),
+        FP16_CODEC,
+        DEFAULT_CODEC,
+    ],
+    ids=lambda c: c.name,
+)
+@pytest.mark.parametrize("cuts", [[1], [4], [7], [3, 4, 20], [33]])
+def test_quantizing_in_pieces_is_bitwise_the_same(codec: KVCodec, cuts: list[int]) -> None:
+    x = normal(40, seed=5)
+    bounds = [0, *cuts, 40]
+    pieces = [codec.quantize(x[:, :, a:b], a) for a, b in itertools.pairwise(bounds) if b > a]
+    assert bitwise_equal(concat_parts(pieces), codec.quantize(x, 0))
+
+
+def test_concat_refuses_sinks_after_body() -> None:
+    codec = KVCodec(sink_tokens=4)
+    x = normal(8)
+    head, tail = codec.quantize(x[:, :, :6], 0), codec.quantize(x[:, :, 6:], 6)
+    with pytest.raises(ValueError, match="sink parts after body"):
+        concat_parts([tail, head])
+
+
+def test_concat_refuses_mixed_codecs() -> None:
+    x = normal(4)
+    with pytest.raises(ValueError, match="mix"):
+        concat_parts([FP16_CODEC.quantize(x, 0), KVCodec().quantize(x, 4)])
+
+
+def test_empty_ranges() -> None:
+    codec = KVCodec(sink_tokens=4)
+    assert codec.quantize(normal(0), 0) == {}
+    assert codec.expected_parts(7, 0, H, D) == {}
+    assert concat_parts([]) == {}
+    assert parts_tokens({}) == 0
+
+
+# ---------------------------------------------------------------------- parts and bytes
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [KVCodec(), KVCodec(bits=8), KVCodec(bits=3, group_size=32), FP16_CODEC, DEFAULT_CODEC],
+    ids=lambda c: c.name,
+)
+@pytest.mark.parametrize(("start", "n"), [(0, 1), (0, 9), (2, 9), (100, 5)])
+def test_expected_parts_match_quantize(codec: KVCodec, start: int, n: int) -> None:
+    parts = codec.quantize(normal(n), start)
+    mx.eval(parts)
+    described = {k: (tuple(v.shape), np.array(v).dtype.name) for k, v in parts.items()}
+    assert described == codec.expected_parts(start, n, H, D)
+    assert sum(v.nbytes for v in parts.values()) * 2 == codec.nbytes(n, H, D, start)
+
+
+def test_q4_g64_is_0_28125_of_fp16() -> None:
+    # 4 bits per value plus an fp16 scale and bias per 64 values: (4 + 32/64) / 16.
+    exact = Fraction(4) / 16 + Fraction(2 * 16, 64) / 16
+    assert exact == Fraction(9, 32)
+    codec = KVCodec(bits=4, group_size=64)
+    assert codec.bytes_ratio_vs_fp16(D) == float(exact) == 0.28125
+    fp16 = FP16_CODEC.nbytes(4096, H, D)
+    assert fp16 == 2 * 4096 * H * D * 2
+    assert Fraction(codec.nbytes(4096, H, D), fp16) == exact
+    assert KVCodec(group_size=32).bytes_ratio_vs_fp16(D) == 0.3125
+    assert KVCodec(bits=8).bytes_ratio_vs_fp16(D) == 0.53125
+    assert KVCodec(key_bits=8).bytes_ratio_vs_fp16(D) == 0.40625
+
+
+def test_default_codec_fits_the_byte_budget() -> None:
+    assert DEFAULT_CODEC.bytes_ratio_vs_fp16(D) <= 0.30
+    # Sinks cost a few 8-bit tokens once per sequence, not a rate.
+    assert DEFAULT_CODEC.nbytes(4096, H, D) / FP16_CODEC.nbytes(4096, H, D) <= 0.30
+
+
+def test_default_model_shape_is_26_5_mb_at_4k() -> None:
+    assert KVCodec().nbytes(4096, 3, 64) * 30 == 26_542_080
+
+
+def test_dequantize_refuses_parts_of_another_range() -> None:
+    codec = KVCodec(sink_tokens=4)
+    parts = codec.quantize(normal(6), 0)
+    with pytest.raises(ValueError, match="do not match"):
+        codec.dequantize(parts, 4, 6)
+    with pytest.raises(ValueError, match="tokens"):
+        codec.dequantize(parts, 0, 7)
+
+
+# ---------------------------------------------------------------------- keys vs values
+
+
+def test_keys_and_values_may_differ() -> None:
+    codec = KVCodec(key_bits=8)
+    x = normal(6)
+    assert codec.quantize(x, 0, role="key")["q"].shape[-1] == D * 8 // 32
+    assert codec.quantize(x, 0, role="value")["q"].shape[-1] == D * 4 // 32
+    with pytest.raises(ValueError, match="pass role"):
+        codec.quantize(x, 0)
+    with pytest.raises(ValueError, match="role must be"):
+        codec.quantize(x, 0, role="query")  # type: ignore[arg-type]
+    roles: tuple[Role, ...] = ("key", "value")
+    assert codec.nbytes(10, H, D) == sum(
+        int(np.prod(shape)) * np.dtype(dtype).itemsize
+        for role in roles
+        for shape, dtype in codec.expected_parts(0, 10, H, D, role=role).values()
+    )
+
+
+def test_same_settings_spelled_twice_are_one_codec() -> None:
+    assert KVCodec(key_bits=4, key_group_size=64) == KVCodec()
+    assert KVCodec(key_bits=4).symmetric
+
+
+# ---------------------------------------------------------------------- descriptions
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [KVCodec(), DEFAULT_CODEC, FP16_CODEC, KVCodec(bits=8, group_size=32, key_bits=16)],
+    ids=lambda c: c.name,
+)
+def test_description_round_trip(codec: KVCodec) -> None:
+    d = codec.describe()
+    assert all(isinstance(v, (int, str)) for v in d.values())
+    assert KVCodec.from_description(d) == codec
+    assert KVCodec.from_description(dict(d)).describe() == d
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"format": "other"},
+        {"version": 2},
+        {"bits": 7},
+        {"bits": "4"},
+        {"bits": True},
+        {"group_size": 48},
+        {"key_bits": None},
+        {"rotate": 1},
+        {"sink_tokens": -1},
+        {"sink_bits": 16},
+        {"scale_dtype": "float32"},
+        {"extra": 1},
+    ],
+)
+def test_bad_descriptions_are_refused(change: dict[str, object]) -> None:
+    d: dict[str, object] = {**KVCodec().describe(), **change}
+    with pytest.raises(ValueError):
+        KVCodec.from_description(d)
+
+
+def test_missing_description_key_is_refused() -> None:
+    d = KVCodec().describe()
+    del d["rotate"]
+    with pytest.raises(ValueError, match="missing"):
+        KVCodec.from_description(d)
+
+
+def test_different_codecs_describe_differently() -> None:
+    codecs = [KVCodec(), DEFAULT_CODEC, KVCodec(rotate=True), KVCodec(sink_tokens=4), FP16_CODEC]
+    assert len({tuple(sorted(c.describe().items())) for c in codecs}) == len(codecs)
+
+
+# ---------------------------------------------------------------------- bad settings
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"bits": 7},
+        {"bits": 1},
+        {"bits": 4.0},
+        {"group_size": 16},
+        {"group_size": 256},
+        {"key_bits": 9},
+        {"key_group_size": 100},
+        {"sink_tokens": -1},
+        {"rotate": "yes"},
+    ],
+)
+def test_bad_settings_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        KVCodec(**kwargs)
+
+
+def test_group_must_divide_head_dim() -> None:
+    codec = KVCodec(group_size=128)
+    with pytest.raises(ValueError, match="does not divide"):
+        codec.quantize(normal(2), 0)
+    with pytest.raises(ValueError, match="does not divide"):
+        codec.expected_parts(0, 2, H, D)
+    with pytest.raises(ValueError, match="does not divide"):
+        codec.bytes_ratio_vs_fp16(D)
+
+
+def test_bad_inputs_are_refused() -> None:
+    codec = KVCodec()
+    with pytest.raises(ValueError, match="expected"):
+        codec.quantize(mx.zeros((3, 4, 64)), 0)
+    with pytest.raises(ValueError, match="expected"):
+        codec.quantize(mx.zeros((2, 3, 4, 64)), 0)
+    with pytest.raises(ValueError, match="start"):
+        codec.quantize(normal(2), -1)
+    with pytest.raises(ValueError):
+        codec.expected_parts(-1, 2, H, D)
