@@ -206,10 +206,9 @@ class AgentActor(Actor):
         tokens, match = match_prefix(self.tokenizer, self.tokens, self.text, prompt)
         path = "hot"
         finished: Finished | None = None
+        started = time.perf_counter()  # a reload on the way counts in the turn's TTFT
         for attempt in range(2):
-            request = Generate(
-                self.agent_id, tokens, sampling, time.perf_counter(), warm=self.persisted > 0
-            )
+            request = Generate(self.agent_id, tokens, sampling, started, warm=self.persisted > 0)
             try:
                 async with self.engine.stream(request) as items:
                     async for item in items:

@@ -22,6 +22,30 @@ def _fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from .actors.store import format_table, inspect_rows
+
+    print(format_table(inspect_rows(args.dir)))
+    return 0
+
+
+def _forget(args: argparse.Namespace) -> int:
+    from .actors.errors import InvalidAgentId
+    from .actors.store import default_cache_dir, forget
+
+    root = args.dir or default_cache_dir()
+    try:
+        freed = forget(root, args.agent)
+    except InvalidAgentId as exc:
+        print(f"kvactor forget: {exc}", file=sys.stderr)
+        return 2
+    if not freed:
+        print(f"no warm cache for {args.agent!r} under {root}", file=sys.stderr)
+        return 1
+    print(f"forgot {args.agent!r}: {freed} bytes deleted from {root}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvactor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -32,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
         "fetch-model", help="download and verify the default model now (else on first use)"
     )
     fetch.set_defaults(func=_fetch_model)
+    inspect = sub.add_parser("inspect", help="list the warm caches: agents, tokens, bytes, model")
+    inspect.add_argument(
+        "dir",
+        nargs="?",
+        help="cache directory (default: $KVACTOR_CACHE_DIR or ~/.cache/kvactor/agents-cache)",
+    )
+    inspect.set_defaults(func=_inspect)
+    forget = sub.add_parser("forget", help="delete every byte of one agent's warm cache")
+    forget.add_argument("agent")
+    forget.add_argument("--dir", help="cache directory (default as for inspect)")
+    forget.set_defaults(func=_forget)
     return parser
 
 

@@ -213,3 +213,26 @@ def test_match_prefix_keeps_a_verified_token_boundary() -> None:
     assert shared > 0 and "hello ".startswith(tok.decode(tokens[:shared]))
     fresh, kind = match_prefix(tok, [], "", "abc")
     assert kind == "new" and tok.decode(fresh) == "abc"
+
+
+def test_cli_inspect_and_forget(tmp_path: Path) -> None:
+    async def make() -> None:
+        async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
+            await (await kv.spawn_agent("listed")).generate("hi", max_tokens=2)
+
+    anyio.run(make)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvactor", *args], capture_output=True, text=True
+        )
+
+    shown = cli("inspect", str(tmp_path))
+    assert shown.returncode == 0
+    assert "listed" in shown.stdout and "warm" in shown.stdout and "ok" in shown.stdout
+    assert cli("forget", "../etc", "--dir", str(tmp_path)).returncode == 2
+    gone = cli("forget", "listed", "--dir", str(tmp_path))
+    assert gone.returncode == 0 and "bytes deleted" in gone.stdout
+    assert not (tmp_path / "agents" / "listed").exists()
+    assert cli("forget", "listed", "--dir", str(tmp_path)).returncode == 1
+    assert "no warm caches" in cli("inspect", str(tmp_path)).stdout

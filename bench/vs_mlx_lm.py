@@ -1,0 +1,177 @@
+"""Our warm tier vs mlx-lm's prompt-cache files, on the same 4K-token Q4 cache of the
+default model's shape (30 layers, 3 KV heads, head_dim 64), in one run:
+
+- save + load time: ours (one safetensors segment + manifest, fsync'd, verified on load,
+  turned into MLX arrays) vs mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache`` of
+  the same cache as its ``QuantizedKVCache`` (4-bit, group 64), arrays evaluated;
+- the bytes written when the warm cache is extended by 256 tokens and saved again, vs a
+  full rewrite (what mlx-lm's single file needs).
+
+    python bench/vs_mlx_lm.py [--tokens 4096] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import kvactor  # noqa: F401 - first: it loads an optimized BLAS before mlx.core
+
+# isort: split
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+
+from kvactor.actors.store import CacheIdentity, append_cache, read_cache
+from kvactor.kernels.agent_cache import AgentKV, StoredRange, segment_layout
+from kvactor.kernels.qcodec import DEFAULT_CODEC
+
+LAYERS, HEADS, DIM = 30, 3, 64
+
+
+def drop(path: Path) -> None:
+    for p in [path] if path.is_file() else path.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main(n: int, extend: int, rounds: int) -> dict[str, Any]:
+    mx.random.seed(0)
+    kv_full = [
+        (
+            mx.random.normal((1, HEADS, n + extend, DIM)),
+            mx.random.normal((1, HEADS, n + extend, DIM)),
+        )
+        for _ in range(LAYERS)
+    ]
+    mx.eval(kv_full)
+    ours = AgentKV(DEFAULT_CODEC, LAYERS, HEADS, DIM)
+    ours.tokens = list(range(n))
+    ours.work = []
+    for k, v in kv_full:
+        c = KVCache()
+        c.state = (k[:, :, :n], v[:, :, :n], n)
+        ours.work.append(c)
+    first = ours.deactivate()
+    assert first is not None
+    theirs = []
+    for k, v in kv_full:
+        c = KVCache()
+        c.state = (k[:, :, :n], v[:, :, :n], n)
+        theirs.append(c.to_quantized(group_size=64, bits=4))
+    mx.eval([c.state for c in theirs])
+    identity = CacheIdentity(
+        model_fingerprint="bench",
+        codec=DEFAULT_CODEC.describe(),
+        n_layers=LAYERS,
+        n_kv_heads=HEADS,
+        head_dim=DIM,
+    )
+    expect = segment_layout(DEFAULT_CODEC, LAYERS, HEADS, DIM)
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("ours_save", "ours_load", "mlx_save", "mlx_load")
+    }
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVACTOR_BENCH_DIR")) as tmp:
+        root = Path(tmp)
+        for r in range(rounds):
+            agent = f"bench-{r}"
+            t0 = time.perf_counter()
+            append_cache(root, identity, expect, agent, 0, first.to_numpy(), ours.tokens)
+            rows["ours_save"].append(time.perf_counter() - t0)
+            drop(root / "agents" / agent)
+            t0 = time.perf_counter()
+            loaded = read_cache(root, identity, expect, agent)
+            ranges = [StoredRange.from_numpy(s, e, LAYERS, t) for s, e, t in loaded.ranges()]
+            mx.eval([a for rg in ranges for k, v in rg.layers for a in (*k.values(), *v.values())])
+            rows["ours_load"].append(time.perf_counter() - t0)
+
+            path = root / f"mlx-{r}.safetensors"
+            t0 = time.perf_counter()
+            save_prompt_cache(str(path), theirs)
+            rows["mlx_save"].append(time.perf_counter() - t0)
+            # mlx-lm does not fsync; dirty pages cannot be dropped, so flush (untimed) to
+            # make its load come from disk like ours.
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+            drop(path)
+            t0 = time.perf_counter()
+            back = load_prompt_cache(str(path))
+            mx.eval([c.state for c in back])
+            rows["mlx_load"].append(time.perf_counter() - t0)
+        ours_bytes = folder_bytes(root / "agents" / "bench-0")
+        mlx_bytes = (root / "mlx-0.safetensors").stat().st_size
+
+        # Extend by `extend` tokens: only a new segment and the manifest are written.
+        ours.work = []
+        for k, v in kv_full:
+            c = KVCache()
+            c.state = (k, v, n + extend)
+            ours.work.append(c)
+        ours.tokens = list(range(n + extend))
+        new = ours.deactivate()
+        assert new is not None and new.start == n
+        manifest = root / "agents" / "bench-0" / "manifest.json"
+        append_cache(root, identity, expect, "bench-0", n, new.to_numpy(), ours.tokens)
+        seg_new = max((root / "agents" / "bench-0").glob("seg-*"), key=lambda p: p.stat().st_mtime)
+        extend_written = seg_new.stat().st_size + manifest.stat().st_size
+        full = folder_bytes(root / "agents" / "bench-0")
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return {
+        "tokens": n,
+        "ours_s": med["ours_save"] + med["ours_load"],
+        "mlx_lm_s": med["mlx_save"] + med["mlx_load"],
+        "ours_save_s": med["ours_save"],
+        "ours_load_s": med["ours_load"],
+        "mlx_lm_save_s": med["mlx_save"],
+        "mlx_lm_load_s": med["mlx_load"],
+        "ours_bytes": ours_bytes,
+        "mlx_lm_bytes": mlx_bytes,
+        "extend_tokens": extend,
+        "extend_bytes_written": extend_written,
+        "full_bytes": full,
+        "extend_fraction": extend_written / full,
+        "codec": DEFAULT_CODEC.name,
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--extend", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    r = main(args.tokens, args.extend, args.rounds)
+    print(f"{r['tokens']}-token Q4 cache ({r['codec']} ours; mlx-lm QuantizedKVCache 4-bit g64)\n")
+    print("| | save | load (page cache dropped) | save + load | file bytes |")
+    print("|---|---:|---:|---:|---:|")
+    print(
+        f"| kvactor warm tier (fsync'd, verified) | {r['ours_save_s'] * 1e3:.1f} ms "
+        f"| {r['ours_load_s'] * 1e3:.1f} ms | {r['ours_s'] * 1e3:.1f} ms | {r['ours_bytes']:,} |"
+    )
+    print(
+        f"| mlx-lm save/load_prompt_cache (save not fsync'd) | {r['mlx_lm_save_s'] * 1e3:.1f} ms "
+        f"| {r['mlx_lm_load_s'] * 1e3:.1f} ms | {r['mlx_lm_s'] * 1e3:.1f} ms "
+        f"| {r['mlx_lm_bytes']:,} |"
+    )
+    print(
+        f"\nextend by {r['extend_tokens']} tokens: {r['extend_bytes_written']:,} bytes written "
+        f"= {r['extend_fraction']:.1%} of a full write ({r['full_bytes']:,} bytes)"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
