@@ -1,4 +1,4 @@
-"""Actors (engine, agents; later pool, store, prefetch), model loading and the session API."""
+"""Actors (engine, agent, store, prefetch), the hot-tier budget, model loading, session API."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from .engine import EngineConfig as EngineConfig
 from .errors import AgentBusy as AgentBusy
 from .errors import BudgetExceeded as BudgetExceeded
 from .errors import CacheMiss as CacheMiss
+from .errors import CacheRejected as CacheRejected
 from .errors import ContextOverflow as ContextOverflow
 from .errors import EngineStopped as EngineStopped
 from .errors import InvalidAgentId as InvalidAgentId
 from .errors import KvactorError as KvactorError
+from .errors import StoreWriteError as StoreWriteError
 from .errors import UnknownAgent as UnknownAgent
 from .model import LoadedModel as LoadedModel
 from .model import ModelLoadError as ModelLoadError
@@ -30,12 +32,15 @@ from .session import Completion as Completion
 from .session import Session as Session
 from .session import TextStream as TextStream
 from .session import open as open
+from .store import WarmInfo as WarmInfo
+from .store import default_cache_dir as default_cache_dir
 
 __all__ = (
     "Agent",
     "AgentBusy",
     "BudgetExceeded",
     "CacheMiss",
+    "CacheRejected",
     "CacheInfo",
     "Completion",
     "ContextOverflow",
@@ -51,10 +56,13 @@ __all__ = (
     "ModelLoadError",
     "Sampling",
     "Session",
+    "StoreWriteError",
     "TextStream",
     "Timings",
     "Tokenizer",
     "UnknownAgent",
+    "WarmInfo",
+    "default_cache_dir",
     "default_model_path",
     "fetch_default_model",
     "load_model",
