@@ -344,32 +344,53 @@ class EngineActor(ThreadActor):
         return used
 
     def _committed(self) -> int:
-        """Bytes in use plus what active requests may still grow into."""
-        growth = sum(
-            max(0, r.reserve - r.entry.kv.work_bytes)
-            for r in (*self._prefilling, *self._ready, *self._batch)
-            if r.active
-        )
-        return self._measure() + growth
+        """Bytes in use, counting each active turn's working copy at its reserved maximum
+        (the reserve covers the batch's padding and the merge copy)."""
+        used = self._measure()
+        working = sum(r.entry.kv.work_bytes for r in self._prefilling if r.active)
+        if self._batch_cache is not None:
+            working += sum(layer.nbytes for layer in self._batch_cache)
+        reserved = sum(r.reserve for r in self._active())
+        return used - working + max(working, reserved)
+
+    def _active(self) -> list[_Request]:
+        return [r for r in (*self._prefilling, *self._ready, *self._batch) if r.active]
+
+    def _candidates(self) -> list[Candidate]:
+        persistent = self.config.persistent
+        return [
+            Candidate(agent, e.kv.nbytes, e.last_used, e.clean)
+            for agent, e in self._caches.items()
+            if not e.busy and not e.pinned and (e.clean or not persistent)
+        ]
 
     def _make_room(self, need: int) -> bool:
-        """Demote idle agents until ``need`` more bytes fit; False if that is impossible now."""
+        """Demote idle agents until ``need`` more bytes fit; False (demoting nobody) when
+        even demoting every idle agent would not make enough room now."""
         limit = self.budget.limit
         if limit is None:
             return True
         missing = self._committed() + need - limit
         if missing <= 0:
             return True
+        candidates = self._candidates()
+        if sum(c.nbytes for c in candidates) < missing:
+            return False
         persistent = self.config.persistent
-        candidates = [
-            Candidate(agent, e.kv.nbytes, e.last_used, e.clean)
-            for agent, e in self._caches.items()
-            if not e.busy and not e.pinned and (e.clean or not persistent)
-        ]
         for agent in self.config.policy.victims(candidates, missing):
             entry = self._caches.pop(agent)
             self._demotions["warm" if entry.clean and persistent else "cold"] += 1
         return self._committed() + need <= limit
+
+    def _cannot_ever_fit(self) -> bool:
+        """Nothing running, pinned, staged or demotable is left to free, and still no room."""
+        return not (
+            self._active()
+            or self._pinned
+            or self._reserved
+            or self._candidates()
+            or any(e.pinned or (not e.busy and not e.clean) for e in self._caches.values())
+        )
 
     def _reserve(self, agent: str, nbytes: int, wait: bool) -> str | None:
         """Room for staging ``nbytes`` of the agent's warm cache: "reserved", "hot" (nothing
@@ -488,13 +509,14 @@ class EngineActor(ThreadActor):
     def _prefill_step(self, request: _Request) -> bool:
         if not request.active:
             if not self._make_room(request.reserve):
-                if self.budget.limit is not None and request.reserve > self.budget.limit:
+                if self._cannot_ever_fit():
                     self._prefilling.popleft()
                     self._park(request)
                     request.reply.fail(
                         BudgetExceeded(
-                            f"this turn may need {request.reserve} bytes of working cache; "
-                            f"the hot budget is {self.budget.limit} bytes"
+                            f"this turn may need {request.reserve} bytes of working cache "
+                            f"besides {request.entry.kv.stored_bytes} bytes of its own stored "
+                            f"cache; the hot budget is {self.budget.limit} bytes"
                         )
                     )
                     return True

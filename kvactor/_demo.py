@@ -1,61 +1,377 @@
-"""``kvactor demo``: actors sharing one thread-owning worker, with live mailbox statistics."""
+"""``kvactor demo`` and ``kvactor run``: run a scenario with a live view, then summarize.
+
+The live view prints one line per turn and a table of every agent's tier; on a terminal
+the table is redrawn in place after each turn, elsewhere (CI logs, pipes) it is printed
+once per phase. The summary gives TTFT by path, the time saved against re-prefilling,
+and the engine's demotions and reloads.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
+import importlib.util
+import sys
+import textwrap
 import time
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
 
 import anyio
 import msgspec
 
-from .runtime import Actor, ActorRef, Runtime, ThreadActor
+from .actors import BudgetExceeded, KvactorError, ModelLoadError
+from .scenario import (
+    AgentRow,
+    Event,
+    PhaseStarted,
+    Results,
+    RunStarted,
+    Scenario,
+    ScenarioError,
+    TurnFinished,
+    TurnRecord,
+    TurnStarted,
+    cold_model,
+    load_scenario,
+    parse_scenario,
+    run_scenario,
+    write_results,
+)
 
-__all__ = ("run_demo",)
+__all__ = ("LiveView", "format_summary", "next_run", "plot_ttft", "run_demo", "run_file")
 
-
-class Square(msgspec.Struct, frozen=True, tag=True):
-    value: int
-
-
-class Ask(msgspec.Struct, frozen=True, tag=True):
-    rounds: int
-
-
-class Compute(ThreadActor):
-    """Stands in for the engine: blocking work on its own OS thread."""
-
-    def receive(self, message: Square) -> int:
-        time.sleep(0.01)  # blocking work; the event loop stays free
-        return message.value * message.value
-
-
-class Agent(Actor):
-    def __init__(self, compute: ActorRef[Any]) -> None:
-        self.compute = compute
-
-    async def receive(self, message: Ask) -> int:
-        total = 0
-        for i in range(message.rounds):
-            total += await self.compute.ask(Square(i))
-        return total
+WIDTH = 92  # summary paragraphs wrap here
+PATH_COLOURS = {"cold": "#1f77b4", "warm": "#ff7f0e", "prefetched": "#9467bd", "hot": "#2ca02c"}
 
 
-async def _main(n_agents: int, rounds: int) -> None:
-    async with Runtime() as rt:
-        compute = await rt.spawn(Compute, name="compute")
-        agents = [await rt.spawn(Agent, compute, name=f"agent-{i}") for i in range(n_agents)]
-        t0 = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for agent in agents:
-                tg.start_soon(agent.ask, Ask(rounds))
-        elapsed = time.perf_counter() - t0
-        print(f"{n_agents} agents x {rounds} asks through one compute thread: {elapsed:.2f} s")
-        print(f"{'actor':<10} {'handled':>8} {'failed':>7} {'queued':>7}")
-        for name, stats in rt.statistics().items():
-            print(f"{name:<10} {stats.handled:>8} {stats.failed:>7} {stats.queued:>7}")
+# ----------------------------------------------------------------------------- tables
+def size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    """Aligned columns; the columns in ``right`` (numbers) align right."""
+    lines = [list(head), *[list(r) for r in rows]]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return [
+        "  ".join(
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        for line in lines
+    ]
+
+
+def agent_table(rows: Sequence[AgentRow]) -> list[str]:
+    body = [
+        (
+            r.agent,
+            r.tier,
+            str(r.tokens),
+            size(r.nbytes) if r.nbytes else "-",
+            str(r.turns),
+            f"{r.last_path}/{r.last_match}" if r.last_path else "-",
+            f"{r.last_ttft_s:.2f} s" if r.last_ttft_s is not None else "-",
+        )
+        for r in rows
+    ]
+    head = ("agent", "tier", "tokens", "cache", "turns", "last path", "last TTFT")
+    return table(head, body, {2, 3, 4, 6})
+
+
+def path_label(record: TurnRecord) -> str:
+    return "prefetched" if record.prefetched else record.path
+
+
+def turn_line(record: TurnRecord, total: int) -> str:
+    width = len(str(total))
+    reused = f"{record.reused_tokens} reused + {record.prefilled_tokens} new"
+    return (
+        f"  [{record.index + 1:>{width}}/{total}] {record.agent:<10} "
+        f"{path_label(record):<10} {record.match:<7} TTFT {record.ttft_s:6.2f} s  "
+        f"prompt {record.prompt_tokens} ({reused})  "
+        f"-> {record.generated_tokens} tokens at {record.decode_tok_s:.1f} tok/s"
+    )
+
+
+def format_summary(results: Results) -> list[str]:
+    """The end-of-run report: TTFT by path, time saved, engine statistics."""
+    summary, stats = results.summary, results.stats
+    rows = [
+        (
+            p.label,
+            str(p.turns),
+            f"{p.mean_ttft_s:.2f} s",
+            f"{p.median_ttft_s:.2f} s",
+            f"{p.mean_queue_s * 1000:.0f} ms",
+            f"{p.mean_prompt_tokens:.0f}",
+            f"{p.mean_reused_tokens:.0f}",
+            f"{p.est_cold_ttft_s:.2f} s",
+        )
+        for p in summary.paths
+    ]
+    head = ("path", "turns", "mean TTFT", "median", "queue", "prompt tok", "reused", "if cold")
+    out = [f"TTFT by path ({len(results.turns)} turns):", *table(head, rows, set(range(1, 8)))]
+    legend = (
+        "cold: nothing reused; warm: reloaded from disk for the turn; prefetched: staged from "
+        "disk while the previous turn decoded; hot: still in memory; extend: the non-cold turns "
+        "whose prompt extended the cached one. queue: before the prefill (a reload from disk "
+        "included). if cold: the estimated TTFT had the whole prompt been prefilled."
+    )
+    out += textwrap.wrap(legend, WIDTH, initial_indent="  ", subsequent_indent="  ")
+    paragraphs = []
+    for ref in summary.references[:1]:  # the longest turn
+        turn = results.turns[ref.index]
+        queued = f" ({turn.queue_s:.2f} s of it queued)" if turn.queue_s >= 0.05 else ""
+        paragraphs.append(
+            f"cold reference (measured): {ref.agent}'s prompt of turn {ref.index + 1}, "
+            f"{ref.prompt_tokens} tokens, "
+            f"prefilled from scratch took {ref.ttft_s:.2f} s; with its cache ({turn.path}/"
+            f"{turn.match}, {turn.reused_tokens} tokens reused) that turn took "
+            f"{ref.turn_ttft_s:.2f} s{queued}: "
+            f"{ref.ttft_s / max(ref.turn_ttft_s, 1e-9):.1f}x faster."
+        )
+    saving = summary.savings
+    if saving is not None:
+        paragraphs.append(
+            f"time to first token over all turns: {saving.actual_ttft_s:.1f} s measured, "
+            f"{saving.est_cold_ttft_s:.1f} s estimated had every prompt been prefilled from "
+            f"scratch: {saving.saved_s:.1f} s saved ({saving.saved_fraction:.0%}). Estimate: "
+            f"{saving.method}; queueing left out."
+        )
+    budget = f" of a {size(stats.budget_bytes)} budget" if stats.budget_bytes else " (no budget)"
+    paragraphs.append(
+        f"engine: {stats.demoted_warm} demotions to warm, {stats.demoted_cold} to cold, "
+        f"{stats.installs} reloads from disk; hot-tier peak {size(stats.peak_bytes)}{budget}; "
+        f"{stats.generated_tokens} tokens generated; wall time {results.wall_s:.1f} s."
+    )
+    for paragraph in paragraphs:
+        out += ["", *textwrap.wrap(paragraph, WIDTH, subsequent_indent="  ")]
+    return out
+
+
+# -------------------------------------------------------------------------- live view
+class LiveView:
+    """Prints a run as it happens. On a terminal the agent table is redrawn in place
+    after every turn; otherwise it is printed after each phase."""
+
+    def __init__(self, out: IO[str] | None = None, *, redraw: bool | None = None) -> None:
+        self.out = out or sys.stdout
+        self.redraw = self.out.isatty() if redraw is None else redraw
+        self.live = 0  # lines of the live block on screen
+        self.phases: list[str] = []
+        self.phase_sizes: list[int] = []
+        self.done_in_phase = 0
+        self.table: list[str] = []
+
+    def write(self, lines: Sequence[str], live: Sequence[str] = ()) -> None:
+        """Print ``lines`` for good, then (on a terminal) the live block under them."""
+        if self.live:
+            self.out.write(f"\x1b[{self.live}F\x1b[J")  # up to the block's start, clear
+        for line in lines:
+            self.out.write(line + "\n")
+        self.live = 0
+        if self.redraw:
+            for line in live:
+                self.out.write(line + "\n")
+            self.live = len(live)
+        self.out.flush()
+
+    def __call__(self, event: Event) -> None:
+        match event:
+            case RunStarted():
+                self.started(event)
+            case PhaseStarted(index=index, name=name, agents=agents):
+                self.done_in_phase = 0
+                self.write([f"phase {index + 1}/{len(self.phases)} {name}: {', '.join(agents)}"])
+            case TurnStarted(agent=agent, index=index, total=total):
+                if self.redraw:
+                    self.write([], [*self.table, f"  ... {agent}'s turn ({index + 1}/{total})"])
+            case TurnFinished(record=record, total=total, agents=rows):
+                self.done_in_phase += 1
+                table_lines = self.table = agent_table(rows)
+                end_of_phase = self.done_in_phase == self.phase_sizes[record.phase_index]
+                if self.redraw:
+                    self.write([turn_line(record, total)], table_lines)
+                    if end_of_phase:
+                        self.write(table_lines)  # keep the phase's final state
+                else:
+                    self.write([turn_line(record, total), *(table_lines if end_of_phase else [])])
+
+    def started(self, event: RunStarted) -> None:
+        s = event.scenario
+        self.phases = [p.name for p in s.phases]
+        every = len(s.agents)
+        self.phase_sizes = [len(p.agents) if p.agents else every for p in s.phases]
+        lines = [
+            f"scenario {s.name!r}: {every} agents, {len(s.phases)} phases, "
+            f"{event.total_turns} turns; model {event.model.name} "
+            f"({event.model.n_layers} layers)",
+            f"hot budget: {size(event.budget_bytes) if event.budget_bytes else 'none'}"
+            f" ({event.budget_note})",
+            f"warm tier: {event.cache_dir or 'none (demoted caches are lost)'}",
+        ]
+        if event.reset is not None:
+            lines.append(
+                f"found warm caches for {len(event.found_warm)} agents, but {event.reset}: "
+                "forgot them, starting cold"
+            )
+        elif event.resumed:
+            lines.append(
+                f"found warm caches for {len(event.resumed)} agents from a previous run "
+                f"({event.resumed_tokens} tokens): resuming from disk"
+            )
+        elif event.found_warm:
+            lines.append(
+                f"found warm caches for {len(event.found_warm)} agents that cannot be resumed "
+                "(another model or codec, or a changed system prompt): starting cold"
+            )
+        elif event.cache_dir is not None:
+            lines.append("no warm caches from a previous run: starting cold")
+        self.table = agent_table(event.agents)
+        self.write([*lines, ""], self.table)
+        if not self.redraw:
+            self.write(self.table)
+
+
+# ------------------------------------------------------------------------------- plot
+def plot_ttft(results: Results, path: str | Path) -> None:
+    """Draw TTFT per turn, coloured by path, with each turn's estimated cold TTFT.
+
+    Raises ModuleNotFoundError when matplotlib is not installed (``kvactor[plot]``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    turns = results.turns
+    cold = cold_model(turns, results.summary.references)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(turns) + 2), 4.0))
+    for label, colour in PATH_COLOURS.items():
+        group = [t for t in turns if path_label(t) == label]
+        if group:
+            ax.bar(
+                [t.index for t in group],
+                [t.ttft_s for t in group],
+                color=colour,
+                label=f"{label} ({len(group)})",
+            )
+    reused = [t for t in turns if t.path != "cold"]
+    if cold is not None and reused:
+        ax.scatter(
+            [t.index for t in reused],
+            [cold[0](t.prompt_tokens) for t in reused],
+            marker="_",
+            color="black",
+            s=120,
+            label="est. if re-prefilled",
+        )
+    for t in turns[1:]:
+        if t.phase_index != turns[t.index - 1].phase_index:
+            ax.axvline(t.index - 0.5, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xticks([t.index for t in turns], [t.agent for t in turns], rotation=90, fontsize=7)
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title(f"{results.scenario.name}: TTFT per turn ({results.model.name})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+# -------------------------------------------------------------------------------- CLI
+def _execute(
+    scenario: Scenario, args: argparse.Namespace, json_path: str | None, plot_path: str | None
+) -> int:
+    if plot_path and not _plot_available():
+        print(
+            "kvactor: --plot needs matplotlib: pip install 'kvactor[plot]'",
+            file=sys.stderr,
+        )
+        return 2
+    view = LiveView()
+    try:
+        results = anyio.run(lambda: run_scenario(scenario, on_event=view), backend=args.backend)
+    except (ScenarioError, ModelLoadError) as exc:
+        print(f"kvactor: {exc}", file=sys.stderr)
+        return 2
+    except BudgetExceeded as exc:
+        print(f"kvactor: {exc}: raise budget_mb (or use hot_agents)", file=sys.stderr)
+        return 1
+    except KvactorError as exc:
+        print(f"kvactor: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    view.write(["", *format_summary(results), "", next_run(results)])
+    if json_path:
+        write_results(results, json_path)
+        print(f"results: {json_path}")
+    if plot_path:
+        plot_ttft(results, plot_path)
+        print(f"plot: {plot_path}")
+    return 0
+
+
+def next_run(results: Results) -> str:
+    """What running the same scenario again will do."""
+    s = results.scenario
+    longest = max((t.cache_tokens for t in results.turns), default=0)
+    if results.cache_dir is None:
+        return "no warm tier: the next run starts cold again."
+    if not s.resume:
+        return "resume = false: the next run forgets these caches and starts cold."
+    if s.resume_max_tokens is not None and longest > s.resume_max_tokens:
+        return (
+            f"the conversations hold up to {longest} tokens, past resume_max_tokens = "
+            f"{s.resume_max_tokens}: the next run starts fresh."
+        )
+    return "run it again: a new process resumes every agent from disk (--fresh forgets them)."
+
+
+def _overrides(scenario: Scenario, args: argparse.Namespace) -> Scenario:
+    changes: dict[str, object] = {}
+    if getattr(args, "fresh", False):
+        changes["resume"] = False
+    if getattr(args, "model", None):
+        changes["model"] = args.model
+    if getattr(args, "cache_dir", None):
+        changes["cache_dir"] = args.cache_dir
+    if getattr(args, "budget_mb", None) is not None:
+        changes.update(budget_mb=args.budget_mb, hot_agents=None)
+    return msgspec.structs.replace(scenario, **changes) if changes else scenario
+
+
+def demo_scenario() -> Scenario:
+    """The built-in scenario of ``kvactor demo`` (``kvactor/scenarios/demo.toml``)."""
+    text = importlib.resources.files("kvactor").joinpath("scenarios/demo.toml").read_text()
+    return parse_scenario(text, source="demo.toml")
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    anyio.run(_main, 6, 20, backend=args.backend)
-    return 0
+    """``kvactor demo``: the built-in six-agent scenario on the default model."""
+    if args.budget_mb is not None and args.budget_mb <= 0:
+        print("kvactor demo: --budget-mb must be > 0", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    code = _execute(_overrides(demo_scenario(), args), args, args.json, args.plot)
+    if code == 0:
+        print(f"demo done in {time.perf_counter() - started:.0f} s")
+    return code
+
+
+def run_file(args: argparse.Namespace) -> int:
+    """``kvactor run SCENARIO.toml``: exit code 2 with a clear message for a bad file."""
+    try:
+        scenario = _overrides(load_scenario(args.scenario), args)
+    except ScenarioError as exc:
+        print(f"kvactor run: {exc}", file=sys.stderr)
+        return 2
+    json_path = args.json or f"{scenario.name}-results.json"
+    return _execute(scenario, args, json_path, args.plot)

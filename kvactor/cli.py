@@ -15,6 +15,12 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _run(args: argparse.Namespace) -> int:
+    from ._demo import run_file
+
+    return run_file(args)
+
+
 def _fetch_model(args: argparse.Namespace) -> int:
     from .actors.model import fetch_default_model
 
@@ -49,9 +55,39 @@ def _forget(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvactor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the multi-agent demo")
+    demo = sub.add_parser(
+        "demo",
+        help="six agents, three phases, a hot budget that forces demotions; run it twice",
+        description="Run the built-in scenario (kvactor/scenarios/demo.toml) on the default "
+        "model. A second run resumes every agent from disk; once the conversations pass "
+        "1024 tokens the next run starts fresh.",
+    )
+    demo.add_argument("--fresh", action="store_true", help="forget earlier runs' caches first")
+    demo.add_argument("--model", help="a .gguf file or model directory (or 'tiny')")
+    demo.add_argument(
+        "--cache-dir",
+        help="warm tier folder, or 'none' (default: <cache dir>/scenarios/demo/<model>)",
+    )
+    demo.add_argument(
+        "--budget-mb", type=float, help="hot budget in MB (default: sized from the model)"
+    )
+    demo.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    demo.add_argument("--plot", metavar="PNG", help="draw TTFT per turn (kvactor[plot])")
     demo.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     demo.set_defaults(func=_demo)
+    run = sub.add_parser(
+        "run",
+        help="run a scenario file (agents, phases, budget...) and write JSON results",
+        description="Run SCENARIO.toml (see kvactor/scenarios/ for examples) and write its "
+        "results as JSON. A bad file exits with code 2 and names the field.",
+    )
+    run.add_argument("scenario", metavar="SCENARIO.toml")
+    run.add_argument("--json", metavar="PATH", help="results file (default: ./<name>-results.json)")
+    run.add_argument("--plot", metavar="PNG", help="draw TTFT per turn (kvactor[plot])")
+    run.add_argument("--fresh", action="store_true", help="forget earlier runs' caches first")
+    run.add_argument("--model", help="override the scenario's model (a path, or 'tiny')")
+    run.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    run.set_defaults(func=_run)
     fetch = sub.add_parser(
         "fetch-model", help="download and verify the default model now (else on first use)"
     )

@@ -96,18 +96,19 @@ async def test_demotion_to_warm_under_a_budget_changes_no_output(tmp_path: Path)
             agents = [await kv.spawn_agent(f"a{i}") for i in range(len(prompts))]
             outs: list[list[int]] = [[] for _ in prompts]
 
-            async def two_turns(i: int) -> None:
-                first = await agents[i].generate(prompts[i], max_tokens=8)
-                second = await agents[i].generate("go on", max_tokens=8)
-                outs[i] = first.token_ids + second.token_ids
+            async def turn(i: int, text: str) -> None:
+                outs[i] += (await agents[i].generate(text, max_tokens=8)).token_ids
 
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(two_turns, i)
+            # Phase by phase, like a workflow: after the first phase most caches had to
+            # leave the hot tier, so the second phase reloads them.
+            for phase in range(2):
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(turn, i, prompts[i] if phase == 0 else "go on")
             return outs, await kv.stats()
 
     unbounded, _ = await run_all()
-    budget = 2 * 1024 * 1024
+    budget = 2 * 1024 * 1024 + 48 * 1024  # two turns at once, and few idle caches
     bounded, stats = await run_all(budget_bytes=budget, cache_dir=tmp_path)
     assert bounded == unbounded  # warm reloads are byte-identical to staying hot
     assert stats.demoted_warm > 0 and stats.installs > 0

@@ -1,0 +1,104 @@
+"""Scenarios: multi-agent, multi-phase workflows described in TOML, run on one session.
+
+A scenario names agents (each with a system prompt) and phases. In every phase each of
+its agents takes one chat turn whose prompt is rendered from the phase's template, which
+may quote the other agents' outputs of earlier phases (``{outputs}``): the paper's
+cross-phase context injection. Each turn is a new user message in the agent's own
+conversation, so its cached prompt grows and the next turn EXTENDs it. With a hot budget
+smaller than every agent's working set, caches are demoted to the warm tier (files) and
+reloaded when their agent speaks again; a second run with the same cache folder resumes
+every agent from disk.
+
+``run_scenario`` returns one ``TurnRecord`` per turn, a summary of TTFT by path and the
+time saved against re-prefilling every prompt, and the engine's statistics. The format::
+
+    name = "review"                 # names the default cache folder
+    task = "a JSON config loader"   # {task} in prompts
+    model = "default"               # "default" | "tiny" (random test model) | a path
+    cache_dir = "auto"              # "auto" | "none" (no warm tier) | a folder
+    hot_agents = 2                  # or budget_mb = 80.0 (omit both: no budget)
+    concurrency = 1                 # turns in flight at once within a phase
+    [sampling]                      # defaults for every turn
+    max_tokens = 48
+    [[agents]]
+    name = "author"
+    system = "You write Python."
+    [[phases]]
+    name = "draft"
+    prompt = "Write {task}. Earlier: {outputs}"
+    agents = ["author"]             # default: every agent, in [[agents]] order
+
+See ``Scenario`` for every field and ``PLACEHOLDERS`` for the template names.
+"""
+
+from __future__ import annotations
+
+from ._scenario_format import NO_OUTPUTS as NO_OUTPUTS
+from ._scenario_format import PLACEHOLDERS as PLACEHOLDERS
+from ._scenario_format import POLICIES as POLICIES
+from ._scenario_format import AgentSpec as AgentSpec
+from ._scenario_format import PhaseSpec as PhaseSpec
+from ._scenario_format import SamplingSpec as SamplingSpec
+from ._scenario_format import Scenario as Scenario
+from ._scenario_format import ScenarioError as ScenarioError
+from ._scenario_format import load_scenario as load_scenario
+from ._scenario_format import parse_scenario as parse_scenario
+from ._scenario_format import render as render
+from ._scenario_format import resolve_model as resolve_model
+from ._scenario_format import scenario_cache_dir as scenario_cache_dir
+from ._scenario_format import turn_prompt as turn_prompt
+from ._scenario_results import AgentRow as AgentRow
+from ._scenario_results import ColdReference as ColdReference
+from ._scenario_results import Event as Event
+from ._scenario_results import PathSummary as PathSummary
+from ._scenario_results import PhaseStarted as PhaseStarted
+from ._scenario_results import Results as Results
+from ._scenario_results import RunStarted as RunStarted
+from ._scenario_results import Savings as Savings
+from ._scenario_results import Summary as Summary
+from ._scenario_results import TurnFinished as TurnFinished
+from ._scenario_results import TurnRecord as TurnRecord
+from ._scenario_results import TurnStarted as TurnStarted
+from ._scenario_results import cold_model as cold_model
+from ._scenario_results import load_results as load_results
+from ._scenario_results import summarize as summarize
+from ._scenario_results import write_results as write_results
+from ._scenario_run import estimate_budget as estimate_budget
+from ._scenario_run import estimate_context as estimate_context
+from ._scenario_run import run_scenario as run_scenario
+
+__all__ = (
+    "NO_OUTPUTS",
+    "PLACEHOLDERS",
+    "POLICIES",
+    "AgentRow",
+    "AgentSpec",
+    "ColdReference",
+    "Event",
+    "PathSummary",
+    "PhaseSpec",
+    "PhaseStarted",
+    "Results",
+    "RunStarted",
+    "SamplingSpec",
+    "Savings",
+    "Scenario",
+    "ScenarioError",
+    "Summary",
+    "TurnFinished",
+    "TurnRecord",
+    "TurnStarted",
+    "cold_model",
+    "estimate_budget",
+    "estimate_context",
+    "load_results",
+    "load_scenario",
+    "parse_scenario",
+    "render",
+    "resolve_model",
+    "run_scenario",
+    "scenario_cache_dir",
+    "summarize",
+    "turn_prompt",
+    "write_results",
+)
