@@ -54,7 +54,12 @@ class Detokenizer(ABC):
 
 
 class Tokenizer(ABC):
-    """What the engine needs from a tokenizer."""
+    """What the engine needs from a tokenizer. Subclasses set ``_eos``, ``_bos`` and
+    ``_digest`` in their constructor."""
+
+    _eos: frozenset[int]
+    _bos: int | None
+    _digest: str
 
     @property
     @abstractmethod
@@ -62,19 +67,19 @@ class Tokenizer(ABC):
         """Number of token ids (including special tokens)."""
 
     @property
-    @abstractmethod
     def eos_token_ids(self) -> frozenset[int]:
         """Ids that end a generation."""
+        return self._eos
 
     @property
-    @abstractmethod
     def bos_token_id(self) -> int | None:
         """Beginning-of-sequence id, if the model has one."""
+        return self._bos
 
     @property
-    @abstractmethod
     def digest(self) -> str:
         """sha256 hex identifying vocabulary, merges and chat template (for cache fingerprints)."""
+        return self._digest
 
     @abstractmethod
     def encode(self, text: str, *, add_special: bool = False) -> list[int]:
@@ -269,18 +274,6 @@ class ByteLevelBPETokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return len(self._bytes)
 
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self._eos
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._bos
-
-    @property
-    def digest(self) -> str:
-        return self._digest
-
     def encode(self, text: str, *, add_special: bool = False) -> list[int]:
         ids: list[int] = self._rust.encode(text, add_special_tokens=False).ids
         if add_special:
@@ -352,18 +345,6 @@ class MlxLmTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return len(self._hf)
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self._eos
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._bos
-
-    @property
-    def digest(self) -> str:
-        return self._digest
 
     def encode(self, text: str, *, add_special: bool = False) -> list[int]:
         return list(self._hf.encode(text, add_special_tokens=add_special))
