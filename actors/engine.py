@@ -100,7 +100,6 @@ class _Request:
     sampling: Sampling
     reply: Reply
     sent_at: float
-    received_at: float
     entry: _Entry
     todo: list[int]
     reused: int
@@ -323,7 +322,6 @@ class EngineActor(ThreadActor):
                 sampling=sampling,
                 reply=self.reply.detach(),
                 sent_at=msg.sent_at,
-                received_at=time.perf_counter(),
                 entry=entry,
                 todo=list(msg.tokens[keep:]),
                 reused=keep,

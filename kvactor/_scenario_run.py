@@ -37,6 +37,7 @@ from .actors import ModelInfo, Tokenizer, UnknownAgent
 from .actors import open as open_session
 from .actors.session import Agent, Session
 from .actors.store import forget, list_agents
+from .kernels.qcodec import KVCodec
 
 if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10
     from exceptiongroup import BaseExceptionGroup
@@ -46,17 +47,12 @@ __all__ = ("estimate_budget", "estimate_context", "run_scenario")
 
 # ---------------------------------------------------------------------- estimates
 def _codec_bytes_per_token(info: ModelInfo) -> float:
-    """Stored (quantized) bytes one token costs: packed K and V plus a scale and a bias
-    per group (sink tokens at higher precision are ignored)."""
-    codec = info.codec
-    bits = int(codec.get("bits", 4))
-    group = int(codec.get("group_size", 64))
-    key_bits = int(codec.get("key_bits", bits))
-    key_group = int(codec.get("key_group_size", group))
-    scale = 2 if codec.get("scale_dtype", "float16") in ("float16", "bfloat16") else 4
-    per_head = info.head_dim * (bits + key_bits) / 8
-    per_head += 2 * scale * (info.head_dim / group + info.head_dim / key_group)
-    return per_head * info.n_layers * info.n_kv_heads
+    """Stored (quantized) bytes one token costs, all layers (sink tokens at higher precision
+    are left out: the count starts past them)."""
+    codec = KVCodec.from_description(info.codec)
+    n = 1024
+    per_layer = codec.nbytes(n, info.n_kv_heads, info.head_dim, start=codec.sink_tokens)
+    return per_layer / n * info.n_layers
 
 
 def _round_up(n: int, step: int = 256) -> int:
