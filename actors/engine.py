@@ -50,7 +50,7 @@ from .protocol import (
     check_agent_id,
 )
 
-__all__ = ("EngineActor", "EngineConfig")
+__all__ = ("EngineActor", "EngineConfig", "turn_reserve_bytes")
 
 ModelSpec = str | os.PathLike[str] | None | Callable[[], LoadedModel]
 
@@ -139,8 +139,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _round_up(n: int, step: int = 256) -> int:
-    return -(-n // step) * step
+def turn_reserve_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int) -> int:
+    """What a turn of ``tokens`` (prompt + max_tokens) reserves in the hot budget for its
+    working copy: fp32 K and V of every layer, in steps of 256 tokens, twice (the batch
+    pads rows and merging copies them)."""
+    fp_bytes_per_token = 2 * 4 * n_layers * n_kv_heads * head_dim
+    return 2 * (-(-tokens // 256) * 256) * fp_bytes_per_token
 
 
 class EngineActor(ThreadActor):
@@ -314,7 +318,6 @@ class EngineActor(ThreadActor):
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else time.time_ns() % (1 << 63)
             key = mx.random.key(seed)
-        grow = _round_up(len(msg.tokens) + sampling.max_tokens) * kv.fp_bytes_per_token()
         self._prefilling.append(
             _Request(
                 agent=agent,
@@ -327,8 +330,9 @@ class EngineActor(ThreadActor):
                 reused=keep,
                 key=key,
                 detok=self.lm.tokenizer.detokenizer(),
-                # the batch pads and merge copies: reserve twice the working copy
-                reserve=2 * grow,
+                reserve=turn_reserve_bytes(
+                    kv.n_layers, kv.n_kv_heads, kv.head_dim, len(msg.tokens) + sampling.max_tokens
+                ),
             )
         )
 

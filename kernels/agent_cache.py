@@ -93,10 +93,6 @@ class AgentKV:
     def nbytes(self) -> int:
         return self.stored_bytes + self.work_bytes
 
-    def fp_bytes_per_token(self) -> int:
-        """Working-copy bytes one more token costs (fp32 K and V, all layers)."""
-        return 2 * 4 * self.n_layers * self.n_kv_heads * self.head_dim
-
     # -- transitions ------------------------------------------------------------------
     def activate(self) -> list[KVCache]:
         """The fp working copy (built from the stored ranges once per turn)."""

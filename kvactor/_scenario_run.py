@@ -35,6 +35,7 @@ from ._scenario_results import (
 )
 from .actors import ModelInfo, Tokenizer, UnknownAgent
 from .actors import open as open_session
+from .actors.engine import turn_reserve_bytes
 from .actors.session import Agent, Session
 from .actors.store import forget, list_agents
 from .kernels.qcodec import KVCodec
@@ -53,10 +54,6 @@ def _codec_bytes_per_token(info: ModelInfo) -> float:
     n = 1024
     per_layer = codec.nbytes(n, info.n_kv_heads, info.head_dim, start=codec.sink_tokens)
     return per_layer / n * info.n_layers
-
-
-def _round_up(n: int, step: int = 256) -> int:
-    return -(-n // step) * step
 
 
 def estimate_context(s: Scenario, tokenizer: Tokenizer, start_tokens: Mapping[str, int]) -> int:
@@ -104,9 +101,8 @@ def estimate_budget(
     working copy of prompt + max_tokens, rounded up to 256 tokens, plus the stored
     cache) and for ``hot_agents`` idle agents' quantized caches of that length."""
     assert s.hot_agents is not None
-    fp_per_token = 2 * 4 * info.n_layers * info.n_kv_heads * info.head_dim
     longest = estimate_context(s, tokenizer, start_tokens)
-    reserve = 2 * _round_up(longest) * fp_per_token
+    reserve = turn_reserve_bytes(info.n_layers, info.n_kv_heads, info.head_dim, longest)
     cached = longest * _codec_bytes_per_token(info)
     budget = int(s.concurrency * (reserve + cached) + s.hot_agents * cached)
     note = (
