@@ -24,6 +24,8 @@ __all__ = (
     "ParsedSegment",
     "build_header",
     "checksum",
+    "data_start",
+    "format_checksum",
     "parse_segment",
     "tensor_bytes",
 )
@@ -50,7 +52,7 @@ _DTYPES: dict[str, np.dtype[Any]] = {
     )
 }
 _NAMES = {code: dtype.name for code, dtype in _DTYPES.items()}  # .name is slow to compute
-_CODES = {name: code for code, name in _NAMES.items()}
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 #: Exact tensor name -> (shape, numpy dtype name).
 Expected = Mapping[str, tuple[tuple[int, ...], str]]
@@ -61,7 +63,21 @@ def checksum(buffers: Iterable[memoryview]) -> str:
     crc = 0
     for buffer in buffers:
         crc = zlib.crc32(buffer, crc)
+    return format_checksum(crc)
+
+
+def format_checksum(crc: int) -> str:
+    """A CRC-32 as the files spell it: ``"crc32:xxxxxxxx"`` (always 14 characters)."""
     return f"crc32:{crc:08x}"
+
+
+def data_start(first: np.ndarray[Any, Any]) -> int | None:
+    """Where the data area starts, from a file's first bytes (uint8); None when they are
+    too few or announce a header over the bound (``parse_segment`` says why then)."""
+    if first.nbytes < 8:
+        return None
+    header_len = int.from_bytes(first[:8].tobytes(), "little")
+    return None if header_len > MAX_HEADER_BYTES else 8 + header_len
 
 
 def tensor_bytes(array: np.ndarray[Any, Any]) -> memoryview:
@@ -80,7 +96,7 @@ def build_header(
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, array in tensors:
-        code = _CODES.get(array.dtype.name)
+        code = _CODES.get(array.dtype)
         if code is None:
             raise ValueError(f"tensor {name!r} has dtype {array.dtype.name}, not storable")
         header[name] = {

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import math
 import operator
 import os
 import secrets
 import shutil
+import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from ._fileio import ShortRead, crc32_async, read_whole
 from ._manifest import (
     CLOEXEC,
     FORMAT_VERSION,
@@ -43,7 +46,15 @@ from ._manifest import (
     segment_metadata,
     warm_info,
 )
-from ._safetensors import Expected, build_header, checksum, parse_segment, tensor_bytes
+from ._safetensors import (
+    Expected,
+    build_header,
+    checksum,
+    data_start,
+    format_checksum,
+    parse_segment,
+    tensor_bytes,
+)
 from .errors import CacheRejected, InvalidAgentId, StoreWriteError, UnknownAgent
 from .protocol import check_agent_id
 
@@ -67,6 +78,11 @@ __all__ = (
 )
 
 _READ_ATTEMPTS = 8
+_NO_CRC = format_checksum(0)  # a placeholder of the checksum's length
+_LITTLE = sys.byteorder == "little"
+_IOV_MAX = 512  # buffers per writev call (POSIX guarantees 16, Linux and macOS allow 1024)
+_WRITE_BATCH = 4 << 20  # bytes per write call
+_dtype = functools.cache(np.dtype)  # dtype objects by name (np.dtype(str) is slow)
 
 
 # ------------------------------------------------------------------------------ read
@@ -111,7 +127,7 @@ def _read_segment(
         raise
     except OSError as exc:
         raise refuse(f"cannot open: {exc.strerror}") from None
-    with open(fd, "rb", buffering=0) as f:
+    try:
         size = os.fstat(fd).st_size
         if size < entry.nbytes:
             raise refuse(f"truncated: {size} of {entry.nbytes} bytes")
@@ -122,14 +138,14 @@ def _read_segment(
         )
         if size > need + 8 + (16 << 20):
             raise refuse(f"{size} bytes is far more than its {need} tensor bytes need")
-        buffer = np.empty(size, np.uint8)
-        view = buffer.data
-        got = 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                raise refuse(f"truncated while reading: {got} of {size} bytes")
-            got += n
+        try:
+            buffer, crc = read_whole(fd, size, data_start)
+        except ShortRead as exc:
+            raise refuse(f"truncated while reading: {exc.got} of {size} bytes") from None
+        except OSError as exc:
+            raise refuse(f"cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     try:
         parsed = parse_segment(buffer, expected)
     except CacheRejected as exc:
@@ -139,9 +155,9 @@ def _read_segment(
         found = parsed.metadata.get(key)
         if found != value:
             raise refuse(f"metadata {key} is {str(found)[:80]!r}, expected {value!r}")
-    crc = checksum([parsed.data])
-    if crc != entry.checksum:
-        raise refuse(f"checksum mismatch: data has {crc}, manifest says {entry.checksum}")
+    found = format_checksum(crc) if crc is not None else checksum([parsed.data])
+    if found != entry.checksum:
+        raise refuse(f"checksum mismatch: data has {found}, manifest says {entry.checksum}")
     return parsed.tensors
 
 
@@ -202,10 +218,37 @@ def read_cache(
 
 
 # ----------------------------------------------------------------------------- write
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        n = os.write(fd, data[: 1 << 30])
-        data = data[n:]
+def _write_chunks(fd: int, chunks: list[memoryview]) -> int:
+    """Write the chunks in order, a few MiB per system call (writev where it exists), and
+    start the disk writing each batch right away where the OS allows, so that the fsync to
+    come overlaps the rest of the writes (on Linux, ``POSIX_FADV_DONTNEED`` starts the
+    write-back of dirty pages: ~20% off a 26 MB segment's write + fsync here). Returns the
+    bytes written."""
+    chunks = [c for c in chunks if c.nbytes]
+    writev = getattr(os, "writev", None)
+    advise = getattr(os, "posix_fadvise", None)
+    written = 0
+    i = 0
+    while i < len(chunks):
+        j, size = i, 0
+        while j < len(chunks) and j - i < _IOV_MAX and (j == i or size < _WRITE_BATCH):
+            size += chunks[j].nbytes
+            j += 1
+        if writev is None or j - i == 1:
+            n = os.write(fd, chunks[i][: 1 << 30])
+        else:
+            n = writev(fd, chunks[i:j])
+        if advise is not None and n >= _WRITE_BATCH:
+            advise(fd, written, n, os.POSIX_FADV_DONTNEED)
+        written += n
+        while n:  # skip what was written: writev, like write, may stop short anywhere
+            if n >= chunks[i].nbytes:
+                n -= chunks[i].nbytes
+                i += 1
+            else:
+                chunks[i] = chunks[i][n:]
+                n = 0
+    return written
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -219,8 +262,14 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(folder: Path, name: str, chunks: Iterable[memoryview]) -> int:
+def _write_atomic(
+    folder: Path,
+    name: str,
+    chunks: Iterable[memoryview],
+    finish: Callable[[int], None] | None = None,
+) -> int:
     """Write ``name`` in ``folder`` via a fsynced temp file and a rename; returns its size.
+    ``finish(fd)``, when given, runs after the chunks are written and before the fsync.
 
     On any error the temp file is removed and ``name`` is as it was.
     """
@@ -229,9 +278,9 @@ def _write_atomic(folder: Path, name: str, chunks: Iterable[memoryview]) -> int:
     size = 0
     try:
         try:
-            for chunk in chunks:
-                _write_all(fd, chunk)
-                size += chunk.nbytes
+            size = _write_chunks(fd, list(chunks))
+            if finish is not None:
+                finish(fd)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -270,12 +319,15 @@ def _check_tensors(
         array = tensors[name]
         if not isinstance(array, np.ndarray):
             raise TypeError(f"tensor {name!r} is a {type(array).__name__}, not a numpy array")
-        if array.shape != tuple(shape) or array.dtype.name != dtype:
+        if array.shape != tuple(shape) or array.dtype != _dtype(dtype):
             raise ValueError(
                 f"tensor {name!r} is {array.dtype.name}{list(array.shape)}, "
                 f"expected {dtype}{list(shape)} for tokens [{start}, {start + n})"
             )
-        out.append((name, np.ascontiguousarray(array, array.dtype.newbyteorder("<"))))
+        if _LITTLE and array.dtype.isnative:
+            out.append((name, np.ascontiguousarray(array)))
+        else:
+            out.append((name, np.ascontiguousarray(array, array.dtype.newbyteorder("<"))))
     out.sort(key=lambda item: (-item[1].dtype.itemsize, item[0]))
     return out
 
@@ -426,10 +478,25 @@ def _write_segment(
     arrays: list[tuple[str, np.ndarray[Any, Any]]],
 ) -> SegmentEntry:
     views = [tensor_bytes(array) for _, array in arrays]
-    crc = checksum(views)
-    header = build_header(arrays, segment_metadata(identity, agent, start, stop, crc))
+    summing = crc32_async(views)  # alongside the writes; the header that holds it goes last
+    header = build_header(arrays, segment_metadata(identity, agent, start, stop, _NO_CRC))
+    crc = ""
+
+    def finish(fd: int) -> None:
+        nonlocal crc
+        crc = format_checksum(summing.result())
+        placeholder = msgspec.json.encode(_NO_CRC)
+        if header.count(placeholder) != 1:
+            raise AssertionError("a segment header must hold its checksum placeholder once")
+        final = header.replace(placeholder, msgspec.json.encode(crc))
+        if os.pwrite(fd, final, 0) != len(final):
+            raise OSError(errno.EIO, "short write of a segment header")
+
     name = f"seg-{number}.safetensors"
-    size = _write_atomic(folder, name, [memoryview(header), *views])
+    try:
+        size = _write_atomic(folder, name, [memoryview(header), *views], finish)
+    finally:
+        summing.result()  # the views must outlive the thread that reads them
     return SegmentEntry(
         file=name, start=start, stop=stop, use=stop - start, nbytes=size, checksum=crc
     )

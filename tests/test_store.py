@@ -669,6 +669,12 @@ class FailingOS:
         self._maybe_fail("write")
         return os.write(fd, data)
 
+    def writev(self, fd: int, buffers: Any) -> int:
+        # A short write, as writev may do: the first buffer and half of the second.
+        self._maybe_fail("write")
+        first, second = buffers[0], buffers[1]
+        return os.writev(fd, [first, second[: len(second) // 2]])
+
     def fsync(self, fd: int) -> None:
         self._maybe_fail("fsync")
         os.fsync(fd)
