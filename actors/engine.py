@@ -8,13 +8,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import mlx.core as mx
 import msgspec
 from mlx_lm.models.cache import BatchKVCache
 
 from ..kernels.agent_cache import AgentKV, StoredRange
+from ..kernels.qbatch import install_attention
 from ..kernels.qcodec import DEFAULT_CODEC, KVCodec
 from ..kernels.sampling import sample_rows
 from ..runtime import Reply, ThreadActor
@@ -53,6 +54,7 @@ from .protocol import (
 __all__ = ("EngineActor", "EngineConfig", "turn_reserve_bytes")
 
 ModelSpec = str | os.PathLike[str] | None | Callable[[], LoadedModel]
+Attention = Literal["auto", "quantized", "dequantized"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,14 @@ class EngineConfig:
     prefill step (decode steps of other agents run between chunks). ``codec``: how stored
     caches are quantized (None: the default Q4 codec). ``budget_bytes``: the hot tier's
     byte budget (None: unbounded). ``persistent``: a warm tier exists, so only caches safe
-    on disk may be demoted; without one, demotion drops a cache to cold (text only)."""
+    on disk may be demoted; without one, demotion drops a cache to cold (text only).
+    ``attention``: how turns read an agent's stored cache. ``"quantized"``: attention runs
+    over the quantized parts as stored (``mx.quantized_matmul``), batches are
+    QuantizedBatchCaches, and only the running turn's tokens are float. ``"dequantized"``:
+    each turn dequantizes the agent's cache into a float copy once, and batches are
+    mlx-lm BatchKVCaches of those. ``"auto"``: quantized on a GPU; dequantized on the CPU,
+    where MLX's quantized matmul is slower than float attention (bench/decode_batch.py).
+    The stored bytes, and so hot/warm equality, are the same either way."""
 
     max_batch: int = 8
     prefill_chunk: int = 256
@@ -70,10 +79,22 @@ class EngineConfig:
     budget_bytes: int | None = None
     persistent: bool = False
     policy: EvictionPolicy = field(default_factory=LRUPolicy)
+    attention: Attention = "auto"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
+        if self.attention not in ("auto", "quantized", "dequantized"):
+            raise ValueError(
+                f"attention must be 'auto', 'quantized' or 'dequantized', not {self.attention!r}"
+            )
+
+    def quantized_attention(self) -> bool:
+        """Whether turns attend over the quantized cache (resolving ``"auto"`` for the
+        device MLX runs on now)."""
+        if self.attention == "auto":
+            return mx.default_device() != mx.cpu
+        return self.attention == "quantized"
         if self.budget_bytes is not None and self.budget_bytes < 1:
             raise ValueError("budget_bytes must be positive (or None for no budget)")
 
@@ -139,12 +160,24 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def turn_reserve_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int) -> int:
-    """What a turn of ``tokens`` (prompt + max_tokens) reserves in the hot budget for its
-    working copy: fp32 K and V of every layer, in steps of 256 tokens, twice (the batch
-    pads rows and merging copies them)."""
+def turn_reserve_bytes(
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    tokens: int,
+    *,
+    stored_bytes: int | None = None,
+) -> int:
+    """What a turn reserves in the hot budget for its working cache, twice (the batch pads
+    rows and merging copies them). With dequantized attention (``stored_bytes`` None) that
+    is fp32 K and V of all ``tokens`` (prompt + max_tokens); with quantized attention, fp32
+    K and V of the ``tokens`` the turn adds, plus a copy of the agent's ``stored_bytes``
+    with scales widened to fp32 (at most 1.5x). Tokens count in steps of 256."""
     fp_bytes_per_token = 2 * 4 * n_layers * n_kv_heads * head_dim
-    return 2 * (-(-tokens // 256) * 256) * fp_bytes_per_token
+    fp = (-(-tokens // 256) * 256) * fp_bytes_per_token
+    if stored_bytes is None:
+        return 2 * fp
+    return 2 * (fp + stored_bytes * 3 // 2)
 
 
 class EngineActor(ThreadActor):
@@ -169,7 +202,7 @@ class EngineActor(ThreadActor):
         self._prefilling: deque[_Request] = deque()
         self._ready: deque[_Request] = deque()  # prefilled, waiting for a batch slot
         self._batch: list[_Request] = []
-        self._batch_cache: list[BatchKVCache] | None = None
+        self._batch_cache: list[Any] | None = None  # BatchKVCache or QuantizedBatchCache
         self._pinned: dict[int, int] = {}  # export id -> bytes still being written
         self._reserved: dict[str, int] = {}  # agent -> bytes of a prefetch being staged
         self._room_waiters: deque[tuple[str, int, Reply]] = deque()
@@ -186,6 +219,9 @@ class EngineActor(ThreadActor):
         self.lm = spec() if callable(spec) else load_model(spec, weights=self.config.weights)
         _settle_random_state()
         self._eos = self.lm.tokenizer.eos_token_ids
+        self._quantized = self.config.quantized_attention()
+        if self._quantized:
+            install_attention(self.lm.model)
         # A codec that cannot store this model's heads fails here, not mid-turn.
         for role in ("key", "value"):
             self.codec.expected_parts(0, 1, self.lm.n_kv_heads, self.lm.head_dim, role=role)
@@ -206,7 +242,13 @@ class EngineActor(ThreadActor):
         mx.synchronize()
 
     def _new_kv(self) -> AgentKV:
-        return AgentKV(self.codec, self.lm.n_layers, self.lm.n_kv_heads, self.lm.head_dim)
+        return AgentKV(
+            self.codec,
+            self.lm.n_layers,
+            self.lm.n_kv_heads,
+            self.lm.head_dim,
+            quantized=self._quantized,
+        )
 
     # -- messages ---------------------------------------------------------------------
     def receive(self, message: Any) -> Any:
@@ -331,7 +373,12 @@ class EngineActor(ThreadActor):
                 key=key,
                 detok=self.lm.tokenizer.detokenizer(),
                 reserve=turn_reserve_bytes(
-                    kv.n_layers, kv.n_kv_heads, kv.head_dim, len(msg.tokens) + sampling.max_tokens
+                    kv.n_layers,
+                    kv.n_kv_heads,
+                    kv.head_dim,
+                    (len(msg.tokens) - keep if kv.quantized else len(msg.tokens))
+                    + sampling.max_tokens,
+                    stored_bytes=kv.stored_bytes if kv.quantized else None,
                 ),
             )
         )
@@ -532,7 +579,7 @@ class EngineActor(ThreadActor):
         logits = self.lm.model(mx.array(chunk, dtype=mx.uint32)[None], cache=work)
         request.tokens.extend(chunk)
         if request.todo:
-            mx.eval([layer.state[:2] for layer in work])
+            mx.eval([layer.state for layer in work])
             self._measure()
             return True
         self._prefilling.popleft()
@@ -553,7 +600,11 @@ class EngineActor(ThreadActor):
     def _join_batch(self, request: _Request) -> None:
         kv = request.entry.kv
         assert kv.work is not None
-        merged = [BatchKVCache.merge([layer]) for layer in kv.work]
+        merged: list[Any] = (
+            kv.work  # one-row QuantizedBatchCaches
+            if self._quantized
+            else [BatchKVCache.merge([layer]) for layer in kv.work]
+        )
         kv.work = None  # the batch cache holds it now
         if self._batch_cache is None:
             self._batch_cache = merged

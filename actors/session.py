@@ -16,7 +16,7 @@ from ..kernels.qcodec import DEFAULT_CODEC, KVCodec
 from ..runtime import ActorRef, ReplyStream, Runtime
 from ._tokenizer import Tokenizer
 from .agent import AgentActor, AgentState, GetState, Turn, TurnDone
-from .engine import EngineActor, EngineConfig, ModelSpec
+from .engine import Attention, EngineActor, EngineConfig, ModelSpec
 from .errors import CacheRejected, UnknownAgent
 from .pool import EvictionPolicy, LRUPolicy
 from .prefetch import Prefetch, PrefetchActor, Stage, StageResult
@@ -353,6 +353,7 @@ def open(
     policy: EvictionPolicy | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     delete_rejected: bool = False,
+    attention: Attention = "auto",
 ) -> _Opening:
     """Open a session on ``model``: None for the default model (fetched once, verified), a
     ``.gguf`` file, a local MLX / Hugging Face model directory, or a callable returning a
@@ -364,7 +365,10 @@ def open(
     there, and agents of a new session resume from it. ``budget_bytes`` bounds the hot
     tier; ``codec`` picks how caches are stored (default: Q4 with Hadamard rotation);
     ``policy`` picks whom to demote (default LRU). ``delete_rejected`` deletes warm caches
-    that are refused (another model, corrupt) instead of setting them aside."""
+    that are refused (another model, corrupt) instead of setting them aside.
+    ``attention``: ``"quantized"`` runs attention and batches over the stored quantized
+    caches, ``"dequantized"`` over a float copy made at each turn's start; ``"auto"``
+    (default) picks quantized on a GPU and dequantized on the CPU (see EngineConfig)."""
     config = EngineConfig(
         max_batch=max_batch,
         prefill_chunk=prefill_chunk,
@@ -373,5 +377,6 @@ def open(
         budget_bytes=budget_bytes,
         persistent=cache_dir is not None,
         policy=policy or LRUPolicy(),
+        attention=attention,
     )
     return _Opening(Session(model, config, mailbox_size, cache_dir, delete_rejected))

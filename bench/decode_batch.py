@@ -3,7 +3,8 @@
     python bench/decode_batch.py [--model PATH] [--tokens 32] [--json PATH]
 
 Every size runs in the same process on the same engine, so the ratios compare like with
-like on a noisy machine. Each agent gets a different prompt; what counts is the window in
+like on a noisy machine; both attention modes (float copies vs quantized caches) run
+side by side, interleaved. Each agent gets a different prompt; what counts is the window in
 which all n agents decode together (from the last one's first token to the first one's
 last token), so the prefills of the others are left out.
 """
@@ -11,6 +12,7 @@ last token), so the prefills of the others are left out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import anyio
 
 import kvactor
+from kvactor.actors.engine import Attention
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper.",
@@ -53,17 +56,32 @@ async def measure(session: kvactor.Session, n: int, tokens: int, round_: int) ->
     return produced / (end - start)
 
 
+MODES: tuple[Attention, ...] = ("dequantized", "quantized")
+
+
 async def main(model: str | None, tokens: int, rounds: int) -> dict[str, Any]:
     sizes = [1, 2, 4, 8]
-    best: dict[int, float] = {n: 0.0 for n in sizes}
-    async with kvactor.open(model, max_batch=8) as session:
-        for r in range(rounds):  # interleave sizes across rounds against drift
-            for n in sizes:
-                best[n] = max(best[n], await measure(session, n, tokens, r))
+    best = {mode: {n: 0.0 for n in sizes} for mode in MODES}
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = {
+            mode: await stack.enter_async_context(kvactor.open(model, max_batch=8, attention=mode))
+            for mode in MODES
+        }
+        for r in range(rounds):  # interleave modes and sizes across rounds against drift
+            for mode, session in sessions.items():
+                for n in sizes:
+                    best[mode][n] = max(best[mode][n], await measure(session, n, tokens, r))
+    main_mode = best["dequantized"]
     return {
         "model": model or "default",
-        "agents": {str(n): round(v, 2) for n, v in best.items()},
-        "ratio_8_vs_1": round(best[8] / best[1], 2),
+        "agents": {str(n): round(v, 2) for n, v in main_mode.items()},
+        "ratio_8_vs_1": round(main_mode[8] / main_mode[1], 2),
+        "attention": {
+            mode: {str(n): round(v, 2) for n, v in values.items()} for mode, values in best.items()
+        },
+        "quantized_vs_dequantized": {
+            str(n): round(best["quantized"][n] / best["dequantized"][n], 2) for n in sizes
+        },
     }
 
 
@@ -75,11 +93,15 @@ if __name__ == "__main__":
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     result = anyio.run(main, args.model, args.tokens, args.rounds)
-    print("| agents | aggregate decode tok/s | vs 1 agent |")
-    print("|---:|---:|---:|")
+    print(
+        "| agents | aggregate decode tok/s | vs 1 agent | quantized attention tok/s "
+        "| quantized vs dequantized |"
+    )
+    print("|---:|---:|---:|---:|---:|")
     one = result["agents"]["1"]
     for n, v in result["agents"].items():
-        print(f"| {n} | {v:.1f} | {v / one:.2f}x |")
+        q = result["attention"]["quantized"][n]
+        print(f"| {n} | {v:.1f} | {v / one:.2f}x | {q:.1f} | {q / v:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -2,9 +2,12 @@
 
 The stored form is what the hot tier keeps and what the warm tier writes, byte for byte:
 a list of token ranges, each holding every layer's quantized K and V. While the agent
-decodes, a float working copy (mlx-lm KVCache per layer) holds every token; when its turn
-ends the new tokens are quantized into a new range and the working copy is dropped. So an
-agent kept hot and an agent reloaded from disk resume from the same bytes.
+takes a turn it has a working cache per layer: either a float copy of every token
+(dequantized at the start of the turn: an mlx-lm KVCache) or, with ``quantized``, a
+QuantizedBatchCache that reads the stored parts as they are and keeps only the turn's new
+tokens in float. When the turn ends the new tokens are quantized into a new range and the
+working cache is dropped. So an agent kept hot and an agent reloaded from disk resume from
+the same bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from .qcodec import KVCodec, Role
+from .qbatch import Kernel, QuantizedBatchCache
+from .qcodec import KVCodec, Role, concat_parts
 
 __all__ = ("AgentKV", "StoredRange", "segment_layout")
 
@@ -67,14 +71,25 @@ class AgentKV:
     Invariant: when not active, the stored ranges cover every token.
     """
 
-    def __init__(self, codec: KVCodec, n_layers: int, n_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        codec: KVCodec,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        quantized: bool = False,
+        kernel: Kernel = "quantized_matmul",
+    ) -> None:
         self.codec = codec
         self.n_layers = n_layers
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
+        self.quantized = quantized
+        self.kernel: Kernel = kernel
         self.tokens: list[int] = []
         self.ranges: list[StoredRange] = []
-        self.work: list[KVCache] | None = None
+        self.work: list[Any] | None = None  # KVCache, or QuantizedBatchCache when quantized
 
     # -- sizes ------------------------------------------------------------------------
     @property
@@ -94,9 +109,14 @@ class AgentKV:
         return self.stored_bytes + self.work_bytes
 
     # -- transitions ------------------------------------------------------------------
-    def activate(self) -> list[KVCache]:
-        """The fp working copy (built from the stored ranges once per turn)."""
+    def activate(self) -> list[Any]:
+        """The working cache of a turn, one per layer: with ``quantized``, a one-row
+        QuantizedBatchCache over the stored parts (nothing dequantized); else an fp copy
+        (an mlx-lm KVCache) dequantized from the stored ranges, once per turn."""
         if self.work is not None:
+            return self.work
+        if self.quantized:
+            self.work = [self._quantized_layer(layer) for layer in range(self.n_layers)]
             return self.work
         work = []
         for layer in range(self.n_layers):
@@ -110,6 +130,19 @@ class AgentKV:
             mx.eval([a for c in work for a in (c.keys, c.values)])
         self.work = work
         return work
+
+    def _quantized_layer(self, layer: int) -> QuantizedBatchCache:
+        keys = concat_parts([r.layers[layer][0] for r in self.ranges])
+        values = concat_parts([r.layers[layer][1] for r in self.ranges])
+        return QuantizedBatchCache.from_parts(
+            self.codec,
+            self.n_kv_heads,
+            self.head_dim,
+            keys,
+            values,
+            self.stored_tokens,
+            self.kernel,
+        )
 
     def _dequantize(self, layer: int, kind: int) -> mx.array:
         role: Role = "value" if kind else "key"
@@ -134,9 +167,13 @@ class AgentKV:
             return None
         layers: list[tuple[Parts, Parts]] = []
         for cache in self.work:
-            keys, values = cache.state[0], cache.state[1]
-            k = keys[:, :, start:stop, :]
-            v = values[:, :, start:stop, :]
+            if isinstance(cache, QuantizedBatchCache):
+                if cache.stored_lengths() != [start] or cache.tail_lengths() != [stop - start]:
+                    raise ValueError("the working cache does not hold this agent's new tokens")
+                k, v = cache.tail(0)
+            else:
+                k = cache.state[0][:, :, start:stop, :]
+                v = cache.state[1][:, :, start:stop, :]
             layers.append(
                 (
                     self.codec.quantize(k, start, role="key"),
@@ -155,6 +192,8 @@ class AgentKV:
             return
         del self.tokens[keep:]
         if self.work is not None:
+            if self.quantized:
+                raise ValueError("cannot trim a quantized working cache: end the turn first")
             for cache in self.work:
                 cache.trim(drop)
         kept: list[StoredRange] = []

@@ -143,6 +143,10 @@ class KVCodec:
             label += f"+s{self.sink_tokens}"
         return label
 
+    def role_spec(self, role: Role) -> tuple[int, int]:
+        """(bits, group_size) of keys or values. Raises ValueError for another role."""
+        return self._spec(role)
+
     def _spec(self, role: Role | None) -> tuple[int, int]:
         """(bits, group_size) of one role. Raises ValueError for a missing role of an asymmetric
         codec or an unknown role."""

@@ -17,6 +17,7 @@ from kvactor import (
     UnknownAgent,
     make_tiny_model,
 )
+from kvactor.actors.engine import Attention
 from kvactor.actors.protocol import Generate, Sampling
 
 PROMPTS = [
@@ -31,13 +32,18 @@ PROMPTS = [
 ]
 
 
+# Both ways a turn can read its stored cache: over a float copy, or quantized as stored.
+ATTENTION = pytest.mark.parametrize("attention", ["dequantized", "quantized"])
+
+
 def tiny(**overrides: Any) -> Any:
     # head_dim 64 so that the default Q4 g64 codec applies, as on real models
     return functools.partial(make_tiny_model, 0, **{"head_dim": 64, **overrides})
 
 
-async def test_multi_turn_prefills_only_the_new_text() -> None:
-    async with kvactor.open(tiny()) as session:
+@ATTENTION
+async def test_multi_turn_prefills_only_the_new_text(attention: Attention) -> None:
+    async with kvactor.open(tiny(), attention=attention) as session:
         agent = await session.spawn_agent("a", system="be brief")
         first = await agent.generate("hello", max_tokens=6)
         assert first.finish_reason == "length" and len(first.token_ids) == 6
@@ -57,8 +63,9 @@ async def test_multi_turn_prefills_only_the_new_text() -> None:
         assert history[2]["content"] == first.text
 
 
-async def test_greedy_output_is_the_same_alone_and_in_a_batch_of_8() -> None:
-    async with kvactor.open(tiny(), max_batch=8) as session:
+@ATTENTION
+async def test_greedy_output_is_the_same_alone_and_in_a_batch_of_8(attention: Attention) -> None:
+    async with kvactor.open(tiny(), max_batch=8, attention=attention) as session:
         solo = []
         for i, prompt in enumerate(PROMPTS):
             agent = await session.spawn_agent(f"solo-{i}")
@@ -77,8 +84,11 @@ async def test_greedy_output_is_the_same_alone_and_in_a_batch_of_8() -> None:
         assert stats.max_batch_seen >= 4  # they really decoded together
 
 
-async def test_decode_goes_on_while_a_long_prompt_is_prefilled_in_chunks() -> None:
-    async with kvactor.open(tiny(), prefill_chunk=8) as session:
+@ATTENTION
+async def test_decode_goes_on_while_a_long_prompt_is_prefilled_in_chunks(
+    attention: Attention,
+) -> None:
+    async with kvactor.open(tiny(), prefill_chunk=8, attention=attention) as session:
         talker = await session.spawn_agent("talker")
         reader = await session.spawn_agent("reader")
         events: list[str] = []
@@ -243,26 +253,35 @@ async def test_a_model_that_fails_to_load_fails_open() -> None:
             pass
 
 
-async def test_the_hot_budget_is_never_exceeded_and_caches_never_mix() -> None:
+@ATTENTION
+async def test_the_hot_budget_is_never_exceeded_and_caches_never_mix(attention: Attention) -> None:
     prompts = [f"agent number {i} says {'abc'[i % 3] * (i + 1)}" for i in range(12)]
-    async with kvactor.open(tiny()) as session:
+    async with kvactor.open(tiny(), attention=attention) as session:
         solo = []
         for i, prompt in enumerate(prompts):
             agent = await session.spawn_agent(f"solo-{i}")
             solo.append((await agent.generate(prompt, max_tokens=10)).token_ids)
     # Two turns (a 1 MiB reserve each) and a few idle caches of ~20 kB: the rest must go.
     budget = 2 * 1024 * 1024 + 64 * 1024
-    async with kvactor.open(tiny(), budget_bytes=budget, max_batch=8) as session:
+    async with kvactor.open(
+        tiny(), budget_bytes=budget, max_batch=8, attention=attention
+    ) as session:
         agents = [await session.spawn_agent(f"a-{i}") for i in range(len(prompts))]
         outs: list[list[int]] = [[] for _ in prompts]
 
         async def run(i: int) -> None:
             outs[i] = (await agents[i].generate(prompts[i], max_tokens=10)).token_ids
-            await agents[i].generate("and again", max_tokens=4)  # a second turn: reload/cold
+
+        async def again(i: int) -> None:
+            await agents[i].generate("and again", max_tokens=4)
 
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(run, i)
+        # Second turns of a few agents while the others idle: room must come from them.
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(again, i)
         stats = await session.stats()
         assert outs == solo  # nobody got another agent's cache
         assert stats.peak_bytes <= budget

@@ -17,6 +17,7 @@ import pytest
 import kvactor
 from kvactor import make_tiny_model
 from kvactor.actors.agent import match_prefix
+from kvactor.actors.engine import Attention
 
 
 def tiny(seed: int = 0, **overrides: Any) -> Any:
@@ -26,10 +27,13 @@ def tiny(seed: int = 0, **overrides: Any) -> Any:
 SYSTEM = "You are agent seven."
 
 
+ATTENTION = pytest.mark.parametrize("attention", ["dequantized", "quantized"])
+
+
 async def _two_turns_kept_hot(
-    cache_dir: Path | None,
+    cache_dir: Path | None, attention: Attention = "auto"
 ) -> tuple[kvactor.Completion, kvactor.Completion]:
-    async with kvactor.open(tiny(), cache_dir=cache_dir) as kv:
+    async with kvactor.open(tiny(), cache_dir=cache_dir, attention=attention) as kv:
         agent = await kv.spawn_agent("seven", system=SYSTEM)
         first = await agent.generate("tell me about tiers", max_tokens=12)
         second = await agent.generate("and the warm one?", max_tokens=12)
@@ -37,14 +41,17 @@ async def _two_turns_kept_hot(
         return first, second
 
 
-async def test_greedy_after_a_warm_reload_equals_the_cache_kept_hot(tmp_path: Path) -> None:
-    _, hot = await _two_turns_kept_hot(None)
-    async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
+@ATTENTION
+async def test_greedy_after_a_warm_reload_equals_the_cache_kept_hot(
+    tmp_path: Path, attention: Attention
+) -> None:
+    _, hot = await _two_turns_kept_hot(None, attention)
+    async with kvactor.open(tiny(), cache_dir=tmp_path, attention=attention) as kv:
         agent = await kv.spawn_agent("seven", system=SYSTEM)
         await agent.generate("tell me about tiers", max_tokens=12)
         cached = (await agent.state()).tokens
     # A new session (the engine is empty) finds the warm cache and resumes from it.
-    async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
+    async with kvactor.open(tiny(), cache_dir=tmp_path, attention=attention) as kv:
         agent = await kv.spawn_agent("seven", system=SYSTEM)
         state = await agent.state()
         assert state.restored and state.persisted == cached
@@ -88,11 +95,14 @@ def test_a_cache_saved_by_one_process_loads_in_another(tmp_path: Path) -> None:
     assert second == hot.token_ids
 
 
-async def test_demotion_to_warm_under_a_budget_changes_no_output(tmp_path: Path) -> None:
+@ATTENTION
+async def test_demotion_to_warm_under_a_budget_changes_no_output(
+    tmp_path: Path, attention: Attention
+) -> None:
     prompts = [f"agent {i}: {'xyz'[i % 3] * (2 + i)}" for i in range(8)]
 
     async def run_all(**options: Any) -> tuple[list[list[int]], kvactor.EngineStats]:
-        async with kvactor.open(tiny(), max_batch=4, **options) as kv:
+        async with kvactor.open(tiny(), max_batch=4, attention=attention, **options) as kv:
             agents = [await kv.spawn_agent(f"a{i}") for i in range(len(prompts))]
             outs: list[list[int]] = [[] for _ in prompts]
 

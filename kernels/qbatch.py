@@ -1,0 +1,485 @@
+"""Many agents' K/V caches in one batch, their past kept in its stored (quantized) form.
+
+A :class:`QuantizedBatchCache` is one layer's cache for a batch of rows (agents). Each row
+holds the tokens its agent had stored when its turn began, as the codec's parts (packed
+values, scales, biases: never dequantized into a full float copy), and a float *tail*: the
+tokens of the running turn. Attention runs over both (:meth:`QuantizedBatchCache.attend`):
+scores against the quantized past come from ``mx.quantized_matmul`` (dequantization fused
+into the product) or, as the pure-MLX reference, from dequantizing first; the tail is plain.
+When the turn ends, the tail is quantized into a new stored range (``AgentKV``), so the
+bytes kept between turns are exactly what the warm tier writes.
+
+The layout per row, left-padded within each region so that rows of other lengths line up:
+
+- region 0: the first ``codec.sink_tokens`` tokens (sinks: 8 bits when a role is coded below
+  8 bits; a role coded at >= 8 bits or fp16 keeps its own form, cut at the same token);
+- region 1: the rest of the stored tokens;
+- the tail: float K/V of the running turn, right-aligned like mlx-lm's ``BatchKVCache``.
+
+Keys and values of a rotating codec are stored in the Hadamard basis: queries are rotated
+before scoring them (``(qH)(kH)ᵀ = qkᵀ``) and the weighted sum of values rotated back.
+
+Like ``BatchKVCache`` it offers ``merge`` / ``extend`` / ``filter`` / ``extract``, so the
+engine's continuous batching adds and removes agents while others decode. A model calls it
+through :func:`install_attention`, which routes the ``scaled_dot_product_attention`` of
+mlx-lm model modules to :meth:`attend` for this cache (and leaves every other cache alone).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .qcodec import KVCodec, Role, dequantize_reference, rotate
+
+__all__ = ("Kernel", "QuantizedBatchCache", "install_attention")
+
+Kernel = Literal["quantized_matmul", "reference"]
+_ROLES: tuple[Role, Role] = ("key", "value")
+_SINK_BITS = 8
+_SINK = "sink_"
+
+
+class _Coded:
+    """One role's tokens of one region for every row: packed values with fp32 scales and
+    biases (``bits`` < 16), or plain fp32 values (``bits`` == 16). Arrays are
+    ``(B, H, W, ...)``; ``rotated`` tells whether they are in the Hadamard basis."""
+
+    __slots__ = ("arrays", "bits", "group", "rotated")
+
+    def __init__(self, bits: int, group: int, rotated: bool, arrays: tuple[mx.array, ...]):
+        self.bits, self.group, self.rotated, self.arrays = bits, group, rotated, arrays
+
+    def replace(self, arrays: tuple[mx.array, ...]) -> _Coded:
+        return _Coded(self.bits, self.group, self.rotated, arrays)
+
+    @property
+    def width(self) -> int:
+        return self.arrays[0].shape[2]
+
+    def dequantized(self) -> mx.array:
+        """``(B, H, W, D)`` fp32, still in the stored basis (the reference path)."""
+        if self.bits == 16:
+            return self.arrays[0]
+        q, s, b = self.arrays
+        return dequantize_reference(q, s, b, self.group, self.bits)
+
+
+def _pad_left(a: mx.array, n: int) -> mx.array:
+    if n == 0:
+        return a
+    return mx.pad(a, [(0, 0), (0, 0), (n, 0)] + [(0, 0)] * (a.ndim - 3))
+
+
+def _region_parts(
+    codec: KVCodec,
+    role: Role,
+    parts: Mapping[str, mx.array],
+    n: int,
+    n_kv_heads: int,
+    head_dim: int,
+) -> tuple[_Coded, _Coded]:
+    """A role's parts for tokens [0, n) of one agent, split into region 0 and region 1."""
+    bits, group = codec.role_spec(role)
+    cut = min(codec.sink_tokens, n)
+    rotated = codec.rotate and bits != 16
+
+    def coded(b: int, arrays: tuple[mx.array, ...]) -> _Coded:
+        if b != 16:
+            q, s, bias = arrays
+            arrays = (q, s.astype(mx.float32), bias.astype(mx.float32))
+        else:
+            arrays = (arrays[0].astype(mx.float32),)
+        return _Coded(b, group, rotated, arrays)
+
+    def empty(b: int) -> tuple[mx.array, ...]:
+        h = n_kv_heads
+        if b == 16:
+            return (mx.zeros((1, h, 0, head_dim), mx.float32),)
+        return (
+            mx.zeros((1, h, 0, head_dim * b // 32), mx.uint32),
+            mx.zeros((1, h, 0, head_dim // group), mx.float16),
+            mx.zeros((1, h, 0, head_dim // group), mx.float16),
+        )
+
+    if bits == 16 or bits >= _SINK_BITS:
+        names = ("x",) if bits == 16 else ("q", "s", "b")
+        whole = tuple(parts[k] for k in names) if n else empty(bits)
+        first = tuple(a[:, :, :cut] for a in whole)
+        rest = tuple(a[:, :, cut:] for a in whole)
+        return coded(bits, first), coded(bits, rest)
+    sinks = tuple(parts[_SINK + k] for k in "qsb") if cut else empty(_SINK_BITS)
+    body = tuple(parts[k] for k in "qsb") if n > cut else empty(bits)
+    return coded(_SINK_BITS, sinks), coded(bits, body)
+
+
+class QuantizedBatchCache:
+    """One layer's K/V for a batch of agents: stored past (quantized) + float tail.
+
+    Build one row with :meth:`from_parts`; combine rows with :meth:`merge` / :meth:`extend`;
+    drop rows with :meth:`filter`; take one out with :meth:`extract`. ``kernel`` picks how
+    attention reads the quantized past: ``"quantized_matmul"`` (MLX's fused kernel, on
+    every backend MLX has) or ``"reference"`` (dequantize, then plain matmuls).
+    """
+
+    step = 256
+
+    def __init__(
+        self,
+        codec: KVCodec,
+        head_dim: int,
+        regions: list[dict[Role, _Coded]],
+        region_lengths: list[list[int]],
+        kernel: Kernel = "quantized_matmul",
+    ) -> None:
+        if kernel not in ("quantized_matmul", "reference"):
+            raise ValueError(f"kernel must be 'quantized_matmul' or 'reference', not {kernel!r}")
+        self.codec = codec
+        self.head_dim = head_dim
+        self.kernel: Kernel = kernel
+        self._regions = regions
+        self._region_lengths = region_lengths
+        rows = len(region_lengths[0])
+        self._tail_lengths = [0] * rows
+        self.keys: mx.array | None = None  # tail (B, H, capacity, D)
+        self.values: mx.array | None = None
+        self._idx = 0  # tail columns in use
+        self.offset = mx.array([sum(r[i] for r in region_lengths) for i in range(rows)])
+
+    # -- building -------------------------------------------------------------------
+    @classmethod
+    def from_parts(
+        cls,
+        codec: KVCodec,
+        n_kv_heads: int,
+        head_dim: int,
+        key_parts: Mapping[str, mx.array],
+        value_parts: Mapping[str, mx.array],
+        n_tokens: int,
+        kernel: Kernel = "quantized_matmul",
+    ) -> QuantizedBatchCache:
+        """One row from a layer's stored parts of tokens [0, n_tokens) (``concat_parts`` of
+        its ranges); ``{}`` parts for an empty cache."""
+        split = {
+            role: _region_parts(codec, role, parts, n_tokens, n_kv_heads, head_dim)
+            for role, parts in zip(_ROLES, (key_parts, value_parts), strict=True)
+        }
+        regions = [{role: split[role][r] for role in _ROLES} for r in (0, 1)]
+        lengths = [[regions[r]["key"].width] for r in (0, 1)]
+        if lengths[0][0] + lengths[1][0] != n_tokens:
+            raise ValueError(f"the parts hold {sum(x[0] for x in lengths)} tokens, not {n_tokens}")
+        return cls(codec, head_dim, regions, lengths, kernel)
+
+    @property
+    def rows(self) -> int:
+        return len(self._tail_lengths)
+
+    def stored_lengths(self) -> list[int]:
+        """Per row, the tokens held in stored form (region 0 + region 1)."""
+        return [a + b for a, b in zip(*self._region_lengths, strict=True)]
+
+    def tail_lengths(self) -> list[int]:
+        return list(self._tail_lengths)
+
+    def tail(self, row: int) -> tuple[mx.array, mx.array]:
+        """The float K and V ``(1, H, n, D)`` of a row's running turn."""
+        n = self._tail_lengths[row]
+        if self.keys is None or self.values is None or n == 0:
+            raise ValueError(f"row {row} has no tail tokens")
+        lo = self._idx - n
+        return (
+            self.keys[row : row + 1, :, lo : self._idx],
+            self.values[row : row + 1, :, lo : self._idx],
+        )
+
+    # -- the mlx-lm cache protocol --------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` ``(B, H, N, D)`` to every row's tail."""
+        n = keys.shape[2]
+        prev = self._idx
+        if self.keys is None or self.values is None or prev + n > self.keys.shape[2]:
+            b, h, _, d = keys.shape
+            grow = -(-(prev + n) // self.step) * self.step
+            new_k = mx.zeros((b, h, grow, d), keys.dtype)
+            new_v = mx.zeros((b, h, grow, values.shape[3]), values.dtype)
+            if self.keys is not None and self.values is not None and prev:
+                new_k[:, :, :prev] = self.keys[:, :, :prev]
+                new_v[:, :, :prev] = self.values[:, :, :prev]
+            self.keys, self.values = new_k, new_v
+        self.keys[:, :, prev : prev + n] = keys
+        self.values[:, :, prev : prev + n] = values
+        self._idx = prev + n
+        self._tail_lengths = [t + n for t in self._tail_lengths]
+        self.offset = self.offset + n
+        return self.keys[:, :, : self._idx], self.values[:, :, : self._idx]
+
+    def make_mask(
+        self, n: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array:
+        """``(B, 1, n, columns)`` bool: which cached tokens each of ``n`` new queries sees
+        (every valid stored token; tail tokens up to its own position)."""
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention over a quantized batch")
+        parts = []
+        for region, lengths in zip(self._regions, self._region_lengths, strict=True):
+            width = region["key"].width
+            if width:
+                lens = mx.array(lengths)
+                valid = mx.arange(width)[None] >= (width - lens)[:, None]
+                parts.append(mx.broadcast_to(valid[:, None, None, :], (self.rows, 1, n, width)))
+        total = self._idx + n
+        cols = mx.arange(total)
+        first = total - (mx.array(self._tail_lengths) + n)
+        valid = cols[None] >= first[:, None]
+        causal = cols[None] <= (self._idx + mx.arange(n))[:, None]
+        parts.append(valid[:, None, None, :] & causal[None, None])
+        return mx.concatenate(parts, axis=-1)
+
+    def attend(self, queries: mx.array, scale: float, mask: mx.array | None) -> mx.array:
+        """Scaled dot-product attention of ``queries`` ``(B, n_heads, N, D)`` over this
+        cache (after ``update_and_fetch`` of the same step); ``mask`` from :meth:`make_mask`."""
+        if self.keys is None or self.values is None:
+            raise ValueError("attend needs the step's keys and values first (update_and_fetch)")
+        b, n_heads, n, d = queries.shape
+        h = self.keys.shape[1]
+        repeats = n_heads // h
+        out_dtype = queries.dtype
+        q = (queries.astype(mx.float32) * scale).reshape(b, h, repeats, n, d)
+        q_rot: mx.array | None = None
+        scores = []
+        widths = []
+        for region in self._regions:
+            coded = region["key"]
+            if not coded.width:
+                continue
+            if coded.rotated and q_rot is None:
+                q_rot = rotate(q)
+            query = q_rot if coded.rotated else q
+            assert query is not None
+            scores.append(self._product(query, coded, transpose=True))
+            widths.append(coded.width)
+        tail_k = self.keys[:, :, : self._idx].astype(mx.float32)
+        tail_v = self.values[:, :, : self._idx].astype(mx.float32)
+        scores.append(q @ tail_k[:, :, None].swapaxes(-1, -2))
+        s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+        if mask is not None:
+            s = mx.where(mask[:, :, None], s, mx.finfo(s.dtype).min)
+        p = mx.softmax(s, axis=-1, precise=True)
+        out = p[..., -self._idx :] @ tail_v[:, :, None]
+        rotated_sum: mx.array | None = None
+        at = 0
+        for region in self._regions:
+            coded = region["value"]
+            if not region["key"].width:
+                continue
+            width = widths.pop(0)
+            part = self._product(p[..., at : at + width], coded, transpose=False)
+            at += width
+            if coded.rotated:
+                rotated_sum = part if rotated_sum is None else rotated_sum + part
+            else:
+                out = out + part
+        if rotated_sum is not None:
+            out = out + rotate(rotated_sum)
+        return out.reshape(b, n_heads, n, d).astype(out_dtype)
+
+    def _product(self, x: mx.array, coded: _Coded, *, transpose: bool) -> mx.array:
+        """``x @ Cᵀ`` (transpose) or ``x @ C`` for the coded ``C`` of every row, broadcast
+        over the query-head repeats."""
+        if coded.bits == 16 or self.kernel == "reference":
+            c = coded.dequantized()[:, :, None]
+            return x @ (c.swapaxes(-1, -2) if transpose else c)
+        q, s, b = (a[:, :, None] for a in coded.arrays)
+        return mx.quantized_matmul(
+            x, q, s, b, transpose=transpose, group_size=coded.group, bits=coded.bits
+        )
+
+    # -- batch edits ----------------------------------------------------------------
+    @classmethod
+    def merge(cls, caches: Sequence[QuantizedBatchCache]) -> QuantizedBatchCache:
+        """One batch of every row of ``caches``, in order."""
+        if not caches:
+            raise ValueError("nothing to merge")
+        out = caches[0].extract_rows(list(range(caches[0].rows)))
+        for other in caches[1:]:
+            out.extend(other)
+        return out
+
+    def extend(self, other: QuantizedBatchCache) -> None:
+        """Append ``other``'s rows to this batch (in place)."""
+        if other.codec != self.codec or other.head_dim != self.head_dim:
+            raise ValueError("cannot batch caches of another codec or head size")
+        regions = []
+        for mine, theirs in zip(self._regions, other._regions, strict=True):
+            width = max(mine["key"].width, theirs["key"].width)
+            regions.append(
+                {
+                    role: mine[role].replace(
+                        tuple(
+                            mx.concatenate(
+                                [
+                                    _pad_left(a, width - mine[role].width),
+                                    _pad_left(c, width - theirs[role].width),
+                                ]
+                            )
+                            for a, c in zip(mine[role].arrays, theirs[role].arrays, strict=True)
+                        )
+                    )
+                    for role in _ROLES
+                }
+            )
+        self._regions = regions
+        self._region_lengths = [
+            a + b for a, b in zip(self._region_lengths, other._region_lengths, strict=True)
+        ]
+        idx = max(self._idx, other._idx)
+        tails = [c._padded_tail(idx) for c in (self, other)]
+        if tails[0] is None and tails[1] is None:
+            self.keys = self.values = None
+        else:
+            like = next(t for t in tails if t is not None)
+            filled = [
+                t if t is not None else _zeros_like_rows(like, c.rows)
+                for t, c in zip(tails, (self, other), strict=True)
+            ]
+            self.keys = mx.concatenate([t[0] for t in filled])
+            self.values = mx.concatenate([t[1] for t in filled])
+        self._idx = idx
+        self._tail_lengths = self._tail_lengths + other._tail_lengths
+        self.offset = mx.concatenate([self.offset, other.offset])
+
+    def _padded_tail(self, idx: int) -> tuple[mx.array, mx.array] | None:
+        if self.keys is None or self.values is None:
+            return None
+        pad = idx - self._idx
+        return (
+            _pad_left(self.keys[:, :, : self._idx], pad),
+            _pad_left(self.values[:, :, : self._idx], pad),
+        )
+
+    def filter(self, rows: Sequence[int] | mx.array) -> None:
+        """Keep only ``rows`` (in that order), in place; padding every kept row shares is
+        dropped."""
+        listed = cast(list[int], rows.tolist()) if isinstance(rows, mx.array) else list(rows)
+        keep = [int(i) for i in listed]
+        chosen = self.extract_rows(keep)
+        self.__dict__.update(chosen.__dict__)
+
+    def extract(self, row: int) -> QuantizedBatchCache:
+        """Row ``row`` alone, without padding."""
+        return self.extract_rows([row])
+
+    def extract_rows(self, rows: list[int]) -> QuantizedBatchCache:
+        if not rows or min(rows) < 0 or max(rows) >= self.rows:
+            raise IndexError(f"rows {rows} outside a batch of {self.rows}")
+        index = mx.array(rows)
+        regions = []
+        lengths = []
+        for region, lens in zip(self._regions, self._region_lengths, strict=True):
+            kept = [lens[i] for i in rows]
+            width = region["key"].width
+            cut = width - max(kept, default=0)
+            regions.append(
+                {
+                    role: coded.replace(tuple(a[index][:, :, cut:] for a in coded.arrays))
+                    for role, coded in region.items()
+                }
+            )
+            lengths.append(kept)
+        out = QuantizedBatchCache(self.codec, self.head_dim, regions, lengths, self.kernel)
+        tails = [self._tail_lengths[i] for i in rows]
+        out._tail_lengths = tails
+        out._idx = max(tails)
+        if self.keys is not None and self.values is not None and out._idx:
+            lo = self._idx - out._idx
+            out.keys = self.keys[index][:, :, lo : self._idx]
+            out.values = self.values[index][:, :, lo : self._idx]
+        out.offset = self.offset[index]
+        return out
+
+    # -- sizes ----------------------------------------------------------------------
+    def size(self) -> int:
+        return max(self.stored_lengths()[i] + self._tail_lengths[i] for i in range(self.rows))
+
+    def empty(self) -> bool:
+        return self.size() == 0
+
+    @property
+    def nbytes(self) -> int:
+        total = sum(a.nbytes for region in self._regions for c in region.values() for a in c.arrays)
+        if self.keys is not None and self.values is not None:
+            total += self.keys.nbytes + self.values.nbytes
+        return total
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Every array, for ``mx.eval``."""
+        arrays = [a for region in self._regions for c in region.values() for a in c.arrays]
+        if self.keys is not None and self.values is not None:
+            arrays += [self.keys, self.values]
+        return [*arrays, self.offset]
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+def _zeros_like_rows(like: tuple[mx.array, mx.array], rows: int) -> tuple[mx.array, mx.array]:
+    k, v = like
+    return (
+        mx.zeros((rows, *k.shape[1:]), k.dtype),
+        mx.zeros((rows, *v.shape[1:]), v.dtype),
+    )
+
+
+# ---------------------------------------------------------------------- model hook
+_HOOKED = "_kvactor_quantized_batch"
+
+
+def install_attention(model: nn.Module) -> int:
+    """Route attention of ``model`` to :meth:`QuantizedBatchCache.attend` whenever its cache
+    is one: wraps the ``scaled_dot_product_attention`` global of every mlx-lm module whose
+    classes make up the model (other caches go to the original). Idempotent; returns how
+    many modules were wrapped now.
+
+    Raises TypeError when no module of the model calls such a function (an architecture
+    whose attention cannot run over a quantized batch).
+    """
+    names = {type(m).__module__ for _, m in model.named_modules()}
+    found = wrapped = 0
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        original = getattr(module, "scaled_dot_product_attention", None)
+        if module is None or original is None:
+            continue
+        found += 1
+        if getattr(original, _HOOKED, False):
+            continue
+        module.scaled_dot_product_attention = _routed(original)  # type: ignore[attr-defined]
+        wrapped += 1
+    if not found:
+        raise TypeError(f"{type(model).__name__}: no attention function to route")
+    return wrapped
+
+
+def _routed(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def scaled_dot_product_attention(
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        cache: Any,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        if isinstance(cache, QuantizedBatchCache):
+            if sinks is not None:
+                raise NotImplementedError("learned attention sinks over a quantized batch")
+            return cache.attend(queries, scale, mask if isinstance(mask, mx.array) else None)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    setattr(scaled_dot_product_attention, _HOOKED, True)
+    return scaled_dot_product_attention

@@ -1,0 +1,160 @@
+"""The quantized batch cache: attention over stored parts, batch edits (tiny model, real MLX)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvactor.actors.engine import EngineConfig
+from kvactor.actors.model import LoadedModel, make_tiny_model
+from kvactor.kernels.agent_cache import AgentKV
+from kvactor.kernels.qbatch import QuantizedBatchCache, install_attention
+from kvactor.kernels.qcodec import DEFAULT_CODEC, KVCodec
+
+CODECS = [
+    DEFAULT_CODEC,  # K5/V3 + rotation + 8-bit sinks
+    KVCodec(bits=4),  # plain Q4 g64, no sinks
+    KVCodec(bits=4, key_bits=8, rotate=True, sink_tokens=4),  # keys >= 8 bits: cut, not sinks
+    KVCodec(bits=8, key_bits=16),  # fp16 keys next to 8-bit values
+    KVCodec(bits=16),
+]
+
+
+@pytest.fixture(scope="module")
+def lm() -> LoadedModel:
+    loaded = make_tiny_model(0, head_dim=64)
+    install_attention(loaded.model)
+    return loaded
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 200) for _ in range(n)]
+
+
+def stored(lm: LoadedModel, codec: KVCodec, toks: list[int], turns: list[int]) -> AgentKV:
+    """An agent cache holding ``toks``, stored in one range per turn."""
+    kv = AgentKV(codec, lm.n_layers, lm.n_kv_heads, lm.head_dim)
+    at = 0
+    for n in turns:
+        lm.model(mx.array(toks[at : at + n])[None], cache=kv.activate())
+        kv.tokens.extend(toks[at : at + n])
+        at += n
+        kv.deactivate()
+    return kv
+
+
+def quantized(kv: AgentKV, kernel: Any = "quantized_matmul") -> list[QuantizedBatchCache]:
+    kv.quantized, kv.kernel = True, kernel
+    try:
+        return kv.activate()
+    finally:
+        kv.work, kv.quantized = None, False
+
+
+def close(diff: mx.array, atol: float = 1e-4) -> bool:
+    return bool(mx.abs(diff).max() < atol)
+
+
+def logits_of(lm: LoadedModel, toks: list[int], cache: list[Any]) -> mx.array:
+    out = lm.model(mx.array(toks)[None], cache=cache)
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_attention_over_stored_parts_equals_attention_over_their_float_copy(
+    lm: LoadedModel, codec: KVCodec
+) -> None:
+    # Three ranges, the first shorter than the sinks: region cuts fall inside ranges.
+    kv = stored(lm, codec, tokens(50, 1), [3, 30, 17])
+    new = tokens(6, 2)
+    expected = logits_of(lm, new, kv.activate())  # dequantized float copy, plain attention
+    kv.work = None
+    for kernel in ("reference", "quantized_matmul"):
+        got = logits_of(lm, new, quantized(kv, kernel))
+        assert close(got - expected), kernel
+
+
+def test_an_empty_cache_attends_to_its_tail_only(lm: LoadedModel) -> None:
+    kv = AgentKV(DEFAULT_CODEC, lm.n_layers, lm.n_kv_heads, lm.head_dim)
+    new = tokens(9, 3)
+    plain = logits_of(lm, new, [KVCache() for _ in range(lm.n_layers)])
+    got = logits_of(lm, new, quantized(kv))
+    assert close(got - plain)
+
+
+def test_a_batch_decodes_every_row_as_it_would_alone(lm: LoadedModel) -> None:
+    lengths, prefills = (2, 40, 70), (5, 1, 9)  # row 0 holds fewer tokens than the sinks
+    rows = [quantized(stored(lm, DEFAULT_CODEC, tokens(n, i), [n])) for i, n in enumerate(lengths)]
+    for i, (caches, n) in enumerate(zip(rows, prefills, strict=True)):
+        logits_of(lm, tokens(n, 10 + i), caches)
+    batch = [QuantizedBatchCache.merge([r[layer] for r in rows]) for layer in range(lm.n_layers)]
+    assert batch[0].stored_lengths() == list(lengths)
+    assert batch[0].tail_lengths() == list(prefills)
+
+    def alone(i: int, caches: list[QuantizedBatchCache], step: list[int]) -> mx.array:
+        return logits_of(lm, step, [c.extract(i) for c in caches])[0, -1]
+
+    steps = [[7], [8], [9]]
+    expect = [alone(i, batch, steps[i]) for i in range(3)]
+    got = lm.model(mx.array(steps), cache=batch)[:, -1]
+    for i in range(3):
+        assert close(got[i] - expect[i])
+    # Drop the middle row, keep the others in a new order, and decode on.
+    for layer in batch:
+        layer.filter([2, 0])
+    assert batch[0].stored_lengths() == [70, 2]
+    assert batch[0].tail_lengths() == [prefills[2] + 1, prefills[0] + 1]
+    expect = [alone(0, batch, [3]), alone(1, batch, [4])]
+    got = lm.model(mx.array([[3], [4]]), cache=batch)[:, -1]
+    for i in range(2):
+        assert close(got[i] - expect[i])
+    # A row taken out holds its turn's tokens, unpadded.
+    row = batch[0].extract(1)
+    k, v = row.tail(0)
+    assert k.shape == v.shape == (1, lm.n_kv_heads, prefills[0] + 2, lm.head_dim)
+
+
+def test_a_batch_holds_the_past_quantized(lm: LoadedModel) -> None:
+    kv = stored(lm, DEFAULT_CODEC, tokens(512, 4), [256, 256])
+    float_copy = sum(layer.nbytes for layer in kv.activate())  # fp32 K and V of 512 tokens
+    kv.work = None
+    batch = quantized(kv)
+    held = sum(layer.nbytes for layer in batch)
+    # 5-bit keys, 3-bit values, fp32 scales: ~0.16 of the fp32 copy (0.31 of fp16).
+    assert held < 0.2 * float_copy
+    assert held < 1.5 * kv.stored_bytes
+
+
+def test_routing_attention_leaves_other_caches_alone() -> None:
+    loaded = make_tiny_model(0, head_dim=64)
+    new = tokens(12, 5)
+    before = logits_of(loaded, new, [KVCache() for _ in range(loaded.n_layers)])
+    assert install_attention(loaded.model) <= 1
+    assert install_attention(loaded.model) == 0  # idempotent
+    after = logits_of(loaded, new, [KVCache() for _ in range(loaded.n_layers)])
+    assert mx.array_equal(before, after).item()
+
+
+def test_bad_use_gets_clear_errors(lm: LoadedModel) -> None:
+    kv = stored(lm, DEFAULT_CODEC, tokens(20, 6), [20])
+    layer = quantized(kv)[0]
+    other = quantized(stored(lm, KVCodec(bits=4), tokens(20, 6), [20]))[0]
+    with pytest.raises(ValueError, match="another codec"):
+        layer.extend(other)
+    with pytest.raises(IndexError, match="outside a batch of 1"):
+        layer.extract(1)
+    with pytest.raises(ValueError, match="no tail tokens"):
+        layer.tail(0)
+    with pytest.raises(ValueError, match="kernel must be"):
+        QuantizedBatchCache(DEFAULT_CODEC, 64, [], [[0]], kernel="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="attention must be"):
+        EngineConfig(attention="fast")  # type: ignore[arg-type]
+    parts = kv.ranges[0].layers[0]
+    with pytest.raises(ValueError, match="not 21"):
+        QuantizedBatchCache.from_parts(DEFAULT_CODEC, lm.n_kv_heads, 64, *parts, 21)
