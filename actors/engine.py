@@ -186,10 +186,12 @@ class EngineActor(ThreadActor):
     ``Generate`` requests are queued; ``on_idle`` alternates one prefill chunk of the oldest
     prefilling request with one batched decode step of every decoding agent, so long prompts
     never starve decodes and new agents join the batch while others decode. Each agent's
-    cache stays in the engine between turns, quantized; while it decodes it also has a
-    float working copy. One byte budget covers all of it, plus caches being written to
-    disk and prefetches being staged; when a request needs room, the policy demotes idle
-    agents (hot → warm when their warm copy is complete, hot → cold without a warm tier).
+    cache stays in the engine between turns, quantized; during a turn it is read either
+    as stored (quantized attention, batched in a QuantizedBatchCache) or through a float
+    working copy made at the turn's start (``EngineConfig.attention``). One byte budget
+    covers all of it, plus caches being written to disk and prefetches being staged; when
+    a request needs room, the policy demotes idle agents (hot → warm when their warm copy
+    is complete, hot → cold without a warm tier).
     """
 
     def __init__(self, model: ModelSpec = None, config: EngineConfig | None = None) -> None:

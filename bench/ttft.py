@@ -1,7 +1,8 @@
 """Time to first token of the default model when an agent comes back: cold (full prefill),
 warm (its cache reloaded from disk, page cache dropped), warm after a prefetch hint, and
 hot (cache in memory), at several context lengths, in one run; warm and hot again with
-``attention="quantized"`` (turns attend over the stored cache, no float copy is made).
+``attention="quantized"`` (turns attend over the stored cache, no float copy is made), and
+one agent's decode tokens/s at that context in both attention modes.
 
     python bench/ttft.py [--contexts 1024 2048 4096] [--json PATH]
 
@@ -67,6 +68,12 @@ async def timed(agent: kvactor.Agent, prompt: str) -> tuple[float, kvactor.Compl
     return time.perf_counter() - t0, done
 
 
+async def decode_rate(agent: kvactor.Agent, prompt: str, tokens: int = 17) -> float:
+    """Decode tokens/s of one agent at this context (after its first token)."""
+    done = await agent.complete(prompt, max_tokens=tokens)
+    return (done.timings.generated_tokens - 1) / done.timings.decode_s
+
+
 async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
     async with kvactor.open(cache_dir=root) as kv:
         prompt = kv.tokenizer.decode(kv.tokenizer.encode(text)[:n])
@@ -98,6 +105,9 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
         warm_q_s, warm_q = await timed(agent, prompt)
         await agent.state()
         hot_q_s, hot_q = await timed(agent, prompt)
+        decode_q = await decode_rate(agent, prompt)
+    async with kvactor.open(cache_dir=root, attention="dequantized") as kv:
+        decode_d = await decode_rate(await kv.spawn_agent(f"ttft-{n}"), prompt)
     paths = (cold.path, warm.path, hot.path, prefetched.path, warm_q.path, hot_q.path)
     assert paths == ("cold", "warm", "hot", "hot", "warm", "hot"), paths
     return {
@@ -109,6 +119,8 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
         "hot_s": hot_s,
         "warm_quantized_s": warm_q_s,
         "hot_quantized_s": hot_q_s,
+        "decode_tok_s": decode_d,
+        "decode_quantized_tok_s": decode_q,
         "file_bytes": file_bytes,
         "page_cache_dropped": dropped,
     }
@@ -135,15 +147,17 @@ if __name__ == "__main__":
     out = anyio.run(main, args.contexts)
     print(
         "| context | cold (prefill) | warm (disk) | warm, prefetched | hot | cold / warm "
-        "| warm, quantized attention | hot, quantized attention | file | disk read |"
+        "| warm, quantized attention | hot, quantized attention | decode tok/s "
+        "| decode tok/s, quantized attention | file | disk read |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, r in out["contexts"].items():
         print(
             f"| {n} | {r['cold_s']:.2f} s | {r['warm_s'] * 1e3:.0f} ms "
             f"| {r['warm_prefetched_s'] * 1e3:.0f} ms | {r['hot_s'] * 1e3:.0f} ms "
             f"| {r['cold_s'] / r['warm_s']:.0f}x | {r['warm_quantized_s'] * 1e3:.0f} ms "
-            f"| {r['hot_quantized_s'] * 1e3:.0f} ms | {r['file_bytes'] / 1e6:.1f} MB "
+            f"| {r['hot_quantized_s'] * 1e3:.0f} ms | {r['decode_tok_s']:.1f} "
+            f"| {r['decode_quantized_tok_s']:.1f} | {r['file_bytes'] / 1e6:.1f} MB "
             f"| {r['disk_read_gbps']:.2f} GB/s |"
         )
     if args.json:

@@ -79,7 +79,7 @@ class AgentKV:
         head_dim: int,
         *,
         quantized: bool = False,
-        kernel: Kernel = "quantized_matmul",
+        kernel: Kernel = "auto",
     ) -> None:
         self.codec = codec
         self.n_layers = n_layers

@@ -38,10 +38,11 @@ from .qcodec import KVCodec, Role, dequantize_reference, rotate
 
 __all__ = ("Kernel", "QuantizedBatchCache", "install_attention")
 
-Kernel = Literal["quantized_matmul", "reference"]
+Kernel = Literal["auto", "quantized_matmul", "reference"]
 _ROLES: tuple[Role, Role] = ("key", "value")
 _SINK_BITS = 8
 _SINK = "sink_"
+_CPU_FUSED_MAX_QUERIES = 2
 
 
 class _Coded:
@@ -123,7 +124,8 @@ class QuantizedBatchCache:
     Build one row with :meth:`from_parts`; combine rows with :meth:`merge` / :meth:`extend`;
     drop rows with :meth:`filter`; take one out with :meth:`extract`. ``kernel`` picks how
     attention reads the quantized past: ``"quantized_matmul"`` (MLX's fused kernel, on
-    every backend MLX has) or ``"reference"`` (dequantize, then plain matmuls).
+    every backend MLX has), ``"reference"`` (dequantize, then plain matmuls) or
+    ``"auto"`` (per step, the faster of the two for the device and query count).
     """
 
     step = 256
@@ -134,10 +136,12 @@ class QuantizedBatchCache:
         head_dim: int,
         regions: list[dict[Role, _Coded]],
         region_lengths: list[list[int]],
-        kernel: Kernel = "quantized_matmul",
+        kernel: Kernel = "auto",
     ) -> None:
-        if kernel not in ("quantized_matmul", "reference"):
-            raise ValueError(f"kernel must be 'quantized_matmul' or 'reference', not {kernel!r}")
+        if kernel not in ("auto", "quantized_matmul", "reference"):
+            raise ValueError(
+                f"kernel must be 'auto', 'quantized_matmul' or 'reference', not {kernel!r}"
+            )
         self.codec = codec
         self.head_dim = head_dim
         self.kernel: Kernel = kernel
@@ -160,7 +164,7 @@ class QuantizedBatchCache:
         key_parts: Mapping[str, mx.array],
         value_parts: Mapping[str, mx.array],
         n_tokens: int,
-        kernel: Kernel = "quantized_matmul",
+        kernel: Kernel = "auto",
     ) -> QuantizedBatchCache:
         """One row from a layer's stored parts of tokens [0, n_tokens) (``concat_parts`` of
         its ranges); ``{}`` parts for an empty cache."""
@@ -249,6 +253,7 @@ class QuantizedBatchCache:
         repeats = n_heads // h
         out_dtype = queries.dtype
         q = (queries.astype(mx.float32) * scale).reshape(b, h, repeats, n, d)
+        kernel = self._kernel_for(n)
         q_rot: mx.array | None = None
         scores = []
         widths = []
@@ -260,7 +265,7 @@ class QuantizedBatchCache:
                 q_rot = rotate(q)
             query = q_rot if coded.rotated else q
             assert query is not None
-            scores.append(self._product(query, coded, transpose=True))
+            scores.append(_product(query, coded, kernel, transpose=True))
             widths.append(coded.width)
         tail_k = self.keys[:, :, : self._idx].astype(mx.float32)
         tail_v = self.values[:, :, : self._idx].astype(mx.float32)
@@ -277,7 +282,7 @@ class QuantizedBatchCache:
             if not region["key"].width:
                 continue
             width = widths.pop(0)
-            part = self._product(p[..., at : at + width], coded, transpose=False)
+            part = _product(p[..., at : at + width], coded, kernel, transpose=False)
             at += width
             if coded.rotated:
                 rotated_sum = part if rotated_sum is None else rotated_sum + part
@@ -287,16 +292,15 @@ class QuantizedBatchCache:
             out = out + rotate(rotated_sum)
         return out.reshape(b, n_heads, n, d).astype(out_dtype)
 
-    def _product(self, x: mx.array, coded: _Coded, *, transpose: bool) -> mx.array:
-        """``x @ Cᵀ`` (transpose) or ``x @ C`` for the coded ``C`` of every row, broadcast
-        over the query-head repeats."""
-        if coded.bits == 16 or self.kernel == "reference":
-            c = coded.dequantized()[:, :, None]
-            return x @ (c.swapaxes(-1, -2) if transpose else c)
-        q, s, b = (a[:, :, None] for a in coded.arrays)
-        return mx.quantized_matmul(
-            x, q, s, b, transpose=transpose, group_size=coded.group, bits=coded.bits
-        )
+    def _kernel_for(self, n_queries: int) -> Kernel:
+        """``"auto"``: the fused kernel on a GPU; on the CPU only for one or two queries a
+        row (MLX's CPU quantized matmul costs in proportion to the queries, so a prefill
+        chunk is faster dequantizing the past once: bench/ttft.py)."""
+        if self.kernel != "auto":
+            return self.kernel
+        if mx.default_device() != mx.cpu or n_queries <= _CPU_FUSED_MAX_QUERIES:
+            return "quantized_matmul"
+        return "reference"
 
     # -- batch edits ----------------------------------------------------------------
     @classmethod
@@ -425,6 +429,18 @@ class QuantizedBatchCache:
 
     def is_trimmable(self) -> bool:
         return False
+
+
+def _product(x: mx.array, coded: _Coded, kernel: Kernel, *, transpose: bool) -> mx.array:
+    """``x @ Cᵀ`` (transpose) or ``x @ C`` for the coded ``C`` of every row, broadcast over
+    the query-head repeats."""
+    if coded.bits == 16 or kernel == "reference":
+        c = coded.dequantized()[:, :, None]
+        return x @ (c.swapaxes(-1, -2) if transpose else c)
+    q, s, b = (a[:, :, None] for a in coded.arrays)
+    return mx.quantized_matmul(
+        x, q, s, b, transpose=transpose, group_size=coded.group, bits=coded.bits
+    )
 
 
 def _zeros_like_rows(like: tuple[mx.array, mx.array], rows: int) -> tuple[mx.array, mx.array]:

@@ -8,7 +8,7 @@ import string
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -99,7 +99,8 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     - ``budget_mb`` (10^6 bytes) bounds the hot tier; ``hot_agents`` instead sizes it for
       the running turns plus that many idle agents' caches, estimated from the model and
       the prompts. Neither: unbounded.
-    - ``policy``: whom to demote ("lru"); ``max_batch`` / ``prefill_chunk``: the engine's;
+    - ``policy``: whom to demote ("lru"); ``max_batch`` / ``prefill_chunk`` / ``attention``
+      ("auto", "quantized" or "dequantized": see ``kvactor.open``): the engine's;
       ``concurrency``: turns in flight at once within a phase; ``prefetch``: hint the next
       agent's warm cache into memory while the current turn decodes.
     - ``cold_reference``: at the end, prefill the longest turn's prompt again from
@@ -118,6 +119,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     policy: str = "lru"
     max_batch: Positive = 8
     prefill_chunk: Positive = 256
+    attention: Literal["auto", "quantized", "dequantized"] = "auto"
     concurrency: Positive = 1
     prefetch: bool = False
     cold_reference: bool = True

@@ -389,6 +389,7 @@ async def run_scenario(
         spec,
         max_batch=scenario.max_batch,
         prefill_chunk=scenario.prefill_chunk,
+        attention=scenario.attention,
         budget_bytes=budget,
         policy=POLICIES[scenario.policy](),
         cache_dir=root,

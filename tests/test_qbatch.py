@@ -49,6 +49,8 @@ def stored(lm: LoadedModel, codec: KVCodec, toks: list[int], turns: list[int]) -
 
 
 def quantized(kv: AgentKV, kernel: Any = "quantized_matmul") -> list[QuantizedBatchCache]:
+    # The fused kernel by default, whatever the query count: "auto" would pick the
+    # reference for prefills on the CPU, and these tests must check the fused path too.
     kv.quantized, kv.kernel = True, kernel
     try:
         return kv.activate()
@@ -75,7 +77,7 @@ def test_attention_over_stored_parts_equals_attention_over_their_float_copy(
     new = tokens(6, 2)
     expected = logits_of(lm, new, kv.activate())  # dequantized float copy, plain attention
     kv.work = None
-    for kernel in ("reference", "quantized_matmul"):
+    for kernel in ("reference", "quantized_matmul", "auto"):
         got = logits_of(lm, new, quantized(kv, kernel))
         assert close(got - expected), kernel
 
