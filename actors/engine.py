@@ -8,7 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 import mlx.core as mx
 import msgspec
@@ -84,9 +84,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
-        if self.attention not in ("auto", "quantized", "dequantized"):
+        if self.budget_bytes is not None and self.budget_bytes < 1:
+            raise ValueError("budget_bytes must be positive (or None for no budget)")
+        if self.attention not in get_args(Attention):
             raise ValueError(
-                f"attention must be 'auto', 'quantized' or 'dequantized', not {self.attention!r}"
+                f"attention must be one of {get_args(Attention)}, not {self.attention!r}"
             )
 
     def quantized_attention(self) -> bool:
@@ -95,8 +97,6 @@ class EngineConfig:
         if self.attention == "auto":
             return mx.default_device() != mx.cpu
         return self.attention == "quantized"
-        if self.budget_bytes is not None and self.budget_bytes < 1:
-            raise ValueError("budget_bytes must be positive (or None for no budget)")
 
 
 @dataclass

@@ -8,12 +8,12 @@ import string
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
 from .actors import make_tiny_model
-from .actors.engine import ModelSpec
+from .actors.engine import Attention, ModelSpec
 from .actors.errors import InvalidAgentId
 from .actors.pool import EvictionPolicy, LRUPolicy
 from .actors.protocol import check_agent_id
@@ -119,7 +119,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     policy: str = "lru"
     max_batch: Positive = 8
     prefill_chunk: Positive = 256
-    attention: Literal["auto", "quantized", "dequantized"] = "auto"
+    attention: Attention = "auto"
     concurrency: Positive = 1
     prefetch: bool = False
     cold_reference: bool = True

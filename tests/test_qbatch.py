@@ -155,8 +155,10 @@ def test_bad_use_gets_clear_errors(lm: LoadedModel) -> None:
         layer.tail(0)
     with pytest.raises(ValueError, match="kernel must be"):
         QuantizedBatchCache(DEFAULT_CODEC, 64, [], [[0]], kernel="fast")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="attention must be"):
+    with pytest.raises(ValueError, match="attention must be one of"):
         EngineConfig(attention="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="budget_bytes must be positive"):
+        EngineConfig(attention="quantized", budget_bytes=0)
     parts = kv.ranges[0].layers[0]
     with pytest.raises(ValueError, match="not 21"):
         QuantizedBatchCache.from_parts(DEFAULT_CODEC, lm.n_kv_heads, 64, *parts, 21)
