@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ._fileio import ShortRead, crc32_async, read_whole
+from ._fileio import ShortRead, in_background, read_whole
 from ._manifest import (
     CLOEXEC,
     FORMAT_VERSION,
@@ -478,13 +478,13 @@ def _write_segment(
     arrays: list[tuple[str, np.ndarray[Any, Any]]],
 ) -> SegmentEntry:
     views = [tensor_bytes(array) for _, array in arrays]
-    summing = crc32_async(views)  # alongside the writes; the header that holds it goes last
+    summing = in_background(checksum, views)  # while writing; the header holding it goes last
     header = build_header(arrays, segment_metadata(identity, agent, start, stop, _NO_CRC))
     crc = ""
 
     def finish(fd: int) -> None:
         nonlocal crc
-        crc = format_checksum(summing.result())
+        crc = summing.result()
         placeholder = msgspec.json.encode(_NO_CRC)
         if header.count(placeholder) != 1:
             raise AssertionError("a segment header must hold its checksum placeholder once")

@@ -34,14 +34,12 @@ from typing import Any, Literal, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from .qcodec import KVCodec, Role, dequantize_reference, rotate
+from .qcodec import _SINK, _SINK_BITS, KVCodec, Role, dequantize_reference, rotate
 
 __all__ = ("Kernel", "QuantizedBatchCache", "install_attention")
 
 Kernel = Literal["auto", "quantized_matmul", "reference"]
 _ROLES: tuple[Role, Role] = ("key", "value")
-_SINK_BITS = 8
-_SINK = "sink_"
 _CPU_FUSED_MAX_QUERIES = 2
 
 
