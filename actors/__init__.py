@@ -1,11 +1,18 @@
-"""Actors (engine, agent, store, prefetch), the hot-tier budget, model loading, session API."""
+"""The LLM layer: engine, agent, store and prefetch actors, the hot tier (pool), model
+loading and the session API. ``kvactor`` re-exports the application's part of it."""
 
 from __future__ import annotations
 
 from ._tokenizer import Detokenizer as Detokenizer
 from ._tokenizer import Tokenizer as Tokenizer
+from .config import Attention as Attention
+from .config import EngineConfig as EngineConfig
 from .engine import EngineActor as EngineActor
-from .engine import EngineConfig as EngineConfig
+from .enums import FinishReason as FinishReason
+from .enums import Match as Match
+from .enums import Room as Room
+from .enums import StageOutcome as StageOutcome
+from .enums import Tier as Tier
 from .errors import AgentBusy as AgentBusy
 from .errors import BudgetExceeded as BudgetExceeded
 from .errors import CacheMiss as CacheMiss
@@ -14,14 +21,18 @@ from .errors import ContextOverflow as ContextOverflow
 from .errors import EngineStopped as EngineStopped
 from .errors import InvalidAgentId as InvalidAgentId
 from .errors import KvactorError as KvactorError
+from .errors import ModelLoadError as ModelLoadError
 from .errors import StoreWriteError as StoreWriteError
 from .errors import UnknownAgent as UnknownAgent
 from .model import LoadedModel as LoadedModel
-from .model import ModelLoadError as ModelLoadError
 from .model import default_model_path as default_model_path
 from .model import fetch_default_model as fetch_default_model
 from .model import load_model as load_model
 from .model import make_tiny_model as make_tiny_model
+from .pool import CachePool as CachePool
+from .pool import Candidate as Candidate
+from .pool import EvictionPolicy as EvictionPolicy
+from .pool import LRUPolicy as LRUPolicy
 from .protocol import CacheInfo as CacheInfo
 from .protocol import EngineStats as EngineStats
 from .protocol import ModelInfo as ModelInfo
@@ -38,26 +49,36 @@ from .store import default_cache_dir as default_cache_dir
 __all__ = (
     "Agent",
     "AgentBusy",
+    "Attention",
     "BudgetExceeded",
-    "CacheMiss",
-    "CacheRejected",
     "CacheInfo",
+    "CacheMiss",
+    "CachePool",
+    "CacheRejected",
+    "Candidate",
     "Completion",
     "ContextOverflow",
-    "EngineStopped",
     "Detokenizer",
     "EngineActor",
     "EngineConfig",
     "EngineStats",
+    "EngineStopped",
+    "EvictionPolicy",
+    "FinishReason",
     "InvalidAgentId",
     "KvactorError",
+    "LRUPolicy",
     "LoadedModel",
+    "Match",
     "ModelInfo",
     "ModelLoadError",
+    "Room",
     "Sampling",
     "Session",
+    "StageOutcome",
     "StoreWriteError",
     "TextStream",
+    "Tier",
     "Timings",
     "Tokenizer",
     "UnknownAgent",

@@ -25,6 +25,7 @@ import msgspec
 
 from ..runtime import Actor, ActorRef
 from ._tokenizer import Tokenizer
+from .enums import FinishReason, Match, Tier
 from .errors import CacheMiss
 from .protocol import Export, Finished, Generate, Piece, Sampling, Timings, Written
 
@@ -56,16 +57,16 @@ class AgentState(msgspec.Struct, frozen=True):
 
 
 class TurnDone(msgspec.Struct, frozen=True):
-    """A finished turn, with how its cache was found: ``path`` is cold (nothing reused),
-    warm (reloaded from disk for this turn) or hot; ``match`` is new / exact / extend /
-    diverge."""
+    """A finished turn, with how its cache was found: ``path`` is the tier it came from
+    (COLD: nothing reused; WARM: reloaded from disk for this turn; HOT) and ``match`` how
+    the prompt compared with it."""
 
     text: str
-    reason: str
+    reason: FinishReason
     token_ids: list[int]
     timings: Timings
-    path: str
-    match: str
+    path: Tier
+    match: Match
 
 
 def _common_chars(a: str, b: str) -> int:
@@ -82,16 +83,16 @@ def _common_chars(a: str, b: str) -> int:
 
 def match_prefix(
     tokenizer: Tokenizer, tokens: list[int], text: str, new_text: str
-) -> tuple[list[int], str]:
+) -> tuple[list[int], Match]:
     """The tokens for ``new_text`` that reuse as much of ``tokens`` (which spell ``text``) as
-    is safe, and the kind of match: "new", "exact", "extend" or "diverge"."""
+    is safe, and the kind of match."""
     if not tokens:
-        return tokenizer.encode(new_text), "new"
+        return tokenizer.encode(new_text), Match.NEW
     common = _common_chars(text, new_text)
     if common == len(text) == len(new_text):
-        return list(tokens), "exact"
-    kind = "extend" if common == len(text) else "diverge"
-    keep = len(tokens) if kind == "extend" else _tokens_within(tokenizer, tokens, common)
+        return list(tokens), Match.EXACT
+    kind = Match.EXTEND if common == len(text) else Match.DIVERGE
+    keep = len(tokens) if kind is Match.EXTEND else _tokens_within(tokenizer, tokens, common)
     while keep > 0:
         prefix = tokenizer.decode(tokens[:keep])
         if "\ufffd" in prefix[-1:] or not new_text.startswith(prefix):
@@ -104,7 +105,7 @@ def match_prefix(
         if _splits_after(tokenizer, last, suffix):
             return list(tokens[:keep]) + tokenizer.encode(suffix), kind
         keep -= 1  # the suffix would merge into the last cached token: step back
-    return tokenizer.encode(new_text), "diverge"
+    return tokenizer.encode(new_text), Match.DIVERGE
 
 
 def _splits_after(tokenizer: Tokenizer, head: str, suffix: str) -> bool:
@@ -204,7 +205,7 @@ class AgentActor(Actor):
             messages = [*self.messages, {"role": "user", "content": text}]
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         tokens, match = match_prefix(self.tokenizer, self.tokens, self.text, prompt)
-        path = "hot"
+        path = Tier.HOT
         finished: Finished | None = None
         started = time.perf_counter()  # a reload on the way counts in the turn's TTFT
         for attempt in range(2):
@@ -221,14 +222,14 @@ class AgentActor(Actor):
             except CacheMiss:
                 if attempt or self.warm is None:
                     raise
-                path = "warm"
+                path = Tier.WARM
                 if not await self.warm.stage(self.agent_id):
                     self.persisted = 0  # unreadable or refused: start cold
-                    path = "cold"
+                    path = Tier.COLD
         if finished is None:
             raise RuntimeError("the engine ended a generation without saying why")
         if finished.timings.reused_tokens == 0:
-            path = "cold"
+            path = Tier.COLD
         if not raw:
             self.messages = [*messages, {"role": "assistant", "content": finished.text}]
         self.tokens = finished.cache_tokens

@@ -15,8 +15,11 @@ __all__ = ("FinishReason", "Match", "Room", "StageOutcome", "Tier")
 class _StrEnum(str, Enum):
     """A str-valued enum that formats as its value (``enum.StrEnum`` needs Python 3.11)."""
 
-    __str__ = str.__str__
-    __format__ = str.__format__
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
 
 
 class Tier(_StrEnum):

@@ -1,6 +1,10 @@
-"""Every exception the LLM layer (engine, agents, session) raises."""
+"""Every exception the LLM layer (engine, agents, session, store, model loading) raises.
+
+All derive from KvactorError, the root the actor kernel's errors share."""
 
 from __future__ import annotations
+
+from ..runtime import KvactorError
 
 __all__ = (
     "AgentBusy",
@@ -11,13 +15,10 @@ __all__ = (
     "EngineStopped",
     "InvalidAgentId",
     "KvactorError",
+    "ModelLoadError",
     "StoreWriteError",
     "UnknownAgent",
 )
-
-
-class KvactorError(Exception):
-    """Base class of kvactor's LLM-layer errors."""
 
 
 class InvalidAgentId(KvactorError, ValueError):
@@ -62,3 +63,7 @@ class CacheRejected(KvactorError):
 
 class StoreWriteError(KvactorError):
     """Writing a warm cache failed (disk full, I/O error); its previous state is intact."""
+
+
+class ModelLoadError(KvactorError):
+    """A model could not be found, fetched, verified or loaded."""

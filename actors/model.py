@@ -34,13 +34,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..kernels.turn_cache import CacheGeometry
 from . import _gguf
 from ._tokenizer import MlxLmTokenizer, Tokenizer, tiny_byte_tokenizer
+from .errors import ModelLoadError
 
 __all__ = (
     "DEFAULT_MODEL_NAME",
     "LoadedModel",
-    "ModelLoadError",
     "default_model_path",
     "fetch_default_model",
     "load_model",
@@ -72,10 +73,6 @@ _TOKENIZER_FILES = (
 )
 
 
-class ModelLoadError(Exception):
-    """A model could not be found, fetched, verified or loaded."""
-
-
 @dataclass(frozen=True, eq=False)
 class LoadedModel:
     """A model ready for the engine: ``model(tokens[None], cache=cache)`` returns logits.
@@ -96,6 +93,11 @@ class LoadedModel:
     fingerprint: str
     weights: str
     path: Path | None = None
+
+    @property
+    def geometry(self) -> CacheGeometry:
+        """The KV cache of every layer (heads, key and value widths)."""
+        return CacheGeometry.uniform(self.n_layers, self.n_kv_heads, self.head_dim)
 
     def make_cache(self) -> list[Any]:
         """A fresh mlx-lm prompt cache (one entry per layer)."""

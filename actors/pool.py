@@ -1,26 +1,48 @@
-"""One byte budget for the hot tier, and the policy that picks whom to demote."""
+"""The hot tier: one byte budget, the caches resident in it, and whom to demote.
+
+A :class:`CachePool` lives inside the engine (on its thread, no locks) and owns the
+accounting: every agent's stored cache, the working caches of running turns (counted at
+their reserved maximum), room reserved for warm caches being staged, and exports pinned
+until the store has written them. The engine asks it for room; it demotes idle agents
+through an :class:`EvictionPolicy` (hot → warm when the warm copy is complete, hot → cold
+without a warm tier) and answers with typed results.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ("Candidate", "EvictionPolicy", "LRUPolicy", "MemoryBudget")
+from ..kernels.agent_cache import AgentKV
+from ..runtime import Reply
+from .enums import Room, Tier
+from .errors import AgentBusy, BudgetExceeded, UnknownAgent
+from .protocol import Exported
+
+__all__ = ("CachePool", "Candidate", "EvictionPolicy", "HotEntry", "LRUPolicy", "Rates")
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """An idle hot cache that could be demoted."""
+    """An idle hot cache that could be demoted, with what a policy may weigh."""
 
     agent: str
     nbytes: int
-    last_used: float
+    tokens: int
+    last_used: float  # time.monotonic() of its last turn or install
+    hits: int  # turns that found it hot
     clean: bool  # its warm copy is complete: demoting it loses nothing
+    demote_to: Tier  # WARM (a file to reload) or COLD (only text: re-prefill)
+    reload_s: float  # estimated cost of bringing it back (from measured rates)
+    next_use: float | None = None  # time.monotonic() of a hint that it runs soon
+    tier: Tier = Tier.HOT
 
 
 class EvictionPolicy(Protocol):
-    """Chooses which idle agents to demote (hot → warm, or hot → cold when unpersisted)."""
+    """Chooses which idle agents to demote."""
 
     def victims(self, candidates: Sequence[Candidate], need: int) -> list[str]:
         """Agents to demote, in order, until ``need`` bytes are freed (fewer if impossible)."""
@@ -42,17 +64,299 @@ class LRUPolicy:
 
 
 @dataclass
-class MemoryBudget:
-    """The hot tier's bytes: stored caches, working copies of decoding agents, caches being
-    written to disk and prefetches being staged all count against ``limit``."""
+class Rates:
+    """Measured rates for reload estimates: moving averages, seeded with this machine
+    class's typical figures until something is measured."""
 
-    limit: int | None  # None: unbounded
-    used: int = 0
-    peak: int = 0
+    disk_bytes_s: float = 1.0e9  # reading and verifying a warm cache
+    dequantize_bytes_s: float = 5.0e7  # stored bytes made into a float working copy
+    prefill_tokens_s: float = 100.0
+    weight: float = 0.3
 
-    def fits(self, extra: int) -> bool:
-        return self.limit is None or self.used + extra <= self.limit
+    def _mix(self, old: float, amount: float, seconds: float) -> float:
+        if amount <= 0 or seconds <= 0:
+            return old
+        return (1 - self.weight) * old + self.weight * (amount / seconds)
 
-    def set_used(self, used: int) -> None:
+    def disk(self, nbytes: int, seconds: float) -> None:
+        self.disk_bytes_s = self._mix(self.disk_bytes_s, nbytes, seconds)
+
+    def dequantize(self, nbytes: int, seconds: float) -> None:
+        self.dequantize_bytes_s = self._mix(self.dequantize_bytes_s, nbytes, seconds)
+
+    def prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill_tokens_s = self._mix(self.prefill_tokens_s, tokens, seconds)
+
+
+@dataclass
+class HotEntry:
+    """An agent's hot cache and its bookkeeping."""
+
+    kv: AgentKV
+    last_used: float = 0.0
+    persisted: int = 0  # tokens known to be safe in the warm tier
+    busy: bool = False  # a turn is using it
+    pinned: bool = False  # staged for a turn about to start: not a demotion victim
+    hits: int = 0
+    next_use: float | None = None
+    turn_reserve: int | None = None  # while its turn's working cache exists: its maximum
+
+    @property
+    def clean(self) -> bool:
+        return self.persisted >= len(self.kv.tokens)
+
+
+@dataclass
+class _Waiter:
+    agent: str
+    nbytes: int
+    reply: Reply
+
+
+class CachePool:
+    """The hot tier's byte budget and residents.
+
+    ``limit``: the budget (None: unbounded). ``persistent``: a warm tier exists, so only
+    caches complete on disk may be demoted (to warm); without one, demotion drops a cache to
+    cold. ``make_kv`` makes an empty cache for a new agent; ``batch_bytes`` says what the
+    engine's running batch holds (working caches that left their agents' entries).
+    """
+
+    def __init__(
+        self,
+        limit: int | None,
+        policy: EvictionPolicy,
+        *,
+        persistent: bool,
+        make_kv: Callable[[], AgentKV],
+        batch_bytes: Callable[[], int],
+    ) -> None:
+        self.limit = limit
+        self.policy = policy
+        self.persistent = persistent
+        self._make_kv = make_kv
+        self._batch_bytes = batch_bytes
+        self.rates = Rates()
+        self.used = 0
+        self.peak = 0
+        self.demotions = {Tier.WARM: 0, Tier.COLD: 0}
+        self.installs = 0
+        self._entries: dict[str, HotEntry] = {}
+        self._staged: dict[str, int] = {}  # agent -> bytes reserved for a staging warm cache
+        self._pins: dict[int, int] = {}  # export id -> bytes being written
+        self._exports = 0
+        self._waiters: deque[_Waiter] = deque()
+
+    # -- residents --------------------------------------------------------------------
+    def get(self, agent: str) -> HotEntry | None:
+        return self._entries.get(agent)
+
+    def __contains__(self, agent: str) -> bool:
+        return agent in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[HotEntry]:
+        return list(self._entries.values())
+
+    def claim(self, agent: str) -> HotEntry:
+        """The agent's entry (a new empty one if it has none), marked busy for a turn.
+        Raises AgentBusy when a turn of it is running."""
+        entry = self._entries.get(agent)
+        if entry is None:
+            entry = self._entries[agent] = HotEntry(self._make_kv())
+        elif entry.busy:
+            raise AgentBusy(f"agent {agent!r} already has a generation in flight")
+        else:
+            entry.hits += 1
+        entry.busy = True
+        entry.pinned = False
+        entry.next_use = None
+        entry.last_used = time.monotonic()
+        return entry
+
+    def drop(self, agent: str) -> bool:
+        """Forget an idle agent's hot cache (and a staging reservation); False if it had
+        none. Raises AgentBusy during its turn."""
+        entry = self._entries.get(agent)
+        if entry is not None and entry.busy:
+            raise AgentBusy(f"agent {agent!r} is generating; cancel it first")
+        self._staged.pop(agent, None)
+        dropped = self._entries.pop(agent, None) is not None
+        self.measure()
+        return dropped
+
+    # -- accounting -------------------------------------------------------------------
+    def measure(self) -> int:
+        """Bytes in use now (and the peak so far)."""
+        used = sum(e.kv.nbytes for e in self._entries.values()) + self._batch_bytes()
+        used += sum(self._pins.values()) + sum(self._staged.values())
         self.used = used
         self.peak = max(self.peak, used)
+        return used
+
+    def committed(self) -> int:
+        """Bytes in use, counting running turns' working caches at their reserved maximum
+        (the reserve covers the batch's padding and the merge copy)."""
+        used = self.measure()
+        working = sum(e.kv.work_bytes for e in self._entries.values()) + self._batch_bytes()
+        reserved = sum(e.turn_reserve or 0 for e in self._entries.values())
+        return used - working + max(working, reserved)
+
+    def _candidates(self) -> list[Candidate]:
+        out = []
+        for agent, e in self._entries.items():
+            if e.busy or e.pinned or not (e.clean or not self.persistent):
+                continue
+            warm = self.persistent
+            nbytes = e.kv.nbytes
+            if warm:
+                reload_s = nbytes / self.rates.disk_bytes_s
+                if not e.kv.turn_cache.quantized:
+                    reload_s += nbytes / self.rates.dequantize_bytes_s
+            else:
+                reload_s = len(e.kv.tokens) / self.rates.prefill_tokens_s
+            out.append(
+                Candidate(
+                    agent=agent,
+                    nbytes=nbytes,
+                    tokens=len(e.kv.tokens),
+                    last_used=e.last_used,
+                    hits=e.hits,
+                    clean=e.clean,
+                    demote_to=Tier.WARM if warm else Tier.COLD,
+                    reload_s=reload_s,
+                    next_use=e.next_use,
+                )
+            )
+        return out
+
+    def make_room(self, need: int) -> bool:
+        """Demote idle agents until ``need`` more bytes fit; False (demoting nobody) when
+        even demoting every idle agent would not make enough room now."""
+        if self.limit is None:
+            return True
+        missing = self.committed() + need - self.limit
+        if missing <= 0:
+            return True
+        candidates = self._candidates()
+        if sum(c.nbytes for c in candidates) < missing:
+            return False
+        tiers = {c.agent: c.demote_to for c in candidates}
+        for agent in self.policy.victims(candidates, missing):
+            del self._entries[agent]
+            self.demotions[tiers[agent]] += 1
+        return self.committed() + need <= self.limit
+
+    def stuck(self) -> bool:
+        """Nothing running, pinned, staged or demotable is left to free: a request that does
+        not fit now never will."""
+        return not (
+            any(e.turn_reserve is not None for e in self._entries.values())
+            or self._pins
+            or self._staged
+            or self._candidates()
+            or any(e.pinned or (not e.busy and not e.clean) for e in self._entries.values())
+        )
+
+    # -- turns ------------------------------------------------------------------------
+    def start_turn(self, entry: HotEntry, reserve: int) -> bool:
+        """Room for a turn's working cache of up to ``reserve`` bytes; False to wait."""
+        if not self.make_room(reserve):
+            return False
+        entry.turn_reserve = reserve
+        return True
+
+    def end_turn(self, entry: HotEntry) -> None:
+        """The turn is over (its working cache is gone): free its reserve, grant waiters."""
+        entry.turn_reserve = None
+        entry.busy = False
+        entry.last_used = time.monotonic()
+        self.measure()
+        self.grant_waiters()
+
+    # -- staging warm caches ----------------------------------------------------------
+    def reserve(self, agent: str, nbytes: int) -> Room:
+        """Room for staging ``nbytes`` of the agent's warm cache, now or not at all."""
+        entry = self._entries.get(agent)
+        if entry is not None:
+            if not entry.busy:
+                entry.next_use = time.monotonic()
+            return Room.HOT
+        if agent in self._staged:
+            return Room.RESERVED
+        if self.limit is not None and nbytes > self.limit:
+            return Room.TOO_BIG
+        if not self.make_room(nbytes):
+            return Room.NO_ROOM
+        self._staged[agent] = nbytes
+        self.measure()
+        return Room.RESERVED
+
+    def wait_for_room(self, agent: str, nbytes: int, reply: Reply) -> None:
+        """Answer ``reply`` with a Room once running turns or writes have made room."""
+        self._waiters.append(_Waiter(agent, nbytes, reply))
+
+    def grant_waiters(self) -> None:
+        while self._waiters:
+            w = self._waiters[0]
+            if w.reply.cancelled:
+                self._waiters.popleft()
+                continue
+            if w.agent not in self._entries and not self.make_room(w.nbytes):
+                return
+            self._waiters.popleft()
+            w.reply.resolve(self.reserve(w.agent, w.nbytes))
+
+    def release(self, agent: str) -> None:
+        """Give back the reservation of a staging that failed."""
+        self._staged.pop(agent, None)
+        self.measure()
+        self.grant_waiters()
+
+    def install(self, agent: str, nbytes: int, build: Callable[[], AgentKV], *, pin: bool) -> bool:
+        """Make a staged warm cache of ``nbytes`` hot (``build`` makes it); False when the
+        agent is hot already (that copy is at least as new). Raises BudgetExceeded when
+        nothing was reserved for it and it does not fit."""
+        reserved = self._staged.pop(agent, None)
+        if agent in self._entries:
+            return False
+        if reserved is None and not self.make_room(nbytes):
+            raise BudgetExceeded(f"no room in the hot tier for agent {agent!r}")
+        kv = build()
+        now = time.monotonic()
+        self._entries[agent] = HotEntry(
+            kv, now, persisted=len(kv.tokens), pinned=pin, next_use=None if pin else now
+        )
+        self.installs += 1
+        self.measure()
+        return True
+
+    # -- writing to the warm tier -----------------------------------------------------
+    def export(self, agent: str) -> Exported:
+        """Host views of an idle agent's stored ranges past what is persisted, pinned in
+        the budget until :meth:`written` names the export. Raises UnknownAgent / AgentBusy."""
+        entry = self._entries.get(agent)
+        if entry is None:
+            raise UnknownAgent(f"agent {agent!r} has no hot cache to export")
+        if entry.busy:
+            raise AgentBusy(f"agent {agent!r} is generating")
+        ranges = entry.kv.ranges_from(entry.persisted)
+        self._exports += 1
+        self._pins[self._exports] = sum(r.nbytes for r in ranges)
+        return Exported(
+            export_id=self._exports,
+            persisted=entry.persisted,
+            tokens=list(entry.kv.tokens),
+            ranges=[(r.start, r.stop, r.to_numpy()) for r in ranges],
+        )
+
+    def written(self, agent: str, export_id: int, upto: int) -> None:
+        """The store made an export durable up to ``upto`` tokens: unpin it."""
+        self._pins.pop(export_id, None)
+        entry = self._entries.get(agent)
+        if entry is not None and upto <= len(entry.kv.tokens):
+            entry.persisted = max(entry.persisted, upto)
+        self.measure()
+        self.grant_waiters()

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from .enums import FinishReason
 from .errors import InvalidAgentId
 
 __all__ = (
@@ -134,8 +135,8 @@ class Written(msgspec.Struct, frozen=True, tag=True):
 
 
 class Reserve(msgspec.Struct, frozen=True, tag=True):
-    """Ask for hot-tier room for a warm cache about to be staged. Answers "reserved", "hot",
-    "no room" or "too big"; with ``wait`` it answers once running turns have made room."""
+    """Ask for hot-tier room for a warm cache about to be staged. Answers a Room; with
+    ``wait``, instead of NO_ROOM it answers once running turns have made room."""
 
     agent: str
     nbytes: int
@@ -144,12 +145,15 @@ class Reserve(msgspec.Struct, frozen=True, tag=True):
 
 class Install(msgspec.Struct, frozen=True, tag=True):
     """A staged warm cache (host arrays) to make hot. ``pin`` keeps it from being demoted
-    until the agent's next turn starts (an on-demand load for a turn that is waiting)."""
+    until the agent's next turn starts (an on-demand load for a turn that is waiting);
+    without it, it was a prefetch hint. ``read_s``: how long reading it took (the pool's
+    reload estimates learn the disk's rate from it). Answers whether it was installed."""
 
     agent: str
     tokens: list[int]
     ranges: list[tuple[int, int, dict[str, Any]]]
     pin: bool = False
+    read_s: float = 0.0
 
 
 class Release(msgspec.Struct, frozen=True, tag=True):
@@ -167,7 +171,9 @@ class CacheQuery(msgspec.Struct, frozen=True, tag=True):
 
 
 class GetModelInfo(msgspec.Struct, frozen=True, tag=True):
-    pass
+    """Answers ``(ModelInfo, Tokenizer)``. The tokenizer is a live object, not data: agents
+    render prompts and match prefixes on the event loop without a round trip per call, and
+    it holds no MLX arrays, so sharing it with the engine's thread is safe."""
 
 
 class StatsQuery(msgspec.Struct, frozen=True, tag=True):
@@ -214,7 +220,7 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
 class Finished(msgspec.Struct, frozen=True, tag=True):
     """The end of a generation: why it stopped, what it cost, what the cache now holds."""
 
-    reason: str  # "eos" | "stop" | "length"
+    reason: FinishReason
     text: str
     token_ids: list[int]
     cache_tokens: list[int]  # exactly what the agent's cache now holds

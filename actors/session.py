@@ -13,10 +13,13 @@ import msgspec
 
 from ..kernels.agent_cache import segment_layout
 from ..kernels.qcodec import DEFAULT_CODEC, KVCodec
+from ..kernels.turn_cache import CacheGeometry
 from ..runtime import ActorRef, ReplyStream, Runtime
 from ._tokenizer import Tokenizer
 from .agent import AgentActor, AgentState, GetState, Turn, TurnDone
-from .engine import Attention, EngineActor, EngineConfig, ModelSpec
+from .config import Attention, EngineConfig, ModelSpec
+from .engine import EngineActor
+from .enums import FinishReason, Match, Tier
 from .errors import CacheRejected, UnknownAgent
 from .pool import EvictionPolicy, LRUPolicy
 from .prefetch import Prefetch, PrefetchActor, Stage, StageResult
@@ -40,15 +43,16 @@ log = logging.getLogger("kvactor.session")
 
 
 class Completion(msgspec.Struct, frozen=True):
-    """One finished turn: the text, why it stopped (eos / stop / length), its timings, and how
-    the cache was found: ``path`` cold / warm / hot, ``match`` new / exact / extend / diverge."""
+    """One finished turn: the text, why it stopped, its timings, and how the cache was
+    found: ``path`` the tier it came from (cold: nothing reused), ``match`` how the prompt
+    compared with what it held."""
 
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     token_ids: list[int]
     timings: Timings
-    path: str
-    match: str
+    path: Tier
+    match: Match
 
 
 def _completion(done: TurnDone) -> Completion:
@@ -237,7 +241,8 @@ class Session:
             n_kv_heads=info.n_kv_heads,
             head_dim=info.head_dim,
         )
-        expect = segment_layout(codec, info.n_layers, info.n_kv_heads, info.head_dim)
+        geometry = CacheGeometry.uniform(info.n_layers, info.n_kv_heads, info.head_dim)
+        expect = segment_layout(codec, geometry)
         self.store = await self.runtime.spawn(
             StoreActor, identity, expect, root, delete_rejected=self._delete_rejected, name="store"
         )
@@ -363,7 +368,8 @@ def open(
     ``cache_dir`` turns on the warm tier there (``kvactor.default_cache_dir()`` is the
     usual place): every turn's new tokens are written to disk, demoted agents reload from
     there, and agents of a new session resume from it. ``budget_bytes`` bounds the hot
-    tier; ``codec`` picks how caches are stored (default: Q4 with Hadamard rotation);
+    tier; ``codec`` picks how caches are stored (default ``DEFAULT_CODEC``: keys 5-bit, values
+    3-bit in groups of 64, Hadamard-rotated, 4 sink tokens at 8 bits);
     ``policy`` picks whom to demote (default LRU). ``delete_rejected`` deletes warm caches
     that are refused (another model, corrupt) instead of setting them aside.
     ``attention``: ``"quantized"`` runs attention and batches over the stored quantized

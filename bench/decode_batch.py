@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 import kvactor
-from kvactor.actors.engine import Attention
+from kvactor import Attention
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper.",

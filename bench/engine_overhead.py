@@ -18,10 +18,12 @@ import anyio
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from kvactor.actors.model import LoadedModel, load_model
+
 PROMPT = "Write a long story about a lighthouse keeper and the storm."
 
 
-def direct_tok_s(lm: kvactor.LoadedModel, tokens: list[int], n: int) -> float:
+def direct_tok_s(lm: LoadedModel, tokens: list[int], n: int) -> float:
     """generate_step's decode rate, timed from its first token to its n-th."""
     prompt = mx.array(tokens, dtype=mx.uint32)
     stamps = []
@@ -42,7 +44,7 @@ async def actor_tok_s(session: kvactor.Session, n: int, i: int) -> float:
 
 
 async def main(model: str | None, n: int, rounds: int) -> dict[str, Any]:
-    lm = kvactor.load_model(model)  # the direct side's own copy, on this thread
+    lm = load_model(model)  # the direct side's own copy, on this thread
     async with kvactor.open(model) as session:
         tokens = session.tokenizer.encode(
             session.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])

@@ -21,13 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import kvactor  # first: loads the BLAS before mlx.core
+import kvactor  # noqa: F401 - first: loads the BLAS before mlx.core
 
 # isort: split
 
 import mlx.core as mx
 import numpy as np
 
+from kvactor.actors.model import load_model
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec, Role
 
 __all__ = ("VARIANTS", "RoundTrip", "StoredPastCache", "main", "score")
@@ -185,7 +186,7 @@ def main(
     if not any(map(_is_default, names)):
         VARIANTS.setdefault(DEFAULT_CODEC.name, (DEFAULT_CODEC, _codec(DEFAULT_CODEC)))
         names = [*names, DEFAULT_CODEC.name]
-    loaded = kvactor.load_model(model_spec)
+    loaded = load_model(model_spec)
     ids = loaded.tokenizer.encode(TEXT.read_text(encoding="utf-8"))
     if len(ids) < offset + n_tokens:
         raise SystemExit(f"{TEXT} has {len(ids)} tokens, fewer than --offset + --tokens")

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 from kvactor.actors.store import CacheIdentity, append_cache, read_cache
 from kvactor.kernels.agent_cache import AgentKV, StoredRange, segment_layout
 from kvactor.kernels.qcodec import DEFAULT_CODEC
+from kvactor.kernels.turn_cache import CacheGeometry, FloatTurnCache
 
 LAYERS, HEADS, DIM = 30, 3, 64
 
@@ -43,6 +44,16 @@ def drop(path: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def float_working(kv: list[tuple[mx.array, mx.array]], n: int) -> FloatTurnCache:
+    """A one-row float working cache holding the first ``n`` tokens of every layer."""
+    layers = []
+    for k, v in kv:
+        c = KVCache()
+        c.state = (k[:, :, :n], v[:, :, :n], n)
+        layers.append(c)
+    return FloatTurnCache(layers)
 
 
 def folder_bytes(path: Path) -> int:
@@ -59,13 +70,10 @@ def main(n: int, extend: int, rounds: int) -> dict[str, Any]:
         for _ in range(LAYERS)
     ]
     mx.eval(kv_full)
-    ours = AgentKV(DEFAULT_CODEC, LAYERS, HEADS, DIM)
+    geometry = CacheGeometry.uniform(LAYERS, HEADS, DIM)
+    ours = AgentKV(DEFAULT_CODEC, geometry)
     ours.tokens = list(range(n))
-    ours.work = []
-    for k, v in kv_full:
-        c = KVCache()
-        c.state = (k[:, :, :n], v[:, :, :n], n)
-        ours.work.append(c)
+    ours.work = float_working(kv_full, n)
     first = ours.deactivate()
     assert first is not None
     theirs = []
@@ -83,7 +91,7 @@ def main(n: int, extend: int, rounds: int) -> dict[str, Any]:
         n_kv_heads=HEADS,
         head_dim=DIM,
     )
-    expect = segment_layout(DEFAULT_CODEC, LAYERS, HEADS, DIM)
+    expect = segment_layout(DEFAULT_CODEC, geometry)
     rows: dict[str, list[float]] = {
         k: [] for k in ("ours_save", "ours_load", "mlx_save", "mlx_save_fsync", "mlx_load")
     }
@@ -120,11 +128,7 @@ def main(n: int, extend: int, rounds: int) -> dict[str, Any]:
         mlx_bytes = (root / "mlx-0.safetensors").stat().st_size
 
         # Extend by `extend` tokens: only a new segment and the manifest are written.
-        ours.work = []
-        for k, v in kv_full:
-            c = KVCache()
-            c.state = (k, v, n + extend)
-            ours.work.append(c)
+        ours.work = float_working(kv_full, n + extend)
         ours.tokens = list(range(n + extend))
         new = ours.deactivate()
         assert new is not None and new.start == n

@@ -1,4 +1,5 @@
-"""Array code: Q4 block format, quantized attention, CPU BLAS selection."""
+"""Array code: the KV codec, stored and working caches, quantized attention, sampling, CPU
+BLAS selection."""
 
 from __future__ import annotations
 

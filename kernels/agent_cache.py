@@ -1,13 +1,12 @@
-"""One agent's KV cache in two forms: stored (quantized ranges) and working (fp, while active).
+"""One agent's KV cache in two forms: stored (quantized ranges) and working (during a turn).
 
 The stored form is what the hot tier keeps and what the warm tier writes, byte for byte:
 a list of token ranges, each holding every layer's quantized K and V. While the agent
-takes a turn it has a working cache per layer: either a float copy of every token
-(dequantized at the start of the turn: an mlx-lm KVCache) or, with ``quantized``, a
-QuantizedBatchCache that reads the stored parts as they are and keeps only the turn's new
-tokens in float. When the turn ends the new tokens are quantized into a new range and the
-working cache is dropped. So an agent kept hot and an agent reloaded from disk resume from
-the same bytes.
+takes a turn it has a working cache (``kernels.turn_cache``): a float copy of every token,
+or the stored parts read as they are, depending on the attention mode; either keeps the
+turn's new tokens in float. When the turn ends the new tokens are quantized into a new
+range and the working cache is dropped. So an agent kept hot and an agent reloaded from
+disk resume from the same bytes.
 """
 
 from __future__ import annotations
@@ -18,10 +17,9 @@ from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
 
-from .qbatch import Kernel, QuantizedBatchCache
-from .qcodec import KVCodec, Role, concat_parts
+from .qcodec import KVCodec, Role
+from .turn_cache import CacheGeometry, FloatTurnCache, TurnCache
 
 __all__ = ("AgentKV", "StoredRange", "segment_layout")
 
@@ -66,7 +64,8 @@ class StoredRange:
 
 
 class AgentKV:
-    """The tokens an agent's cache holds, its stored ranges and, while active, its working copy.
+    """The tokens an agent's cache holds, its stored ranges and, during a turn, its working
+    cache (a ``TurnCache`` of the class ``turn_cache``: the attention mode).
 
     Invariant: when not active, the stored ranges cover every token.
     """
@@ -74,22 +73,16 @@ class AgentKV:
     def __init__(
         self,
         codec: KVCodec,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
+        geometry: CacheGeometry,
         *,
-        quantized: bool = False,
-        kernel: Kernel = "auto",
+        turn_cache: type[TurnCache] = FloatTurnCache,
     ) -> None:
         self.codec = codec
-        self.n_layers = n_layers
-        self.n_kv_heads = n_kv_heads
-        self.head_dim = head_dim
-        self.quantized = quantized
-        self.kernel: Kernel = kernel
+        self.geometry = geometry
+        self.turn_cache = turn_cache
         self.tokens: list[int] = []
         self.ranges: list[StoredRange] = []
-        self.work: list[Any] | None = None  # KVCache, or QuantizedBatchCache when quantized
+        self.work: TurnCache | None = None
 
     # -- sizes ------------------------------------------------------------------------
     @property
@@ -102,50 +95,22 @@ class AgentKV:
 
     @property
     def work_bytes(self) -> int:
-        return sum(layer.nbytes for layer in self.work) if self.work else 0
+        return self.work.nbytes if self.work is not None else 0
 
     @property
     def nbytes(self) -> int:
         return self.stored_bytes + self.work_bytes
 
     # -- transitions ------------------------------------------------------------------
-    def activate(self) -> list[Any]:
-        """The working cache of a turn, one per layer: with ``quantized``, a one-row
-        QuantizedBatchCache over the stored parts (nothing dequantized); else an fp copy
-        (an mlx-lm KVCache) dequantized from the stored ranges, once per turn."""
-        if self.work is not None:
-            return self.work
-        if self.quantized:
-            self.work = [self._quantized_layer(layer) for layer in range(self.n_layers)]
-            return self.work
-        work = []
-        for layer in range(self.n_layers):
-            cache = KVCache()
-            if self.ranges:
-                keys = self._dequantize(layer, 0)
-                values = self._dequantize(layer, 1)
-                cache.state = (keys, values, keys.shape[2])
-            work.append(cache)
-        if self.ranges:
-            mx.eval([a for c in work for a in (c.keys, c.values)])
-        self.work = work
-        return work
+    def activate(self) -> TurnCache:
+        """The working cache of a turn (made once per turn): one row over the stored ranges."""
+        if self.work is None:
+            self.work = self.turn_cache.start(self)
+        return self.work
 
-    def _quantized_layer(self, layer: int) -> QuantizedBatchCache:
-        keys = concat_parts([r.layers[layer][0] for r in self.ranges])
-        values = concat_parts([r.layers[layer][1] for r in self.ranges])
-        return QuantizedBatchCache.from_parts(
-            self.codec,
-            self.n_kv_heads,
-            self.head_dim,
-            keys,
-            values,
-            self.stored_tokens,
-            self.kernel,
-        )
-
-    def _dequantize(self, layer: int, kind: int) -> mx.array:
-        role: Role = "value" if kind else "key"
+    def dequantize(self, layer: int, role: Role) -> mx.array:
+        """Float K or V ``(1, H, T, D)`` of every stored token of ``layer``."""
+        kind = 1 if role == "value" else 0
         pieces = [
             self.codec.dequantize(r.layers[layer][kind], r.start, r.stop - r.start, role=role)
             for r in self.ranges
@@ -166,14 +131,8 @@ class AgentKV:
         if self.work is None or stop <= start:
             return None
         layers: list[tuple[Parts, Parts]] = []
-        for cache in self.work:
-            if isinstance(cache, QuantizedBatchCache):
-                if cache.stored_lengths() != [start] or cache.tail_lengths() != [stop - start]:
-                    raise ValueError("the working cache does not hold this agent's new tokens")
-                k, v = cache.tail(0)
-            else:
-                k = cache.state[0][:, :, start:stop, :]
-                v = cache.state[1][:, :, start:stop, :]
+        for i in range(self.geometry.n_layers):
+            k, v = self.work.added(i, start, stop)
             layers.append(
                 (
                     self.codec.quantize(k, start, role="key"),
@@ -186,16 +145,13 @@ class AgentKV:
         return new
 
     def trim(self, keep: int) -> None:
-        """Forget every token from ``keep`` on (a prompt that diverged there)."""
-        drop = len(self.tokens) - keep
-        if drop <= 0:
+        """Forget every token from ``keep`` on (a prompt that diverged there). Raises
+        ValueError during a turn (the working cache holds them too): end the turn first."""
+        if len(self.tokens) <= keep:
             return
-        del self.tokens[keep:]
         if self.work is not None:
-            if self.quantized:
-                raise ValueError("cannot trim a quantized working cache: end the turn first")
-            for cache in self.work:
-                cache.trim(drop)
+            raise ValueError("cannot trim a cache during its turn: end the turn first")
+        del self.tokens[keep:]
         kept: list[StoredRange] = []
         for r in self.ranges:
             if r.stop <= keep:
@@ -207,24 +163,22 @@ class AgentKV:
     def _cut(self, r: StoredRange, keep: int) -> StoredRange:
         """The first ``keep - r.start`` tokens of a range (per-token codecs slice cleanly)."""
         n = keep - r.start
-        h, d = self.n_kv_heads, self.head_dim
-        k_shapes = self.codec.expected_parts(r.start, n, h, d, role="key")
-        v_shapes = self.codec.expected_parts(r.start, n, h, d, role="value")
-        layers = [
-            (
-                {
-                    name: a[:, :, : k_shapes[name][0][2]]
-                    for name, a in k.items()
-                    if name in k_shapes
-                },
-                {
-                    name: a[:, :, : v_shapes[name][0][2]]
-                    for name, a in v.items()
-                    if name in v_shapes
-                },
-            )
-            for k, v in r.layers
-        ]
+        layers = []
+        for i, (k, v) in enumerate(r.layers):
+            g = self.geometry.layer(i)
+            cut = []
+            for role, parts in (("key", k), ("value", v)):
+                shapes = self.codec.expected_parts(
+                    r.start, n, g.n_kv_heads, g.dim(cast(Role, role)), role=cast(Role, role)
+                )
+                cut.append(
+                    {
+                        name: a[:, :, : shapes[name][0][2]]
+                        for name, a in parts.items()
+                        if name in shapes
+                    }
+                )
+            layers.append((cut[0], cut[1]))
         return StoredRange(r.start, keep, layers)
 
     def ranges_from(self, token: int) -> Sequence[StoredRange]:
@@ -233,18 +187,20 @@ class AgentKV:
 
 
 def segment_layout(
-    codec: KVCodec, n_layers: int, n_kv_heads: int, head_dim: int
+    codec: KVCodec, geometry: CacheGeometry
 ) -> Callable[[int, int], dict[str, tuple[tuple[int, ...], str]]]:
     """``expect(start, stop)``: the exact name, shape and dtype of every array a stored range
     of tokens [start, stop) holds, as ``StoredRange.to_numpy`` names them. The warm tier
     checks untrusted files against it."""
+    roles: tuple[tuple[str, Role], ...] = (("k", "key"), ("v", "value"))
 
     def expect(start: int, stop: int) -> dict[str, tuple[tuple[int, ...], str]]:
         n = stop - start
         out: dict[str, tuple[tuple[int, ...], str]] = {}
-        for kind, role in (("k", "key"), ("v", "value")):
-            parts = codec.expected_parts(start, n, n_kv_heads, head_dim, role=cast(Role, role))
-            for layer in range(n_layers):
+        for kind, role in roles:
+            for layer in range(geometry.n_layers):
+                g = geometry.layer(layer)
+                parts = codec.expected_parts(start, n, g.n_kv_heads, g.dim(role), role=role)
                 for name, spec in parts.items():
                     out[f"{layer}.{kind}.{name}"] = spec
         return out

@@ -20,23 +20,21 @@ Keys and values of a rotating codec are stored in the Hadamard basis: queries ar
 before scoring them (``(qH)(kH)ᵀ = qkᵀ``) and the weighted sum of values rotated back.
 
 Like ``BatchKVCache`` it offers ``merge`` / ``extend`` / ``filter`` / ``extract``, so the
-engine's continuous batching adds and removes agents while others decode. A model calls it
-through :func:`install_attention`, which routes the ``scaled_dot_product_attention`` of
-mlx-lm model modules to :meth:`attend` for this cache (and leaves every other cache alone).
+engine's continuous batching adds and removes agents while others decode. A model calls
+:meth:`attend` once its attention is bound to this class (``kernels.attention``); keys and
+values may have different widths.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, cast
+from collections.abc import Mapping, Sequence
+from typing import Literal, cast
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from .qcodec import _SINK, _SINK_BITS, KVCodec, Role, dequantize_reference, rotate
 
-__all__ = ("Kernel", "QuantizedBatchCache", "install_attention")
+__all__ = ("Kernel", "QuantizedBatchCache")
 
 Kernel = Literal["auto", "quantized_matmul", "reference"]
 _ROLES: tuple[Role, Role] = ("key", "value")
@@ -131,7 +129,7 @@ class QuantizedBatchCache:
     def __init__(
         self,
         codec: KVCodec,
-        head_dim: int,
+        dims: tuple[int, int],
         regions: list[dict[Role, _Coded]],
         region_lengths: list[list[int]],
         kernel: Kernel = "auto",
@@ -141,7 +139,7 @@ class QuantizedBatchCache:
                 f"kernel must be 'auto', 'quantized_matmul' or 'reference', not {kernel!r}"
             )
         self.codec = codec
-        self.head_dim = head_dim
+        self.dims = dims  # key and value widths
         self.kernel: Kernel = kernel
         self._regions = regions
         self._region_lengths = region_lengths
@@ -158,23 +156,23 @@ class QuantizedBatchCache:
         cls,
         codec: KVCodec,
         n_kv_heads: int,
-        head_dim: int,
+        dims: tuple[int, int],
         key_parts: Mapping[str, mx.array],
         value_parts: Mapping[str, mx.array],
         n_tokens: int,
         kernel: Kernel = "auto",
     ) -> QuantizedBatchCache:
         """One row from a layer's stored parts of tokens [0, n_tokens) (``concat_parts`` of
-        its ranges); ``{}`` parts for an empty cache."""
+        its ranges); ``{}`` parts for an empty cache. ``dims``: key and value widths."""
         split = {
-            role: _region_parts(codec, role, parts, n_tokens, n_kv_heads, head_dim)
-            for role, parts in zip(_ROLES, (key_parts, value_parts), strict=True)
+            role: _region_parts(codec, role, parts, n_tokens, n_kv_heads, dim)
+            for role, parts, dim in zip(_ROLES, (key_parts, value_parts), dims, strict=True)
         }
         regions = [{role: split[role][r] for role in _ROLES} for r in (0, 1)]
         lengths = [[regions[r]["key"].width] for r in (0, 1)]
         if lengths[0][0] + lengths[1][0] != n_tokens:
             raise ValueError(f"the parts hold {sum(x[0] for x in lengths)} tokens, not {n_tokens}")
-        return cls(codec, head_dim, regions, lengths, kernel)
+        return cls(codec, dims, regions, lengths, kernel)
 
     @property
     def rows(self) -> int:
@@ -288,7 +286,7 @@ class QuantizedBatchCache:
                 out = out + part
         if rotated_sum is not None:
             out = out + rotate(rotated_sum)
-        return out.reshape(b, n_heads, n, d).astype(out_dtype)
+        return out.reshape(b, n_heads, n, out.shape[-1]).astype(out_dtype)
 
     def _kernel_for(self, n_queries: int) -> Kernel:
         """``"auto"``: the fused kernel on a GPU; on the CPU only for one or two queries a
@@ -313,7 +311,7 @@ class QuantizedBatchCache:
 
     def extend(self, other: QuantizedBatchCache) -> None:
         """Append ``other``'s rows to this batch (in place)."""
-        if other.codec != self.codec or other.head_dim != self.head_dim:
+        if other.codec != self.codec or other.dims != self.dims:
             raise ValueError("cannot batch caches of another codec or head size")
         regions = []
         for mine, theirs in zip(self._regions, other._regions, strict=True):
@@ -392,7 +390,7 @@ class QuantizedBatchCache:
                 }
             )
             lengths.append(kept)
-        out = QuantizedBatchCache(self.codec, self.head_dim, regions, lengths, self.kernel)
+        out = QuantizedBatchCache(self.codec, self.dims, regions, lengths, self.kernel)
         tails = [self._tail_lengths[i] for i in rows]
         out._tail_lengths = tails
         out._idx = max(tails)
@@ -447,53 +445,3 @@ def _zeros_like_rows(like: tuple[mx.array, mx.array], rows: int) -> tuple[mx.arr
         mx.zeros((rows, *k.shape[1:]), k.dtype),
         mx.zeros((rows, *v.shape[1:]), v.dtype),
     )
-
-
-# ---------------------------------------------------------------------- model hook
-_HOOKED = "_kvactor_quantized_batch"
-
-
-def install_attention(model: nn.Module) -> int:
-    """Route attention of ``model`` to :meth:`QuantizedBatchCache.attend` whenever its cache
-    is one: wraps the ``scaled_dot_product_attention`` global of every mlx-lm module whose
-    classes make up the model (other caches go to the original). Idempotent; returns how
-    many modules were wrapped now.
-
-    Raises TypeError when no module of the model calls such a function (an architecture
-    whose attention cannot run over a quantized batch).
-    """
-    names = {type(m).__module__ for _, m in model.named_modules()}
-    found = wrapped = 0
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        original = getattr(module, "scaled_dot_product_attention", None)
-        if module is None or original is None:
-            continue
-        found += 1
-        if getattr(original, _HOOKED, False):
-            continue
-        module.scaled_dot_product_attention = _routed(original)  # type: ignore[attr-defined]
-        wrapped += 1
-    if not found:
-        raise TypeError(f"{type(model).__name__}: no attention function to route")
-    return wrapped
-
-
-def _routed(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    def scaled_dot_product_attention(
-        queries: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        cache: Any,
-        scale: float,
-        mask: Any,
-        sinks: mx.array | None = None,
-    ) -> mx.array:
-        if isinstance(cache, QuantizedBatchCache):
-            if sinks is not None:
-                raise NotImplementedError("learned attention sinks over a quantized batch")
-            return cache.attend(queries, scale, mask if isinstance(mask, mx.array) else None)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    setattr(scaled_dot_product_attention, _HOOKED, True)
-    return scaled_dot_product_attention

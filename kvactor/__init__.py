@@ -1,20 +1,90 @@
 """kvactor: many LLM agents on one machine, as actors with tiered KV caches.
 
+This module is the application API: ``open`` a session, spawn agents, and the values,
+policies, codec and errors that come with them. The actor kernel lives in
+``kvactor.runtime``; the engine, store and model loading in ``kvactor.actors``.
+
 Importing kvactor first loads an optimized BLAS into the process when one is installed
 (before MLX is imported), since MLX's Linux CPU wheel bundles a slow reference BLAS.
 """
 
 from __future__ import annotations
 
-from .kernels.blas import ensure_blas as ensure_blas
+from .kernels.blas import ensure_blas as _ensure_blas
 
-BLAS = ensure_blas()
+BLAS = _ensure_blas()
+"""Which BLAS MLX's CPU matmuls run on (a ``kvactor.kernels.BlasInfo``)."""
 
-from .actors import *  # noqa: E402, F403
-from .actors import __all__ as _actors_all  # noqa: E402
-from .kernels.qcodec import DEFAULT_CODEC as DEFAULT_CODEC  # noqa: E402
-from .kernels.qcodec import KVCodec as KVCodec  # noqa: E402
-from .runtime import *  # noqa: E402, F403
-from .runtime import __all__ as _runtime_all  # noqa: E402
+# ruff: noqa: E402  (MLX, imported by everything below, must come after the BLAS)
+from .actors.config import Attention as Attention
+from .actors.enums import FinishReason as FinishReason
+from .actors.enums import Match as Match
+from .actors.enums import Tier as Tier
+from .actors.errors import AgentBusy as AgentBusy
+from .actors.errors import BudgetExceeded as BudgetExceeded
+from .actors.errors import CacheMiss as CacheMiss
+from .actors.errors import CacheRejected as CacheRejected
+from .actors.errors import ContextOverflow as ContextOverflow
+from .actors.errors import EngineStopped as EngineStopped
+from .actors.errors import InvalidAgentId as InvalidAgentId
+from .actors.errors import KvactorError as KvactorError
+from .actors.errors import ModelLoadError as ModelLoadError
+from .actors.errors import StoreWriteError as StoreWriteError
+from .actors.errors import UnknownAgent as UnknownAgent
+from .actors.pool import Candidate as Candidate
+from .actors.pool import EvictionPolicy as EvictionPolicy
+from .actors.pool import LRUPolicy as LRUPolicy
+from .actors.protocol import CacheInfo as CacheInfo
+from .actors.protocol import EngineStats as EngineStats
+from .actors.protocol import ModelInfo as ModelInfo
+from .actors.protocol import Sampling as Sampling
+from .actors.protocol import Timings as Timings
+from .actors.session import Agent as Agent
+from .actors.session import Completion as Completion
+from .actors.session import Session as Session
+from .actors.session import TextStream as TextStream
+from .actors.session import open as open
+from .actors.store import WarmInfo as WarmInfo
+from .actors.store import default_cache_dir as default_cache_dir
+from .kernels.qcodec import DEFAULT_CODEC as DEFAULT_CODEC
+from .kernels.qcodec import KVCodec as KVCodec
+from .runtime import ActorDeadError as ActorDeadError
+from .runtime import AskTimeout as AskTimeout
 
-__all__ = ("BLAS", "DEFAULT_CODEC", "KVCodec", "ensure_blas", *_actors_all, *_runtime_all)
+__all__ = (
+    "BLAS",
+    "DEFAULT_CODEC",
+    "ActorDeadError",
+    "Agent",
+    "AgentBusy",
+    "AskTimeout",
+    "Attention",
+    "BudgetExceeded",
+    "CacheInfo",
+    "CacheMiss",
+    "CacheRejected",
+    "Candidate",
+    "Completion",
+    "ContextOverflow",
+    "EngineStats",
+    "EngineStopped",
+    "EvictionPolicy",
+    "FinishReason",
+    "InvalidAgentId",
+    "KVCodec",
+    "KvactorError",
+    "LRUPolicy",
+    "Match",
+    "ModelInfo",
+    "ModelLoadError",
+    "Sampling",
+    "Session",
+    "StoreWriteError",
+    "TextStream",
+    "Tier",
+    "Timings",
+    "UnknownAgent",
+    "WarmInfo",
+    "default_cache_dir",
+    "open",
+)

@@ -13,7 +13,7 @@ from typing import Annotated
 import msgspec
 
 from .actors import make_tiny_model
-from .actors.engine import Attention, ModelSpec
+from .actors.config import Attention, ModelSpec
 from .actors.errors import InvalidAgentId
 from .actors.pool import EvictionPolicy, LRUPolicy
 from .actors.protocol import check_agent_id

@@ -35,10 +35,11 @@ from ._scenario_results import (
 )
 from .actors import ModelInfo, Tokenizer, UnknownAgent
 from .actors import open as open_session
-from .actors.engine import turn_reserve_bytes
+from .actors.config import turn_reserve_bytes
 from .actors.session import Agent, Session
 from .actors.store import forget, list_agents
 from .kernels.qcodec import KVCodec
+from .kernels.turn_cache import CacheGeometry
 
 if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10
     from exceptiongroup import BaseExceptionGroup
@@ -102,7 +103,9 @@ def estimate_budget(
     cache) and for ``hot_agents`` idle agents' quantized caches of that length."""
     assert s.hot_agents is not None
     longest = estimate_context(s, tokenizer, start_tokens)
-    reserve = turn_reserve_bytes(info.n_layers, info.n_kv_heads, info.head_dim, longest)
+    reserve = turn_reserve_bytes(
+        CacheGeometry.uniform(info.n_layers, info.n_kv_heads, info.head_dim), longest
+    )
     cached = longest * _codec_bytes_per_token(info)
     budget = int(s.concurrency * (reserve + cached) + s.hot_agents * cached)
     note = (

@@ -7,6 +7,7 @@ from ._actor import ThreadActor as ThreadActor
 from ._errors import ActorDeadError as ActorDeadError
 from ._errors import ActorError as ActorError
 from ._errors import AskTimeout as AskTimeout
+from ._errors import KvactorError as KvactorError
 from ._errors import MailboxFull as MailboxFull
 from ._mailbox import MailboxStatistics as MailboxStatistics
 from ._ref import DEFAULT_ASK_TIMEOUT as DEFAULT_ASK_TIMEOUT
@@ -23,6 +24,7 @@ __all__ = (
     "ActorError",
     "ActorRef",
     "AskTimeout",
+    "KvactorError",
     "MailboxFull",
     "MailboxStatistics",
     "Reply",

@@ -1,4 +1,4 @@
-"""Every exception the actor kernel raises."""
+"""Every exception the actor kernel raises, and the root of all of kvactor's errors."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ __all__ = (
     "ActorDeadError",
     "ActorError",
     "AskTimeout",
+    "KvactorError",
     "MailboxFull",
 )
 
 
-class ActorError(Exception):
+class KvactorError(Exception):
+    """Base class of every error kvactor raises (the actor kernel's and the LLM layer's)."""
+
+
+class ActorError(KvactorError):
     """Base class of the actor kernel's errors."""
 
 

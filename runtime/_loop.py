@@ -36,10 +36,6 @@ class LoopCaller:
             self._post = asyncio.get_running_loop().call_soon_threadsafe
         self._closed_errors = closed
 
-    @property
-    def in_loop_thread(self) -> bool:
-        return threading.get_ident() == self._thread_id
-
     def call_soon(self, fn: Callable[..., object], *args: object) -> None:
         """Run ``fn(*args)`` on the loop: now if already there, else as soon as it can."""
         if threading.get_ident() == self._thread_id:

@@ -11,13 +11,13 @@ import pytest
 import kvactor
 from kvactor import (
     AgentBusy,
+    Attention,
     ContextOverflow,
     InvalidAgentId,
     Session,
     UnknownAgent,
-    make_tiny_model,
 )
-from kvactor.actors.engine import Attention
+from kvactor.actors.model import make_tiny_model
 from kvactor.actors.protocol import Generate, Sampling
 
 PROMPTS = [

@@ -9,11 +9,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvactor.actors.engine import EngineConfig
+from kvactor.actors.config import EngineConfig
 from kvactor.actors.model import LoadedModel, make_tiny_model
 from kvactor.kernels.agent_cache import AgentKV
-from kvactor.kernels.qbatch import QuantizedBatchCache, install_attention
+from kvactor.kernels.attention import bind_attention
+from kvactor.kernels.qbatch import QuantizedBatchCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC, KVCodec
+from kvactor.kernels.turn_cache import QuantizedTurnCache
 
 CODECS = [
     DEFAULT_CODEC,  # K5/V3 + rotation + 8-bit sinks
@@ -27,7 +29,7 @@ CODECS = [
 @pytest.fixture(scope="module")
 def lm() -> LoadedModel:
     loaded = make_tiny_model(0, head_dim=64)
-    install_attention(loaded.model)
+    QuantizedTurnCache.prepare(loaded.model)
     return loaded
 
 
@@ -38,10 +40,10 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def stored(lm: LoadedModel, codec: KVCodec, toks: list[int], turns: list[int]) -> AgentKV:
     """An agent cache holding ``toks``, stored in one range per turn."""
-    kv = AgentKV(codec, lm.n_layers, lm.n_kv_heads, lm.head_dim)
+    kv = AgentKV(codec, lm.geometry)
     at = 0
     for n in turns:
-        lm.model(mx.array(toks[at : at + n])[None], cache=kv.activate())
+        lm.model(mx.array(toks[at : at + n])[None], cache=kv.activate().layers)
         kv.tokens.extend(toks[at : at + n])
         at += n
         kv.deactivate()
@@ -51,11 +53,15 @@ def stored(lm: LoadedModel, codec: KVCodec, toks: list[int], turns: list[int]) -
 def quantized(kv: AgentKV, kernel: Any = "quantized_matmul") -> list[QuantizedBatchCache]:
     # The fused kernel by default, whatever the query count: "auto" would pick the
     # reference for prefills on the CPU, and these tests must check the fused path too.
-    kv.quantized, kv.kernel = True, kernel
+    return list(QuantizedTurnCache.with_kernel(kernel).start(kv).layers)
+
+
+def float_copy(kv: AgentKV) -> list[Any]:
+    """The dequantized working cache of ``kv`` (per-layer mlx-lm KVCaches)."""
     try:
-        return kv.activate()
+        return list(kv.activate().layers)
     finally:
-        kv.work, kv.quantized = None, False
+        kv.work = None
 
 
 def close(diff: mx.array, atol: float = 1e-4) -> bool:
@@ -75,15 +81,14 @@ def test_attention_over_stored_parts_equals_attention_over_their_float_copy(
     # Three ranges, the first shorter than the sinks: region cuts fall inside ranges.
     kv = stored(lm, codec, tokens(50, 1), [3, 30, 17])
     new = tokens(6, 2)
-    expected = logits_of(lm, new, kv.activate())  # dequantized float copy, plain attention
-    kv.work = None
+    expected = logits_of(lm, new, float_copy(kv))  # dequantized float copy, plain attention
     for kernel in ("reference", "quantized_matmul", "auto"):
         got = logits_of(lm, new, quantized(kv, kernel))
         assert close(got - expected), kernel
 
 
 def test_an_empty_cache_attends_to_its_tail_only(lm: LoadedModel) -> None:
-    kv = AgentKV(DEFAULT_CODEC, lm.n_layers, lm.n_kv_heads, lm.head_dim)
+    kv = AgentKV(DEFAULT_CODEC, lm.geometry)
     new = tokens(9, 3)
     plain = logits_of(lm, new, [KVCache() for _ in range(lm.n_layers)])
     got = logits_of(lm, new, quantized(kv))
@@ -124,23 +129,36 @@ def test_a_batch_decodes_every_row_as_it_would_alone(lm: LoadedModel) -> None:
 
 def test_a_batch_holds_the_past_quantized(lm: LoadedModel) -> None:
     kv = stored(lm, DEFAULT_CODEC, tokens(512, 4), [256, 256])
-    float_copy = sum(layer.nbytes for layer in kv.activate())  # fp32 K and V of 512 tokens
-    kv.work = None
+    fp32 = sum(layer.nbytes for layer in float_copy(kv))  # fp32 K and V of 512 tokens
     batch = quantized(kv)
     held = sum(layer.nbytes for layer in batch)
     # 5-bit keys, 3-bit values, fp32 scales: ~0.16 of the fp32 copy (0.31 of fp16).
-    assert held < 0.2 * float_copy
+    assert held < 0.2 * fp32
     assert held < 1.5 * kv.stored_bytes
 
 
-def test_routing_attention_leaves_other_caches_alone() -> None:
-    loaded = make_tiny_model(0, head_dim=64)
+def test_binding_attention_leaves_other_caches_models_and_mlx_lm_alone() -> None:
+    from mlx_lm.models import base, llama
+
+    sdpa = llama.scaled_dot_product_attention
+    loaded, other = make_tiny_model(0, head_dim=64), make_tiny_model(0, head_dim=64)
     new = tokens(12, 5)
     before = logits_of(loaded, new, [KVCache() for _ in range(loaded.n_layers)])
-    assert install_attention(loaded.model) <= 1
-    assert install_attention(loaded.model) == 0  # idempotent
+    assert bind_attention(loaded.model, QuantizedBatchCache) == loaded.n_layers
+    assert bind_attention(loaded.model, QuantizedBatchCache) == 0  # idempotent
     after = logits_of(loaded, new, [KVCache() for _ in range(loaded.n_layers)])
     assert mx.array_equal(before, after).item()
+    # Per model: mlx-lm's modules and another model of the same class are untouched.
+    assert llama.scaled_dot_product_attention is sdpa is base.scaled_dot_product_attention
+    assert type(other.model.layers[0].self_attn) is llama.Attention
+    assert isinstance(loaded.model.layers[0].self_attn, llama.Attention)
+    with pytest.raises(TypeError, match="no attention layer"):
+        bind_attention(loaded.model.layers[0].mlp, QuantizedBatchCache)
+    # The bound model attends over a quantized batch; the unbound one cannot.
+    kv = stored(loaded, DEFAULT_CODEC, tokens(20, 7), [20])
+    assert close(logits_of(loaded, new, quantized(kv)) - logits_of(loaded, new, float_copy(kv)))
+    with pytest.raises((TypeError, ValueError, AttributeError)):
+        logits_of(other, new, quantized(stored(other, DEFAULT_CODEC, tokens(20, 7), [20])))
 
 
 def test_bad_use_gets_clear_errors(lm: LoadedModel) -> None:
@@ -154,11 +172,11 @@ def test_bad_use_gets_clear_errors(lm: LoadedModel) -> None:
     with pytest.raises(ValueError, match="no tail tokens"):
         layer.tail(0)
     with pytest.raises(ValueError, match="kernel must be"):
-        QuantizedBatchCache(DEFAULT_CODEC, 64, [], [[0]], kernel="fast")  # type: ignore[arg-type]
+        QuantizedBatchCache(DEFAULT_CODEC, (64, 64), [], [[0]], kernel="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="attention must be one of"):
         EngineConfig(attention="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="budget_bytes must be positive"):
         EngineConfig(attention="quantized", budget_bytes=0)
     parts = kv.ranges[0].layers[0]
     with pytest.raises(ValueError, match="not 21"):
-        QuantizedBatchCache.from_parts(DEFAULT_CODEC, lm.n_kv_heads, 64, *parts, 21)
+        QuantizedBatchCache.from_parts(DEFAULT_CODEC, lm.n_kv_heads, (64, 64), *parts, 21)

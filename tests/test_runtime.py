@@ -14,10 +14,10 @@ import pytest
 from anyio import wait_all_tasks_blocked
 from anyio.lowlevel import checkpoint
 
-import kvactor
 from kvactor.runtime import (
     Actor,
     ActorDeadError,
+    ActorRef,
     AskTimeout,
     MailboxFull,
     MailboxStatistics,
@@ -295,7 +295,7 @@ async def test_shutdown_with_work_in_flight_answers_or_fails_every_ask() -> None
     gate = anyio.Event()
     results: list[Any] = []
 
-    async def ask(ref: kvactor.ActorRef[Any], msg: Msg) -> None:
+    async def ask(ref: ActorRef[Any], msg: Msg) -> None:
         try:
             results.append(await ref.ask(msg, timeout=None))
         except ActorDeadError:
@@ -498,14 +498,6 @@ def test_embedded_in_a_plain_trio_application() -> None:
     import trio
 
     assert trio.run(_echo_session) == [42]
-
-
-def test_public_names_are_exported_once() -> None:
-    import kvactor.runtime as runtime
-
-    for name in runtime.__all__:
-        assert getattr(runtime, name) is getattr(kvactor, name)
-    assert len(set(kvactor.__all__)) == len(kvactor.__all__)
 
 
 def test_spawn_outside_a_running_runtime_is_an_error() -> None:

@@ -15,9 +15,9 @@ import anyio
 import pytest
 
 import kvactor
-from kvactor import make_tiny_model
+from kvactor import Attention
 from kvactor.actors.agent import match_prefix
-from kvactor.actors.engine import Attention
+from kvactor.actors.model import make_tiny_model
 
 
 def tiny(seed: int = 0, **overrides: Any) -> Any:
@@ -67,7 +67,8 @@ def test_a_cache_saved_by_one_process_loads_in_another(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import anyio, functools, json, kvactor
-        model = functools.partial(kvactor.make_tiny_model, 0, head_dim=64)
+        from kvactor.actors.model import make_tiny_model
+        model = functools.partial(make_tiny_model, 0, head_dim=64)
         async def main():
             async with kvactor.open(model, cache_dir={str(tmp_path)!r}) as kv:
                 agent = await kv.spawn_agent("seven", system={SYSTEM!r})

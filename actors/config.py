@@ -1,0 +1,82 @@
+"""The engine's settings, and the one rule for what a turn reserves in the hot budget."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import mlx.core as mx
+
+from ..kernels.qcodec import KVCodec
+from ..kernels.turn_cache import CacheGeometry, FloatTurnCache, QuantizedTurnCache
+from .model import LoadedModel
+from .pool import EvictionPolicy, LRUPolicy
+
+__all__ = ("Attention", "EngineConfig", "ModelSpec", "turn_reserve_bytes")
+
+Attention = Literal["auto", "quantized", "dequantized"]
+ModelSpec = str | os.PathLike[str] | None | Callable[[], LoadedModel]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``max_batch``: agents decoding in one forward. ``prefill_chunk``: prompt tokens per
+    prefill step (decode steps of other agents run between chunks). ``weights``: see
+    ``load_model``. ``codec``: how stored caches are quantized (None: ``DEFAULT_CODEC``).
+    ``budget_bytes``: the hot tier's byte budget (None: unbounded). ``persistent``: a warm
+    tier exists, so only caches safe on disk may be demoted; without one, demotion drops a
+    cache to cold (text only). ``policy``: whom to demote.
+    ``attention``: how turns read an agent's stored cache. ``"quantized"``: attention runs
+    over the quantized parts as stored (``mx.quantized_matmul``), batches are
+    QuantizedBatchCaches, and only the running turn's tokens are float. ``"dequantized"``:
+    each turn dequantizes the agent's cache into a float copy once, and batches are
+    mlx-lm BatchKVCaches of those. ``"auto"``: quantized on a GPU; dequantized on the CPU,
+    where MLX's quantized matmul is slower than float attention (bench/decode_batch.py).
+    The stored bytes, and so hot/warm equality, are the same either way.
+
+    Raises ValueError for a value out of range.
+    """
+
+    max_batch: int = 8
+    prefill_chunk: int = 256
+    weights: str = "auto"
+    codec: KVCodec | None = None
+    budget_bytes: int | None = None
+    persistent: bool = False
+    policy: EvictionPolicy = field(default_factory=LRUPolicy)
+    attention: Attention = "auto"
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be >= 1")
+        if self.budget_bytes is not None and self.budget_bytes < 1:
+            raise ValueError("budget_bytes must be positive (or None for no budget)")
+        if self.attention not in get_args(Attention):
+            raise ValueError(
+                f"attention must be one of {get_args(Attention)}, not {self.attention!r}"
+            )
+
+    def turn_cache(self) -> type[FloatTurnCache] | type[QuantizedTurnCache]:
+        """The working-cache class of the attention mode (``"auto"`` resolved for the device
+        MLX runs on now)."""
+        if self.attention == "auto":
+            quantized = mx.default_device() != mx.cpu
+        else:
+            quantized = self.attention == "quantized"
+        return QuantizedTurnCache if quantized else FloatTurnCache
+
+
+def turn_reserve_bytes(
+    geometry: CacheGeometry, tokens: int, *, stored_bytes: int | None = None
+) -> int:
+    """What a turn reserves in the hot budget for its working cache, twice (the batch pads
+    rows and merging copies them). With dequantized attention (``stored_bytes`` None) that
+    is fp32 K and V of all ``tokens`` (prompt + max_tokens); with quantized attention, fp32
+    K and V of the ``tokens`` the turn adds, plus a copy of the agent's ``stored_bytes``
+    with scales widened to fp32 (at most 1.5x). Tokens count in steps of 256."""
+    fp = (-(-tokens // 256) * 256) * geometry.fp32_bytes_per_token()
+    if stored_bytes is None:
+        return 2 * fp
+    return 2 * (fp + stored_bytes * 3 // 2)

@@ -1,0 +1,111 @@
+"""One generation in the engine: its prompt, sampling state, and the text it sends back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from ..runtime import Reply
+from .enums import FinishReason
+from .pool import HotEntry
+from .protocol import Finished, Piece, Sampling, Timings
+
+__all__ = ("Generation",)
+
+
+@dataclass
+class Generation:
+    """A ``Generate`` request from admission to its ``Finished``: the tokens still to
+    prefill, the random key, and the text held back while it could become a stop string."""
+
+    agent: str
+    prompt: list[int]
+    sampling: Sampling
+    reply: Reply
+    sent_at: float
+    entry: HotEntry
+    todo: list[int]  # prompt tokens not prefilled yet
+    reused: int  # prompt tokens found in the cache
+    key: mx.array | None
+    detok: Any
+    eos: frozenset[int]
+    reserve: int  # bytes its working cache may grow to (checked against the budget)
+    held: str = ""
+    text: str = ""
+    generated: list[int] = field(default_factory=list)
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the agent's cache holds (grows as the prompt and picks are fed)."""
+        return self.entry.kv.tokens
+
+    @property
+    def active(self) -> bool:
+        """Its working cache exists (room was granted)."""
+        return self.entry.turn_reserve is not None
+
+    def next_key(self) -> mx.array | None:
+        if self.key is None:
+            return None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def emit(self, token: int) -> bool:
+        """Send one sampled token's text; finish if the generation ends here. Returns True
+        while it goes on decoding."""
+        self.generated.append(token)
+        if token in self.eos:
+            return self.finish(FinishReason.EOS)
+        self.held += self.detok.add(token)
+        stops = self.sampling.stop
+        stop = next((s for s in stops if s in self.held), None)
+        if stop is not None:
+            self.held = self.held[: self.held.index(stop)]
+            return self.finish(FinishReason.STOP)
+        # Hold back a tail that could be the start of a stop string.
+        hold = max(
+            (k for s in stops for k in range(1, len(s)) if self.held.endswith(s[:k])),
+            default=0,
+        )
+        cut = len(self.held) - hold
+        out, self.held = self.held[:cut], self.held[cut:]
+        self.text += out
+        self.reply.send(Piece(out, token))
+        if len(self.generated) >= self.sampling.max_tokens:
+            return self.finish(FinishReason.LENGTH)
+        return True
+
+    def finish(self, reason: FinishReason) -> bool:
+        """Send the held text and the ``Finished`` record, resolve the reply; returns False."""
+        if reason is not FinishReason.STOP:
+            self.held += self.detok.flush()
+        rest = self.held
+        self.text += rest
+        if rest:
+            self.reply.send(Piece(rest, -1))
+        now = time.perf_counter()
+        self.reply.send(
+            Finished(
+                reason=reason,
+                text=self.text,
+                token_ids=list(self.generated),
+                cache_tokens=list(self.tokens),  # the last pick is not fed
+                timings=Timings(
+                    queue_s=(self.prefill_start or now) - self.sent_at,
+                    prefill_s=self.prefill_end - self.prefill_start,
+                    ttft_s=self.prefill_end - self.sent_at,
+                    decode_s=now - self.prefill_end,
+                    prompt_tokens=len(self.prompt),
+                    reused_tokens=self.reused,
+                    prefilled_tokens=len(self.prompt) - self.reused,
+                    generated_tokens=len(self.generated),
+                ),
+            )
+        )
+        self.reply.resolve(None)
+        return False

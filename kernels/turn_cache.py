@@ -1,0 +1,286 @@
+"""The working K/V cache of running turns, one interface for both attention modes.
+
+Between turns an agent's cache is stored quantized (``AgentKV`` ranges). During a turn the
+model reads it through a :class:`TurnCache`: every layer's cache of one agent (a row) or of a
+batch of agents decoding together. Choosing an attention mode chooses the class:
+
+- :class:`FloatTurnCache` (``"dequantized"``): a float copy of each row's stored tokens, made
+  once at the turn's start; one row is a list of mlx-lm ``KVCache``, a batch a list of
+  mlx-lm ``BatchKVCache``.
+- :class:`QuantizedTurnCache` (``"quantized"``): the stored parts read as they are, plus a
+  float tail of the turn's tokens (``QuantizedBatchCache`` per layer); the model's attention
+  is bound to it per model (:func:`kernels.attention.bind_attention`).
+
+Both keep the turn's new tokens in float (:meth:`TurnCache.added`), which ``AgentKV``
+quantizes into a new stored range when the turn ends. Caches are described per layer
+(:class:`CacheGeometry`): key and value widths may differ, and a layer may have a sliding
+window or no cache at all; what a class cannot run raises ``NotImplementedError`` when a
+turn starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from .attention import bind_attention
+from .qbatch import Kernel, QuantizedBatchCache
+from .qcodec import Role, concat_parts
+
+if TYPE_CHECKING:
+    from .agent_cache import AgentKV
+
+__all__ = (
+    "CacheGeometry",
+    "FloatTurnCache",
+    "LayerGeometry",
+    "QuantizedTurnCache",
+    "TurnCache",
+    "turn_cache_class",
+)
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """One layer's cache: ``n_kv_heads`` heads of keys ``key_dim`` wide and values
+    ``value_dim`` wide; ``window`` tokens kept (None: all of them)."""
+
+    n_kv_heads: int
+    key_dim: int
+    value_dim: int
+    window: int | None = None
+
+    def dim(self, role: Role) -> int:
+        return self.key_dim if role == "key" else self.value_dim
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Every layer's cache geometry, in order; ``None`` for a layer that keeps no cache."""
+
+    layers: tuple[LayerGeometry | None, ...]
+
+    @classmethod
+    def uniform(cls, n_layers: int, n_kv_heads: int, head_dim: int) -> CacheGeometry:
+        """``n_layers`` alike full-attention layers with keys and values ``head_dim`` wide."""
+        return cls((LayerGeometry(n_kv_heads, head_dim, head_dim),) * n_layers)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def layer(self, i: int) -> LayerGeometry:
+        """Layer ``i``'s geometry; raises NotImplementedError for a layer without a cache
+        or with a sliding window (not supported by the stored form yet)."""
+        g = self.layers[i]
+        if g is None:
+            raise NotImplementedError(f"layer {i} keeps no KV cache: not supported yet")
+        if g.window is not None:
+            raise NotImplementedError(f"layer {i} has a sliding window: not supported yet")
+        return g
+
+    def fp32_bytes_per_token(self) -> int:
+        """Bytes of one token's fp32 K and V over every layer."""
+        return sum(4 * g.n_kv_heads * (g.key_dim + g.value_dim) for g in self.layers if g)
+
+
+class TurnCache(Protocol):
+    """All layers' working cache of one or more rows (agents) in running turns.
+
+    ``layers`` is what the model takes as ``cache=``. A turn starts with a one-row cache
+    (:meth:`start`); rows join a batch with :meth:`extend`, leave it with :meth:`extract`
+    and :meth:`filter`.
+    """
+
+    quantized: ClassVar[bool]  # whether attention reads the stored (quantized) parts
+
+    @classmethod
+    def start(cls, kv: AgentKV) -> TurnCache:
+        """A one-row cache over ``kv``'s stored ranges."""
+        ...
+
+    @classmethod
+    def prepare(cls, model: nn.Module) -> None:
+        """Ready ``model`` to run over caches of this class (once per model)."""
+        ...
+
+    @property
+    def layers(self) -> Sequence[Any]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def batch(self) -> TurnCache:
+        """This cache as the first rows of a batch (which ``extend`` / ``filter`` /
+        ``extract`` edit); may share arrays with it."""
+        ...
+
+    def extend(self, other: TurnCache) -> None:
+        """Append ``other``'s rows to this batch (in place)."""
+        ...
+
+    def filter(self, rows: list[int]) -> None:
+        """Keep only ``rows``, in that order (in place)."""
+        ...
+
+    def extract(self, row: int) -> TurnCache:
+        """Row ``row`` alone."""
+        ...
+
+    def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
+        """Float K and V ``(1, H, stop - start, D)`` of a one-row cache's tokens
+        [start, stop), which the turn added after its ``start`` stored tokens."""
+        ...
+
+    def arrays(self) -> list[mx.array]:
+        """Every array, for ``mx.eval``."""
+        ...
+
+
+class FloatTurnCache:
+    """Dequantized attention: a float copy of the stored tokens, made once per turn."""
+
+    quantized: ClassVar[bool] = False
+
+    def __init__(self, layers: list[Any]) -> None:
+        self._layers = layers  # KVCache for one row, BatchKVCache for a batch
+
+    @classmethod
+    def start(cls, kv: AgentKV) -> FloatTurnCache:
+        layers = []
+        for i in range(kv.geometry.n_layers):
+            kv.geometry.layer(i)
+            cache = KVCache()
+            if kv.ranges:
+                keys = kv.dequantize(i, "key")
+                values = kv.dequantize(i, "value")
+                cache.state = (keys, values, keys.shape[2])
+            layers.append(cache)
+        out = cls(layers)
+        if kv.ranges:
+            mx.eval(out.arrays())
+        return out
+
+    @classmethod
+    def prepare(cls, model: nn.Module) -> None:
+        pass  # the model's own attention reads float caches
+
+    @property
+    def layers(self) -> Sequence[Any]:
+        return self._layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self._layers)
+
+    def _batched(self) -> list[BatchKVCache]:
+        return [
+            layer if isinstance(layer, BatchKVCache) else BatchKVCache.merge([layer])
+            for layer in self._layers
+        ]
+
+    def batch(self) -> FloatTurnCache:
+        return FloatTurnCache(self._batched())
+
+    def extend(self, other: TurnCache) -> None:
+        if not isinstance(other, FloatTurnCache):
+            raise TypeError("a float batch takes float rows only")
+        mine = self._batched()
+        for layer, new in zip(mine, other._batched(), strict=True):
+            layer.extend(new)
+        self._layers = mine
+
+    def filter(self, rows: list[int]) -> None:
+        self._layers = self._batched()
+        for layer in self._layers:
+            layer.filter(mx.array(rows))
+
+    def extract(self, row: int) -> FloatTurnCache:
+        return FloatTurnCache([layer.extract(row) for layer in self._batched()])
+
+    def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
+        keys, values = self._layers[layer].state[:2]
+        return keys[:, :, start:stop, :], values[:, :, start:stop, :]
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self._layers for a in layer.state if isinstance(a, mx.array)]
+
+
+class QuantizedTurnCache:
+    """Quantized attention: the stored parts as they are plus a float tail of the turn."""
+
+    quantized: ClassVar[bool] = True
+    kernel: ClassVar[Kernel] = "auto"
+
+    def __init__(self, layers: list[QuantizedBatchCache]) -> None:
+        self._layers = layers
+
+    @classmethod
+    def start(cls, kv: AgentKV) -> QuantizedTurnCache:
+        return cls([cls._layer(kv, i) for i in range(kv.geometry.n_layers)])
+
+    @classmethod
+    def _layer(cls, kv: AgentKV, i: int) -> QuantizedBatchCache:
+        g = kv.geometry.layer(i)
+        return QuantizedBatchCache.from_parts(
+            kv.codec,
+            g.n_kv_heads,
+            (g.key_dim, g.value_dim),
+            concat_parts([r.layers[i][0] for r in kv.ranges]),
+            concat_parts([r.layers[i][1] for r in kv.ranges]),
+            kv.stored_tokens,
+            cls.kernel,
+        )
+
+    @classmethod
+    def prepare(cls, model: nn.Module) -> None:
+        bind_attention(model, QuantizedBatchCache)
+
+    @classmethod
+    def with_kernel(cls, kernel: Kernel) -> type[QuantizedTurnCache]:
+        """This class with attention forced to one kernel (``"reference"`` ...), for tests
+        and benchmarks."""
+        return type(f"QuantizedTurnCache[{kernel}]", (cls,), {"kernel": kernel})
+
+    @property
+    def layers(self) -> Sequence[Any]:
+        return self._layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self._layers)
+
+    def batch(self) -> QuantizedTurnCache:
+        return self
+
+    def extend(self, other: TurnCache) -> None:
+        if not isinstance(other, QuantizedTurnCache):
+            raise TypeError("a quantized batch takes quantized rows only")
+        for layer, new in zip(self._layers, other._layers, strict=True):
+            layer.extend(new)
+
+    def filter(self, rows: list[int]) -> None:
+        for layer in self._layers:
+            layer.filter(rows)
+
+    def extract(self, row: int) -> QuantizedTurnCache:
+        return QuantizedTurnCache([layer.extract(row) for layer in self._layers])
+
+    def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
+        cache = self._layers[layer]
+        if cache.stored_lengths() != [start] or cache.tail_lengths() != [stop - start]:
+            raise ValueError("the working cache does not hold this agent's new tokens")
+        return cache.tail(0)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self._layers for a in layer.state]
+
+
+def turn_cache_class(quantized: bool) -> type[FloatTurnCache] | type[QuantizedTurnCache]:
+    """The TurnCache class of an attention mode."""
+    return QuantizedTurnCache if quantized else FloatTurnCache
