@@ -2,11 +2,12 @@
 
 Each agent owns a folder ``<root>/agents/<agent>/`` of immutable segment files
 ``seg-<n>.safetensors`` (the quantized K/V of one token range, all layers) and a
-``manifest.json`` that commits them (the format: ``_manifest``, the strict reader:
-``_safetensors``). A turn that extends a warm cache
-appends one segment with only its new tokens. The actor runs every file operation in a
-worker thread, never on the event loop or the engine's thread; the same operations are
-plain functions here for the CLI and a prefetch actor. No MLX: numpy arrays and bytes only.
+``manifest.json`` that commits them (the format: ``_manifest``; segment files:
+``_safetensors``; reading and listing: ``_warm_read``; appending and forgetting:
+``_warm_write``). A turn that extends a warm cache appends one segment with only its new
+tokens. The actor runs every file operation in a worker thread, never on the event loop
+or the engine's thread; the same operations are plain functions here for the CLI, the
+scenario runner and benchmarks. No MLX: numpy arrays and bytes only.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from ._manifest import (
     default_cache_dir,
     read_manifest,
 )
-from ._warm import append_cache, forget, list_agents, read_cache
+from ._warm_read import list_agents, read_cache
+from ._warm_write import append_cache, forget
 from .errors import CacheRejected
 from .protocol import check_agent_id
 
