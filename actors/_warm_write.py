@@ -214,14 +214,16 @@ def append_cache(
     messages: Sequence[Mapping[str, str]] = (),
     extra: Mapping[str, Any] | None = None,
     delete_rejected: bool = False,
+    refused: str | None = None,
 ) -> WarmInfo:
     """Make the agent's warm cache hold ``tokens``: keep its first ``start`` tokens, write
     ``tensors`` (tokens [start, len(tokens))) as one new segment, then commit the manifest.
 
     ``start`` below the cached count cuts the cache there first (a DIVERGE); no tensors
     (``len(tokens) == start``) only rewrites the manifest. Orphan segment and temp files
-    are removed after the commit. A cache that is refused (see ``read_cache``) is replaced
-    by an append at 0, after being moved to ``rejected/<agent>`` (or deleted with
+    are removed after the commit. A refused cache (its manifest fails the checks of
+    ``read_manifest``, or ``refused`` says why ``read_cache`` refused it) is replaced by an
+    append at 0, after being moved to ``rejected/<agent>`` (or deleted with
     ``delete_rejected``).
 
     Raises InvalidAgentId for an unsafe id (before touching the disk); ValueError or
@@ -238,9 +240,11 @@ def append_cache(
         raise ValueError(f"tokens holds {len(token_ids)} ids, fewer than start={start}")
     arrays = _check_tensors(expect, start, tensors, len(token_ids) - start)
 
-    refused = False
+    set_aside = False
     try:
         loaded = load_manifest(folder, identity, agent)
+        if loaded is not None and refused is not None:
+            raise CacheRejected(refused, str(folder))
     except CacheRejected as exc:
         if start:
             raise CacheRejected(
@@ -248,7 +252,7 @@ def append_cache(
                 "append from token 0 to replace it",
                 exc.path,
             ) from None
-        loaded, refused = None, True
+        loaded, set_aside = None, True
     old = loaded[0] if loaded is not None else None
     cached = old.n_tokens if old is not None else 0
     if start > cached:
@@ -281,7 +285,7 @@ def append_cache(
     if len(msgspec.json.encode(manifest)) + 1024 > MAX_MANIFEST_BYTES:
         raise ValueError(f"the manifest would exceed {MAX_MANIFEST_BYTES} bytes")
     try:
-        if refused:
+        if set_aside:
             _set_aside(Path(root), folder, agent, delete_rejected)
         if not folder.is_dir():
             folder.mkdir(parents=True, exist_ok=True)

@@ -91,13 +91,15 @@ class Append(msgspec.Struct, frozen=True, tag=True):
 
 
 class Load(msgspec.Struct, frozen=True, tag=True):
-    """Read and verify ``agent``'s warm cache: answers a Loaded."""
+    """Read and verify ``agent``'s warm cache: answers a Loaded. Raises UnknownAgent when
+    there is none, CacheRejected when it cannot be trusted (ListAgents then says why)."""
 
     agent: str
 
 
 class Manifest(msgspec.Struct, frozen=True, tag=True):
-    """``agent``'s manifest (a CacheManifest), or None when it has no warm cache."""
+    """``agent``'s checked manifest (a CacheManifest), or None when it has no warm cache;
+    raises CacheRejected for a manifest that is refused (see ``read_manifest``)."""
 
     agent: str
 
@@ -122,8 +124,11 @@ class StoreActor(Actor):
     ``identity`` is what caches must have been made with to be loaded; ``expect(start,
     stop)`` gives the exact tensors of a segment (from the codec). Handlers raise what the
     functions they run raise: InvalidAgentId, UnknownAgent, CacheRejected, StoreWriteError,
-    ValueError (see ``append_cache`` and ``read_cache``). A refused cache is kept for
-    inspection unless ``delete_rejected``. Manifests are cached: this actor must be the
+    ValueError (see ``append_cache`` and ``read_cache``).
+
+    A refused cache stays in place, and ListAgents shows why, until the agent's next append
+    from token 0 moves it to ``rejected/<agent>``. With ``delete_rejected`` it is deleted
+    instead, at once when Load refuses it. Manifests are cached: this actor must be the
     only writer of its root.
     """
 
@@ -140,7 +145,9 @@ class StoreActor(Actor):
         self.root = Path(root) if root is not None else default_cache_dir()
         self.delete_rejected = delete_rejected
         self._manifests: dict[str, CacheManifest | None] = {}
-        self._refused: dict[str, str] = {}  # reasons found by Load, for ListAgents
+        # Why Load refused a cache still in place: for ListAgents, and so that the next
+        # Append sets it aside instead of building on it.
+        self._refused: dict[str, str] = {}
 
     async def receive(self, message: StoreMessage) -> Any:
         match message:
@@ -173,6 +180,7 @@ class StoreActor(Actor):
                 messages=m.messages,
                 extra=m.extra,
                 delete_rejected=self.delete_rejected,
+                refused=self._refused.get(agent),
             )
         )
         self._refused.pop(agent, None)

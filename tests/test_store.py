@@ -826,3 +826,21 @@ async def test_actor_deletes_rejected_when_asked(tmp_path: Path) -> None:
             await store.ask(Load("a"))
         assert not folder(tmp_path, "a").exists()
         assert await store.ask(ListAgents()) == []
+
+
+async def test_actor_sets_aside_a_cache_it_refused_when_rewritten(tmp_path: Path) -> None:
+    put(tmp_path, "a", 0, 10, seed=1)
+    flip_byte(tmp_path)  # the manifest stays sound: only Load can refuse this cache
+    refused = {p.name: p.read_bytes() for p in folder(tmp_path, "a").iterdir()}
+    async with Runtime() as rt:
+        store = await rt.spawn(StoreActor, IDENTITY, expect, tmp_path)
+        with pytest.raises(CacheRejected, match="checksum"):
+            await store.ask(Load("a"))
+        with pytest.raises(CacheRejected, match="cannot extend a refused cache"):
+            await store.ask(Append("a", 10, make(10, 11, seed=2), tokens(11)))
+        new = make(0, 5, seed=3)
+        await store.ask(Append("a", 0, new, tokens(5)))
+        assert_same(joined(await store.ask(Load("a"))), new)
+        assert [(i.agent, i.rejected) for i in await store.ask(ListAgents())] == [("a", None)]
+    aside = tmp_path / "rejected" / "a"
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == refused
