@@ -39,6 +39,7 @@ from ._manifest import (
 )
 from ._warm_read import list_agents, read_cache
 from ._warm_write import append_cache, forget
+from .enums import Tier
 from .errors import CacheRejected
 from .protocol import check_agent_id
 
@@ -240,7 +241,7 @@ def inspect_rows(
     return [
         {
             "agent": info.agent,
-            "tier": "warm",
+            "tier": Tier.WARM,
             "tokens": info.tokens,
             "bytes": info.nbytes,
             "model": info.model_fingerprint[:12],

@@ -21,6 +21,7 @@ import safetensors.numpy
 
 from kvactor.actors import _warm_write
 from kvactor.actors import store as store_module
+from kvactor.actors.enums import Tier
 from kvactor.actors.errors import CacheRejected, InvalidAgentId, StoreWriteError, UnknownAgent
 from kvactor.actors.store import (
     Append,
@@ -729,7 +730,7 @@ def test_list_agents_reports_refused_ones(tmp_path: Path) -> None:
     rows = inspect_rows(tmp_path, IDENTITY)
     assert [r["agent"] for r in rows] == sorted(infos)
     good = next(r for r in rows if r["agent"] == "good")
-    assert good["tier"] == "warm" and good["status"] == "ok" and good["tokens"] == 10
+    assert good["tier"] is Tier.WARM and good["status"] == "ok" and good["tokens"] == 10
     assert good["bytes"] == infos["good"].nbytes
     assert good["codec"] == "bits=4,group=64,kind=affine,rotate=False"
     table = format_table(rows)
