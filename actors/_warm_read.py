@@ -147,7 +147,8 @@ def read_cache(
     anything the cache cannot be trusted for: another model, codec or format version, a
     malformed or oversized manifest, segments that do not tile the tokens, a short file,
     a hostile header, unexpected tensors, metadata or checksum mismatches. A refused cache
-    is kept for inspection unless ``delete_rejected``.
+    is left where it is (``append_cache`` sets it aside) unless ``delete_rejected``, which
+    deletes it.
     """
     folder = agent_dir(root, agent)
     try:

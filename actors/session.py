@@ -364,7 +364,7 @@ def open(
     ``cache_dir`` turns on the warm tier there (``kvactor.default_cache_dir()`` is the
     usual place): every turn's new tokens are written to disk, demoted agents reload from
     there, and agents of a new session resume from it. ``budget_bytes`` bounds the hot
-    tier; ``codec`` picks how caches are stored (default: Q4 with Hadamard rotation);
+    tier; ``codec`` picks how caches are stored (None: the default codec, DEFAULT_CODEC);
     ``policy`` picks whom to demote (default LRU). ``delete_rejected`` deletes warm caches
     that are refused (another model, corrupt) instead of setting them aside.
     ``attention``: ``"quantized"`` runs attention and batches over the stored quantized
