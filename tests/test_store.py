@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from kvactor.actors import _warm
+from kvactor.actors import _warm_write
 from kvactor.actors import store as store_module
+from kvactor.actors.enums import Tier
 from kvactor.actors.errors import CacheRejected, InvalidAgentId, StoreWriteError, UnknownAgent
 from kvactor.actors.store import (
     Append,
@@ -692,7 +693,7 @@ def test_disk_full_keeps_the_previous_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: str, at: int, orphan: bool
 ) -> None:
     t = put(tmp_path, "a", 0, 10, seed=1)
-    monkeypatch.setattr(_warm, "os", FailingOS(fail, at))
+    monkeypatch.setattr(_warm_write, "os", FailingOS(fail, at))
     with pytest.raises(StoreWriteError, match="ENOSPC") as info:
         put(tmp_path, "a", 10, 15, seed=2)
     assert isinstance(info.value.__cause__, OSError)
@@ -729,7 +730,7 @@ def test_list_agents_reports_refused_ones(tmp_path: Path) -> None:
     rows = inspect_rows(tmp_path, IDENTITY)
     assert [r["agent"] for r in rows] == sorted(infos)
     good = next(r for r in rows if r["agent"] == "good")
-    assert good["tier"] == "warm" and good["status"] == "ok" and good["tokens"] == 10
+    assert good["tier"] is Tier.WARM and good["status"] == "ok" and good["tokens"] == 10
     assert good["bytes"] == infos["good"].nbytes
     assert good["codec"] == "bits=4,group=64,kind=affine,rotate=False"
     table = format_table(rows)
@@ -826,3 +827,21 @@ async def test_actor_deletes_rejected_when_asked(tmp_path: Path) -> None:
             await store.ask(Load("a"))
         assert not folder(tmp_path, "a").exists()
         assert await store.ask(ListAgents()) == []
+
+
+async def test_actor_sets_aside_a_cache_it_refused_when_rewritten(tmp_path: Path) -> None:
+    put(tmp_path, "a", 0, 10, seed=1)
+    flip_byte(tmp_path)  # the manifest stays sound: only Load can refuse this cache
+    refused = {p.name: p.read_bytes() for p in folder(tmp_path, "a").iterdir()}
+    async with Runtime() as rt:
+        store = await rt.spawn(StoreActor, IDENTITY, expect, tmp_path)
+        with pytest.raises(CacheRejected, match="checksum"):
+            await store.ask(Load("a"))
+        with pytest.raises(CacheRejected, match="cannot extend a refused cache"):
+            await store.ask(Append("a", 10, make(10, 11, seed=2), tokens(11)))
+        new = make(0, 5, seed=3)
+        await store.ask(Append("a", 0, new, tokens(5)))
+        assert_same(joined(await store.ask(Load("a"))), new)
+        assert [(i.agent, i.rejected) for i in await store.ask(ListAgents())] == [("a", None)]
+    aside = tmp_path / "rejected" / "a"
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == refused

@@ -17,7 +17,9 @@ import pytest
 import kvactor
 from kvactor import Attention
 from kvactor.actors.agent import match_prefix
+from kvactor.actors.enums import StageOutcome, Tier
 from kvactor.actors.model import make_tiny_model
+from kvactor.actors.prefetch import Stage, StageResult
 
 
 def tiny(seed: int = 0, **overrides: Any) -> Any:
@@ -30,6 +32,26 @@ SYSTEM = "You are agent seven."
 ATTENTION = pytest.mark.parametrize("attention", ["dequantized", "quantized"])
 
 
+async def stage(kv: kvactor.Session, agent: str) -> StageResult:
+    """Ask the session's prefetch actor to stage the agent's warm cache now."""
+    assert kv.prefetcher is not None
+    result: StageResult = await kv.prefetcher.ask(Stage(agent), timeout=None)
+    return result
+
+
+async def save_then_corrupt(root: Path, agent: str) -> dict[str, bytes]:
+    """Save one turn of ``agent`` under ``root``, flip a byte of its segment's tensor data
+    (only a full read sees it), and return the cache's files as they are now."""
+    async with kvactor.open(tiny(), cache_dir=root) as kv:
+        await (await kv.spawn_agent(agent)).generate("hello there", max_tokens=6)
+    folder = root / "agents" / agent
+    segment = next(folder.glob("seg-*.safetensors"))
+    data = bytearray(segment.read_bytes())
+    data[-5] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
 async def _two_turns_kept_hot(
     cache_dir: Path | None, attention: Attention = "auto"
 ) -> tuple[kvactor.Completion, kvactor.Completion]:
@@ -37,7 +59,7 @@ async def _two_turns_kept_hot(
         agent = await kv.spawn_agent("seven", system=SYSTEM)
         first = await agent.generate("tell me about tiers", max_tokens=12)
         second = await agent.generate("and the warm one?", max_tokens=12)
-        assert second.path == "hot"
+        assert second.path == Tier.HOT
         return first, second
 
 
@@ -56,7 +78,7 @@ async def test_greedy_after_a_warm_reload_equals_the_cache_kept_hot(
         state = await agent.state()
         assert state.restored and state.persisted == cached
         second = await agent.generate("and the warm one?", max_tokens=12)
-        assert second.path == "warm"
+        assert second.path == Tier.WARM
         # The reload reuses exactly what staying hot reuses, and decodes the same tokens.
         assert second.timings.reused_tokens == hot.timings.reused_tokens
         assert second.token_ids == hot.token_ids
@@ -92,7 +114,7 @@ def test_a_cache_saved_by_one_process_loads_in_another(tmp_path: Path) -> None:
     first_here, hot = anyio.run(_two_turns_kept_hot, None)
     second, path = anyio.run(resume)
     assert first_elsewhere == first_here.token_ids
-    assert path == "warm"
+    assert path == Tier.WARM
     assert second == hot.token_ids
 
 
@@ -137,8 +159,15 @@ async def test_prefetch_stages_a_warm_cache_before_the_turn(tmp_path: Path) -> N
             while (await kv.stats()).installs == 0:
                 await anyio.sleep(0.01)
         done = await agent.generate("what was it?", max_tokens=4)
-        assert done.path == "hot"  # the reload happened before the turn, not in it
+        assert done.path == Tier.HOT  # the reload happened before the turn, not in it
         assert done.timings.reused_tokens > 0
+        again = await stage(kv, "p")
+        assert again.outcome is StageOutcome.HOT and again.staged
+        nobody = await stage(kv, "nobody")
+        assert nobody.outcome is StageOutcome.NO_WARM_CACHE and not nobody.staged
+    async with kvactor.open(tiny(), cache_dir=tmp_path, budget_bytes=1) as kv:
+        big = await stage(kv, "p")
+        assert big.outcome is StageOutcome.TOO_BIG and not big.staged
 
 
 async def test_a_cache_from_another_model_is_refused_and_set_aside(tmp_path: Path) -> None:
@@ -151,22 +180,16 @@ async def test_a_cache_from_another_model_is_refused_and_set_aside(tmp_path: Pat
         agent = await kv.spawn_agent("x")
         assert not (await agent.state()).restored
         done = await agent.generate("hello", max_tokens=4)
-        assert done.path == "cold"
+        assert done.path == Tier.COLD
     assert (tmp_path / "rejected").exists()  # kept for inspection, not silently reused
 
 
 async def test_a_corrupt_segment_falls_back_to_cold_with_the_right_answer(tmp_path: Path) -> None:
-    async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
-        agent = await kv.spawn_agent("c")
-        await agent.generate("hello there", max_tokens=6)
-    segment = next((tmp_path / "agents" / "c").glob("seg-*.safetensors"))
-    data = bytearray(segment.read_bytes())
-    data[-5] ^= 0xFF
-    segment.write_bytes(bytes(data))
+    await save_then_corrupt(tmp_path, "c")
     async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
         agent = await kv.spawn_agent("c")
         done = await agent.generate("again", max_tokens=6)
-        assert done.path == "cold"
+        assert done.path == Tier.COLD
     async with kvactor.open(tiny()) as kv:  # the same turns with no warm tier at all
         agent = await kv.spawn_agent("c")
         await agent.generate("hello there", max_tokens=6)
@@ -174,6 +197,40 @@ async def test_a_corrupt_segment_falls_back_to_cold_with_the_right_answer(tmp_pa
     # Cold re-prefill recomputes the history exactly; kept hot it was quantized: compare
     # only that the turn completed with the requested length and a sane reuse count.
     assert len(done.token_ids) == len(reference.token_ids) == 6
+
+
+async def test_a_cache_refused_while_staging_is_set_aside_and_listed_with_why(
+    tmp_path: Path,
+) -> None:
+    refused = await save_then_corrupt(tmp_path, "c")
+    async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
+        result = await stage(kv, "c")
+        assert result.outcome is StageOutcome.REJECTED and not result.staged
+        assert "checksum mismatch" in result.detail
+        # Kept in place until the agent rewrites it, and listed with the store's reason.
+        assert [(i.agent, i.rejected) for i in await kv.warm_agents()] == [("c", result.detail)]
+        agent = await kv.spawn_agent("c")
+        done = await agent.generate("again", max_tokens=6)
+        assert done.path == Tier.COLD
+        await agent.state()  # queued behind the turn, which ends by saving the cache
+        assert [(i.agent, i.rejected) for i in await kv.warm_agents()] == [("c", None)]
+    # Rewriting it from token 0 set the refused copy aside, byte for byte.
+    aside = tmp_path / "rejected" / "c"
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == refused
+    async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
+        agent = await kv.spawn_agent("c")
+        assert (await agent.generate("and again", max_tokens=4)).path == Tier.WARM
+
+
+async def test_delete_rejected_deletes_a_cache_refused_while_staging(tmp_path: Path) -> None:
+    await save_then_corrupt(tmp_path, "c")
+    async with kvactor.open(tiny(), cache_dir=tmp_path, delete_rejected=True) as kv:
+        result = await stage(kv, "c")
+        assert result.outcome is StageOutcome.REJECTED and not result.staged
+        assert "checksum mismatch" in result.detail and "deleted" in result.detail
+        assert not (tmp_path / "agents" / "c").exists()
+        assert await kv.warm_agents() == []
+    assert not (tmp_path / "rejected").exists()
 
 
 async def test_forget_deletes_every_byte(tmp_path: Path) -> None:
@@ -197,7 +254,7 @@ async def test_raw_prompts_extend_exact_and_diverge(tmp_path: Path) -> None:
         agent = await kv.spawn_agent("raw")
         base = "Phase one: the plan is to build a cache."
         first = await agent.complete(base, max_tokens=1)
-        assert first.match == "new" and first.path == "cold"
+        assert first.match == "new" and first.path == Tier.COLD
         second = await agent.complete(base + " Phase two: the coder reports.", max_tokens=1)
         assert second.match == "extend"
         assert second.timings.reused_tokens == first.timings.prompt_tokens
@@ -241,7 +298,7 @@ def test_cli_inspect_and_forget(tmp_path: Path) -> None:
 
     shown = cli("inspect", str(tmp_path))
     assert shown.returncode == 0
-    assert "listed" in shown.stdout and "warm" in shown.stdout and "ok" in shown.stdout
+    assert "listed" in shown.stdout and Tier.WARM in shown.stdout and "ok" in shown.stdout
     assert cli("forget", "../etc", "--dir", str(tmp_path)).returncode == 2
     gone = cli("forget", "listed", "--dir", str(tmp_path))
     assert gone.returncode == 0 and "bytes deleted" in gone.stdout

@@ -1,8 +1,8 @@
-"""The warm tier's operations: append, read, list and forget agents' caches on disk.
+"""Writing the warm tier: append a turn's tokens to an agent's cache, forget an agent.
 
-Every function here blocks; StoreActor runs them off the event loop, and a prefetch actor
-or the CLI may call them directly. Reads may run while one writer appends: segment files
-are never rewritten, and a manifest is replaced atomically before orphans are removed.
+Every function here blocks; StoreActor runs them off the event loop, and the CLI, the
+scenario runner or a benchmark may call them directly. Appends to one agent must not
+overlap (StoreActor handles one message at a time); reads may run alongside them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import math
 import operator
 import os
 import secrets
@@ -24,10 +23,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ._fileio import ShortRead, in_background, read_whole
+from ._fileio import in_background
 from ._manifest import (
     CLOEXEC,
-    FORMAT_VERSION,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     NOFOLLOW,
@@ -35,186 +33,25 @@ from ._manifest import (
     CacheIdentity,
     CacheManifest,
     ExpectFn,
-    Loaded,
     SegmentEntry,
     WarmInfo,
     agent_dir,
-    default_cache_dir,
     inside,
     load_manifest,
-    read_manifest,
     segment_metadata,
     warm_info,
 )
-from ._safetensors import (
-    Expected,
-    build_header,
-    checksum,
-    data_start,
-    format_checksum,
-    parse_segment,
-    tensor_bytes,
-)
-from .errors import CacheRejected, InvalidAgentId, StoreWriteError, UnknownAgent
-from .protocol import check_agent_id
+from ._safetensors import build_header, checksum, format_checksum, tensor_bytes
+from ._warm_read import tree_bytes
+from .errors import CacheRejected, StoreWriteError
 
-# The format's public names are re-exported: the public home of all of them is ``store``.
-__all__ = (
-    "FORMAT_VERSION",
-    "MAX_MANIFEST_BYTES",
-    "CacheIdentity",
-    "CacheManifest",
-    "ExpectFn",
-    "Loaded",
-    "SegmentEntry",
-    "WarmInfo",
-    "agent_dir",
-    "append_cache",
-    "default_cache_dir",
-    "forget",
-    "list_agents",
-    "read_cache",
-    "read_manifest",
-)
+__all__ = ("append_cache", "forget")
 
-_READ_ATTEMPTS = 8
 _NO_CRC = format_checksum(0)  # a placeholder of the checksum's length
 _LITTLE = sys.byteorder == "little"
 _IOV_MAX = 512  # buffers per writev call (POSIX guarantees 16, Linux and macOS allow 1024)
 _WRITE_BATCH = 4 << 20  # bytes per write call
 _dtype = functools.cache(np.dtype)  # dtype objects by name (np.dtype(str) is slow)
-
-
-# ------------------------------------------------------------------------------ read
-def _expect(expect: ExpectFn, start: int, stop: int, path: Path) -> Expected:
-    try:
-        return expect(start, stop)
-    except ValueError as exc:
-        raise CacheRejected(
-            f"the codec refuses tokens [{start}, {stop}): {exc}", str(path)
-        ) from None
-
-
-def _prefix(
-    tensors: dict[str, np.ndarray[Any, Any]], want: Expected
-) -> dict[str, np.ndarray[Any, Any]]:
-    """The leading tokens of a segment: each wanted part sliced to its wanted shape."""
-    out: dict[str, np.ndarray[Any, Any]] = {}
-    for name, (shape, _) in want.items():
-        array = tensors.get(name)
-        if (
-            array is None
-            or array.ndim != len(shape)
-            or any(w > h for w, h in zip(shape, array.shape, strict=True))
-        ):
-            raise ValueError(f"the codec's part {name!r} cannot be cut to a token prefix")
-        out[name] = array[tuple(slice(0, w) for w in shape)]
-    return out
-
-
-def _read_segment(
-    path: Path, entry: SegmentEntry, expected: Expected, identity: CacheIdentity, agent: str
-) -> dict[str, np.ndarray[Any, Any]]:
-    """Read and verify one segment file. FileNotFoundError propagates (a concurrent
-    rewrite may have removed it); every other problem is a CacheRejected."""
-
-    def refuse(reason: str) -> CacheRejected:
-        return CacheRejected(f"{entry.file}: {reason}", str(path))
-
-    try:
-        fd = os.open(path, os.O_RDONLY | CLOEXEC | NOFOLLOW)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise refuse(f"cannot open: {exc.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size < entry.nbytes:
-            raise refuse(f"truncated: {size} of {entry.nbytes} bytes")
-        if size != entry.nbytes:
-            raise refuse(f"{size} bytes, the manifest says {entry.nbytes}")
-        need = sum(
-            math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expected.values()
-        )
-        if size > need + 8 + (16 << 20):
-            raise refuse(f"{size} bytes is far more than its {need} tensor bytes need")
-        try:
-            buffer, crc = read_whole(fd, size, data_start)
-        except ShortRead as exc:
-            raise refuse(f"truncated while reading: {exc.got} of {size} bytes") from None
-        except OSError as exc:
-            raise refuse(f"cannot read: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    try:
-        parsed = parse_segment(buffer, expected)
-    except CacheRejected as exc:
-        raise refuse(exc.reason) from None
-    want = segment_metadata(identity, agent, entry.start, entry.stop, entry.checksum)
-    for key, value in want.items():
-        found = parsed.metadata.get(key)
-        if found != value:
-            raise refuse(f"metadata {key} is {str(found)[:80]!r}, expected {value!r}")
-    found = format_checksum(crc) if crc is not None else checksum([parsed.data])
-    if found != entry.checksum:
-        raise refuse(f"checksum mismatch: data has {found}, manifest says {entry.checksum}")
-    return parsed.tensors
-
-
-def _read_segments(
-    folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
-) -> Loaded:
-    segments = []
-    for entry in manifest.segments:
-        path = folder / entry.file
-        full = _expect(expect, entry.start, entry.stop, path)
-        tensors = _read_segment(path, entry, full, identity, manifest.agent)
-        if entry.use < entry.stop - entry.start:
-            tensors = _prefix(tensors, _expect(expect, entry.start, entry.start + entry.use, path))
-        segments.append(tensors)
-    return Loaded(manifest, segments, sum(s.nbytes for s in manifest.segments))
-
-
-def read_cache(
-    root: str | os.PathLike[str],
-    identity: CacheIdentity,
-    expect: ExpectFn,
-    agent: str,
-    *,
-    delete_rejected: bool = False,
-) -> Loaded:
-    """Read and verify the agent's whole warm cache.
-
-    Raises InvalidAgentId for an unsafe id (before touching the disk), UnknownAgent when
-    the agent has no warm cache, CacheRejected (its message names the reason and path) for
-    anything the cache cannot be trusted for: another model, codec or format version, a
-    malformed or oversized manifest, segments that do not tile the tokens, a short file,
-    a hostile header, unexpected tensors, metadata or checksum mismatches. A refused cache
-    is kept for inspection unless ``delete_rejected``.
-    """
-    folder = agent_dir(root, agent)
-    try:
-        for _ in range(_READ_ATTEMPTS):
-            loaded = load_manifest(folder, identity, agent)
-            if loaded is None:
-                raise UnknownAgent(f"agent {agent!r} has no warm cache under {root}")
-            try:
-                return _read_segments(folder, loaded[0], identity, expect)
-            except (FileNotFoundError, CacheRejected) as exc:
-                # A concurrent append may have replaced the manifest and removed what the
-                # old one listed: look again, unless nothing changed.
-                if load_manifest(folder, identity, agent) != loaded:
-                    continue
-                if isinstance(exc, CacheRejected):
-                    raise
-                raise CacheRejected("segment file missing", exc.filename or "") from None
-        raise CacheRejected("the cache kept changing while being read", str(folder))
-    except CacheRejected as exc:
-        if not delete_rejected:
-            raise CacheRejected(f"agent {agent!r}: {exc.reason}; kept", exc.path) from None
-        with contextlib.suppress(OSError):
-            shutil.rmtree(folder)
-        raise CacheRejected(f"agent {agent!r}: {exc.reason}; deleted", exc.path) from None
 
 
 # ----------------------------------------------------------------------------- write
@@ -377,14 +214,16 @@ def append_cache(
     messages: Sequence[Mapping[str, str]] = (),
     extra: Mapping[str, Any] | None = None,
     delete_rejected: bool = False,
+    refused: str | None = None,
 ) -> WarmInfo:
     """Make the agent's warm cache hold ``tokens``: keep its first ``start`` tokens, write
     ``tensors`` (tokens [start, len(tokens))) as one new segment, then commit the manifest.
 
     ``start`` below the cached count cuts the cache there first (a DIVERGE); no tensors
     (``len(tokens) == start``) only rewrites the manifest. Orphan segment and temp files
-    are removed after the commit. A cache that is refused (see ``read_cache``) is replaced
-    by an append at 0, after being moved to ``rejected/<agent>`` (or deleted with
+    are removed after the commit. A refused cache (its manifest fails the checks of
+    ``read_manifest``, or ``refused`` says why ``read_cache`` refused it) is replaced by an
+    append at 0, after being moved to ``rejected/<agent>`` (or deleted with
     ``delete_rejected``).
 
     Raises InvalidAgentId for an unsafe id (before touching the disk); ValueError or
@@ -401,9 +240,11 @@ def append_cache(
         raise ValueError(f"tokens holds {len(token_ids)} ids, fewer than start={start}")
     arrays = _check_tensors(expect, start, tensors, len(token_ids) - start)
 
-    refused = False
+    set_aside = False
     try:
         loaded = load_manifest(folder, identity, agent)
+        if loaded is not None and refused is not None:
+            raise CacheRejected(refused, str(folder))
     except CacheRejected as exc:
         if start:
             raise CacheRejected(
@@ -411,7 +252,7 @@ def append_cache(
                 "append from token 0 to replace it",
                 exc.path,
             ) from None
-        loaded, refused = None, True
+        loaded, set_aside = None, True
     old = loaded[0] if loaded is not None else None
     cached = old.n_tokens if old is not None else 0
     if start > cached:
@@ -444,7 +285,7 @@ def append_cache(
     if len(msgspec.json.encode(manifest)) + 1024 > MAX_MANIFEST_BYTES:
         raise ValueError(f"the manifest would exceed {MAX_MANIFEST_BYTES} bytes")
     try:
-        if refused:
+        if set_aside:
             _set_aside(Path(root), folder, agent, delete_rejected)
         if not folder.is_dir():
             folder.mkdir(parents=True, exist_ok=True)
@@ -502,71 +343,7 @@ def _write_segment(
     )
 
 
-# ------------------------------------------------------------------------ list, forget
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    for folder, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(folder, name)).st_size
-    return total
-
-
-def _refused_info(agent: str, folder: Path, reason: str) -> WarmInfo:
-    try:
-        updated = os.lstat(folder).st_mtime
-    except OSError:
-        updated = 0.0
-    return WarmInfo(
-        agent=agent,
-        tokens=0,
-        nbytes=0 if os.path.islink(folder) else _tree_bytes(folder),
-        segments=0,
-        updated=updated,
-        rejected=reason,
-    )
-
-
-def list_agents(
-    root: str | os.PathLike[str], identity: CacheIdentity | None = None
-) -> list[WarmInfo]:
-    """Every agent folder under the root, sorted by id, without raising for bad ones.
-
-    Cheap checks only: the manifest (and, given ``identity``, that it matches) and the
-    size of each segment file; ``read_cache`` verifies contents. A folder that fails has
-    ``rejected`` set to the reason.
-    """
-    base = Path(root) / "agents"
-    try:
-        names = sorted(os.listdir(base))
-    except FileNotFoundError:
-        return []
-    out = []
-    for name in names:
-        folder = base / name
-        if name.startswith(".") or not folder.is_dir():
-            continue
-        try:
-            check_agent_id(name)
-            loaded = load_manifest(inside(base, name), identity, name)
-            if loaded is None:
-                raise CacheRejected("no manifest.json (an interrupted first write?)")
-            manifest, size = loaded
-            for s in manifest.segments:
-                try:
-                    found = os.stat(folder / s.file).st_size
-                except OSError as exc:
-                    raise CacheRejected(f"{s.file}: {exc.strerror}") from None
-                if found != s.nbytes:
-                    raise CacheRejected(f"{s.file}: {found} bytes, the manifest says {s.nbytes}")
-        except (CacheRejected, InvalidAgentId) as exc:
-            reason = exc.reason if isinstance(exc, CacheRejected) else str(exc)
-            out.append(_refused_info(name, folder, reason))
-            continue
-        out.append(warm_info(manifest, size))
-    return out
-
-
+# ---------------------------------------------------------------------------- forget
 def forget(root: str | os.PathLike[str], agent: str) -> int:
     """Delete every byte of the agent's warm cache (a refused copy set aside included);
     returns the bytes freed, 0 for an unknown agent.
@@ -579,7 +356,7 @@ def forget(root: str | os.PathLike[str], agent: str) -> int:
     try:
         for folder in folders:
             if os.path.lexists(folder):
-                freed += _tree_bytes(folder)
+                freed += tree_bytes(folder)
                 shutil.rmtree(folder)
                 _fsync_dir(folder.parent)
     except OSError as exc:

@@ -1,0 +1,241 @@
+"""Reading the warm tier: read and verify an agent's whole cache, list every agent folder.
+
+Every function here blocks; StoreActor runs them off the event loop, and the CLI, the
+scenario runner or a benchmark may call them directly. Reads may run while one writer
+appends: segment files are never rewritten, and a manifest is replaced atomically before
+orphans are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._fileio import ShortRead, read_whole
+from ._manifest import (
+    CLOEXEC,
+    NOFOLLOW,
+    CacheIdentity,
+    CacheManifest,
+    ExpectFn,
+    Loaded,
+    SegmentEntry,
+    WarmInfo,
+    agent_dir,
+    inside,
+    load_manifest,
+    segment_metadata,
+    warm_info,
+)
+from ._safetensors import Expected, checksum, data_start, format_checksum, parse_segment
+from .errors import CacheRejected, InvalidAgentId, UnknownAgent
+from .protocol import check_agent_id
+
+__all__ = ("list_agents", "read_cache", "tree_bytes")
+
+_READ_ATTEMPTS = 8
+
+
+# ------------------------------------------------------------------------------ read
+def _expect(expect: ExpectFn, start: int, stop: int, path: Path) -> Expected:
+    try:
+        return expect(start, stop)
+    except ValueError as exc:
+        raise CacheRejected(
+            f"the codec refuses tokens [{start}, {stop}): {exc}", str(path)
+        ) from None
+
+
+def _prefix(
+    tensors: dict[str, np.ndarray[Any, Any]], want: Expected
+) -> dict[str, np.ndarray[Any, Any]]:
+    """The leading tokens of a segment: each wanted part sliced to its wanted shape."""
+    out: dict[str, np.ndarray[Any, Any]] = {}
+    for name, (shape, _) in want.items():
+        array = tensors.get(name)
+        if (
+            array is None
+            or array.ndim != len(shape)
+            or any(w > h for w, h in zip(shape, array.shape, strict=True))
+        ):
+            raise ValueError(f"the codec's part {name!r} cannot be cut to a token prefix")
+        out[name] = array[tuple(slice(0, w) for w in shape)]
+    return out
+
+
+def _read_segment(
+    path: Path, entry: SegmentEntry, expected: Expected, identity: CacheIdentity, agent: str
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Read and verify one segment file. FileNotFoundError propagates (a concurrent
+    rewrite may have removed it); every other problem is a CacheRejected."""
+
+    def refuse(reason: str) -> CacheRejected:
+        return CacheRejected(f"{entry.file}: {reason}", str(path))
+
+    try:
+        fd = os.open(path, os.O_RDONLY | CLOEXEC | NOFOLLOW)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise refuse(f"cannot open: {exc.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < entry.nbytes:
+            raise refuse(f"truncated: {size} of {entry.nbytes} bytes")
+        if size != entry.nbytes:
+            raise refuse(f"{size} bytes, the manifest says {entry.nbytes}")
+        need = sum(
+            math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expected.values()
+        )
+        if size > need + 8 + (16 << 20):
+            raise refuse(f"{size} bytes is far more than its {need} tensor bytes need")
+        try:
+            buffer, crc = read_whole(fd, size, data_start)
+        except ShortRead as exc:
+            raise refuse(f"truncated while reading: {exc.got} of {size} bytes") from None
+        except OSError as exc:
+            raise refuse(f"cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        parsed = parse_segment(buffer, expected)
+    except CacheRejected as exc:
+        raise refuse(exc.reason) from None
+    want = segment_metadata(identity, agent, entry.start, entry.stop, entry.checksum)
+    for key, value in want.items():
+        found = parsed.metadata.get(key)
+        if found != value:
+            raise refuse(f"metadata {key} is {str(found)[:80]!r}, expected {value!r}")
+    found = format_checksum(crc) if crc is not None else checksum([parsed.data])
+    if found != entry.checksum:
+        raise refuse(f"checksum mismatch: data has {found}, manifest says {entry.checksum}")
+    return parsed.tensors
+
+
+def _read_segments(
+    folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
+) -> Loaded:
+    segments = []
+    for entry in manifest.segments:
+        path = folder / entry.file
+        full = _expect(expect, entry.start, entry.stop, path)
+        tensors = _read_segment(path, entry, full, identity, manifest.agent)
+        if entry.use < entry.stop - entry.start:
+            tensors = _prefix(tensors, _expect(expect, entry.start, entry.start + entry.use, path))
+        segments.append(tensors)
+    return Loaded(manifest, segments, sum(s.nbytes for s in manifest.segments))
+
+
+def read_cache(
+    root: str | os.PathLike[str],
+    identity: CacheIdentity,
+    expect: ExpectFn,
+    agent: str,
+    *,
+    delete_rejected: bool = False,
+) -> Loaded:
+    """Read and verify the agent's whole warm cache.
+
+    Raises InvalidAgentId for an unsafe id (before touching the disk), UnknownAgent when
+    the agent has no warm cache, CacheRejected (its message names the reason and path) for
+    anything the cache cannot be trusted for: another model, codec or format version, a
+    malformed or oversized manifest, segments that do not tile the tokens, a short file,
+    a hostile header, unexpected tensors, metadata or checksum mismatches. A refused cache
+    is left where it is (``append_cache`` sets it aside) unless ``delete_rejected``, which
+    deletes it.
+    """
+    folder = agent_dir(root, agent)
+    try:
+        for _ in range(_READ_ATTEMPTS):
+            loaded = load_manifest(folder, identity, agent)
+            if loaded is None:
+                raise UnknownAgent(f"agent {agent!r} has no warm cache under {root}")
+            try:
+                return _read_segments(folder, loaded[0], identity, expect)
+            except (FileNotFoundError, CacheRejected) as exc:
+                # A concurrent append may have replaced the manifest and removed what the
+                # old one listed: look again, unless nothing changed.
+                if load_manifest(folder, identity, agent) != loaded:
+                    continue
+                if isinstance(exc, CacheRejected):
+                    raise
+                raise CacheRejected("segment file missing", exc.filename or "") from None
+        raise CacheRejected("the cache kept changing while being read", str(folder))
+    except CacheRejected as exc:
+        if not delete_rejected:
+            raise CacheRejected(f"agent {agent!r}: {exc.reason}; kept", exc.path) from None
+        with contextlib.suppress(OSError):
+            shutil.rmtree(folder)
+        raise CacheRejected(f"agent {agent!r}: {exc.reason}; deleted", exc.path) from None
+
+
+# ------------------------------------------------------------------------------ list
+def tree_bytes(path: Path) -> int:
+    """The bytes of every file under ``path`` (what deleting it frees)."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
+
+
+def _refused_info(agent: str, folder: Path, reason: str) -> WarmInfo:
+    try:
+        updated = os.lstat(folder).st_mtime
+    except OSError:
+        updated = 0.0
+    return WarmInfo(
+        agent=agent,
+        tokens=0,
+        nbytes=0 if os.path.islink(folder) else tree_bytes(folder),
+        segments=0,
+        updated=updated,
+        rejected=reason,
+    )
+
+
+def list_agents(
+    root: str | os.PathLike[str], identity: CacheIdentity | None = None
+) -> list[WarmInfo]:
+    """Every agent folder under the root, sorted by id, without raising for bad ones.
+
+    Cheap checks only: the manifest (and, given ``identity``, that it matches) and the
+    size of each segment file; ``read_cache`` verifies contents. A folder that fails has
+    ``rejected`` set to the reason.
+    """
+    base = Path(root) / "agents"
+    try:
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        folder = base / name
+        if name.startswith(".") or not folder.is_dir():
+            continue
+        try:
+            check_agent_id(name)
+            loaded = load_manifest(inside(base, name), identity, name)
+            if loaded is None:
+                raise CacheRejected("no manifest.json (an interrupted first write?)")
+            manifest, size = loaded
+            for s in manifest.segments:
+                try:
+                    found = os.stat(folder / s.file).st_size
+                except OSError as exc:
+                    raise CacheRejected(f"{s.file}: {exc.strerror}") from None
+                if found != s.nbytes:
+                    raise CacheRejected(f"{s.file}: {found} bytes, the manifest says {s.nbytes}")
+        except (CacheRejected, InvalidAgentId) as exc:
+            reason = exc.reason if isinstance(exc, CacheRejected) else str(exc)
+            out.append(_refused_info(name, folder, reason))
+            continue
+        out.append(warm_info(manifest, size))
+    return out

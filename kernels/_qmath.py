@@ -1,0 +1,57 @@
+"""Array primitives of the KV codec: the Hadamard rotation and a plain-ops dequantization.
+The codec (``qcodec``) is their public home."""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ("dequantize_reference", "rotate")
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard_matrix(n: int) -> mx.array:
+    """The orthonormal Sylvester-Hadamard matrix of size n (a power of two), in fp32."""
+    h = np.ones((1, 1), dtype=np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return mx.array(h / np.sqrt(n, dtype=np.float32))
+
+
+def rotate(x: mx.array) -> mx.array:
+    """x·H over the last axis (H orthonormal Hadamard, the same as ``mx.hadamard_transform``).
+
+    On CPU a BLAS matmul with H beats MLX's fast Walsh-Hadamard transform (~1.8x here for
+    a 4K-token cache); elsewhere the transform is used.
+    """
+    if mx.default_device() == mx.cpu:
+        return x @ _hadamard_matrix(x.shape[-1])
+    return mx.hadamard_transform(x)
+
+
+def dequantize_reference(
+    q: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> mx.array:
+    """``mx.dequantize`` (affine) in plain array ops, bit for bit the same given fp32 scales and
+    biases; on CPU it is faster (3x for 3, 5 and 6 bits, whose values straddle words).
+
+    MLX packs values little-endian: ``32 / bits`` per uint32 for 2, 4 and 8 bits, else 8 values
+    per ``bits`` bytes.
+    """
+    lead, words = q.shape[:-1], q.shape[-1]
+    dim = words * 32 // bits
+    mask = (1 << bits) - 1
+    if 32 % bits == 0:
+        shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+        values = (q[..., None] >> shifts) & mask
+    else:
+        packs = mx.view(q, mx.uint8).reshape(*lead, dim // 8, bits).astype(mx.uint64)
+        word = packs[..., 0]
+        for j in range(1, bits):
+            word = word | (packs[..., j] << (8 * j))
+        values = (word[..., None] >> mx.arange(0, 8 * bits, bits, dtype=mx.uint64)) & mask
+    grouped = values.reshape(*lead, dim // group_size, group_size).astype(mx.float32)
+    out = grouped * scales[..., None] + biases[..., None]
+    return out.reshape(*lead, dim)
