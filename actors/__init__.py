@@ -13,6 +13,7 @@ from .enums import Match as Match
 from .enums import Room as Room
 from .enums import StageOutcome as StageOutcome
 from .enums import Tier as Tier
+from .enums import TurnPath as TurnPath
 from .errors import AgentBusy as AgentBusy
 from .errors import BudgetExceeded as BudgetExceeded
 from .errors import CacheMiss as CacheMiss
@@ -80,6 +81,7 @@ __all__ = (
     "TextStream",
     "Tier",
     "Timings",
+    "TurnPath",
     "Tokenizer",
     "UnknownAgent",
     "WarmInfo",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ("FinishReason", "Match", "Room", "StageOutcome", "Tier")
+__all__ = ("FinishReason", "Match", "Room", "StageOutcome", "Tier", "TurnPath")
 
 
 class _StrEnum(str, Enum):
@@ -29,6 +29,16 @@ class Tier(_StrEnum):
     HOT = "hot"
     WARM = "warm"
     COLD = "cold"
+
+
+class TurnPath(_StrEnum):
+    """How a turn found its cache, as reports group turns: the tier it came from, with
+    PREFETCHED for a hot turn whose warm cache a prefetch hint had staged ahead of it."""
+
+    COLD = "cold"
+    WARM = "warm"
+    PREFETCHED = "prefetched"
+    HOT = "hot"
 
 
 class Match(_StrEnum):

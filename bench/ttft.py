@@ -25,6 +25,7 @@ import kvactor  # first: it loads an optimized BLAS before mlx.core
 # isort: split
 import anyio
 
+COLD, WARM, HOT = kvactor.Tier.COLD, kvactor.Tier.WARM, kvactor.Tier.HOT
 TEXT = Path(__file__).with_name("data") / "fidelity.txt"
 
 
@@ -109,7 +110,7 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
     async with kvactor.open(cache_dir=root, attention="dequantized") as kv:
         decode_d = await decode_rate(await kv.spawn_agent(f"ttft-{n}"), prompt)
     paths = (cold.path, warm.path, hot.path, prefetched.path, warm_q.path, hot_q.path)
-    assert paths == ("cold", "warm", "hot", "hot", "warm", "hot"), paths
+    assert paths == (COLD, WARM, HOT, HOT, WARM, HOT), paths
     return {
         "tokens": cold.timings.prompt_tokens,
         "cold_s": cold_s,

@@ -21,7 +21,7 @@ from typing import IO
 import anyio
 import msgspec
 
-from .actors import BudgetExceeded, KvactorError, ModelLoadError
+from .actors import BudgetExceeded, KvactorError, ModelLoadError, Tier, TurnPath
 from .scenario import (
     AgentRow,
     Event,
@@ -37,13 +37,19 @@ from .scenario import (
     load_scenario,
     parse_scenario,
     run_scenario,
+    turn_path,
     write_results,
 )
 
 __all__ = ("LiveView", "format_summary", "next_run", "plot_ttft", "run_demo", "run_file")
 
 WIDTH = 92  # summary paragraphs wrap here
-PATH_COLOURS = {"cold": "#1f77b4", "warm": "#ff7f0e", "prefetched": "#9467bd", "hot": "#2ca02c"}
+PATH_COLOURS = {
+    TurnPath.COLD: "#1f77b4",
+    TurnPath.WARM: "#ff7f0e",
+    TurnPath.PREFETCHED: "#9467bd",
+    TurnPath.HOT: "#2ca02c",
+}
 
 
 # ----------------------------------------------------------------------------- tables
@@ -84,16 +90,12 @@ def agent_table(rows: Sequence[AgentRow]) -> list[str]:
     return table(head, body, {2, 3, 4, 6})
 
 
-def path_label(record: TurnRecord) -> str:
-    return "prefetched" if record.prefetched else record.path
-
-
 def turn_line(record: TurnRecord, total: int) -> str:
     width = len(str(total))
     reused = f"{record.reused_tokens} reused + {record.prefilled_tokens} new"
     return (
         f"  [{record.index + 1:>{width}}/{total}] {record.agent:<10} "
-        f"{path_label(record):<10} {record.match:<7} TTFT {record.ttft_s:6.2f} s  "
+        f"{turn_path(record):<10} {record.match:<7} TTFT {record.ttft_s:6.2f} s  "
         f"prompt {record.prompt_tokens} ({reused})  "
         f"-> {record.generated_tokens} tokens at {record.decode_tok_s:.1f} tok/s"
     )
@@ -253,7 +255,7 @@ def plot_ttft(results: Results, path: str | Path) -> None:
     cold = cold_model(turns, results.summary.references)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(turns) + 2), 4.0))
     for label, colour in PATH_COLOURS.items():
-        group = [t for t in turns if path_label(t) == label]
+        group = [t for t in turns if turn_path(t) is label]
         if group:
             ax.bar(
                 [t.index for t in group],
@@ -261,7 +263,7 @@ def plot_ttft(results: Results, path: str | Path) -> None:
                 color=colour,
                 label=f"{label} ({len(group)})",
             )
-    reused = [t for t in turns if t.path != "cold"]
+    reused = [t for t in turns if t.path is not Tier.COLD]
     if cold is not None and reused:
         ax.scatter(
             [t.index for t in reused],

@@ -11,6 +11,7 @@ import msgspec
 
 from ._scenario_format import Scenario
 from .actors import EngineStats, ModelInfo
+from .actors.enums import FinishReason, Match, Tier, TurnPath
 
 __all__ = (
     "AgentRow",
@@ -46,8 +47,8 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     phase: str
     phase_index: int
     agent: str
-    path: str
-    match: str
+    path: Tier
+    match: Match
     prefetched: bool
     ttft_s: float
     queue_s: float
@@ -58,7 +59,7 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     prefilled_tokens: int
     generated_tokens: int
     decode_tok_s: float
-    finish_reason: str
+    finish_reason: FinishReason
     cache_tokens: int
     cache_bytes: int
     start_s: float
@@ -92,7 +93,7 @@ class ColdReference(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     ttft_s: float
     turn_ttft_s: float
-    turn_path: str
+    turn_path: str  # "{path}/{match}" of that turn
 
 
 class Savings(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,12 +138,12 @@ class AgentRow(msgspec.Struct, frozen=True, kw_only=True):
     its tokens and bytes: in memory when hot, on disk when warm) and its last turn."""
 
     agent: str
-    tier: str
+    tier: Tier
     tokens: int
     nbytes: int
     turns: int
-    last_path: str
-    last_match: str
+    last_path: Tier | None
+    last_match: Match | None
     last_ttft_s: float | None
 
 
@@ -197,6 +198,11 @@ def load_results(path: str | Path) -> Results:
 
 
 # ---------------------------------------------------------------------------- summary
+def turn_path(record: TurnRecord) -> TurnPath:
+    """The turn's path as reports group it (PREFETCHED for a hot turn a hint staged)."""
+    return TurnPath.PREFETCHED if record.prefetched else TurnPath(record.path)
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -208,7 +214,7 @@ def cold_model(
     through the mean of its cold turns and its cold references, proportional to n below
     the first point and above the last. Without either, prompt tokens / the prefill
     rate of the turns' new parts. None when nothing was prefilled."""
-    cold = [t for t in turns if t.path == "cold"]
+    cold = [t for t in turns if t.path is Tier.COLD]
     points: list[tuple[float, float]] = []
     parts = []
     if cold:
@@ -251,16 +257,13 @@ def summarize(turns: Sequence[TurnRecord], references: Sequence[ColdReference] =
     model = cold_model(turns, references)
 
     def est(t: TurnRecord) -> float:
-        if t.path == "cold" or model is None:
+        if t.path is Tier.COLD or model is None:
             return t.ttft_s
         return model[0](t.prompt_tokens)
 
-    groups: list[tuple[str, list[TurnRecord]]] = [
-        ("cold", [t for t in turns if t.path == "cold"]),
-        ("warm", [t for t in turns if t.path == "warm"]),
-        ("prefetched", [t for t in turns if t.path == "hot" and t.prefetched]),
-        ("hot", [t for t in turns if t.path == "hot" and not t.prefetched]),
-        ("extend", [t for t in turns if t.path != "cold" and t.match == "extend"]),
+    groups: list[tuple[TurnPath | Match, list[TurnRecord]]] = [
+        *((p, [t for t in turns if turn_path(t) is p]) for p in TurnPath),
+        (Match.EXTEND, [t for t in turns if t.path is not Tier.COLD and t.match is Match.EXTEND]),
     ]
     paths = [
         PathSummary(

@@ -33,7 +33,7 @@ from ._scenario_results import (
     TurnStarted,
     summarize,
 )
-from .actors import ModelInfo, Tokenizer, UnknownAgent
+from .actors import ModelInfo, Tier, Tokenizer, UnknownAgent
 from .actors import open as open_session
 from .actors.config import turn_reserve_bytes
 from .actors.session import Agent, Session
@@ -156,10 +156,10 @@ async def _tier_rows(
     for name in names:
         try:
             info = await kv.agent(name).cache_info()
-            tier, tokens, nbytes = "hot", info.tokens, info.nbytes
+            tier, tokens, nbytes = Tier.HOT, info.tokens, info.nbytes
         except UnknownAgent:
             w = warm.get(name)
-            tier, tokens, nbytes = ("warm", w.tokens, w.nbytes) if w else ("cold", 0, 0)
+            tier, tokens, nbytes = (Tier.WARM, w.tokens, w.nbytes) if w else (Tier.COLD, 0, 0)
         record = last.get(name)
         rows.append(
             AgentRow(
@@ -168,8 +168,8 @@ async def _tier_rows(
                 tokens=tokens,
                 nbytes=nbytes,
                 turns=turns.get(name, 0),
-                last_path=record.path if record else "",
-                last_match=record.match if record else "",
+                last_path=record.path if record else None,
+                last_match=record.match if record else None,
                 last_ttft_s=record.ttft_s if record else None,
             )
         )
@@ -301,7 +301,7 @@ class _Runner:
             agent=name,
             path=done.path,
             match=done.match,
-            prefetched=done.path == "hot" and name in self.hinted_cold,
+            prefetched=done.path is Tier.HOT and name in self.hinted_cold,
             ttft_s=t.ttft_s,
             queue_s=t.queue_s,
             prefill_s=t.prefill_s,
@@ -330,7 +330,7 @@ async def _cold_references(kv: Session, records: Sequence[TurnRecord]) -> list[C
     """Prefill again, from scratch, the prompt of the longest turn and (when the run had
     no cold turn to compare with) of the shortest, in a throwaway agent."""
     targets = [max(records, key=lambda r: (r.prompt_tokens, r.index))]
-    if all(r.path != "cold" for r in records):
+    if all(r.path is not Tier.COLD for r in records):
         shortest = min(records, key=lambda r: (r.prompt_tokens, r.index))
         if shortest.prompt_tokens <= 0.75 * targets[0].prompt_tokens:
             targets.append(shortest)

@@ -62,6 +62,7 @@ from ._scenario_results import TurnStarted as TurnStarted
 from ._scenario_results import cold_model as cold_model
 from ._scenario_results import load_results as load_results
 from ._scenario_results import summarize as summarize
+from ._scenario_results import turn_path as turn_path
 from ._scenario_results import write_results as write_results
 from ._scenario_run import estimate_budget as estimate_budget
 from ._scenario_run import estimate_context as estimate_context
@@ -99,6 +100,7 @@ __all__ = (
     "run_scenario",
     "scenario_cache_dir",
     "summarize",
+    "turn_path",
     "turn_prompt",
     "write_results",
 )

@@ -17,6 +17,7 @@ from kvactor import (
     Session,
     UnknownAgent,
 )
+from kvactor.actors.enums import FinishReason
 from kvactor.actors.model import make_tiny_model
 from kvactor.actors.protocol import Generate, Sampling
 
@@ -46,7 +47,7 @@ async def test_multi_turn_prefills_only_the_new_text(attention: Attention) -> No
     async with kvactor.open(tiny(), attention=attention) as session:
         agent = await session.spawn_agent("a", system="be brief")
         first = await agent.generate("hello", max_tokens=6)
-        assert first.finish_reason == "length" and len(first.token_ids) == 6
+        assert first.finish_reason is FinishReason.LENGTH and len(first.token_ids) == 6
         assert first.timings.reused_tokens == 0
         info = await agent.cache_info()
         # The last generated token is sampled but not yet fed: it is fed with the next turn.
@@ -205,7 +206,7 @@ async def test_bad_input_gets_clear_errors_and_the_engine_keeps_serving() -> Non
             session.agent("nobody")
         # Near the context end, max_tokens is cut to what fits instead of overflowing.
         done = await agent.generate("y" * 20, max_tokens=1000)
-        assert done.finish_reason in {"length", "eos"}
+        assert done.finish_reason in {FinishReason.LENGTH, FinishReason.EOS}
         assert done.timings.prompt_tokens + len(done.token_ids) <= 160
         with pytest.raises(ContextOverflow):  # the conversation has filled the context
             await agent.generate("still fine?", max_tokens=2)

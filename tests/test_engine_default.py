@@ -6,6 +6,7 @@ import anyio
 import pytest
 
 import kvactor
+from kvactor.actors.enums import FinishReason
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,7 @@ async def test_paris_and_a_second_turn_that_reuses_the_cache() -> None:
         agent = await session.spawn_agent("geo")
         first = await agent.generate("What is the capital of France?", max_tokens=20)
         assert "Paris" in first.text
-        assert first.finish_reason == "eos"
+        assert first.finish_reason is FinishReason.EOS
         second = await agent.generate("And of Germany?", max_tokens=20)
         assert "Berlin" in second.text
         assert (

@@ -17,6 +17,7 @@ import pytest
 import kvactor  # noqa: F401 - first: it loads the BLAS, which must precede mlx.core
 from kvactor import scenario as sc
 from kvactor._demo import LiveView, demo_scenario, format_summary, plot_ttft
+from kvactor.actors.enums import FinishReason, Match, Tier, TurnPath
 from kvactor.actors.store import list_agents
 from kvactor.cli import main
 from kvactor.scenario import (
@@ -104,14 +105,14 @@ async def test_a_run_demotes_reloads_and_a_second_run_resumes_from_disk(tmp_path
         ("start", "beta"),
         ("start", "gamma"),
     ]
-    assert all(t.path == "cold" and t.match == "new" for t in turns[:3])
+    assert all(t.path is Tier.COLD and t.match is Match.NEW for t in turns[:3])
     later = turns[3:]
-    assert all(t.match == "extend" and t.reused_tokens > 0 for t in later)
-    assert {t.path for t in later} >= {"warm"}  # demoted, then reloaded from disk
+    assert all(t.match is Match.EXTEND and t.reused_tokens > 0 for t in later)
+    assert {t.path for t in later} >= {Tier.WARM}  # demoted, then reloaded from disk
     assert first.stats.demoted_warm > 0 and first.stats.installs > 0
     assert first.stats.peak_bytes <= (first.budget_bytes or 0)
     labels = {p.label: p for p in first.summary.paths}
-    assert labels["cold"].turns == 3 and labels["extend"].turns == 6
+    assert labels[TurnPath.COLD].turns == 3 and labels[Match.EXTEND].turns == 6
     assert len(first.summary.references) == 1 and first.summary.savings is not None
     on_disk = {w.agent for w in list_agents(tmp_path / "warm")}
     assert on_disk == {"alpha", "beta", "gamma"}  # the cold reference's agent is forgotten
@@ -129,9 +130,9 @@ async def test_a_run_demotes_reloads_and_a_second_run_resumes_from_disk(tmp_path
     started = events[0]
     assert isinstance(started, RunStarted)
     assert started.found_warm == started.resumed == ["alpha", "beta", "gamma"]
-    assert {row.tier for row in started.agents} == {"warm"}
-    assert [t.path for t in second.turns] == ["warm"] * 3
-    assert all(t.match == "extend" for t in second.turns)
+    assert {row.tier for row in started.agents} == {Tier.WARM}
+    assert [t.path for t in second.turns] == [Tier.WARM] * 3
+    assert all(t.match is Match.EXTEND for t in second.turns)
     assert second.resumed == ["alpha", "beta", "gamma"]
 
 
@@ -153,7 +154,7 @@ async def test_concurrent_turns_and_a_fresh_start(tmp_path: Path) -> None:
     assert isinstance(started, RunStarted)
     assert started.reset == "asked to start fresh" and started.resumed == []
     assert started.found_warm == ["alpha", "beta", "gamma"]
-    assert [t.path for t in again.turns[:3]] == ["cold"] * 3
+    assert [t.path for t in again.turns[:3]] == [Tier.COLD] * 3
 
 
 def _kvactor(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -335,25 +336,27 @@ async def test_the_live_view_redraws_only_on_a_terminal(tmp_path: Path, redraw: 
     assert len(results.turns) == 9
 
 
-def _turn(index: int, path: str, prompt: int, ttft: float, match: str = "extend") -> TurnRecord:
+def _turn(
+    index: int, path: Tier, prompt: int, ttft: float, match: Match = Match.EXTEND
+) -> TurnRecord:
     return TurnRecord(
         index=index,
         phase="p",
         phase_index=0,
         agent=f"a{index}",
         path=path,
-        match="new" if path == "cold" else match,
+        match=Match.NEW if path is Tier.COLD else match,
         prefetched=False,
         ttft_s=ttft,
         queue_s=0.0,
         prefill_s=ttft,
         decode_s=1.0,
         prompt_tokens=prompt,
-        reused_tokens=0 if path == "cold" else prompt // 2,
-        prefilled_tokens=prompt if path == "cold" else prompt // 2,
+        reused_tokens=0 if path is Tier.COLD else prompt // 2,
+        prefilled_tokens=prompt if path is Tier.COLD else prompt // 2,
         generated_tokens=8,
         decode_tok_s=7.0,
-        finish_reason="length",
+        finish_reason=FinishReason.LENGTH,
         cache_tokens=prompt + 7,
         cache_bytes=1000,
         start_s=float(index),
@@ -363,9 +366,13 @@ def _turn(index: int, path: str, prompt: int, ttft: float, match: str = "extend"
 
 
 def test_the_saving_is_interpolated_from_measured_cold_prefills() -> None:
-    turns = [_turn(0, "cold", 100, 1.0), _turn(1, "cold", 100, 1.0), _turn(2, "warm", 300, 1.5)]
+    turns = [
+        _turn(0, Tier.COLD, 100, 1.0),
+        _turn(1, Tier.COLD, 100, 1.0),
+        _turn(2, Tier.WARM, 300, 1.5),
+    ]
     reference = sc.ColdReference(
-        index=2, agent="a2", prompt_tokens=500, ttft_s=6.0, turn_ttft_s=1.5, turn_path="warm"
+        index=2, agent="a2", prompt_tokens=500, ttft_s=6.0, turn_ttft_s=1.5, turn_path=Tier.WARM
     )
     summary = summarize(turns, [reference])
     assert summary.savings is not None
@@ -373,16 +380,16 @@ def test_the_saving_is_interpolated_from_measured_cold_prefills() -> None:
     assert summary.savings.est_cold_ttft_s == pytest.approx(1.0 + 1.0 + 3.5)
     assert summary.savings.saved_s == pytest.approx(2.0)
     assert "2 cold turns" in summary.savings.method
-    warm = next(p for p in summary.paths if p.label == "warm")
+    warm = next(p for p in summary.paths if p.label == TurnPath.WARM)
     assert warm.est_cold_ttft_s == pytest.approx(3.5)
     # Several references: piecewise linear between them, proportional beyond the last.
     short = msgspec.structs.replace(reference, index=0, prompt_tokens=200, ttft_s=2.0)
-    model = sc.cold_model([_turn(0, "hot", 300, 1.0)], [reference, short])
+    model = sc.cold_model([_turn(0, Tier.HOT, 300, 1.0)], [reference, short])
     assert model is not None and "200 and 500 tokens" in model[1]
     assert model[0](350) == pytest.approx(2.0 + 150 * 4.0 / 300)
     assert model[0](1000) == pytest.approx(12.0)
     # Without cold turns or a reference: the prefill rate of the new parts, said so.
-    alone = summarize([_turn(0, "hot", 400, 2.0)])
+    alone = summarize([_turn(0, Tier.HOT, 400, 2.0)])
     assert alone.savings is not None and "no cold prefill" in alone.savings.method
     assert alone.savings.est_cold_ttft_s == pytest.approx(400 / 100)
 
@@ -415,8 +422,8 @@ def test_a_short_scenario_on_the_default_model(tmp_path: Path) -> None:
     """
     scenario = msgspec.structs.replace(parse_scenario(text), cache_dir=str(tmp_path / "warm"))
     first = anyio.run(run_scenario, scenario)
-    assert [t.path for t in first.turns[:2]] == ["cold", "cold"]
-    assert all(t.match == "extend" and t.reused_tokens > 0 for t in first.turns[2:])
+    assert [t.path for t in first.turns[:2]] == [Tier.COLD, Tier.COLD]
+    assert all(t.match is Match.EXTEND and t.reused_tokens > 0 for t in first.turns[2:])
     # hot_agents = 0: the budget is sized for the running turn alone, so an idle agent
     # is demoted to disk; the estimate was large enough for every turn.
     assert first.budget_bytes is not None and first.stats.peak_bytes <= first.budget_bytes
@@ -427,6 +434,6 @@ def test_a_short_scenario_on_the_default_model(tmp_path: Path) -> None:
 
     second = anyio.run(run_scenario, scenario)
     assert second.resumed == ["ideas", "judge"]
-    assert [t.path for t in second.turns[:2]] == ["warm", "warm"]  # restored from disk
+    assert [t.path for t in second.turns[:2]] == [Tier.WARM, Tier.WARM]  # restored from disk
     assert second.stats.installs >= 2
     assert second.summary.references[0].index == 3  # the longest turn, measured cold

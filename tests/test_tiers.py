@@ -17,7 +17,7 @@ import pytest
 import kvactor
 from kvactor import Attention
 from kvactor.actors.agent import match_prefix
-from kvactor.actors.enums import StageOutcome, Tier
+from kvactor.actors.enums import Match, StageOutcome, Tier
 from kvactor.actors.model import make_tiny_model
 from kvactor.actors.prefetch import Stage, StageResult
 
@@ -254,16 +254,16 @@ async def test_raw_prompts_extend_exact_and_diverge(tmp_path: Path) -> None:
         agent = await kv.spawn_agent("raw")
         base = "Phase one: the plan is to build a cache."
         first = await agent.complete(base, max_tokens=1)
-        assert first.match == "new" and first.path == Tier.COLD
+        assert first.match is Match.NEW and first.path == Tier.COLD
         second = await agent.complete(base + " Phase two: the coder reports.", max_tokens=1)
-        assert second.match == "extend"
+        assert second.match is Match.EXTEND
         assert second.timings.reused_tokens == first.timings.prompt_tokens
         third = await agent.complete(base + " Something else entirely.", max_tokens=1)
-        assert third.match == "diverge"
+        assert third.match is Match.DIVERGE
         assert first.timings.prompt_tokens <= third.timings.reused_tokens
         assert third.timings.reused_tokens < second.timings.prompt_tokens
         fourth = await agent.complete(base + " Something else entirely.", max_tokens=1)
-        assert fourth.match == "exact"
+        assert fourth.match is Match.EXACT
         assert fourth.timings.reused_tokens == fourth.timings.prompt_tokens - 1
 
 
@@ -272,16 +272,16 @@ def test_match_prefix_keeps_a_verified_token_boundary() -> None:
     text = "hello world"
     tokens = tok.encode(text)
     same, kind = match_prefix(tok, tokens, text, text)
-    assert (same, kind) == (tokens, "exact")
+    assert (same, kind) == (tokens, Match.EXACT)
     longer, kind = match_prefix(tok, tokens, text, text + " and more")
-    assert kind == "extend" and longer[: len(tokens)] == tokens
+    assert kind is Match.EXTEND and longer[: len(tokens)] == tokens
     assert tok.decode(longer) == text + " and more"
     other, kind = match_prefix(tok, tokens, text, "hello there")
-    assert kind == "diverge" and tok.decode(other) == "hello there"
+    assert kind is Match.DIVERGE and tok.decode(other) == "hello there"
     shared = next(i for i, (a, b) in enumerate(zip(other, tokens, strict=False)) if a != b)
     assert shared > 0 and "hello ".startswith(tok.decode(tokens[:shared]))
     fresh, kind = match_prefix(tok, [], "", "abc")
-    assert kind == "new" and tok.decode(fresh) == "abc"
+    assert kind is Match.NEW and tok.decode(fresh) == "abc"
 
 
 def test_cli_inspect_and_forget(tmp_path: Path) -> None:
