@@ -3,6 +3,9 @@ BLAS selection."""
 
 from __future__ import annotations
 
+if __name__ != "kvactor.kernels":  # one import name per file: see README, Layout
+    raise ImportError(f"import kvactor.kernels, not {__name__}: each file has one import name")
+
 from .blas import BlasInfo as BlasInfo
 from .blas import SlowBlasWarning as SlowBlasWarning
 from .blas import ensure_blas as ensure_blas

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+if __name__ != "kvactor.runtime":  # one import name per file: see README, Layout
+    raise ImportError(f"import kvactor.runtime, not {__name__}: each file has one import name")
+
 from ._actor import Actor as Actor
 from ._actor import ThreadActor as ThreadActor
 from ._errors import ActorDeadError as ActorDeadError
