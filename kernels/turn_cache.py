@@ -142,13 +142,26 @@ class TurnCache(Protocol):
         ...
 
 
-class FloatTurnCache:
-    """Dequantized attention: a float copy of the stored tokens, made once per turn."""
-
-    quantized: ClassVar[bool] = False
+class _Layers:
+    """What both working caches share: one cache object per layer."""
 
     def __init__(self, layers: list[Any]) -> None:
-        self._layers = layers  # KVCache for one row, BatchKVCache for a batch
+        self._layers = layers
+
+    @property
+    def layers(self) -> Sequence[Any]:
+        return self._layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self._layers)
+
+
+class FloatTurnCache(_Layers):
+    """Dequantized attention: a float copy of the stored tokens, made once per turn. A row
+    is a list of mlx-lm KVCache, a batch a list of BatchKVCache."""
+
+    quantized: ClassVar[bool] = False
 
     @classmethod
     def start(cls, kv: AgentKV) -> FloatTurnCache:
@@ -169,14 +182,6 @@ class FloatTurnCache:
     @classmethod
     def prepare(cls, model: nn.Module) -> None:
         pass  # the model's own attention reads float caches
-
-    @property
-    def layers(self) -> Sequence[Any]:
-        return self._layers
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self._layers)
 
     def _batched(self) -> list[BatchKVCache]:
         return [
@@ -211,14 +216,13 @@ class FloatTurnCache:
         return [a for layer in self._layers for a in layer.state if isinstance(a, mx.array)]
 
 
-class QuantizedTurnCache:
-    """Quantized attention: the stored parts as they are plus a float tail of the turn."""
+class QuantizedTurnCache(_Layers):
+    """Quantized attention: the stored parts as they are plus a float tail of the turn
+    (a QuantizedBatchCache per layer)."""
 
     quantized: ClassVar[bool] = True
     kernel: ClassVar[Kernel] = "auto"
-
-    def __init__(self, layers: list[QuantizedBatchCache]) -> None:
-        self._layers = layers
+    _layers: list[QuantizedBatchCache]
 
     @classmethod
     def start(cls, kv: AgentKV) -> QuantizedTurnCache:
@@ -246,14 +250,6 @@ class QuantizedTurnCache:
         """This class with attention forced to one kernel (``"reference"`` ...), for tests
         and benchmarks."""
         return type(f"QuantizedTurnCache[{kernel}]", (cls,), {"kernel": kernel})
-
-    @property
-    def layers(self) -> Sequence[Any]:
-        return self._layers
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self._layers)
 
     def batch(self) -> QuantizedTurnCache:
         return self
