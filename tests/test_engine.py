@@ -38,7 +38,7 @@ ATTENTION = pytest.mark.parametrize("attention", ["dequantized", "quantized"])
 
 
 def tiny(**overrides: Any) -> Any:
-    # head_dim 64 so that the default Q4 g64 codec applies, as on real models
+    # head_dim 64 so that the default codec (groups of 64) applies, as on real models
     return functools.partial(make_tiny_model, 0, **{"head_dim": 64, **overrides})
 
 

@@ -1,0 +1,131 @@
+"""The hot tier as an object: CachePool's budget, typed answers, demotion and what a policy
+sees (real AgentKV caches of a tiny model, real MLX arrays)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import pytest
+
+from kvactor import BudgetExceeded, Candidate, LRUPolicy
+from kvactor.actors.enums import Room, Tier
+from kvactor.actors.model import LoadedModel, make_tiny_model
+from kvactor.actors.pool import CachePool, EvictionPolicy
+from kvactor.kernels.agent_cache import AgentKV
+from kvactor.kernels.qcodec import DEFAULT_CODEC
+
+
+@pytest.fixture(scope="module")
+def lm() -> LoadedModel:
+    return make_tiny_model(0, head_dim=64)
+
+
+def new_pool(
+    lm: LoadedModel,
+    limit: int | None,
+    *,
+    persistent: bool = True,
+    policy: EvictionPolicy | None = None,
+) -> CachePool:
+    return CachePool(
+        limit,
+        policy or LRUPolicy(),
+        persistent=persistent,
+        make_kv=lambda: AgentKV(DEFAULT_CODEC, lm.geometry),
+        batch_bytes=lambda: 0,
+    )
+
+
+def turn(pool: CachePool, lm: LoadedModel, agent: str, n: int, *, persist: bool) -> int:
+    """One turn of ``n`` new tokens for ``agent``; its stored bytes after it."""
+    entry = pool.claim(agent)
+    kv = entry.kv
+    work = kv.activate()
+    lm.model(mx.array([[7 + i % 50 for i in range(n)]]), cache=work.layers)
+    kv.tokens.extend(7 + i % 50 for i in range(n))
+    kv.deactivate()
+    pool.end_turn(entry)
+    if persist:
+        exported = pool.export(agent)
+        pool.written(agent, exported.export_id, len(exported.tokens))
+    return kv.stored_bytes
+
+
+def test_room_answers_are_typed_and_count_in_the_budget(lm: LoadedModel) -> None:
+    pool = new_pool(lm, 100_000)
+    size = turn(pool, lm, "hot", 20, persist=False)
+    assert pool.reserve("hot", 10) is Room.HOT
+    assert pool.reserve("big", 100_001) is Room.TOO_BIG
+    assert pool.reserve("a", 50_000) is Room.RESERVED
+    assert pool.reserve("a", 50_000) is Room.RESERVED  # held already
+    assert pool.measure() == size + 50_000
+    # "hot" is not on disk: it cannot be demoted, so there is no room for another staging.
+    assert pool.reserve("b", 100_000 - size - 49_999) is Room.NO_ROOM
+    pool.release("a")
+    assert pool.measure() == size
+    assert pool.reserve("b", 40_000) is Room.RESERVED
+    installed = pool.install("b", 0, lambda: AgentKV(DEFAULT_CODEC, lm.geometry), pin=True)
+    assert installed and pool.installs == 1 and "b" in pool
+    with pytest.raises(BudgetExceeded):
+        pool.install("c", 200_000, lambda: AgentKV(DEFAULT_CODEC, lm.geometry), pin=False)
+
+
+def test_demotion_is_least_recent_first_and_counted_by_tier(lm: LoadedModel) -> None:
+    for persistent, tier in ((True, Tier.WARM), (False, Tier.COLD)):
+        pool = new_pool(lm, None, persistent=persistent)
+        sizes = {a: turn(pool, lm, a, 30, persist=True) for a in ("old", "mid", "new")}
+        unsaved = turn(pool, lm, "unsaved", 30, persist=False)
+        pool.limit = sum(sizes.values()) + unsaved  # full
+        assert pool.make_room(sizes["old"])
+        assert "old" not in pool and {"mid", "new", "unsaved"} <= {
+            a for a in ("mid", "new", "unsaved") if a in pool
+        }
+        assert pool.demotions[tier] == 1 and pool.peak <= pool.limit
+        # A request bigger than all that can be freed demotes nobody.
+        assert not pool.make_room(pool.limit + 1)
+        assert "mid" in pool and "new" in pool
+
+
+def test_a_policy_sees_what_it_needs_to_beat_lru(lm: LoadedModel) -> None:
+    seen: list[Candidate] = []
+
+    class Record:
+        def victims(self, candidates: Sequence[Candidate], need: int) -> list[str]:
+            seen.extend(candidates)
+            return LRUPolicy().victims(candidates, need)
+
+    pool = new_pool(lm, None, policy=Record())
+    turn(pool, lm, "a", 40, persist=True)
+    turn(pool, lm, "a", 8, persist=True)  # a second turn that found it hot
+    turn(pool, lm, "b", 16, persist=True)
+    turn(pool, lm, "dirty", 16, persist=False)  # not on disk: never a candidate
+    assert pool.reserve("b", 1) is Room.HOT  # a prefetch hint for a hot agent
+    pool.limit = pool.measure()
+    assert pool.make_room(1)
+    by_agent = {c.agent: c for c in seen}
+    assert set(by_agent) == {"a", "b"}
+    a, b = by_agent["a"], by_agent["b"]
+    assert (a.tokens, a.hits, b.hits) == (48, 1, 0)
+    assert a.nbytes > b.nbytes > 0
+    assert a.tier is Tier.HOT and a.demote_to is Tier.WARM and a.clean
+    assert a.reload_s > 0 and a.next_use is None and b.next_use is not None
+    assert a.last_used < b.last_used
+
+
+def test_turn_reserves_count_until_the_turn_ends_and_stuck_says_when_nothing_frees(
+    lm: LoadedModel,
+) -> None:
+    pool = new_pool(lm, 1_000_000)
+    entry = pool.claim("x")
+    assert pool.start_turn(entry, 900_000)
+    assert pool.committed() == 900_000
+    assert not pool.start_turn(pool.claim("y"), 200_000)  # must wait for x
+    assert not pool.stuck()  # x's turn will end
+    entry.kv.activate()
+    entry.kv.deactivate()
+    pool.end_turn(entry)
+    assert pool.committed() == 0
+    pool.drop("x")
+    assert not pool.start_turn(pool.claim("z"), 2_000_000)
+    assert pool.stuck()  # nothing running, staged, pinned or demotable
