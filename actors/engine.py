@@ -211,17 +211,17 @@ class EngineActor(ThreadActor):
         sampling.validate()
         if len(msg.tokens) + sampling.max_tokens > limit:
             sampling = msgspec.structs.replace(sampling, max_tokens=limit - len(msg.tokens))
-        entry = self.pool.claim(agent)
+        key = None
+        if sampling.temperature > 0:
+            seed = sampling.seed if sampling.seed is not None else time.time_ns() % (1 << 63)
+            key = mx.random.key(seed)
+        entry = self.pool.claim(agent)  # the first change of state
         kv = entry.kv
         # Reuse the longest common prefix; the last prompt token is always fed again so
         # that its logits are there to sample from.
         keep = min(_common_prefix(kv.tokens, msg.tokens), len(msg.tokens) - 1)
         kv.trim(keep)
         entry.persisted = min(entry.persisted, keep)
-        key = None
-        if sampling.temperature > 0:
-            seed = sampling.seed if sampling.seed is not None else time.time_ns() % (1 << 63)
-            key = mx.random.key(seed)
         quantized = self.turn_cache.quantized
         self._prefilling.append(
             Generation(

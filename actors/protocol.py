@@ -13,6 +13,7 @@ from .errors import InvalidAgentId
 
 __all__ = (
     "AGENT_ID_MAX",
+    "SEED_LIMIT",
     "CacheInfo",
     "CacheQuery",
     "DropCache",
@@ -36,6 +37,7 @@ __all__ = (
 )
 
 AGENT_ID_MAX = 128
+SEED_LIMIT = 1 << 64  # MLX random keys take an unsigned 64-bit seed
 _AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -47,11 +49,12 @@ def check_agent_id(agent: object) -> str:
     """
     if not isinstance(agent, str):
         raise InvalidAgentId(f"agent id must be a str, got {type(agent).__name__}")
+    shown = repr(agent) if len(agent) <= 40 else f"{agent[:40]!r}... ({len(agent)} characters)"
     if not 0 < len(agent) <= AGENT_ID_MAX:
-        raise InvalidAgentId(f"agent id must have 1 to {AGENT_ID_MAX} characters: {agent!r}")
+        raise InvalidAgentId(f"agent id must have 1 to {AGENT_ID_MAX} characters: {shown}")
     if not _AGENT_ID.fullmatch(agent) or ".." in agent:
         raise InvalidAgentId(
-            f"agent id {agent!r} may only use letters, digits, '.', '_', '-' "
+            f"agent id {shown} may only use letters, digits, '.', '_', '-' "
             "(starting with a letter or digit, no '..')"
         )
     return agent
@@ -76,10 +79,13 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
                 f"unknown sampling option(s) {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(known))}"
             )
-        if isinstance(options.get("stop"), str):
-            options = {**options, "stop": (options["stop"],)}
-        elif "stop" in options:
-            options = {**options, "stop": tuple(options["stop"])}
+        stop = options.get("stop", ())
+        if isinstance(stop, str):
+            options = {**options, "stop": (stop,)}
+        elif isinstance(stop, list | tuple) and all(isinstance(s, str) for s in stop):
+            options = {**options, "stop": tuple(stop)}
+        else:
+            raise TypeError(f"stop must be a str or a list of str, not {type(stop).__name__}")
         try:
             sampling = msgspec.convert(options, cls)
         except msgspec.ValidationError as exc:
@@ -96,6 +102,8 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
 
 class Generate(msgspec.Struct, frozen=True, tag=True):

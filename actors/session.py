@@ -109,14 +109,15 @@ class Agent:
 
     def stream(self, text: str, **sampling: Any) -> TextStream:
         """Stream the reply to the user message ``text``. Raises TypeError / ValueError for
-        bad options."""
-        return TextStream(self.ref.stream(Turn(text, Sampling.from_options(sampling))))
+        a prompt that is not a str or bad options."""
+        return TextStream(self.ref.stream(Turn(_text(text), Sampling.from_options(sampling))))
 
     def stream_raw(self, prompt: str, **sampling: Any) -> TextStream:
         """Stream a completion of the whole raw ``prompt`` (no chat template, no history).
 
         A prompt that extends the previous one (plus what was generated) reuses the cache."""
-        return TextStream(self.ref.stream(Turn(prompt, Sampling.from_options(sampling), raw=True)))
+        turn = Turn(_text(prompt), Sampling.from_options(sampling), raw=True)
+        return TextStream(self.ref.stream(turn))
 
     async def complete(self, prompt: str, **sampling: Any) -> Completion:
         """The completion of the raw ``prompt``; see ``stream_raw`` and ``generate``."""
@@ -141,6 +142,12 @@ class Agent:
     async def cache_info(self) -> CacheInfo:
         info: CacheInfo = await self._session.engine.ask(CacheQuery(self.name))
         return info
+
+
+def _text(text: object) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"the prompt must be a str, not {type(text).__name__}")
+    return text
 
 
 async def _drain(stream: TextStream) -> Completion:
@@ -216,6 +223,7 @@ class Session:
         self.model: ModelInfo
         self.tokenizer: Tokenizer
         self._agents: dict[str, Agent] = {}
+        self._closed = False
 
     async def start(self) -> Session:
         """Start the runtime and load the model on the engine's thread."""
@@ -253,8 +261,11 @@ class Session:
         self.warm = WarmTier(self.store, self.prefetcher)
 
     async def aclose(self) -> None:
-        """Stop every agent (each first saves its last turn), then the engine."""
-        await self.runtime.__aexit__(None, None, None)
+        """Stop every agent (each first saves its last turn), then the engine. Closing a
+        closed session does nothing."""
+        if not self._closed:
+            self._closed = True
+            await self.runtime.__aexit__(None, None, None)
 
     async def __aenter__(self) -> Session:
         return self
@@ -265,14 +276,19 @@ class Session:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.runtime.__aexit__(exc_type, exc, tb)
+        if not self._closed:
+            self._closed = True
+            await self.runtime.__aexit__(exc_type, exc, tb)
 
     async def spawn_agent(self, name: str, *, system: str | None = None) -> Agent:
         """A new agent called ``name`` (letters, digits, '.', '_', '-').
 
-        Raises InvalidAgentId for an unsafe name, ValueError when it already exists.
+        Raises InvalidAgentId for an unsafe name, ValueError when it already exists,
+        TypeError when ``system`` is not a str.
         """
         check_agent_id(name)
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"system must be a str or None, not {type(system).__name__}")
         if name in self._agents:
             raise ValueError(f"agent {name!r} already exists")
         ref = await self.runtime.spawn(

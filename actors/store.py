@@ -261,8 +261,15 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def printable(text: str) -> str:
+    """``text`` safe for a terminal line: control characters (escape sequences, newlines)
+    and other unprintable ones are shown as Python escapes, never passed through."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """``inspect_rows`` as an aligned text table (one line saying so when empty)."""
+    """``inspect_rows`` as an aligned text table (one line saying so when empty); names
+    from disk are escaped (``printable``)."""
     if not rows:
         return "no warm caches"
     head = ("AGENT", "TIER", "TOKENS", "SIZE", "MODEL", "CODEC", "UPDATED", "STATUS")
@@ -272,14 +279,14 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         updated = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["updated"]))
         lines.append(
             (
-                str(row["agent"]),
+                printable(str(row["agent"])),
                 str(row["tier"]),
                 str(row["tokens"]),
                 _size(int(row["bytes"])),
-                str(row["model"]) or "-",
-                str(row["codec"]) or "-",
+                printable(str(row["model"])) or "-",
+                printable(str(row["codec"])) or "-",
                 updated,
-                status,
+                printable(status),
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
