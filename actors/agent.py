@@ -133,6 +133,10 @@ def _tokens_within(tokenizer: Tokenizer, tokens: list[int], chars: int) -> int:
     return len(tokens)
 
 
+#: Tries of one turn: a warm cache staged for it may be demoted again while it waits.
+_ATTEMPTS = 64
+
+
 class AgentActor(Actor):
     """Keeps an agent's conversation and the exact tokens its engine cache holds.
 
@@ -208,8 +212,13 @@ class AgentActor(Actor):
         path = Tier.HOT
         finished: Finished | None = None
         started = time.perf_counter()  # a reload on the way counts in the turn's TTFT
-        for attempt in range(2):
-            request = Generate(self.agent_id, tokens, sampling, started, warm=self.persisted > 0)
+        for attempt in range(_ATTEMPTS):
+            # A cache demoted while its turn waited (for room, behind other turns) is
+            # staged again and the turn sent again: it keeps its place in the queue. The
+            # last attempt takes whatever is hot (a re-prefill); a bound, never reached in
+            # practice, so that the loop always ends.
+            warm = self.persisted > 0 and attempt < _ATTEMPTS - 1
+            request = Generate(self.agent_id, tokens, sampling, started, warm=warm)
             try:
                 async with self.engine.stream(request) as items:
                     async for item in items:
@@ -220,7 +229,7 @@ class AgentActor(Actor):
                             finished = item
                 break
             except CacheMiss:
-                if attempt or self.warm is None:
+                if self.warm is None:
                     raise
                 path = Tier.WARM
                 if not await self.warm.stage(self.agent_id):

@@ -21,7 +21,7 @@ from .enums import Room, Tier
 from .errors import BudgetExceeded, CacheMiss, ContextOverflow, EngineStopped, UnknownAgent
 from .generation import Generation
 from .model import LoadedModel, load_model
-from .pool import CachePool
+from .pool import CachePool, HotEntry
 from .protocol import (
     CacheInfo,
     CacheQuery,
@@ -215,34 +215,52 @@ class EngineActor(ThreadActor):
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else time.time_ns() % (1 << 63)
             key = mx.random.key(seed)
+        self._drop_cancelled()  # a cancelled turn of this agent ends before the new one
         entry = self.pool.claim(agent)  # the first change of state
+        request = Generation(
+            agent=agent,
+            prompt=list(msg.tokens),
+            sampling=sampling,
+            reply=self.reply.detach(),
+            sent_at=msg.sent_at,
+            entry=entry,
+            todo=[],
+            reused=0,
+            key=key,
+            detok=self.lm.tokenizer.detokenizer(),
+            eos=self._eos,
+            reserve=0,
+            warm=msg.warm,
+        )
+        self._reuse(request, entry)
+        # In the order the agents sent them: a turn sent again after a CacheMiss (its cache
+        # was demoted while it waited) keeps its place.
+        at = len(self._prefilling)
+        while (
+            at > 0
+            and not self._prefilling[at - 1].active
+            and self._prefilling[at - 1].sent_at > request.sent_at
+        ):
+            at -= 1
+        self._prefilling.insert(at, request)
+
+    def _reuse(self, request: Generation, entry: HotEntry) -> None:
+        """Base the request on ``entry``: reuse the longest common prefix of its tokens (the
+        last prompt token is always fed again so that its logits are there to sample from)
+        and size the working cache the rest needs."""
         kv = entry.kv
-        # Reuse the longest common prefix; the last prompt token is always fed again so
-        # that its logits are there to sample from.
-        keep = min(_common_prefix(kv.tokens, msg.tokens), len(msg.tokens) - 1)
+        prompt = request.prompt
+        keep = min(_common_prefix(kv.tokens, prompt), len(prompt) - 1)
         kv.trim(keep)
         entry.persisted = min(entry.persisted, keep)
         quantized = self.turn_cache.quantized
-        self._prefilling.append(
-            Generation(
-                agent=agent,
-                prompt=list(msg.tokens),
-                sampling=sampling,
-                reply=self.reply.detach(),
-                sent_at=msg.sent_at,
-                entry=entry,
-                todo=list(msg.tokens[keep:]),
-                reused=keep,
-                key=key,
-                detok=self.lm.tokenizer.detokenizer(),
-                eos=self._eos,
-                reserve=turn_reserve_bytes(
-                    kv.geometry,
-                    (len(msg.tokens) - keep if quantized else len(msg.tokens))
-                    + sampling.max_tokens,
-                    stored_bytes=kv.stored_bytes if quantized else None,
-                ),
-            )
+        request.entry = entry
+        request.todo = list(prompt[keep:])
+        request.reused = keep
+        request.reserve = turn_reserve_bytes(
+            kv.geometry,
+            (len(prompt) - keep if quantized else len(prompt)) + request.sampling.max_tokens,
+            stored_bytes=kv.stored_bytes if quantized else None,
         )
 
     def _staged(self, tokens: list[int], ranges: list[tuple[int, int, dict[str, Any]]]) -> AgentKV:
@@ -261,6 +279,7 @@ class EngineActor(ThreadActor):
     # -- the work loop ----------------------------------------------------------------
     def on_idle(self) -> bool:
         self._drop_cancelled()
+        self.pool.grant_waiters()  # stagings waiting for room: whatever changed may help
         progressed = False
         if self._prefilling:
             progressed = self._prefill_step(self._prefilling[0])
@@ -279,35 +298,57 @@ class EngineActor(ThreadActor):
                 self._park(request)
         gone = [i for i, r in enumerate(self._batch) if r.reply.cancelled]
         if gone:
-            self._leave_batch(gone)
+            self._leave_batch(gone, finished=False)
 
-    def _park(self, request: Generation) -> None:
-        """The turn is over: store the new tokens quantized, drop the working copy."""
+    def _park(self, request: Generation, *, finished: bool = False) -> None:
+        """The turn is over: store the new tokens quantized, drop the working copy.
+        ``finished``: it ended normally, so its agent writes the new tokens next."""
         request.entry.kv.deactivate()
-        self.pool.end_turn(request.entry)
+        self.pool.end_turn(request.agent, request.entry, write_due=finished)
 
-    def _prefill_step(self, request: Generation) -> bool:
-        kv = request.entry.kv
-        if not request.active:
-            if not self.pool.start_turn(request.entry, request.reserve):
-                if not self.pool.stuck():
-                    return False  # wait for running turns to end or writes to finish
+    def _start(self, request: Generation) -> bool | None:
+        """Make room for the head request's working cache: True when it may start, False to
+        wait for running turns or writes to free room, None when it was answered (failed)."""
+        pool = self.pool
+        if pool.get(request.agent) is not request.entry:
+            # Its cache was demoted while it waited. With a warm copy the agent stages it
+            # and sends the turn again (keeping its place); else what is hot now is used.
+            if request.warm and request.agent not in pool:
                 self._prefilling.popleft()
                 self._park(request)
                 request.reply.fail(
-                    BudgetExceeded(
-                        f"this turn may need {request.reserve} bytes of working cache "
-                        f"besides {kv.stored_bytes} bytes of its own stored cache; the hot "
-                        f"budget is {self.pool.limit} bytes"
-                    )
+                    CacheMiss(f"agent {request.agent!r} was demoted while its turn waited")
                 )
-                return True
+                return None
+            self._reuse(request, pool.adopt(request.agent))
+        if pool.start_turn(request.entry, request.reserve):
+            return True
+        if not pool.stuck(request.entry):
+            return False  # running turns, writes or stagings will free room
+        self._prefilling.popleft()
+        self._park(request)
+        request.reply.fail(
+            BudgetExceeded(
+                f"this turn may need {request.reserve} bytes of working cache besides "
+                f"{request.entry.kv.stored_bytes} bytes of its own stored cache; the hot "
+                f"budget is {pool.limit} bytes"
+            )
+        )
+        return None
+
+    def _prefill_step(self, request: Generation) -> bool:
+        if not request.active:
+            started = self._start(request)
+            if started is not True:
+                return started is None
+            kv = request.entry.kv
             request.prefill_start = time.perf_counter()
             kv.activate()
             if kv.ranges and not kv.turn_cache.quantized:
                 self.pool.rates.dequantize(
                     kv.stored_bytes, time.perf_counter() - request.prefill_start
                 )
+        kv = request.entry.kv
         chunk = request.todo[: self.config.prefill_chunk]
         del request.todo[: len(chunk)]
         work = kv.activate()
@@ -333,7 +374,7 @@ class EngineActor(ThreadActor):
         if request.emit(token):
             self._ready.append(request)
         else:
-            self._park(request)
+            self._park(request, finished=True)
         return True
 
     def _join_batch(self, request: Generation) -> None:
@@ -347,7 +388,7 @@ class EngineActor(ThreadActor):
         self._batch.append(request)
         self._max_batch_seen = max(self._max_batch_seen, len(self._batch))
 
-    def _leave_batch(self, rows: list[int]) -> None:
+    def _leave_batch(self, rows: list[int], *, finished: bool) -> None:
         batch = self._batch_cache
         assert batch is not None
         for i in rows:
@@ -360,7 +401,7 @@ class EngineActor(ThreadActor):
         else:
             self._batch_cache = None
         for request in leaving:
-            self._park(request)
+            self._park(request, finished=finished)
 
     def _decode_step(self) -> None:
         assert self._batch_cache is not None
@@ -385,4 +426,4 @@ class EngineActor(ThreadActor):
             if not request.emit(token):
                 done.append(i)
         if done:
-            self._leave_batch(done)
+            self._leave_batch(done, finished=True)

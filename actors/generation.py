@@ -33,6 +33,7 @@ class Generation:
     detok: Any
     eos: frozenset[int]
     reserve: int  # bytes its working cache may grow to (checked against the budget)
+    warm: bool = False  # the agent has a warm copy: a cache demoted meanwhile is staged again
     held: str = ""
     text: str = ""
     generated: list[int] = field(default_factory=list)

@@ -39,6 +39,7 @@ class Candidate:
     reload_s: float  # estimated cost of bringing it back (from measured rates)
     next_use: float | None = None  # time.monotonic() of a hint that it runs soon
     tier: Tier = Tier.HOT
+    waiting: bool = False  # its turn is queued, or it was staged for one: a reload comes soon
 
 
 class EvictionPolicy(Protocol):
@@ -50,12 +51,13 @@ class EvictionPolicy(Protocol):
 
 
 class LRUPolicy:
-    """Least recently used first; caches already safe on disk before unpersisted ones."""
+    """Least recently used first; caches whose turn is waiting last, and caches already safe
+    on disk before unpersisted ones."""
 
     def victims(self, candidates: Sequence[Candidate], need: int) -> list[str]:
         chosen: list[str] = []
         freed = 0
-        for c in sorted(candidates, key=lambda c: (not c.clean, c.last_used)):
+        for c in sorted(candidates, key=lambda c: (c.waiting, not c.clean, c.last_used)):
             if freed >= need:
                 break
             chosen.append(c.agent)
@@ -95,11 +97,12 @@ class HotEntry:
     kv: AgentKV
     last_used: float = 0.0
     persisted: int = 0  # tokens known to be safe in the warm tier
-    busy: bool = False  # a turn is using it
-    pinned: bool = False  # staged for a turn about to start: not a demotion victim
+    busy: bool = False  # a turn of it is queued or running
+    pinned: bool = False  # staged for a turn about to start: demoted last
     hits: int = 0
     next_use: float | None = None
     turn_reserve: int | None = None  # while its turn's working cache exists: its maximum
+    write_due: bool = False  # its turn ended: the agent is about to export the new tokens
 
     @property
     def clean(self) -> bool:
@@ -145,6 +148,8 @@ class CachePool:
         self._staged: dict[str, int] = {}  # agent -> bytes reserved for a staging warm cache
         self._pins: dict[int, int] = {}  # export id -> bytes being written
         self._exports = 0
+        self._writing: dict[int, str] = {}  # export id -> its agent
+        self._turns: set[str] = set()  # agents with a turn queued or running
         self._waiters: deque[_Waiter] = deque()
 
     # -- residents --------------------------------------------------------------------
@@ -161,26 +166,43 @@ class CachePool:
         return list(self._entries.values())
 
     def claim(self, agent: str) -> HotEntry:
-        """The agent's entry (a new empty one if it has none), marked busy for a turn.
-        Raises AgentBusy when a turn of it is running."""
+        """The agent's entry (a new empty one if it has none), marked busy for a turn that
+        is queued now. Raises AgentBusy when a turn of it is queued or running.
+
+        A queued turn's cache stays a demotion candidate (demoted last) until the turn
+        starts: a turn that fits alone must never wait on caches of turns queued behind it.
+        """
+        if agent in self._turns:
+            raise AgentBusy(f"agent {agent!r} already has a generation in flight")
         entry = self._entries.get(agent)
         if entry is None:
             entry = self._entries[agent] = HotEntry(self._make_kv())
-        elif entry.busy:
-            raise AgentBusy(f"agent {agent!r} already has a generation in flight")
         else:
             entry.hits += 1
+        self._turns.add(agent)
         entry.busy = True
         entry.pinned = False
-        entry.next_use = None
+        entry.write_due = False
+        entry.next_use = time.monotonic()  # soon: its turn is queued
+        entry.last_used = time.monotonic()
+        return entry
+
+    def adopt(self, agent: str) -> HotEntry:
+        """For a queued turn whose cache was demoted while it waited: the agent's entry now
+        (staged again meanwhile) or a new empty one, marked busy."""
+        entry = self._entries.get(agent)
+        if entry is None:
+            entry = self._entries[agent] = HotEntry(self._make_kv())
+        entry.busy = True
+        entry.pinned = False
+        entry.next_use = time.monotonic()
         entry.last_used = time.monotonic()
         return entry
 
     def drop(self, agent: str) -> bool:
         """Forget an idle agent's hot cache (and a staging reservation); False if it had
-        none. Raises AgentBusy during its turn."""
-        entry = self._entries.get(agent)
-        if entry is not None and entry.busy:
+        none. Raises AgentBusy while a turn of it is queued or running."""
+        if agent in self._turns:
             raise AgentBusy(f"agent {agent!r} is generating; cancel it first")
         self._staged.pop(agent, None)
         dropped = self._entries.pop(agent, None) is not None
@@ -204,13 +226,18 @@ class CachePool:
         reserved = sum(e.turn_reserve or 0 for e in self._entries.values())
         return used - working + max(working, reserved)
 
-    def _candidates(self) -> list[Candidate]:
+    def _candidates(self, exclude: HotEntry | None = None) -> list[Candidate]:
+        """Every cache that may be demoted now: all but running turns' (and ``exclude``),
+        and those whose new tokens are being written or about to be."""
+        writing = set(self._writing.values())
         out = []
         for agent, e in self._entries.items():
-            if e.busy or e.pinned or not (e.clean or not self.persistent):
+            if e is exclude or e.turn_reserve is not None or e.write_due or agent in writing:
                 continue
-            warm = self.persistent
             nbytes = e.kv.nbytes
+            # A cache not complete on disk (a cancelled turn's, or one whose write failed)
+            # goes cold: its warm copy, if any, is older.
+            warm = self.persistent and e.clean
             if warm:
                 reload_s = nbytes / self.rates.disk_bytes_s
                 if not e.kv.turn_cache.quantized:
@@ -228,19 +255,24 @@ class CachePool:
                     demote_to=Tier.WARM if warm else Tier.COLD,
                     reload_s=reload_s,
                     next_use=e.next_use,
+                    waiting=e.busy or e.pinned,
                 )
             )
         return out
 
-    def make_room(self, need: int) -> bool:
-        """Demote idle agents until ``need`` more bytes fit; False (demoting nobody) when
-        even demoting every idle agent would not make enough room now."""
+    def make_room(self, need: int, exclude: HotEntry | None = None, *, turn: bool = False) -> bool:
+        """Demote caches (never ``exclude``) until ``need`` more bytes fit; False (demoting
+        nobody) when even demoting every candidate would not make enough room now.
+
+        Only a starting ``turn`` may demote the caches of turns that wait (queued, or staged
+        for one): stagings taking them from each other could go on forever, while every
+        turn that starts is progress."""
         if self.limit is None:
             return True
         missing = self.committed() + need - self.limit
         if missing <= 0:
             return True
-        candidates = self._candidates()
+        candidates = [c for c in self._candidates(exclude) if turn or not c.waiting]
         if sum(c.nbytes for c in candidates) < missing:
             return False
         tiers = {c.agent: c.demote_to for c in candidates}
@@ -249,30 +281,34 @@ class CachePool:
             self.demotions[tiers[agent]] += 1
         return self.committed() + need <= self.limit
 
-    def stuck(self) -> bool:
-        """Nothing running, pinned, staged or demotable is left to free: a request that does
-        not fit now never will."""
+    def stuck(self, exclude: HotEntry | None = None) -> bool:
+        """Nothing is on its way to free room: no running turn (but ``exclude``'s), no write,
+        staging or export about to end. A request that does not fit now never will."""
+        others = (e for e in self._entries.values() if e is not exclude)
         return not (
-            any(e.turn_reserve is not None for e in self._entries.values())
+            any(e.turn_reserve is not None or e.write_due for e in others)
             or self._pins
             or self._staged
-            or self._candidates()
-            or any(e.pinned or (not e.busy and not e.clean) for e in self._entries.values())
         )
 
     # -- turns ------------------------------------------------------------------------
     def start_turn(self, entry: HotEntry, reserve: int) -> bool:
-        """Room for a turn's working cache of up to ``reserve`` bytes; False to wait."""
-        if not self.make_room(reserve):
+        """Room for a turn's working cache of up to ``reserve`` bytes besides the entry's
+        stored cache; False to wait (or, when ``stuck``, to refuse)."""
+        if not self.make_room(reserve, exclude=entry, turn=True):
             return False
         entry.turn_reserve = reserve
         return True
 
-    def end_turn(self, entry: HotEntry) -> None:
-        """The turn is over (its working cache is gone): free its reserve, grant waiters."""
+    def end_turn(self, agent: str, entry: HotEntry, *, write_due: bool = False) -> None:
+        """The agent's turn is over (its working cache is gone): free its reserve, grant
+        waiters. ``write_due``: it finished and the agent will export its new tokens next."""
+        self._turns.discard(agent)
         entry.turn_reserve = None
         entry.busy = False
+        entry.next_use = None
         entry.last_used = time.monotonic()
+        entry.write_due = write_due and self.persistent and not entry.clean
         self.measure()
         self.grant_waiters()
 
@@ -345,6 +381,8 @@ class CachePool:
         ranges = entry.kv.ranges_from(entry.persisted)
         self._exports += 1
         self._pins[self._exports] = sum(r.nbytes for r in ranges)
+        self._writing[self._exports] = agent
+        entry.write_due = False
         return Exported(
             export_id=self._exports,
             persisted=entry.persisted,
@@ -353,8 +391,10 @@ class CachePool:
         )
 
     def written(self, agent: str, export_id: int, upto: int) -> None:
-        """The store made an export durable up to ``upto`` tokens: unpin it."""
+        """The store made an export durable up to ``upto`` tokens (less when a write
+        failed: the cache then stays a candidate to go cold): unpin it."""
         self._pins.pop(export_id, None)
+        self._writing.pop(export_id, None)
         entry = self._entries.get(agent)
         if entry is not None and upto <= len(entry.kv.tokens):
             entry.persisted = max(entry.persisted, upto)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import pytest
 
-from kvactor import BudgetExceeded, Candidate, LRUPolicy
+from kvactor import AgentBusy, BudgetExceeded, Candidate, LRUPolicy
 from kvactor.actors.enums import Room, Tier
 from kvactor.actors.model import LoadedModel, make_tiny_model
 from kvactor.actors.pool import CachePool, EvictionPolicy
@@ -45,7 +45,7 @@ def turn(pool: CachePool, lm: LoadedModel, agent: str, n: int, *, persist: bool)
     lm.model(mx.array([[7 + i % 50 for i in range(n)]]), cache=work.layers)
     kv.tokens.extend(7 + i % 50 for i in range(n))
     kv.deactivate()
-    pool.end_turn(entry)
+    pool.end_turn(agent, entry, write_due=True)  # the agent writes the new tokens next
     if persist:
         exported = pool.export(agent)
         pool.written(agent, exported.export_id, len(exported.tokens))
@@ -99,7 +99,7 @@ def test_a_policy_sees_what_it_needs_to_beat_lru(lm: LoadedModel) -> None:
     turn(pool, lm, "a", 40, persist=True)
     turn(pool, lm, "a", 8, persist=True)  # a second turn that found it hot
     turn(pool, lm, "b", 16, persist=True)
-    turn(pool, lm, "dirty", 16, persist=False)  # not on disk: never a candidate
+    turn(pool, lm, "dirty", 16, persist=False)  # being written: not a candidate yet
     assert pool.reserve("b", 1) is Room.HOT  # a prefetch hint for a hot agent
     pool.limit = pool.measure()
     assert pool.make_room(1)
@@ -124,8 +124,44 @@ def test_turn_reserves_count_until_the_turn_ends_and_stuck_says_when_nothing_fre
     assert not pool.stuck()  # x's turn will end
     entry.kv.activate()
     entry.kv.deactivate()
-    pool.end_turn(entry)
+    pool.end_turn("x", entry)
     assert pool.committed() == 0
     pool.drop("x")
     assert not pool.start_turn(pool.claim("z"), 2_000_000)
-    assert pool.stuck()  # nothing running, staged, pinned or demotable
+    assert pool.stuck()  # nothing running, staged or being written: y's cache is empty
+
+
+def test_a_queued_turn_never_holds_room_the_turn_ahead_of_it_needs(lm: LoadedModel) -> None:
+    pool = new_pool(lm, None)
+    sizes = {a: turn(pool, lm, a, 40, persist=True) for a in ("head", "queued")}
+    head, queued = pool.claim("head"), pool.claim("queued")  # both turns queued, in order
+    pool.limit = sum(sizes.values()) + 1000
+    # The head's turn fits alone: the queued turn's cache goes warm to make room for it.
+    assert pool.start_turn(head, 1000 + sizes["queued"])
+    assert "queued" not in pool and pool.demotions[Tier.WARM] == 1
+    assert pool.committed() <= pool.limit
+    with pytest.raises(AgentBusy):  # its turn is still queued, though its cache is gone
+        pool.claim("queued")
+    head.kv.activate()
+    head.kv.deactivate()
+    pool.end_turn("head", head)
+    again = pool.adopt("queued")  # what its turn starts from now: an empty cache
+    assert again is not queued and again.busy and len(again.kv.tokens) == 0
+
+
+def test_a_cache_no_write_will_save_may_go_cold_but_one_being_written_waits(
+    lm: LoadedModel,
+) -> None:
+    pool = new_pool(lm, None)
+    size = turn(pool, lm, "a", 40, persist=False)  # its write is due
+    pool.limit = size + 100
+    entry = pool.claim("b")
+    assert not pool.start_turn(entry, 1000)
+    assert not pool.stuck(entry)  # a's write will end: then a can go warm
+    exported = pool.export("a")
+    assert not pool.stuck(entry)
+    pool.written("a", exported.export_id, exported.persisted)  # the write failed
+    assert not pool.get("a").clean  # type: ignore[union-attr]
+    # Nothing will save it now: it may go cold (its older warm copy, if any, stays).
+    assert pool.start_turn(entry, 1000)
+    assert "a" not in pool and pool.demotions[Tier.COLD] == 1
