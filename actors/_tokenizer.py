@@ -10,6 +10,8 @@ import codecs
 import functools
 import hashlib
 import json
+import re
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
@@ -81,10 +83,95 @@ class Tokenizer(ABC):
         """sha256 hex identifying vocabulary, merges and chat template (for cache fingerprints)."""
         return self._digest
 
+    @property
     @abstractmethod
-    def encode(self, text: str, *, add_special: bool = False) -> list[int]:
-        """Token ids of ``text``. Special-token text (``<|im_start|>``) becomes its single id;
-        ``add_special`` adds the BOS/EOS ids the model asks for, if any."""
+    def special_texts(self) -> frozenset[str]:
+        """The text of every special (control) token: ``<|im_start|>``, ``</s>`` ..."""
+
+    @abstractmethod
+    def _encode(self, text: str, *, plain: bool = False, add_special: bool = False) -> list[int]:
+        """Token ids of ``text``; with ``plain`` special-token text is ordinary text."""
+
+    def encode(
+        self,
+        text: str,
+        *,
+        add_special: bool = False,
+        literal: Sequence[tuple[int, int]] = (),
+    ) -> list[int]:
+        """Token ids of ``text``. Special-token text (``<|im_start|>``) becomes its single id,
+        except inside the ``literal`` spans (character ranges, sorted, not overlapping: what
+        ``render_chat`` says came from message contents), where it is ordinary text.
+        ``add_special`` adds the BOS/EOS ids the model asks for, if any (not with spans)."""
+        if not literal:
+            return self._encode(text, add_special=add_special)
+        if add_special:
+            raise ValueError("add_special and literal spans cannot be combined")
+        ids: list[int] = []
+        at = 0
+        # Special tokens are always token boundaries, so cutting the text at the spans
+        # tokenizes everything outside them exactly as one call would.
+        for start, stop in literal:
+            if start < at or stop < start:
+                raise ValueError(f"literal spans must be sorted and disjoint, got {literal}")
+            if at < start:
+                ids += self._encode(text[at:start])
+            ids += self._encode(text[start:stop], plain=True)
+            at = stop
+        if at < len(text):
+            ids += self._encode(text[at:])
+        return ids
+
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> tuple[str, tuple[tuple[int, int], ...]]:
+        """``messages`` rendered with the chat template, and the spans of special-token text
+        that came from their contents: ``encode(text, literal=spans)`` gives the special ids
+        only where the template put them, so text cannot forge a role or a turn.
+
+        Raises ValueError when the template fails, or changes the contents so that their
+        special-token text cannot be found again.
+        """
+        specials = sorted(self.special_texts, key=len, reverse=True)
+        pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+        if pattern is None or not any(pattern.search(m.get("content", "")) for m in messages):
+            return self.apply_chat_template(messages, add_generation_prompt), ()
+        # Render with each special text in a content replaced by a marker no text contains,
+        # then put the special texts back where the markers landed.
+        nonce = secrets.token_hex(8)
+        index = {text: i for i, text in enumerate(specials)}
+        marked = [
+            {
+                **m,
+                "content": pattern.sub(
+                    lambda found: f"\ue000{nonce}:{index[found.group()]}\ue001", m["content"]
+                ),
+            }
+            if "content" in m
+            else m
+            for m in messages
+        ]
+        rendered = self.apply_chat_template(marked, add_generation_prompt)
+        expected = sum(len(pattern.findall(m.get("content", ""))) for m in messages)
+        out: list[str] = []
+        spans: list[tuple[int, int]] = []
+        length = 0
+        at = 0
+        for found in re.finditer(f"\ue000{nonce}:([0-9]+)\ue001", rendered):
+            out.append(rendered[at : found.start()])
+            length += found.start() - at
+            text = specials[int(found.group(1))]
+            out.append(text)
+            spans.append((length, length + len(text)))
+            length += len(text)
+            at = found.end()
+        out.append(rendered[at:])
+        if len(spans) != expected:
+            raise ValueError(
+                "the chat template changes message contents: special-token text in them "
+                "cannot be kept literal"
+            )
+        return "".join(out), tuple(spans)
 
     @abstractmethod
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
@@ -274,8 +361,20 @@ class ByteLevelBPETokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return len(self._bytes)
 
-    def encode(self, text: str, *, add_special: bool = False) -> list[int]:
-        ids: list[int] = self._rust.encode(text, add_special_tokens=False).ids
+    @property
+    def special_texts(self) -> frozenset[str]:
+        return frozenset(self._bytes[i].decode("utf-8") for i in self._special)
+
+    @functools.cached_property
+    def _plain(self) -> _RustTokenizer:
+        """The same tokenizer with special tokens matched as ordinary text."""
+        plain = _RustTokenizer.from_str(self._rust.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def _encode(self, text: str, *, plain: bool = False, add_special: bool = False) -> list[int]:
+        rust = self._plain if plain else self._rust
+        ids: list[int] = rust.encode(text, add_special_tokens=False).ids
         if add_special:
             if self._add_bos and self._bos is not None:
                 ids.insert(0, self._bos)
@@ -346,7 +445,17 @@ class MlxLmTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return len(self._hf)
 
-    def encode(self, text: str, *, add_special: bool = False) -> list[int]:
+    @functools.cached_property
+    def special_texts(self) -> frozenset[str]:
+        added = getattr(self._hf, "added_tokens_decoder", {})
+        texts = {str(t.content) for t in added.values() if getattr(t, "special", False)}
+        return frozenset(texts | set(getattr(self._hf, "all_special_tokens", ())))
+
+    def _encode(self, text: str, *, plain: bool = False, add_special: bool = False) -> list[int]:
+        if plain:
+            return list(
+                self._hf.encode(text, add_special_tokens=add_special, split_special_tokens=True)
+            )
         return list(self._hf.encode(text, add_special_tokens=add_special))
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:

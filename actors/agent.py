@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
@@ -82,12 +82,17 @@ def _common_chars(a: str, b: str) -> int:
 
 
 def match_prefix(
-    tokenizer: Tokenizer, tokens: list[int], text: str, new_text: str
+    tokenizer: Tokenizer,
+    tokens: list[int],
+    text: str,
+    new_text: str,
+    literal: Sequence[tuple[int, int]] = (),
 ) -> tuple[list[int], Match]:
     """The tokens for ``new_text`` that reuse as much of ``tokens`` (which spell ``text``) as
-    is safe, and the kind of match."""
+    is safe, and the kind of match. ``literal``: spans of ``new_text`` whose special-token
+    text is ordinary text (see ``Tokenizer.render_chat``)."""
     if not tokens:
-        return tokenizer.encode(new_text), Match.NEW
+        return tokenizer.encode(new_text, literal=literal), Match.NEW
     common = _common_chars(text, new_text)
     if common == len(text) == len(new_text):
         return list(tokens), Match.EXACT
@@ -102,17 +107,29 @@ def match_prefix(
         if not suffix:
             return list(tokens[:keep]), kind
         last = tokenizer.decode(tokens[keep - 1 : keep])
-        if _splits_after(tokenizer, last, suffix):
-            return list(tokens[:keep]) + tokenizer.encode(suffix), kind
+        within = _shift(literal, len(prefix) - len(last))
+        if _splits_after(tokenizer, last, suffix, within):
+            return list(tokens[:keep]) + tokenizer.encode(
+                suffix, literal=_shift(literal, len(prefix))
+            ), kind
         keep -= 1  # the suffix would merge into the last cached token: step back
-    return tokenizer.encode(new_text), Match.DIVERGE
+    return tokenizer.encode(new_text, literal=literal), Match.DIVERGE
 
 
-def _splits_after(tokenizer: Tokenizer, head: str, suffix: str) -> bool:
+def _shift(spans: Sequence[tuple[int, int]], offset: int) -> list[tuple[int, int]]:
+    """``spans`` of a text as spans of ``text[offset:]`` (cut at its start)."""
+    return [(max(a - offset, 0), b - offset) for a, b in spans if b > offset]
+
+
+def _splits_after(
+    tokenizer: Tokenizer, head: str, suffix: str, literal: Sequence[tuple[int, int]] = ()
+) -> bool:
     """Whether tokenizing ``head + suffix`` puts a token boundary right after ``head``: then
     the suffix does not merge into the last cached token, and tokenizing it on its own is
-    what a fresh tokenization would do there."""
-    ids = tokenizer.encode(head + suffix[:64])
+    what a fresh tokenization would do there. ``literal``: spans of ``head + suffix``."""
+    text = head + suffix[:64]
+    spans = [(a, min(b, len(text))) for a, b in literal if a < len(text)]
+    ids = tokenizer.encode(text, literal=spans)
     detok = tokenizer.detokenizer()
     length = 0
     for token in ids:
@@ -202,13 +219,15 @@ class AgentActor(Actor):
     async def _turn(
         self, text: str, sampling: Sampling, raw: bool
     ) -> AsyncIterator[str | TurnDone]:
-        if raw:
+        literal: Sequence[tuple[int, int]] = ()
+        if raw:  # the caller's text as it is, special tokens included (an explicit opt-in)
             messages = self.messages
             prompt = text
         else:
             messages = [*self.messages, {"role": "user", "content": text}]
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        tokens, match = match_prefix(self.tokenizer, self.tokens, self.text, prompt)
+            # Special tokens come from the template only: markers in contents stay text.
+            prompt, literal = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+        tokens, match = match_prefix(self.tokenizer, self.tokens, self.text, prompt, literal)
         path = Tier.HOT
         finished: Finished | None = None
         started = time.perf_counter()  # a reload on the way counts in the turn's TTFT
