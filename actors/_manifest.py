@@ -38,8 +38,6 @@ __all__ = (
     "FORMAT_VERSION",
     "MANIFEST",
     "MAX_MANIFEST_BYTES",
-    "MAX_SEGMENT_BYTES",
-    "MAX_TOKENS",
     "SEGMENT_FILE",
     "CacheIdentity",
     "CacheManifest",
@@ -64,10 +62,10 @@ FORMAT_VERSION = 2
 MAX_MANIFEST_BYTES = 32 << 20
 #: A manifest spends at least 2 bytes per token id (a digit and a comma): no segment of a
 #: cache can reach past this many tokens.
-MAX_TOKENS = MAX_MANIFEST_BYTES // 2
+_MAX_TOKENS = MAX_MANIFEST_BYTES // 2
 #: A sanity bound on one segment's size entry (the real bound comes from the codec's
 #: tensor sizes when the file is read).
-MAX_SEGMENT_BYTES = 1 << 40
+_MAX_SEGMENT_BYTES = 1 << 40
 
 MANIFEST = "manifest.json"
 SEGMENT_FILE = re.compile(r"seg-([0-9]{1,12})\.safetensors")
@@ -302,11 +300,11 @@ def _check_manifest(
             raise refuse(f"segment {s.file} is numbered past the last one, {m.last_segment}")
         if (
             s.start != position
-            or not s.start < s.stop <= MAX_TOKENS
+            or not s.start < s.stop <= _MAX_TOKENS
             or not 0 < s.use <= s.stop - s.start
         ):
             raise refuse(f"segment {s.file} does not continue the tokens at {position}")
-        if not 0 < s.nbytes <= MAX_SEGMENT_BYTES or not _CHECKSUM.fullmatch(s.checksum):
+        if not 0 < s.nbytes <= _MAX_SEGMENT_BYTES or not _CHECKSUM.fullmatch(s.checksum):
             raise refuse(f"segment {s.file} has a bad size or checksum entry")
         position += s.use
     if position != m.n_tokens:

@@ -180,12 +180,12 @@ def _remove(path: Path) -> None:
 
 def _set_aside(root: Path, folder: Path, agent: str, delete: bool) -> None:
     """Move a refused cache to ``rejected/<agent>`` (replacing an older one), or delete it.
-    Raises UnsafeCachePath, before touching anything, when ``rejected/`` or the folder in
-    it is a symlink."""
-    dest = rejected_dir(root, agent)
+    Raises UnsafeCachePath, before touching anything, when a move would go through a
+    symlinked ``rejected/`` or folder in it."""
     if delete:
         _remove(folder)
         return
+    dest = rejected_dir(root, agent)
     dest.parent.mkdir(parents=True, exist_ok=True)
     if os.path.lexists(dest):
         _remove(dest)

@@ -312,6 +312,8 @@ def test_append_checks_its_arguments(tmp_path: Path) -> None:
         append_cache(tmp_path, IDENTITY, expect, "a", 10, wrong, tokens(11))
     with pytest.raises(ValueError, match="start"):
         append_cache(tmp_path, IDENTITY, expect, "a", -1, {}, [])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 1000\)"):
+        append_cache(tmp_path, IDENTITY, expect, "a", 10, make(10, 11, 2), [*tokens(10), 1000])
     assert read_cache(tmp_path, IDENTITY, expect, "a").manifest.n_tokens == 10
 
 
@@ -506,6 +508,25 @@ def other_format(root: Path) -> None:
     edit_manifest(root, "a", change)
 
 
+def manifest_value(change: Any) -> Any:
+    """A consistent edit of the manifest's body (see ``edit_manifest``)."""
+
+    def craft(root: Path) -> None:
+        edit_manifest(root, "a", change)
+
+    return craft
+
+
+def setting(*path: Any, value: Any) -> Any:
+    def change(m: dict[str, Any]) -> None:
+        target = m
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return manifest_value(change)
+
+
 REFUSALS = {
     "truncated file": (truncate, "truncated"),
     "flipped byte": (flip_byte, "checksum mismatch"),
@@ -523,6 +544,18 @@ REFUSALS = {
     "manifest altered": (altered_manifest, "manifest checksum mismatch"),
     "manifest too large": (huge_manifest, "exceeds"),
     "segments do not tile": (broken_tiling, "does not continue"),
+    "token id past the vocabulary": (
+        setting("token_ids", 2, value=1000),
+        r"token id 1000 at 2 is outside the vocabulary \[0, 1000\)",
+    ),
+    "negative token id": (setting("token_ids", 5, value=-1), "token id -1 at 5 is outside"),
+    "huge segment range": (setting("segments", 0, "stop", value=1 << 40), "does not continue"),
+    "huge segment size": (setting("segments", 0, "nbytes", value=1 << 50), "bad size"),
+    "segment numbered past the last": (
+        setting("last_segment", value=0),
+        "numbered past the last one",
+    ),
+    "negative time": (setting("created", value=-1.0), "created is not a finite time"),
     "segment name escapes": (escaping_segment_name, "bad or repeated segment file name"),
     "huge header length": (hostile("huge header length"), "exceeds"),
     "header past the end": (hostile("header past the end"), "past the end"),
