@@ -28,6 +28,7 @@ from .errors import KvactorError as KvactorError
 from .errors import ModelLoadError as ModelLoadError
 from .errors import StoreWriteError as StoreWriteError
 from .errors import UnknownAgent as UnknownAgent
+from .errors import UnsafeCachePath as UnsafeCachePath
 from .model import LoadedModel as LoadedModel
 from .model import default_model_path as default_model_path
 from .model import fetch_default_model as fetch_default_model
@@ -87,6 +88,7 @@ __all__ = (
     "TurnPath",
     "Tokenizer",
     "UnknownAgent",
+    "UnsafeCachePath",
     "WarmInfo",
     "default_cache_dir",
     "default_model_path",

@@ -6,6 +6,14 @@ Layout under the cache root::
     agents/<agent>/manifest.json         the commit point (a CacheManifest, JSON)
     agents/<agent>/seg-<n>.safetensors   quantized K/V of tokens [start, stop), all layers
     rejected/<agent>/                    a refused cache set aside when the agent rewrote it
+
+Format 2: ``manifest.json`` is exactly ``{"checksum":"crc32:xxxxxxxx","manifest":BODY}``,
+BODY the CacheManifest as compact JSON and the CRC-32 over BODY's bytes; each segment is
+a safetensors file whose manifest entry holds the CRC-32 of the whole file, header
+included (so header offsets swapped between same-shaped tensors do not go unnoticed).
+Format 1 (the checksum over the tensor bytes only, in the segment header; an unchecked
+manifest) is refused. Every folder is reached through ``agent_dir`` / ``rejected_dir``,
+which refuse a symlink at any level below the root; every file through ``open_regular``.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,16 +29,15 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ._safetensors import Expected
-from .errors import CacheRejected, InvalidAgentId
+from ._fileio import open_regular
+from ._safetensors import Expected, format_checksum
+from .errors import CacheRejected, UnsafeCachePath
 from .protocol import check_agent_id
 
 __all__ = (
-    "CLOEXEC",
     "FORMAT_VERSION",
     "MANIFEST",
     "MAX_MANIFEST_BYTES",
-    "NOFOLLOW",
     "SEGMENT_FILE",
     "CacheIdentity",
     "CacheManifest",
@@ -39,23 +47,32 @@ __all__ = (
     "WarmInfo",
     "agent_dir",
     "codec_key",
+    "contained",
     "default_cache_dir",
-    "inside",
+    "encode_manifest",
     "load_manifest",
     "read_manifest",
+    "rejected_dir",
     "segment_metadata",
     "warm_info",
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Token ids and text of a long conversation stay far below this; more is not ours.
 MAX_MANIFEST_BYTES = 32 << 20
+#: A manifest spends at least 2 bytes per token id (a digit and a comma): no segment of a
+#: cache can reach past this many tokens.
+_MAX_TOKENS = MAX_MANIFEST_BYTES // 2
+#: A sanity bound on one segment's size entry (the real bound comes from the codec's
+#: tensor sizes when the file is read).
+_MAX_SEGMENT_BYTES = 1 << 40
 
 MANIFEST = "manifest.json"
 SEGMENT_FILE = re.compile(r"seg-([0-9]{1,12})\.safetensors")
+_MAX_SEGMENT_NUMBER = 10**12 - 1  # so that the next number still has 12 digits
 _CHECKSUM = re.compile(r"crc32:[0-9a-f]{8}")
-NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# manifest.json: this, then BODY, then "}" (nothing else: not even a newline).
+_FRAME = re.compile(rb'\{"checksum":"(crc32:[0-9a-f]{8})","manifest":')
 
 #: ``expect(start, stop)``: exact tensor name -> (shape, numpy dtype name) of a segment
 #: holding tokens [start, stop). Supplied by the codec.
@@ -70,6 +87,7 @@ class CacheIdentity(msgspec.Struct, frozen=True, kw_only=True):
     n_layers: int
     n_kv_heads: int
     head_dim: int
+    vocab_size: int  # token ids must lie in [0, vocab_size): the ids the engine takes
     format_version: int = FORMAT_VERSION
 
 
@@ -81,7 +99,7 @@ class SegmentEntry(msgspec.Struct, frozen=True, kw_only=True):
     stop: int
     use: int  # below stop - start after a DIVERGE cut into this segment
     nbytes: int
-    checksum: str  # "crc32:xxxxxxxx" over the tensor bytes (the file's data area)
+    checksum: str  # "crc32:xxxxxxxx" over the whole file, header included
 
 
 class CacheManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,19 +167,35 @@ def default_cache_dir() -> Path:
     return Path(cache) / "kvactor" / "agents-cache"
 
 
-def inside(base: Path, agent: str) -> Path:
-    path = base / agent
-    # A symlinked folder could lead anywhere: the real path must stay under the root.
-    if os.path.realpath(path) != os.path.join(os.path.realpath(base), agent):
-        raise InvalidAgentId(f"the cache folder of agent {agent!r} resolves outside {base}")
-    return path
+def contained(root: str | os.PathLike[str], *parts: str) -> Path:
+    """``<root>/<parts...>`` once every component below the root is checked not to be a
+    symlink (missing ones are fine: nothing to follow yet). The root itself may be one.
+
+    Raises UnsafeCachePath naming the first component that resolves elsewhere.
+    """
+    # A symlinked folder could lead anywhere: deleting or moving through it would act
+    # outside the root. Each component's real path must be the root's plus its own name.
+    real = os.path.realpath(root)
+    for i in range(1, len(parts) + 1):
+        real = os.path.join(real, parts[i - 1])
+        if os.path.realpath(real) != real:
+            where = "/".join(parts[:i])
+            raise UnsafeCachePath(
+                f"{where} under {root} is a symlink, which could lead outside the cache root"
+            )
+    return Path(root).joinpath(*parts)
 
 
 def agent_dir(root: str | os.PathLike[str], agent: str) -> Path:
     """``<root>/agents/<agent>``. Raises InvalidAgentId for an unsafe id (checked before any
-    path work) or a folder that resolves outside the root (a symlink)."""
-    check_agent_id(agent)
-    return inside(Path(root) / "agents", agent)
+    path work), UnsafeCachePath when ``agents/`` or the agent's folder is a symlink."""
+    return contained(root, "agents", check_agent_id(agent))
+
+
+def rejected_dir(root: str | os.PathLike[str], agent: str) -> Path:
+    """``<root>/rejected/<agent>``, where a refused cache is set aside; raises as
+    ``agent_dir`` does."""
+    return contained(root, "rejected", check_agent_id(agent))
 
 
 # -------------------------------------------------------------------------- manifest
@@ -170,23 +204,56 @@ def codec_key(codec: Mapping[str, object]) -> bytes:
     return msgspec.json.encode(codec, order="sorted")
 
 
-def _decode_manifest(raw: bytes, path: Path, format_version: int) -> CacheManifest:
+def encode_manifest(manifest: CacheManifest) -> bytes:
+    """The bytes of ``manifest.json``: the manifest framed with the CRC-32 of its JSON."""
+    body = msgspec.json.encode(manifest)
+    return b'{"checksum":"%s","manifest":%s}' % (format_checksum(zlib.crc32(body)).encode(), body)
+
+
+def _version(raw: bytes) -> int | None:
     try:
-        version = msgspec.json.decode(raw, type=_Versioned).format_version
-        if version != format_version:
-            raise CacheRejected(
-                f"format version {version}, this store reads {format_version}", str(path)
-            )
-        return msgspec.json.decode(raw, type=CacheManifest)
+        return msgspec.json.decode(raw, type=_Versioned).format_version
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
+def _decode_manifest(raw: bytes, path: Path, format_version: int) -> CacheManifest:
+    def refuse(reason: str) -> CacheRejected:
+        return CacheRejected(reason, str(path))
+
+    frame = _FRAME.match(raw)
+    if frame is None or not raw.endswith(b"}"):
+        # Format 1 wrote the bare manifest: say which version it is when it says so.
+        version = _version(raw)
+        if version is not None and version != format_version:
+            raise refuse(f"format version {version}, this store reads {format_version}")
+        raise refuse("malformed manifest: not framed with its checksum")
+    body = raw[frame.end() : -1]
+    found, said = format_checksum(zlib.crc32(body)), frame.group(1).decode()
+    if found != said:
+        raise refuse(f"manifest checksum mismatch: its body has {found}, it says {said}")
+    version = _version(body)
+    if version is not None and version != format_version:
+        raise refuse(f"format version {version}, this store reads {format_version}")
+    try:
+        return msgspec.json.decode(body, type=CacheManifest)
     except (msgspec.DecodeError, RecursionError) as exc:
-        raise CacheRejected(f"malformed manifest: {exc}", str(path)) from None
+        raise refuse(f"malformed manifest: {exc}") from None
+
+
+def _first_outside(ids: list[int], stop: int | None) -> tuple[int, int] | None:
+    """(position, id) of the first id below 0 or (given ``stop``) from ``stop`` on."""
+    if not ids or (min(ids) >= 0 and (stop is None or max(ids) < stop)):
+        return None  # the usual answer, found in C
+    return next((i, t) for i, t in enumerate(ids) if t < 0 or (stop is not None and t >= stop))
 
 
 def _check_manifest(
     manifest: CacheManifest, identity: CacheIdentity | None, agent: str, path: Path
 ) -> None:
-    """Raise CacheRejected unless the manifest is this agent's, whole, and (given an
-    identity) made by the same model and codec."""
+    """Raise CacheRejected unless the manifest is this agent's, whole, within bounds, and
+    (given an identity) made by the same model and codec for token ids the model takes.
+    Without an identity (``kvactor inspect``) only negative token ids are refused."""
 
     def refuse(reason: str) -> CacheRejected:
         return CacheRejected(reason, str(path))
@@ -203,21 +270,41 @@ def _check_manifest(
         want = (identity.n_layers, identity.n_kv_heads, identity.head_dim)
         if shape != want:
             raise refuse(f"layers/kv heads/head dim {shape}, expected {want}")
+    elif min(m.n_layers, m.n_kv_heads, m.head_dim) <= 0:
+        raise refuse("layers/kv heads/head dim must be positive")
     if m.agent != agent:
         raise refuse(f"manifest belongs to agent {m.agent!r}")
     if m.n_tokens != len(m.token_ids):
         raise refuse(f"manifest says {m.n_tokens} tokens but lists {len(m.token_ids)} ids")
-    if not (math.isfinite(m.created) and math.isfinite(m.updated)):
-        raise refuse("manifest times are not finite")
+    # An id the model cannot take would make every turn of the agent fail.
+    vocab = identity.vocab_size if identity is not None else None
+    outside = _first_outside(m.token_ids, vocab)
+    if outside is not None:
+        at, bad = outside
+        if vocab is None:
+            raise refuse(f"token id {bad} at {at} is negative")
+        raise refuse(f"token id {bad} at {at} is outside the vocabulary [0, {vocab})")
+    for name, when in (("created", m.created), ("updated", m.updated)):
+        if not (math.isfinite(when) and when >= 0):
+            raise refuse(f"manifest time {name} is not a finite time >= 0")
+    if not 0 <= m.last_segment < _MAX_SEGMENT_NUMBER:
+        raise refuse(f"last segment number {m.last_segment} is out of range")
     position = 0
     files: set[str] = set()
     for s in m.segments:
-        if not SEGMENT_FILE.fullmatch(s.file) or s.file in files:
+        named = SEGMENT_FILE.fullmatch(s.file)
+        if named is None or s.file in files:
             raise refuse(f"bad or repeated segment file name {s.file[:80]!r}")
         files.add(s.file)
-        if s.start != position or not 0 < s.use <= s.stop - s.start:
+        if int(named.group(1)) > m.last_segment:
+            raise refuse(f"segment {s.file} is numbered past the last one, {m.last_segment}")
+        if (
+            s.start != position
+            or not s.start < s.stop <= _MAX_TOKENS
+            or not 0 < s.use <= s.stop - s.start
+        ):
             raise refuse(f"segment {s.file} does not continue the tokens at {position}")
-        if s.nbytes <= 0 or not _CHECKSUM.fullmatch(s.checksum):
+        if not 0 < s.nbytes <= _MAX_SEGMENT_BYTES or not _CHECKSUM.fullmatch(s.checksum):
             raise refuse(f"segment {s.file} has a bad size or checksum entry")
         position += s.use
     if position != m.n_tokens:
@@ -227,21 +314,31 @@ def _check_manifest(
 def load_manifest(
     folder: Path, identity: CacheIdentity | None, agent: str
 ) -> tuple[CacheManifest, int] | None:
-    """The checked manifest and its size, or None when there is none."""
+    """The checked manifest and its size, or None when there is none.
+
+    Raises CacheRejected when ``manifest.json`` is not a regular file (a FIFO, directory,
+    symlink...), is too large, or fails the checks of ``read_manifest``.
+    """
     path = folder / MANIFEST
     try:
-        fd = os.open(path, os.O_RDONLY | CLOEXEC | NOFOLLOW)
+        fd, _ = open_regular(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return None
+    try:
+        parts, got = [], 0
+        while got <= MAX_MANIFEST_BYTES:  # to the end, not fstat's size: it may grow
+            part = os.read(fd, MAX_MANIFEST_BYTES + 1 - got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
     except OSError as exc:
-        raise CacheRejected(f"cannot open the manifest: {exc.strerror}", str(path)) from None
-    with open(fd, "rb", buffering=0) as f:
-        size = os.fstat(fd).st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise CacheRejected(f"manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}", str(path))
-        raw = f.read(MAX_MANIFEST_BYTES + 1)
+        raise CacheRejected(f"{MANIFEST} is unreadable ({exc.strerror})", str(path)) from None
+    finally:
+        os.close(fd)
+    raw = b"".join(parts)
     if len(raw) > MAX_MANIFEST_BYTES:
-        raise CacheRejected(f"manifest exceeds {MAX_MANIFEST_BYTES} bytes", str(path))
+        raise CacheRejected(f"{MANIFEST} exceeds {MAX_MANIFEST_BYTES} bytes", str(path))
     version = identity.format_version if identity is not None else FORMAT_VERSION
     manifest = _decode_manifest(raw, path, version)
     _check_manifest(manifest, identity, agent, path)
@@ -253,9 +350,11 @@ def read_manifest(
 ) -> CacheManifest | None:
     """The agent's checked manifest; None when it has no warm cache.
 
-    Raises InvalidAgentId for an unsafe id, CacheRejected for a manifest that is too large,
-    malformed, not whole, or made by another model, codec or format version (segment
-    files are not read: ``read_cache`` verifies them).
+    Raises InvalidAgentId for an unsafe id, UnsafeCachePath when ``agents/`` or the agent's
+    folder is a symlink, CacheRejected for a manifest that is not a regular file, too
+    large, unframed or failing its checksum, malformed, not whole, out of bounds (token
+    ids outside the vocabulary, huge ranges), or made by another model, codec or format
+    version (segment files are not read: ``read_cache`` verifies them).
     """
     loaded = load_manifest(agent_dir(root, agent), identity, agent)
     return None if loaded is None else loaded[0]
@@ -273,9 +372,8 @@ def warm_info(manifest: CacheManifest, manifest_bytes: int) -> WarmInfo:
     )
 
 
-def segment_metadata(
-    identity: CacheIdentity, agent: str, start: int, stop: int, crc: str
-) -> dict[str, str]:
+def segment_metadata(identity: CacheIdentity, agent: str, start: int, stop: int) -> dict[str, str]:
+    """What a segment's header says about it (its checksum is in the manifest)."""
     return {
         "format": "kvactor-warm-segment",
         "format_version": str(identity.format_version),
@@ -284,5 +382,4 @@ def segment_metadata(
         "agent": agent,
         "start": str(start),
         "stop": str(stop),
-        "checksum": crc,
     }

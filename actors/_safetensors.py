@@ -24,7 +24,6 @@ __all__ = (
     "ParsedSegment",
     "build_header",
     "checksum",
-    "data_start",
     "format_checksum",
     "parse_segment",
     "tensor_bytes",
@@ -69,15 +68,6 @@ def checksum(buffers: Iterable[memoryview]) -> str:
 def format_checksum(crc: int) -> str:
     """A CRC-32 as the files spell it: ``"crc32:xxxxxxxx"`` (always 14 characters)."""
     return f"crc32:{crc:08x}"
-
-
-def data_start(first: np.ndarray[Any, Any]) -> int | None:
-    """Where the data area starts, from a file's first bytes (uint8); None when they are
-    too few or announce a header over the bound (``parse_segment`` says why then)."""
-    if first.nbytes < 8:
-        return None
-    header_len = int.from_bytes(first[:8].tobytes(), "little")
-    return None if header_len > MAX_HEADER_BYTES else 8 + header_len
 
 
 def tensor_bytes(array: np.ndarray[Any, Any]) -> memoryview:

@@ -12,15 +12,14 @@ import contextlib
 import math
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._fileio import ShortRead, read_whole
+from ._fileio import ShortRead, file_kind, open_regular, read_whole
 from ._manifest import (
-    CLOEXEC,
-    NOFOLLOW,
     CacheIdentity,
     CacheManifest,
     ExpectFn,
@@ -28,12 +27,12 @@ from ._manifest import (
     SegmentEntry,
     WarmInfo,
     agent_dir,
-    inside,
+    contained,
     load_manifest,
     segment_metadata,
     warm_info,
 )
-from ._safetensors import Expected, checksum, data_start, format_checksum, parse_segment
+from ._safetensors import MAX_HEADER_BYTES, Expected, format_checksum, parse_segment
 from .errors import CacheRejected, InvalidAgentId, UnknownAgent
 from .protocol import check_agent_id
 
@@ -78,43 +77,33 @@ def _read_segment(
     def refuse(reason: str) -> CacheRejected:
         return CacheRejected(f"{entry.file}: {reason}", str(path))
 
+    need = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expected.values())
+    fd, size = open_regular(path, need + 8 + MAX_HEADER_BYTES)
     try:
-        fd = os.open(path, os.O_RDONLY | CLOEXEC | NOFOLLOW)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise refuse(f"cannot open: {exc.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
         if size < entry.nbytes:
             raise refuse(f"truncated: {size} of {entry.nbytes} bytes")
         if size != entry.nbytes:
             raise refuse(f"{size} bytes, the manifest says {entry.nbytes}")
-        need = sum(
-            math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expected.values()
-        )
-        if size > need + 8 + (16 << 20):
-            raise refuse(f"{size} bytes is far more than its {need} tensor bytes need")
         try:
-            buffer, crc = read_whole(fd, size, data_start)
+            buffer, crc = read_whole(fd, size)
         except ShortRead as exc:
             raise refuse(f"truncated while reading: {exc.got} of {size} bytes") from None
         except OSError as exc:
             raise refuse(f"cannot read: {exc.strerror}") from None
     finally:
         os.close(fd)
+    # The sum covers the header too: nothing of the file is parsed before it matches.
+    found = format_checksum(crc)
+    if found != entry.checksum:
+        raise refuse(f"checksum mismatch: the file has {found}, manifest says {entry.checksum}")
     try:
         parsed = parse_segment(buffer, expected)
     except CacheRejected as exc:
         raise refuse(exc.reason) from None
-    want = segment_metadata(identity, agent, entry.start, entry.stop, entry.checksum)
-    for key, value in want.items():
-        found = parsed.metadata.get(key)
-        if found != value:
-            raise refuse(f"metadata {key} is {str(found)[:80]!r}, expected {value!r}")
-    found = format_checksum(crc) if crc is not None else checksum([parsed.data])
-    if found != entry.checksum:
-        raise refuse(f"checksum mismatch: data has {found}, manifest says {entry.checksum}")
+    for key, value in segment_metadata(identity, agent, entry.start, entry.stop).items():
+        said = parsed.metadata.get(key)
+        if said != value:
+            raise refuse(f"metadata {key} is {str(said)[:80]!r}, expected {value!r}")
     return parsed.tensors
 
 
@@ -142,13 +131,15 @@ def read_cache(
 ) -> Loaded:
     """Read and verify the agent's whole warm cache.
 
-    Raises InvalidAgentId for an unsafe id (before touching the disk), UnknownAgent when
+    Raises InvalidAgentId for an unsafe id (before touching the disk), UnsafeCachePath when
+    ``agents/`` or the agent's folder is a symlink (before touching it), UnknownAgent when
     the agent has no warm cache, CacheRejected (its message names the reason and path) for
-    anything the cache cannot be trusted for: another model, codec or format version, a
-    malformed or oversized manifest, segments that do not tile the tokens, a short file,
-    a hostile header, unexpected tensors, metadata or checksum mismatches. A refused cache
-    is left where it is (``append_cache`` sets it aside) unless ``delete_rejected``, which
-    deletes it.
+    anything the cache cannot be trusted for: a file that is not a regular file (FIFO,
+    directory, symlink, device), another model, codec or format version, a malformed,
+    oversized or altered manifest (its checksum), token ids outside the vocabulary,
+    segments that do not tile the tokens, a short file, a hostile header, unexpected
+    tensors, metadata or checksum (whole file) mismatches. A refused cache is left where
+    it is (``append_cache`` sets it aside) unless ``delete_rejected``, which deletes it.
     """
     folder = agent_dir(root, agent)
     try:
@@ -177,7 +168,12 @@ def read_cache(
 
 # ------------------------------------------------------------------------------ list
 def tree_bytes(path: Path) -> int:
-    """The bytes of every file under ``path`` (what deleting it frees)."""
+    """The bytes of every file under ``path`` (what deleting it frees); of ``path`` itself
+    when it is not a folder."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        with contextlib.suppress(OSError):
+            return os.lstat(path).st_size
+        return 0
     total = 0
     for folder, _, files in os.walk(path):
         for name in files:
@@ -207,10 +203,11 @@ def list_agents(
     """Every agent folder under the root, sorted by id, without raising for bad ones.
 
     Cheap checks only: the manifest (and, given ``identity``, that it matches) and the
-    size of each segment file; ``read_cache`` verifies contents. A folder that fails has
-    ``rejected`` set to the reason.
+    kind and size of each segment file; ``read_cache`` verifies contents. A folder that
+    fails has ``rejected`` set to the reason. Raises UnsafeCachePath when ``agents/`` is a
+    symlink, OSError when it cannot be listed.
     """
-    base = Path(root) / "agents"
+    base = contained(root, "agents")
     try:
         names = sorted(os.listdir(base))
     except FileNotFoundError:
@@ -222,17 +219,22 @@ def list_agents(
             continue
         try:
             check_agent_id(name)
-            loaded = load_manifest(inside(base, name), identity, name)
+            loaded = load_manifest(contained(root, "agents", name), identity, name)
             if loaded is None:
                 raise CacheRejected("no manifest.json (an interrupted first write?)")
             manifest, size = loaded
             for s in manifest.segments:
                 try:
-                    found = os.stat(folder / s.file).st_size
+                    info = os.lstat(folder / s.file)
                 except OSError as exc:
                     raise CacheRejected(f"{s.file}: {exc.strerror}") from None
-                if found != s.nbytes:
-                    raise CacheRejected(f"{s.file}: {found} bytes, the manifest says {s.nbytes}")
+                if not stat.S_ISREG(info.st_mode):
+                    kind = file_kind(info.st_mode)
+                    raise CacheRejected(f"{s.file} is {kind}, not a regular file")
+                if info.st_size != s.nbytes:
+                    raise CacheRejected(
+                        f"{s.file}: {info.st_size} bytes, the manifest says {s.nbytes}"
+                    )
         except (CacheRejected, InvalidAgentId) as exc:
             reason = exc.reason if isinstance(exc, CacheRejected) else str(exc)
             out.append(_refused_info(name, folder, reason))

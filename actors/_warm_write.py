@@ -16,19 +16,17 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from ._fileio import in_background
+from ._fileio import CLOEXEC, NOFOLLOW, in_background
 from ._manifest import (
-    CLOEXEC,
     MANIFEST,
     MAX_MANIFEST_BYTES,
-    NOFOLLOW,
     SEGMENT_FILE,
     CacheIdentity,
     CacheManifest,
@@ -36,18 +34,18 @@ from ._manifest import (
     SegmentEntry,
     WarmInfo,
     agent_dir,
-    inside,
+    encode_manifest,
     load_manifest,
+    rejected_dir,
     segment_metadata,
     warm_info,
 )
-from ._safetensors import build_header, checksum, format_checksum, tensor_bytes
+from ._safetensors import build_header, checksum, tensor_bytes
 from ._warm_read import tree_bytes
 from .errors import CacheRejected, StoreWriteError
 
 __all__ = ("append_cache", "forget")
 
-_NO_CRC = format_checksum(0)  # a placeholder of the checksum's length
 _LITTLE = sys.byteorder == "little"
 _IOV_MAX = 512  # buffers per writev call (POSIX guarantees 16, Linux and macOS allow 1024)
 _WRITE_BATCH = 4 << 20  # bytes per write call
@@ -92,21 +90,15 @@ def _fsync_dir(folder: Path) -> None:
     flag = getattr(os, "O_DIRECTORY", None)
     if flag is None:  # Windows: directories cannot be opened for fsync
         return
-    fd = os.open(folder, os.O_RDONLY | flag | CLOEXEC)
+    fd = os.open(folder, os.O_RDONLY | flag | NOFOLLOW | CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_atomic(
-    folder: Path,
-    name: str,
-    chunks: Iterable[memoryview],
-    finish: Callable[[int], None] | None = None,
-) -> int:
+def _write_atomic(folder: Path, name: str, chunks: Iterable[memoryview]) -> int:
     """Write ``name`` in ``folder`` via a fsynced temp file and a rename; returns its size.
-    ``finish(fd)``, when given, runs after the chunks are written and before the fsync.
 
     On any error the temp file is removed and ``name`` is as it was.
     """
@@ -116,8 +108,6 @@ def _write_atomic(
     try:
         try:
             size = _write_chunks(fd, list(chunks))
-            if finish is not None:
-                finish(fd)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -180,15 +170,25 @@ def _cut(segments: Sequence[SegmentEntry], keep: int) -> list[SegmentEntry]:
     return kept
 
 
+def _remove(path: Path) -> None:
+    """Delete a folder and everything in it, or a single file of any kind (a FIFO...)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
 def _set_aside(root: Path, folder: Path, agent: str, delete: bool) -> None:
-    """Move a refused cache to ``rejected/<agent>`` (replacing an older one), or delete it."""
+    """Move a refused cache to ``rejected/<agent>`` (replacing an older one), or delete it.
+    Raises UnsafeCachePath, before touching anything, when a move would go through a
+    symlinked ``rejected/`` or folder in it."""
     if delete:
-        shutil.rmtree(folder)
+        _remove(folder)
         return
-    dest = inside(root / "rejected", agent)
+    dest = rejected_dir(root, agent)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists():
-        shutil.rmtree(dest)
+    if os.path.lexists(dest):
+        _remove(dest)
     os.replace(folder, dest)
 
 
@@ -226,10 +226,12 @@ def append_cache(
     append at 0, after being moved to ``rejected/<agent>`` (or deleted with
     ``delete_rejected``).
 
-    Raises InvalidAgentId for an unsafe id (before touching the disk); ValueError or
-    TypeError when tensors do not match ``expect``, ``start`` is past the cached tokens (a
-    gap), ``tokens`` differs from the cached ones before ``start``, or the manifest would
-    exceed MAX_MANIFEST_BYTES; CacheRejected for an append above 0 onto a refused cache;
+    Raises InvalidAgentId for an unsafe id (before touching the disk); UnsafeCachePath when
+    ``agents/``, ``rejected/`` (for a set-aside) or a folder in them is a symlink (before
+    touching it); ValueError or TypeError when tensors do not match ``expect``, ``start``
+    is past the cached tokens (a gap), ``tokens`` differs from the cached ones before
+    ``start`` or holds an id outside [0, vocab_size), or the manifest would exceed
+    MAX_MANIFEST_BYTES; CacheRejected for an append above 0 onto a refused cache;
     StoreWriteError when the disk fails (full, I/O error): the previous cache stays loadable.
     """
     folder = agent_dir(root, agent)
@@ -238,6 +240,9 @@ def append_cache(
     token_ids = [operator.index(t) for t in tokens]
     if len(token_ids) < start:
         raise ValueError(f"tokens holds {len(token_ids)} ids, fewer than start={start}")
+    # A cache of ids the model cannot take would be refused when read: never write one.
+    if token_ids and not 0 <= min(token_ids) <= max(token_ids) < identity.vocab_size:
+        raise ValueError(f"token ids must be in [0, {identity.vocab_size})")
     arrays = _check_tensors(expect, start, tensors, len(token_ids) - start)
 
     set_aside = False
@@ -281,7 +286,7 @@ def append_cache(
         last_segment=old.last_segment if old is not None else 0,
     )
     # Encoding now raises TypeError for what JSON cannot hold, before any disk work; the
-    # segment entry added below is a few hundred bytes at most.
+    # segment entry added below and the checksum frame are a few hundred bytes at most.
     if len(msgspec.json.encode(manifest)) + 1024 > MAX_MANIFEST_BYTES:
         raise ValueError(f"the manifest would exceed {MAX_MANIFEST_BYTES} bytes")
     try:
@@ -297,7 +302,7 @@ def append_cache(
             manifest = msgspec.structs.replace(
                 manifest, segments=[*segments, entry], last_segment=number
             )
-        raw = msgspec.json.encode(manifest)
+        raw = encode_manifest(manifest)
         _write_atomic(folder, MANIFEST, [memoryview(raw)])
     except OSError as exc:
         code = errno.errorcode.get(exc.errno, "error") if exc.errno else "error"
@@ -318,26 +323,14 @@ def _write_segment(
     stop: int,
     arrays: list[tuple[str, np.ndarray[Any, Any]]],
 ) -> SegmentEntry:
-    views = [tensor_bytes(array) for _, array in arrays]
-    summing = in_background(checksum, views)  # while writing; the header holding it goes last
-    header = build_header(arrays, segment_metadata(identity, agent, start, stop, _NO_CRC))
-    crc = ""
-
-    def finish(fd: int) -> None:
-        nonlocal crc
-        crc = summing.result()
-        placeholder = msgspec.json.encode(_NO_CRC)
-        if header.count(placeholder) != 1:
-            raise AssertionError("a segment header must hold its checksum placeholder once")
-        final = header.replace(placeholder, msgspec.json.encode(crc))
-        if os.pwrite(fd, final, 0) != len(final):
-            raise OSError(errno.EIO, "short write of a segment header")
-
+    header = build_header(arrays, segment_metadata(identity, agent, start, stop))
+    chunks = [memoryview(header), *(tensor_bytes(array) for _, array in arrays)]
+    summing = in_background(checksum, chunks)  # the whole file, while it is written
     name = f"seg-{number}.safetensors"
     try:
-        size = _write_atomic(folder, name, [memoryview(header), *views], finish)
+        size = _write_atomic(folder, name, chunks)
     finally:
-        summing.result()  # the views must outlive the thread that reads them
+        crc = summing.result()  # the views must outlive the thread that reads them
     return SegmentEntry(
         file=name, start=start, stop=stop, use=stop - start, nbytes=size, checksum=crc
     )
@@ -348,16 +341,18 @@ def forget(root: str | os.PathLike[str], agent: str) -> int:
     """Delete every byte of the agent's warm cache (a refused copy set aside included);
     returns the bytes freed, 0 for an unknown agent.
 
-    Raises InvalidAgentId for an unsafe id (before touching the disk), StoreWriteError
-    when a file cannot be removed.
+    Raises InvalidAgentId for an unsafe id and UnsafeCachePath when ``agents/``,
+    ``rejected/`` or the agent's folder in either is a symlink, both before touching the
+    disk; StoreWriteError when a file cannot be removed.
     """
-    folders = (agent_dir(root, agent), inside(Path(root) / "rejected", agent))
+    # Both checked before anything is deleted: a refusal leaves the cache whole.
+    folders = (agent_dir(root, agent), rejected_dir(root, agent))
     freed = 0
     try:
         for folder in folders:
             if os.path.lexists(folder):
                 freed += tree_bytes(folder)
-                shutil.rmtree(folder)
+                _remove(folder)
                 _fsync_dir(folder.parent)
     except OSError as exc:
         raise StoreWriteError(f"forgetting agent {agent!r} failed: {exc}") from exc

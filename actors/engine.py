@@ -95,6 +95,9 @@ class EngineActor(ThreadActor):
         self.lm = spec() if callable(spec) else load_model(spec, weights=self.config.weights)
         _settle_random_state()
         self._eos = frozenset(self.lm.tokenizer.eos_token_ids)
+        # The ids a turn may hold (the GGUF loader checks the embedding has a row for each);
+        # ModelInfo says it, so that the warm tier refuses a cache of other ids.
+        self._vocab_size = self.lm.tokenizer.vocab_size
         self.turn_cache.prepare(self.lm.model)
         # A codec or geometry this engine cannot store fails here, not mid-turn.
         segment_layout(self.codec, self.lm.geometry)(0, 1)
@@ -170,6 +173,7 @@ class EngineActor(ThreadActor):
             n_kv_heads=self.lm.n_kv_heads,
             head_dim=self.lm.head_dim,
             codec=self.codec.describe(),
+            vocab_size=self._vocab_size,
         )
 
     def _stats(self) -> EngineStats:
@@ -197,7 +201,7 @@ class EngineActor(ThreadActor):
         assert self.reply is not None
         if not msg.tokens:
             raise ValueError("the prompt is empty")
-        vocab = self.lm.tokenizer.vocab_size
+        vocab = self._vocab_size
         if min(msg.tokens) < 0 or max(msg.tokens) >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab})")
         limit = self.lm.context_length

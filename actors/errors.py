@@ -18,11 +18,17 @@ __all__ = (
     "ModelLoadError",
     "StoreWriteError",
     "UnknownAgent",
+    "UnsafeCachePath",
 )
 
 
 class InvalidAgentId(KvactorError, ValueError):
     """An agent id that is empty, too long, or could escape a directory (``/``, ``..``)."""
+
+
+class UnsafeCachePath(InvalidAgentId):
+    """A folder under the cache root (``agents/``, ``rejected/`` or an agent's) that is a
+    symlink: following it could read, move or delete files outside the root."""
 
 
 class UnknownAgent(KvactorError, KeyError):

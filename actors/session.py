@@ -249,6 +249,7 @@ class Session:
             n_layers=info.n_layers,
             n_kv_heads=info.n_kv_heads,
             head_dim=info.head_dim,
+            vocab_size=info.vocab_size,  # a cache of other ids would fail every turn
         )
         geometry = CacheGeometry.uniform(info.n_layers, info.n_kv_heads, info.head_dim)
         expect = segment_layout(codec, geometry)

@@ -124,8 +124,9 @@ class StoreActor(Actor):
 
     ``identity`` is what caches must have been made with to be loaded; ``expect(start,
     stop)`` gives the exact tensors of a segment (from the codec). Handlers raise what the
-    functions they run raise: InvalidAgentId, UnknownAgent, CacheRejected, StoreWriteError,
-    ValueError (see ``append_cache`` and ``read_cache``).
+    functions they run raise: InvalidAgentId, UnsafeCachePath (a symlinked folder under the
+    root), UnknownAgent, CacheRejected, StoreWriteError, ValueError (see ``append_cache``
+    and ``read_cache``).
 
     A refused cache stays in place, and ListAgents shows why, until the agent's next append
     from token 0 moves it to ``rejected/<agent>``. With ``delete_rejected`` it is deleted
@@ -236,7 +237,8 @@ def inspect_rows(
 ) -> list[dict[str, Any]]:
     """One row per agent folder for ``kvactor inspect``: agent, tier, tokens, bytes, model
     (fingerprint, shortened), codec, updated (unix time), status ("ok" or "rejected") and
-    reason. Given ``identity``, caches of another model or codec show as rejected."""
+    reason. Given ``identity``, caches of another model or codec show as rejected.
+    Raises UnsafeCachePath when ``agents/`` is a symlink, OSError when it is unreadable."""
     root = default_cache_dir() if root is None else root
     return [
         {

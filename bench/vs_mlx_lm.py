@@ -90,6 +90,7 @@ def main(n: int, extend: int, rounds: int) -> dict[str, Any]:
         n_layers=LAYERS,
         n_kv_heads=HEADS,
         head_dim=DIM,
+        vocab_size=1 << 20,  # above every id here: tokens are list(range(n))
     )
     expect = segment_layout(DEFAULT_CODEC, geometry)
     rows: dict[str, list[float]] = {

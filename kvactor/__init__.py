@@ -31,6 +31,7 @@ from .actors.errors import KvactorError as KvactorError
 from .actors.errors import ModelLoadError as ModelLoadError
 from .actors.errors import StoreWriteError as StoreWriteError
 from .actors.errors import UnknownAgent as UnknownAgent
+from .actors.errors import UnsafeCachePath as UnsafeCachePath
 from .actors.pool import Candidate as Candidate
 from .actors.pool import EvictionPolicy as EvictionPolicy
 from .actors.pool import LRUPolicy as LRUPolicy
@@ -84,6 +85,7 @@ __all__ = (
     "Tier",
     "Timings",
     "UnknownAgent",
+    "UnsafeCachePath",
     "WarmInfo",
     "default_cache_dir",
     "open",

@@ -29,9 +29,15 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from .actors.errors import KvactorError
     from .actors.store import format_table, inspect_rows
 
-    print(format_table(inspect_rows(args.dir)))
+    try:
+        rows = inspect_rows(args.dir)
+    except (KvactorError, OSError) as exc:  # agents/ a symlink, unreadable...
+        print(f"kvactor inspect: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
     return 0
 
 

@@ -50,6 +50,7 @@ IDENTITY = CacheIdentity(
     n_layers=L,
     n_kv_heads=H,
     head_dim=D,
+    vocab_size=1000,
 )
 Tensors = dict[str, np.ndarray[Any, Any]]
 
@@ -169,18 +170,24 @@ def test_round_trip(tmp_path: Path) -> None:
     ]
     assert loaded.ranges()[0][:2] == (0, 10)
     assert read_manifest(tmp_path, IDENTITY, "planner") == m
-    # The manifest is plain JSON and the segment a standard safetensors file.
-    raw = json.loads((folder(tmp_path, "planner") / "manifest.json").read_text())
-    assert raw["format_version"] == 1 and raw["segments"][0]["checksum"].startswith("crc32:")
+    # The manifest is JSON framed with its checksum and the segment a standard
+    # safetensors file, summed whole.
+    raw = (folder(tmp_path, "planner") / "manifest.json").read_bytes()
+    framed = json.loads(raw)
+    assert list(framed) == ["checksum", "manifest"]
+    body = raw[raw.index(b'"manifest":') + len(b'"manifest":') : -1]
+    assert framed["checksum"] == f"crc32:{zlib.crc32(body):08x}"
+    assert framed["manifest"]["format_version"] == 2
     seg = folder(tmp_path, "planner") / "seg-1.safetensors"
+    assert m.segments[0].checksum == f"crc32:{zlib.crc32(seg.read_bytes()):08x}"
     assert_same(safetensors.numpy.load_file(str(seg)), t)
     with open(seg, "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     meta = header["__metadata__"]
     assert (meta["agent"], meta["start"], meta["stop"]) == ("planner", "0", "10")
     assert meta["model_fingerprint"] == IDENTITY.model_fingerprint
-    assert meta["checksum"] == m.segments[0].checksum
-    assert meta["format_version"] == "1"
+    assert "checksum" not in meta
+    assert meta["format_version"] == "2"
 
 
 def test_extend_writes_only_the_new_segment(tmp_path: Path) -> None:
@@ -305,6 +312,8 @@ def test_append_checks_its_arguments(tmp_path: Path) -> None:
         append_cache(tmp_path, IDENTITY, expect, "a", 10, wrong, tokens(11))
     with pytest.raises(ValueError, match="start"):
         append_cache(tmp_path, IDENTITY, expect, "a", -1, {}, [])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 1000\)"):
+        append_cache(tmp_path, IDENTITY, expect, "a", 10, make(10, 11, 2), [*tokens(10), 1000])
     assert read_cache(tmp_path, IDENTITY, expect, "a").manifest.n_tokens == 10
 
 
@@ -333,7 +342,7 @@ def expect(start, stop):
 identity = CacheIdentity(
     model_fingerprint="sha256:0123456789abcdef",
     codec={"kind": "affine", "bits": 4, "group": 64, "rotate": False},
-    n_layers=L, n_kv_heads=H, head_dim=D,
+    n_layers=L, n_kv_heads=H, head_dim=D, vocab_size=1000,
 )
 loaded = read_cache(sys.argv[1], identity, expect, "planner")
 crc = 0
@@ -367,23 +376,30 @@ def seg_path(root: Path, agent: str = "a", n: int = 1) -> Path:
 
 
 def edit_manifest(root: Path, agent: str, change: Any) -> None:
+    """Change the manifest's body and frame it with a matching checksum: a consistent
+    edit, so that only what was changed can be what is refused."""
     path = folder(root, agent) / "manifest.json"
-    data = json.loads(path.read_text())
+    data = json.loads(path.read_text())["manifest"]
     change(data)
-    path.write_text(json.dumps(data))
+    body = json.dumps(data).encode()
+    path.write_bytes(b'{"checksum":"crc32:%08x","manifest":%s}' % (zlib.crc32(body), body))
+
+
+def replace_segment(root: Path, blob: bytes) -> None:
+    """Replace seg-1 with ``blob``; the manifest's size and checksum follow so that only
+    the crafted content can be what is refused."""
+    seg_path(root).write_bytes(blob)
+
+    def follow(m: dict[str, Any]) -> None:
+        m["segments"][0]["nbytes"] = len(blob)
+        m["segments"][0]["checksum"] = f"crc32:{zlib.crc32(blob):08x}"
+
+    edit_manifest(root, "a", follow)
 
 
 def rewrite_segment(root: Path, header_bytes: bytes, data: bytes) -> None:
-    """Replace seg-1 with a crafted file; the manifest's size follows so that only the
-    crafted part can be what is refused."""
-    path = seg_path(root)
-    blob = len(header_bytes).to_bytes(8, "little") + header_bytes + data
-    path.write_bytes(blob)
-
-    def size(m: dict[str, Any]) -> None:
-        m["segments"][0]["nbytes"] = len(blob)
-
-    edit_manifest(root, "a", size)
+    """Replace seg-1 with a crafted header and data area (see ``replace_segment``)."""
+    replace_segment(root, len(header_bytes).to_bytes(8, "little") + header_bytes + data)
 
 
 def split_segment(root: Path) -> tuple[dict[str, Any], bytes]:
@@ -397,16 +413,14 @@ def hostile(kind: str) -> Any:
         header, data = split_segment(root)
         names = sorted(k for k in header if k != "__metadata__")
         if kind == "huge header length":
-            path = seg_path(root)
-            raw = bytearray(path.read_bytes())
+            raw = bytearray(seg_path(root).read_bytes())
             raw[:8] = (1 << 40).to_bytes(8, "little")
-            path.write_bytes(raw)
+            replace_segment(root, bytes(raw))
             return
         if kind == "header past the end":
-            path = seg_path(root)
-            raw = bytearray(path.read_bytes())
+            raw = bytearray(seg_path(root).read_bytes())
             raw[:8] = (len(raw)).to_bytes(8, "little")
-            path.write_bytes(raw)
+            replace_segment(root, bytes(raw))
             return
         if kind == "bad json":
             rewrite_segment(root, b'{"__metadata__": {"a": ' + b" " * 8, data)
@@ -452,11 +466,21 @@ def flip_byte(root: Path) -> None:
     path.write_bytes(raw)
 
 
-def bad_manifest(text: str) -> Any:
+def bad_manifest(text: str, *, framed: bool = False) -> Any:
+    """Write ``text`` as the manifest, bare or framed with its right checksum."""
+
     def craft(root: Path) -> None:
-        (folder(root, "a") / "manifest.json").write_text(text)
+        raw = text.encode()
+        if framed:
+            raw = b'{"checksum":"crc32:%08x","manifest":%s}' % (zlib.crc32(raw), raw)
+        (folder(root, "a") / "manifest.json").write_bytes(raw)
 
     return craft
+
+
+def altered_manifest(root: Path) -> None:
+    path = folder(root, "a") / "manifest.json"
+    path.write_bytes(path.read_bytes().replace(b'"n_tokens":10', b'"n_tokens":11'))
 
 
 def huge_manifest(root: Path) -> None:
@@ -484,14 +508,54 @@ def other_format(root: Path) -> None:
     edit_manifest(root, "a", change)
 
 
+def manifest_value(change: Any) -> Any:
+    """A consistent edit of the manifest's body (see ``edit_manifest``)."""
+
+    def craft(root: Path) -> None:
+        edit_manifest(root, "a", change)
+
+    return craft
+
+
+def setting(*path: Any, value: Any) -> Any:
+    def change(m: dict[str, Any]) -> None:
+        target = m
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return manifest_value(change)
+
+
 REFUSALS = {
     "truncated file": (truncate, "truncated"),
     "flipped byte": (flip_byte, "checksum mismatch"),
     "other format version": (other_format, "format version 99"),
     "manifest not json": (bad_manifest("{nope"), "malformed manifest"),
-    "manifest wrong types": (bad_manifest('{"format_version": 1, "agent": 3}'), "malformed"),
+    "manifest wrong types": (
+        bad_manifest('{"format_version": 2, "agent": 3}', framed=True),
+        "malformed",
+    ),
+    "manifest of format 1": (
+        bad_manifest('{"format_version": 1, "agent": "a"}'),
+        "format version 1, this store reads 2",
+    ),
+    "manifest unframed": (bad_manifest('{"format_version": 2}'), "not framed"),
+    "manifest altered": (altered_manifest, "manifest checksum mismatch"),
     "manifest too large": (huge_manifest, "exceeds"),
     "segments do not tile": (broken_tiling, "does not continue"),
+    "token id past the vocabulary": (
+        setting("token_ids", 2, value=1000),
+        r"token id 1000 at 2 is outside the vocabulary \[0, 1000\)",
+    ),
+    "negative token id": (setting("token_ids", 5, value=-1), "token id -1 at 5 is outside"),
+    "huge segment range": (setting("segments", 0, "stop", value=1 << 40), "does not continue"),
+    "huge segment size": (setting("segments", 0, "nbytes", value=1 << 50), "bad size"),
+    "segment numbered past the last": (
+        setting("last_segment", value=0),
+        "numbered past the last one",
+    ),
+    "negative time": (setting("created", value=-1.0), "created is not a finite time"),
     "segment name escapes": (escaping_segment_name, "bad or repeated segment file name"),
     "huge header length": (hostile("huge header length"), "exceeds"),
     "header past the end": (hostile("header past the end"), "past the end"),
@@ -527,7 +591,7 @@ def test_refuses_and_keeps(tmp_path: Path, case: str) -> None:
         ({"model_fingerprint": "sha256:other"}, "made by model 'sha256:0123456789abcdef'"),
         ({"codec": {**IDENTITY.codec, "bits": 8}}, "codec"),
         ({"codec": {**IDENTITY.codec, "rotate": 0}}, "codec"),  # 0 == False, still other
-        ({"format_version": 2}, "format version 1, this store reads 2"),
+        ({"format_version": 3}, "format version 2, this store reads 3"),
         ({"n_kv_heads": 3}, "kv heads"),
     ],
 )
