@@ -251,7 +251,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     n_kv_heads: int
     head_dim: int
     codec: dict[str, Any]
-    vocab_size: int  # the engine takes token ids in [0, vocab_size)
+    vocab_size: int = 0  # the engine takes token ids in [0, vocab_size); 0: unknown (old records)
 
 
 class EngineStats(msgspec.Struct, frozen=True):
