@@ -95,6 +95,7 @@ class HotEntry:
     kv: AgentKV
     last_used: float = 0.0
     persisted: int = 0  # tokens known to be safe in the warm tier
+    write_failed: bool = False  # its last warm write failed: no write is coming to clean it
     busy: bool = False  # a turn is using it
     pinned: bool = False  # staged for a turn about to start: not a demotion victim
     hits: int = 0
@@ -141,6 +142,8 @@ class CachePool:
         self.peak = 0
         self.demotions = {Tier.WARM: 0, Tier.COLD: 0}
         self.installs = 0
+        self.writes = 0  # warm writes that succeeded
+        self.write_failures = 0
         self._entries: dict[str, HotEntry] = {}
         self._staged: dict[str, int] = {}  # agent -> bytes reserved for a staging warm cache
         self._pins: dict[int, int] = {}  # export id -> bytes being written
@@ -171,6 +174,7 @@ class CachePool:
         else:
             entry.hits += 1
         entry.busy = True
+        entry.write_failed = False  # this turn ends with a write
         entry.pinned = False
         entry.next_use = None
         entry.last_used = time.monotonic()
@@ -257,7 +261,10 @@ class CachePool:
             or self._pins
             or self._staged
             or self._candidates()
-            or any(e.pinned or (not e.busy and not e.clean) for e in self._entries.values())
+            or any(
+                e.pinned or (not e.busy and not e.clean and not e.write_failed)
+                for e in self._entries.values()
+            )
         )
 
     # -- turns ------------------------------------------------------------------------
@@ -352,11 +359,19 @@ class CachePool:
             ranges=[(r.start, r.stop, r.to_numpy()) for r in ranges],
         )
 
-    def written(self, agent: str, export_id: int, upto: int) -> None:
-        """The store made an export durable up to ``upto`` tokens: unpin it."""
+    def written(self, agent: str, export_id: int, upto: int, *, failed: bool = False) -> None:
+        """The store made an export durable up to ``upto`` tokens (``failed``: not the
+        rest): unpin it. After a failure the cache stays unclean (not demotable to warm)
+        until a later write succeeds, and nothing waits for it to become clean."""
         self._pins.pop(export_id, None)
+        if failed:
+            self.write_failures += 1
+        else:
+            self.writes += 1
         entry = self._entries.get(agent)
-        if entry is not None and upto <= len(entry.kv.tokens):
-            entry.persisted = max(entry.persisted, upto)
+        if entry is not None:
+            entry.write_failed = failed
+            if upto <= len(entry.kv.tokens):
+                entry.persisted = max(entry.persisted, upto)
         self.measure()
         self.grant_waiters()

@@ -129,3 +129,23 @@ def test_turn_reserves_count_until_the_turn_ends_and_stuck_says_when_nothing_fre
     pool.drop("x")
     assert not pool.start_turn(pool.claim("z"), 2_000_000)
     assert pool.stuck()  # nothing running, staged, pinned or demotable
+
+
+def test_a_failed_write_keeps_the_cache_and_nothing_waits_for_it(lm: LoadedModel) -> None:
+    pool = new_pool(lm, None)
+    size = turn(pool, lm, "a", 20, persist=False)
+    pool.limit = size + 1000
+    assert not pool.start_turn(pool.claim("b"), 2000)  # "a" is not on disk: not demotable
+    assert not pool.stuck()  # "a"'s write is still to come
+    exported = pool.export("a")
+    pool.written("a", exported.export_id, exported.persisted, failed=True)
+    entry = pool.get("a")
+    assert entry is not None and entry.persisted == 0 and not entry.clean
+    assert (pool.writes, pool.write_failures) == (0, 1)
+    assert pool.stuck()  # no write is coming: the waiting turn must fail, not hang
+    # The next write starts where the disk copy ends and makes it demotable again.
+    again = pool.export("a")
+    assert again.persisted == 0 and again.ranges[0][0] == 0
+    pool.written("a", again.export_id, len(again.tokens))
+    assert entry.clean and (pool.writes, pool.write_failures) == (1, 1)
+    assert pool.make_room(2000) and "a" not in pool
