@@ -19,6 +19,7 @@ from .enums import Tier as Tier
 from .enums import TurnPath as TurnPath
 from .errors import AgentBusy as AgentBusy
 from .errors import BudgetExceeded as BudgetExceeded
+from .errors import CacheDirLocked as CacheDirLocked
 from .errors import CacheMiss as CacheMiss
 from .errors import CacheRejected as CacheRejected
 from .errors import ContextOverflow as ContextOverflow
@@ -56,6 +57,7 @@ __all__ = (
     "AgentBusy",
     "Attention",
     "BudgetExceeded",
+    "CacheDirLocked",
     "CacheInfo",
     "CacheMiss",
     "CachePool",

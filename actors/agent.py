@@ -16,17 +16,19 @@ next turn of a growing conversation prefills only what is new.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import anyio
 import msgspec
 
-from ..runtime import Actor, ActorRef
+from ..runtime import Actor, ActorDeadError, ActorRef
 from ._tokenizer import Tokenizer
 from .enums import FinishReason, Match, Tier
-from .errors import CacheMiss
+from .errors import CacheMiss, StoreWriteError
 from .protocol import Export, Finished, Generate, Piece, Sampling, Timings, Written
 
 __all__ = ("AgentActor", "AgentState", "GetState", "Turn", "TurnDone", "match_prefix")
@@ -59,7 +61,8 @@ class AgentState(msgspec.Struct, frozen=True):
 class TurnDone(msgspec.Struct, frozen=True):
     """A finished turn, with how its cache was found: ``path`` is the tier it came from
     (COLD: nothing reused; WARM: reloaded from disk for this turn; HOT) and ``match`` how
-    the prompt compared with it."""
+    the prompt compared with it; ``saved``: its cache is in the warm tier, ``save_error``:
+    why not, when writing it failed."""
 
     text: str
     reason: FinishReason
@@ -67,6 +70,8 @@ class TurnDone(msgspec.Struct, frozen=True):
     timings: Timings
     path: Tier
     match: Match
+    saved: bool = False
+    save_error: str | None = None
 
 
 def _common_chars(a: str, b: str) -> int:
@@ -157,10 +162,10 @@ _ATTEMPTS = 64
 class AgentActor(Actor):
     """Keeps an agent's conversation and the exact tokens its engine cache holds.
 
-    With a warm tier (``store``), the new tokens of every turn are written to disk after
-    the turn; a new process restores the conversation from there, and the first turn
-    stages the warm cache into the engine instead of re-prefilling. Turns of one agent run
-    one at a time, in order.
+    With a warm tier (``store``), the new tokens of every turn are written to disk at its
+    end, before its TurnDone (which says whether that worked); a new process restores the
+    conversation from there, and the first turn stages the warm cache into the engine
+    instead of re-prefilling. Turns of one agent run one at a time, in order.
     """
 
     def __init__(
@@ -228,41 +233,58 @@ class AgentActor(Actor):
             # Special tokens come from the template only: markers in contents stay text.
             prompt, literal = self.tokenizer.render_chat(messages, add_generation_prompt=True)
         tokens, match = match_prefix(self.tokenizer, self.tokens, self.text, prompt, literal)
-        path = Tier.HOT
-        finished: Finished | None = None
-        started = time.perf_counter()  # a reload on the way counts in the turn's TTFT
-        for attempt in range(_ATTEMPTS):
-            # A cache demoted while its turn waited (for room, behind other turns) is
-            # staged again and the turn sent again: it keeps its place in the queue. The
-            # last attempt takes whatever is hot (a re-prefill); a bound, never reached in
-            # practice, so that the loop always ends.
-            warm = self.persisted > 0 and attempt < _ATTEMPTS - 1
-            request = Generate(self.agent_id, tokens, sampling, started, warm=warm)
-            try:
-                async with self.engine.stream(request) as items:
-                    async for item in items:
-                        if isinstance(item, Piece):
-                            if item.text:
-                                yield item.text
-                        elif isinstance(item, Finished):
-                            finished = item
-                break
-            except CacheMiss:
-                if self.warm is None:
-                    raise
-                path = Tier.WARM
-                if not await self.warm.stage(self.agent_id):
-                    self.persisted = 0  # unreadable or refused: start cold
-                    path = Tier.COLD
-        if finished is None:
-            raise RuntimeError("the engine ended a generation without saying why")
-        if finished.timings.reused_tokens == 0:
-            path = Tier.COLD
-        if not raw:
-            self.messages = [*messages, {"role": "assistant", "content": finished.text}]
-        self.tokens = finished.cache_tokens
-        self.text = self.tokenizer.decode(self.tokens)
-        self.turns += 1
+        saved = False  # this turn's write ran (or there is no warm tier)
+        try:
+            path = Tier.HOT
+            finished: Finished | None = None
+            started = time.perf_counter()  # a reload on the way counts in the turn's TTFT
+            for attempt in range(_ATTEMPTS):
+                # A cache demoted while its turn waited (for room, behind other turns)
+                # is staged again and the turn sent again: it keeps its place in the
+                # queue. The last attempt takes whatever is hot (a re-prefill): a bound,
+                # never reached in practice, so that the loop always ends.
+                warm = self.persisted > 0 and attempt < _ATTEMPTS - 1
+                request = Generate(self.agent_id, tokens, sampling, started, warm=warm)
+                try:
+                    async with self.engine.stream(request) as items:
+                        async for item in items:
+                            if isinstance(item, Piece):
+                                if item.text:
+                                    yield item.text
+                            elif isinstance(item, Finished):
+                                finished = item
+                    break
+                except CacheMiss:
+                    if self.warm is None:
+                        raise
+                    path = Tier.WARM
+                    if not await self.warm.stage(self.agent_id):
+                        self.persisted = 0  # unreadable or refused: start cold
+                        path = Tier.COLD
+            if finished is None:
+                raise RuntimeError("the engine ended a generation without saying why")
+            if finished.timings.reused_tokens == 0:
+                path = Tier.COLD
+            if not raw:
+                self.messages = [*messages, {"role": "assistant", "content": finished.text}]
+            self.tokens = finished.cache_tokens
+            self.text = self.tokenizer.decode(self.tokens)
+            self.turns += 1
+            # The new tokens are made durable before the caller hears the turn is done,
+            # so that the answer can say whether they were. Once started, the write
+            # finishes even if the caller leaves: the engine pins the exported bytes
+            # until it hears the end.
+            error = None
+            if self.warm is not None:
+                with anyio.CancelScope(shield=True):
+                    error = await self._persist()
+            saved = True
+        finally:
+            if not saved and self.warm is not None:
+                # Left before its write (cancelled, failed): if the engine finished the
+                # turn, it expects a write that will not come. Tell it so.
+                with anyio.CancelScope(shield=True), contextlib.suppress(ActorDeadError):
+                    await self.engine.tell(Written(self.agent_id, 0, 0))
         yield TurnDone(
             text=finished.text,
             reason=finished.reason,
@@ -270,15 +292,21 @@ class AgentActor(Actor):
             timings=finished.timings,
             path=path,
             match=match,
+            saved=self.warm is not None and error is None,
+            save_error=error,
         )
-        # The caller has its answer; make the new tokens durable before the next turn.
-        if self.warm is not None:
-            await self._persist()
 
-    async def _persist(self) -> None:
+    async def _persist(self) -> str | None:
+        """Append what the warm tier lacks of this agent's cache; returns why that failed
+        (None: saved). ``persisted`` stays what is really on disk, so after a failure the
+        next write starts there again and repairs the warm copy."""
         assert self.warm is not None
-        exported = await self.engine.ask(Export(self.agent_id))
+        try:
+            exported = await self.engine.ask(Export(self.agent_id))
+        except Exception as exc:
+            return self._save_failed(exc)
         upto = exported.persisted
+        error = None
         try:
             for start, stop, tensors in exported.ranges:
                 await self.warm.append(
@@ -290,8 +318,16 @@ class AgentActor(Actor):
                     messages=self.messages,
                 )
                 upto = stop
-        except Exception:
-            log.exception("agent %r: could not write its warm cache", self.agent_id)
+        except Exception as exc:
+            error = self._save_failed(exc)
         finally:
             self.persisted = upto
-            await self.engine.tell(Written(self.agent_id, exported.export_id, upto))
+            written = Written(self.agent_id, exported.export_id, upto, failed=error is not None)
+            await self.engine.tell(written)
+        return error
+
+    def _save_failed(self, exc: Exception) -> str:
+        # The caller hears of it (TurnDone.save_error); a traceback only for the unexpected.
+        unexpected = not isinstance(exc, StoreWriteError)
+        log.warning("agent %r: warm cache not written: %s", self.agent_id, exc, exc_info=unexpected)
+        return f"{type(exc).__name__}: {exc}"

@@ -131,8 +131,8 @@ class EngineActor(ThreadActor):
                 return None
             case Export(agent):
                 return pool.export(agent)
-            case Written(agent, export_id, upto):
-                return pool.written(agent, export_id, upto)
+            case Written(agent, export_id, upto, failed):
+                return pool.written(agent, export_id, upto, failed=failed)
             case Reserve(agent, nbytes, wait):
                 room = pool.reserve(agent, nbytes)
                 if room is Room.NO_ROOM and wait:
@@ -193,6 +193,8 @@ class EngineActor(ThreadActor):
             demoted_warm=pool.demotions[Tier.WARM],
             demoted_cold=pool.demotions[Tier.COLD],
             installs=pool.installs,
+            warm_writes=pool.writes,
+            warm_write_failures=pool.write_failures,
         )
 
     def _admit(self, msg: Generate) -> None:

@@ -4,11 +4,17 @@ All derive from KvactorError, the root the actor kernel's errors share."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..runtime import KvactorError
+
+if TYPE_CHECKING:
+    from .session import Completion
 
 __all__ = (
     "AgentBusy",
     "BudgetExceeded",
+    "CacheDirLocked",
     "CacheMiss",
     "CacheRejected",
     "ContextOverflow",
@@ -68,7 +74,15 @@ class CacheRejected(KvactorError):
 
 
 class StoreWriteError(KvactorError):
-    """Writing a warm cache failed (disk full, I/O error); its previous state is intact."""
+    """Writing a warm cache failed (disk full, I/O error); its previous state is intact.
+
+    Raised by a turn (``on_save_error="raise"``), ``completion`` holds the turn's answer."""
+
+    completion: Completion | None = None
+
+
+class CacheDirLocked(KvactorError):
+    """Another session (in this process or another one) is using the cache directory."""
 
 
 class ModelLoadError(KvactorError):

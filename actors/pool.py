@@ -144,6 +144,8 @@ class CachePool:
         self.peak = 0
         self.demotions = {Tier.WARM: 0, Tier.COLD: 0}
         self.installs = 0
+        self.writes = 0  # warm writes that succeeded
+        self.write_failures = 0
         self._entries: dict[str, HotEntry] = {}
         self._staged: dict[str, int] = {}  # agent -> bytes reserved for a staging warm cache
         self._pins: dict[int, int] = {}  # export id -> bytes being written
@@ -390,13 +392,21 @@ class CachePool:
             ranges=[(r.start, r.stop, r.to_numpy()) for r in ranges],
         )
 
-    def written(self, agent: str, export_id: int, upto: int) -> None:
-        """The store made an export durable up to ``upto`` tokens (less when a write
-        failed: the cache then stays a candidate to go cold): unpin it."""
-        self._pins.pop(export_id, None)
+    def written(self, agent: str, export_id: int, upto: int, *, failed: bool = False) -> None:
+        """The store made an export durable up to ``upto`` tokens (``failed``: not the
+        rest): unpin it. After a failure the cache stays unclean, and, with no write on its
+        way, a candidate to go cold; a later write that succeeds saves the rest. Export id
+        0 says a turn's write will not come (its agent left before it)."""
         self._writing.pop(export_id, None)
+        if self._pins.pop(export_id, None) is not None:  # id 0: "no write is coming"
+            if failed:
+                self.write_failures += 1
+            else:
+                self.writes += 1
         entry = self._entries.get(agent)
-        if entry is not None and upto <= len(entry.kv.tokens):
-            entry.persisted = max(entry.persisted, upto)
+        if entry is not None:
+            entry.write_due = False  # whatever came of it, no write is on its way now
+            if upto <= len(entry.kv.tokens):
+                entry.persisted = max(entry.persisted, upto)
         self.measure()
         self.grant_waiters()

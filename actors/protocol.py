@@ -135,11 +135,14 @@ class Exported(msgspec.Struct, frozen=True):
 
 
 class Written(msgspec.Struct, frozen=True, tag=True):
-    """The store has made an export durable up to ``upto`` tokens (releases its pin)."""
+    """The store has made an export durable up to ``upto`` tokens (releases its pin);
+    ``failed``: writing the rest failed (disk full, I/O error), so the agent's next export
+    starts at ``upto`` again."""
 
     agent: str
     export_id: int
     upto: int
+    failed: bool = False
 
 
 class Reserve(msgspec.Struct, frozen=True, tag=True):
@@ -268,3 +271,5 @@ class EngineStats(msgspec.Struct, frozen=True):
     demoted_warm: int
     demoted_cold: int
     installs: int
+    warm_writes: int = 0  # turns whose new tokens were written to the warm tier
+    warm_write_failures: int = 0  # turns whose warm write failed (Completion.save_error)

@@ -7,20 +7,22 @@ import os
 from collections.abc import Generator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
+import anyio
 import msgspec
 
 from ..kernels.agent_cache import segment_layout
 from ..kernels.qcodec import DEFAULT_CODEC, KVCodec
 from ..kernels.turn_cache import CacheGeometry
 from ..runtime import ActorRef, ReplyStream, Runtime
+from ._dirlock import CacheDirLock, lock_cache_dir
 from ._tokenizer import Tokenizer
 from .agent import AgentActor, AgentState, GetState, Turn, TurnDone
 from .config import Attention, EngineConfig, ModelSpec
 from .engine import EngineActor
 from .enums import FinishReason, Match, Tier
-from .errors import CacheRejected, UnknownAgent
+from .errors import CacheRejected, StoreWriteError, UnknownAgent
 from .pool import EvictionPolicy, LRUPolicy
 from .prefetch import Prefetch, PrefetchActor, Stage, StageResult
 from .protocol import (
@@ -41,11 +43,19 @@ __all__ = ("Agent", "Completion", "Session", "TextStream", "WarmTier", "open")
 
 log = logging.getLogger("kvactor.session")
 
+OnSaveError = Literal["report", "raise"]
+_ON_SAVE_ERROR = ("report", "raise")
+
 
 class Completion(msgspec.Struct, frozen=True):
     """One finished turn: the text, why it stopped, its timings, and how the cache was
     found: ``path`` the tier it came from (cold: nothing reused), ``match`` how the prompt
-    compared with what it held."""
+    compared with what it held.
+
+    ``saved``: the turn's cache is in the warm tier (always False without ``cache_dir``);
+    ``save_error``: why it is not, when writing it failed (disk full, I/O error). The
+    conversation goes on either way, and the next write that succeeds saves what this one
+    missed."""
 
     text: str
     finish_reason: FinishReason
@@ -53,10 +63,21 @@ class Completion(msgspec.Struct, frozen=True):
     timings: Timings
     path: Tier
     match: Match
+    saved: bool = False
+    save_error: str | None = None
 
 
 def _completion(done: TurnDone) -> Completion:
-    return Completion(done.text, done.reason, done.token_ids, done.timings, done.path, done.match)
+    return Completion(
+        done.text,
+        done.reason,
+        done.token_ids,
+        done.timings,
+        done.path,
+        done.match,
+        saved=done.saved,
+        save_error=done.save_error,
+    )
 
 
 class TextStream:
@@ -64,11 +85,14 @@ class TextStream:
 
     After the loop, ``completion`` holds the whole turn. Leaving the loop early or
     cancelling the reader cancels the generation and frees its batch slot; ``async with``
-    makes that immediate.
+    makes that immediate. With ``on_save_error="raise"`` the loop ends with
+    StoreWriteError when the turn's cache could not be written (``completion`` is set,
+    and is the error's ``completion`` too).
     """
 
-    def __init__(self, inner: ReplyStream) -> None:
+    def __init__(self, inner: ReplyStream, *, raise_on_save_error: bool = False) -> None:
         self._inner = inner
+        self._raise = raise_on_save_error
         self.completion: Completion | None = None
 
     def __aiter__(self) -> TextStream:
@@ -80,12 +104,17 @@ class TextStream:
         item = await self._inner.__anext__()
         if isinstance(item, TurnDone):
             self.completion = _completion(item)
+            if self._raise and item.save_error is not None:
+                error = StoreWriteError(
+                    f"the turn completed but its cache was not saved: {item.save_error}"
+                )
+                error.completion = self.completion
+                raise error
             raise StopAsyncIteration
         assert isinstance(item, str)
         return item
 
     async def aclose(self) -> None:
-        # After the last piece the agent may still be saving its cache: let it finish.
         if self.completion is None:
             await self._inner.aclose()
 
@@ -110,14 +139,17 @@ class Agent:
     def stream(self, text: str, **sampling: Any) -> TextStream:
         """Stream the reply to the user message ``text``. Raises TypeError / ValueError for
         a prompt that is not a str or bad options."""
-        return TextStream(self.ref.stream(Turn(_text(text), Sampling.from_options(sampling))))
+        return self._stream(Turn(_text(text), Sampling.from_options(sampling)))
 
     def stream_raw(self, prompt: str, **sampling: Any) -> TextStream:
         """Stream a completion of the whole raw ``prompt`` (no chat template, no history).
 
         A prompt that extends the previous one (plus what was generated) reuses the cache."""
-        turn = Turn(_text(prompt), Sampling.from_options(sampling), raw=True)
-        return TextStream(self.ref.stream(turn))
+        return self._stream(Turn(_text(prompt), Sampling.from_options(sampling), raw=True))
+
+    def _stream(self, turn: Turn) -> TextStream:
+        raising = self._session.on_save_error == "raise"
+        return TextStream(self.ref.stream(turn), raise_on_save_error=raising)
 
     async def complete(self, prompt: str, **sampling: Any) -> Completion:
         """The completion of the raw ``prompt``; see ``stream_raw`` and ``generate``."""
@@ -128,7 +160,9 @@ class Agent:
 
         Sampling options: max_tokens, temperature (0 = greedy), top_p, seed, stop.
         Raises TypeError for an unknown option, ValueError for an empty prompt or a bad
-        value, ContextOverflow when the prompt does not fit the model.
+        value, ContextOverflow when the prompt does not fit the model; with
+        ``on_save_error="raise"``, StoreWriteError (holding the ``completion``) when the
+        turn's cache could not be written to the warm tier.
         """
         return await _drain(self.stream(text, **sampling))
 
@@ -210,11 +244,16 @@ class Session:
         mailbox_size: int,
         cache_dir: str | os.PathLike[str] | None,
         delete_rejected: bool,
+        on_save_error: OnSaveError = "report",
     ) -> None:
+        if on_save_error not in _ON_SAVE_ERROR:
+            raise ValueError(f"on_save_error must be 'report' or 'raise', not {on_save_error!r}")
         self._model = model
         self.config = config
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._delete_rejected = delete_rejected
+        self.on_save_error = on_save_error
+        self._lock: CacheDirLock | None = None
         self.runtime = Runtime(mailbox_size=mailbox_size)
         self.engine: ActorRef[Any]
         self.store: ActorRef[Any] | None = None
@@ -226,8 +265,17 @@ class Session:
         self._closed = False
 
     async def start(self) -> Session:
-        """Start the runtime and load the model on the engine's thread."""
-        await self.runtime.__aenter__()
+        """Lock ``cache_dir``, start the runtime and load the model on the engine's thread.
+
+        Raises CacheDirLocked (before loading the model) when another session, in this
+        process or another one, uses ``cache_dir``."""
+        if self.cache_dir is not None:
+            self._lock = await anyio.to_thread.run_sync(lock_cache_dir, self.cache_dir)
+        try:
+            await self.runtime.__aenter__()
+        except BaseException:
+            self._unlock()
+            raise
         try:
             self.engine = await self.runtime.spawn(
                 EngineActor, self._model, self.config, name="engine"
@@ -236,9 +284,27 @@ class Session:
             if self.cache_dir is not None:
                 await self._start_warm_tier(self.cache_dir)
         except BaseException as exc:
-            await self.runtime.__aexit__(type(exc), exc, exc.__traceback__)
+            self._closed = True
+            await self._close(type(exc), exc, exc.__traceback__)
             raise
         return self
+
+    async def _close(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # The lock goes last: stopping agents may still write their caches.
+        try:
+            await self.runtime.__aexit__(exc_type, exc, tb)
+        finally:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     async def _start_warm_tier(self, root: Path) -> None:
         info = self.model
@@ -266,7 +332,7 @@ class Session:
         closed session does nothing."""
         if not self._closed:
             self._closed = True
-            await self.runtime.__aexit__(None, None, None)
+            await self._close(None, None, None)
 
     async def __aenter__(self) -> Session:
         return self
@@ -279,7 +345,7 @@ class Session:
     ) -> None:
         if not self._closed:
             self._closed = True
-            await self.runtime.__aexit__(exc_type, exc, tb)
+            await self._close(exc_type, exc, tb)
 
     async def spawn_agent(self, name: str, *, system: str | None = None) -> Agent:
         """A new agent called ``name`` (letters, digits, '.', '_', '-').
@@ -377,6 +443,7 @@ def open(
     cache_dir: str | os.PathLike[str] | None = None,
     delete_rejected: bool = False,
     attention: Attention = "auto",
+    on_save_error: OnSaveError = "report",
 ) -> _Opening:
     """Open a session on ``model``: None for the default model (fetched once, verified), a
     ``.gguf`` file, a local MLX / Hugging Face model directory, or a callable returning a
@@ -385,14 +452,19 @@ def open(
 
     ``cache_dir`` turns on the warm tier there (``kvactor.default_cache_dir()`` is the
     usual place): every turn's new tokens are written to disk, demoted agents reload from
-    there, and agents of a new session resume from it. ``budget_bytes`` bounds the hot
+    there, and agents of a new session resume from it. The session holds the directory's
+    lock: ``open`` raises CacheDirLocked when another session (of any process) has it.
+    A turn whose write fails says so in its Completion (``saved``, ``save_error``); with
+    ``on_save_error="raise"`` it raises StoreWriteError instead, holding the Completion.
+    ``budget_bytes`` bounds the hot
     tier; ``codec`` picks how caches are stored (default ``DEFAULT_CODEC``: keys 5-bit, values
     3-bit in groups of 64, Hadamard-rotated, 4 sink tokens at 8 bits);
     ``policy`` picks whom to demote (default LRU). ``delete_rejected`` deletes warm caches
     that are refused (another model, corrupt) instead of setting them aside.
     ``attention``: ``"quantized"`` runs attention and batches over the stored quantized
     caches, ``"dequantized"`` over a float copy made at each turn's start; ``"auto"``
-    (default) picks quantized on a GPU and dequantized on the CPU (see EngineConfig)."""
+    (default) picks quantized on a GPU and dequantized on the CPU (see EngineConfig).
+    Raises ValueError for an ``on_save_error`` other than "report" or "raise"."""
     config = EngineConfig(
         max_batch=max_batch,
         prefill_chunk=prefill_chunk,
@@ -403,4 +475,5 @@ def open(
         policy=policy or LRUPolicy(),
         attention=attention,
     )
-    return _Opening(Session(model, config, mailbox_size, cache_dir, delete_rejected))
+    session = Session(model, config, mailbox_size, cache_dir, delete_rejected, on_save_error)
+    return _Opening(session)

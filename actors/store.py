@@ -1,6 +1,7 @@
 """The warm tier: StoreActor writes, verifies, lists and forgets agents' caches on disk.
 
-Each agent owns a folder ``<root>/agents/<agent>/`` of immutable segment files
+One session at a time owns a root: it holds ``<root>/.lock`` (``lock_cache_dir``) while it
+may write. Each agent owns a folder ``<root>/agents/<agent>/`` of immutable segment files
 ``seg-<n>.safetensors`` (the quantized K/V of one token range, all layers) and a
 ``manifest.json`` that commits them (the format: ``_manifest``; segment files:
 ``_safetensors``; reading and listing: ``_warm_read``; appending and forgetting:
@@ -24,6 +25,7 @@ import msgspec
 import numpy as np
 
 from ..runtime import Actor
+from ._dirlock import LOCK_FILE, CacheDirLock, lock_cache_dir
 from ._manifest import (
     FORMAT_VERSION,
     MAX_MANIFEST_BYTES,
@@ -45,8 +47,10 @@ from .protocol import check_agent_id
 
 __all__ = (
     "FORMAT_VERSION",
+    "LOCK_FILE",
     "MAX_MANIFEST_BYTES",
     "Append",
+    "CacheDirLock",
     "CacheIdentity",
     "CacheManifest",
     "ExpectFn",
@@ -66,6 +70,7 @@ __all__ = (
     "format_table",
     "inspect_rows",
     "list_agents",
+    "lock_cache_dir",
     "read_cache",
     "read_manifest",
 )
@@ -131,7 +136,8 @@ class StoreActor(Actor):
     A refused cache stays in place, and ListAgents shows why, until the agent's next append
     from token 0 moves it to ``rejected/<agent>``. With ``delete_rejected`` it is deleted
     instead, at once when Load refuses it. Manifests are cached: this actor must be the
-    only writer of its root.
+    only writer of its root, which the session that spawns it ensures by holding the
+    root's lock (``lock_cache_dir``).
     """
 
     def __init__(

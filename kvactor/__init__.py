@@ -22,6 +22,7 @@ from .actors.enums import Match as Match
 from .actors.enums import Tier as Tier
 from .actors.errors import AgentBusy as AgentBusy
 from .actors.errors import BudgetExceeded as BudgetExceeded
+from .actors.errors import CacheDirLocked as CacheDirLocked
 from .actors.errors import CacheMiss as CacheMiss
 from .actors.errors import CacheRejected as CacheRejected
 from .actors.errors import ContextOverflow as ContextOverflow
@@ -61,6 +62,7 @@ __all__ = (
     "AskTimeout",
     "Attention",
     "BudgetExceeded",
+    "CacheDirLocked",
     "CacheInfo",
     "CacheMiss",
     "CacheRejected",

@@ -152,6 +152,12 @@ def format_summary(results: Results) -> list[str]:
         f"{stats.installs} reloads from disk; hot-tier peak {size(stats.peak_bytes)}{budget}; "
         f"{stats.generated_tokens} tokens generated; wall time {results.wall_s:.1f} s."
     )
+    if stats.warm_write_failures:
+        paragraphs.append(
+            f"warm tier: {stats.warm_write_failures} of "
+            f"{stats.warm_writes + stats.warm_write_failures} writes failed (see the log): "
+            "those turns were not saved until a later write of the same agent succeeded."
+        )
     for paragraph in paragraphs:
         out += ["", *textwrap.wrap(paragraph, WIDTH, subsequent_indent="  ")]
     return out

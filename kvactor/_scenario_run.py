@@ -37,7 +37,7 @@ from .actors import ModelInfo, Tier, Tokenizer, UnknownAgent
 from .actors import open as open_session
 from .actors.config import turn_reserve_bytes
 from .actors.session import Agent, Session
-from .actors.store import forget, list_agents
+from .actors.store import forget, list_agents, lock_cache_dir
 from .kernels.qcodec import KVCodec
 from .kernels.turn_cache import CacheGeometry
 
@@ -141,8 +141,9 @@ def _warm_on_disk(s: Scenario, root: Path | None) -> _Outcome:
                 f"(resume_max_tokens = {s.resume_max_tokens})"
             )
     if reset is not None:
-        for name in sorted(names):
-            forget(root, name)
+        with lock_cache_dir(root):  # CacheDirLocked while another session uses it
+            for name in sorted(names):
+                forget(root, name)
         return _Outcome(found=found, tokens={}, reset=reset)
     return _Outcome(found=found, tokens={w.agent: w.tokens for w in infos}, reset=None)
 

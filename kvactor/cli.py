@@ -42,15 +42,25 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _forget(args: argparse.Namespace) -> int:
-    from .actors.errors import InvalidAgentId
-    from .actors.store import default_cache_dir, forget
+    import os
+
+    from .actors.errors import CacheDirLocked, InvalidAgentId
+    from .actors.protocol import check_agent_id
+    from .actors.store import default_cache_dir, forget, lock_cache_dir
 
     root = args.dir or default_cache_dir()
     try:
-        freed = forget(root, args.agent)
+        check_agent_id(args.agent)
+        freed = 0
+        if os.path.isdir(root):  # else nothing to forget: do not create it to lock it
+            with lock_cache_dir(root):
+                freed = forget(root, args.agent)
     except InvalidAgentId as exc:
         print(f"kvactor forget: {exc}", file=sys.stderr)
         return 2
+    except CacheDirLocked as exc:
+        print(f"kvactor forget: {exc}", file=sys.stderr)
+        return 3
     if not freed:
         print(f"no warm cache for {args.agent!r} under {root}", file=sys.stderr)
         return 1
@@ -105,7 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="cache directory (default: $KVACTOR_CACHE_DIR or ~/.cache/kvactor/agents-cache)",
     )
     inspect.set_defaults(func=_inspect)
-    forget = sub.add_parser("forget", help="delete every byte of one agent's warm cache")
+    forget = sub.add_parser(
+        "forget",
+        help="delete every byte of one agent's warm cache",
+        description="Delete every byte of one agent's warm cache. Exits with 1 when it has "
+        "none, 2 for a bad agent id, 3 while a session uses the cache directory.",
+    )
     forget.add_argument("agent")
     forget.add_argument("--dir", help="cache directory (default as for inspect)")
     forget.set_defaults(func=_forget)

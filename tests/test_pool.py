@@ -160,8 +160,15 @@ def test_a_cache_no_write_will_save_may_go_cold_but_one_being_written_waits(
     assert not pool.stuck(entry)  # a's write will end: then a can go warm
     exported = pool.export("a")
     assert not pool.stuck(entry)
-    pool.written("a", exported.export_id, exported.persisted)  # the write failed
-    assert not pool.get("a").clean  # type: ignore[union-attr]
-    # Nothing will save it now: it may go cold (its older warm copy, if any, stays).
+    pool.written("a", exported.export_id, exported.persisted, failed=True)
+    cache = pool.get("a")
+    assert cache is not None and cache.persisted == 0 and not cache.clean
+    assert (pool.writes, pool.write_failures) == (0, 1)
+    # A next write would start where the disk copy ends.
+    again = pool.export("a")
+    assert again.persisted == 0 and again.ranges[0][0] == 0
+    pool.written("a", again.export_id, again.persisted, failed=True)
+    # Nothing will save it now: it may go cold (its older warm copy, if any, stays), so
+    # the waiting turn neither hangs nor fails.
     assert pool.start_turn(entry, 1000)
     assert "a" not in pool and pool.demotions[Tier.COLD] == 1
