@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import stat
 import threading
@@ -195,7 +196,7 @@ async def test_token_ids_outside_the_vocabulary_are_refused(tmp_path: Path, wher
 
 # -------------------------------------------- 4: whole-file and manifest checksums
 async def test_header_offsets_swapped_between_same_shaped_tensors_are_refused(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     await save(tmp_path, "c")
     seg = folder(tmp_path, "c") / "seg-1.safetensors"
@@ -210,10 +211,13 @@ async def test_header_offsets_swapped_between_same_shaped_tensors_are_refused(
     seg.write_bytes(raw[:8] + swapped + raw[8 + n :])
     async with kvactor.open(tiny, cache_dir=tmp_path) as kv:
         c = await kv.spawn_agent("c")
-        done = await c.generate("again", max_tokens=4)
-        listed = {i.agent: i.rejected for i in await kv.warm_agents()}
+        with caplog.at_level(logging.WARNING, logger="kvactor"):
+            done = await c.generate("again", max_tokens=4)
         assert done.path == Tier.COLD  # loaded as warm, it answered from the wrong layers
-    assert "checksum mismatch" in str(listed["c"])
+        assert done.saved  # the turn's write set the refused copy aside
+        listed = {i.agent: i.rejected for i in await kv.warm_agents()}
+    assert "checksum mismatch" in caplog.text and listed["c"] is None
+    assert (tmp_path / "rejected" / "c" / "seg-1.safetensors").read_bytes()[8 + n :] == raw[8 + n :]
 
 
 async def test_an_altered_message_history_is_refused(tmp_path: Path) -> None:
