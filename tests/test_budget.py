@@ -37,20 +37,19 @@ def tiny() -> Any:
 
 
 @functools.cache
-def one_turn_need(quantized: bool) -> int:
-    """The most any turn of the workload needs alone: its stored cache and the room its
-    working cache reserves (CachePool's accounting), at the workload's longest context."""
+def one_turn_need(quantized: bool, context: int = MAX_CONTEXT) -> int:
+    """The most a turn of up to ``context`` tokens (prompt and reply) of the tiny model
+    needs alone: its stored cache and the room its working cache reserves (CachePool's
+    accounting)."""
     lm = make_tiny_model(0, head_dim=64)
     kv = AgentKV(DEFAULT_CODEC, lm.geometry)
     work = kv.activate()
-    ids = [7 + i % 50 for i in range(MAX_CONTEXT)]
+    ids = [7 + i % 50 for i in range(context)]
     lm.model(mx.array([ids]), cache=work.layers)
     kv.tokens.extend(ids)
     kv.deactivate()
     stored = kv.stored_bytes
-    reserve = turn_reserve_bytes(
-        lm.geometry, MAX_CONTEXT, stored_bytes=stored if quantized else None
-    )
+    reserve = turn_reserve_bytes(lm.geometry, context, stored_bytes=stored if quantized else None)
     return stored + reserve
 
 
