@@ -35,6 +35,10 @@ class EngineConfig:
     mlx-lm BatchKVCaches of those. ``"auto"``: quantized on a GPU; dequantized on the CPU,
     where MLX's quantized matmul is slower than float attention (bench/decode_batch.py).
     The stored bytes, and so hot/warm equality, are the same either way.
+    ``ready_copies``: with dequantized attention, keep each hot agent's float working copy
+    between turns (its new tokens replaced by their stored values, so nothing changes an
+    answer), within the budget: the next turn starts without dequantizing. Room is made
+    by dropping ready copies first (least recently used), then by demoting caches.
 
     Raises ValueError for a value out of range.
     """
@@ -47,6 +51,7 @@ class EngineConfig:
     persistent: bool = False
     policy: EvictionPolicy = field(default_factory=LRUPolicy)
     attention: Attention = "auto"
+    ready_copies: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1:

@@ -88,6 +88,7 @@ class EngineActor(ThreadActor):
         self._steps = 0
         self._generated = 0
         self._max_batch_seen = 0
+        self._ready_turns = 0
 
     # -- lifecycle --------------------------------------------------------------------
     def on_start(self) -> None:
@@ -112,7 +113,7 @@ class EngineActor(ThreadActor):
         self._batch.clear()
         self._batch_cache = None
         for entry in self.pool.entries():
-            entry.kv.work = None
+            entry.kv.work = entry.kv.ready = None
         self.__dict__.pop("pool", None)
         self.__dict__.pop("lm", None)
         gc.collect()
@@ -192,6 +193,10 @@ class EngineActor(ThreadActor):
             max_batch_seen=self._max_batch_seen,
             demoted_warm=pool.demotions[Tier.WARM],
             demoted_cold=pool.demotions[Tier.COLD],
+            ready_agents=sum(e.kv.ready is not None for e in pool.entries()),
+            ready_bytes=sum(e.kv.ready_bytes for e in pool.entries()),
+            dropped_ready=pool.ready_drops,
+            ready_turns=self._ready_turns,
             installs=pool.installs,
             warm_writes=pool.writes,
             warm_write_failures=pool.write_failures,
@@ -309,7 +314,8 @@ class EngineActor(ThreadActor):
     def _park(self, request: Generation, *, finished: bool = False) -> None:
         """The turn is over: store the new tokens quantized, drop the working copy.
         ``finished``: it ended normally, so its agent writes the new tokens next."""
-        request.entry.kv.deactivate()
+        keep = self.config.ready_copies and self.pool.get(request.agent) is request.entry
+        request.entry.kv.deactivate(keep_ready=keep)
         self.pool.end_turn(request.agent, request.entry, write_due=finished)
 
     def _start(self, request: Generation) -> bool | None:
@@ -349,6 +355,7 @@ class EngineActor(ThreadActor):
                 return started is None
             kv = request.entry.kv
             request.prefill_start = time.perf_counter()
+            self._ready_turns += kv.ready is not None
             kv.activate()
             if kv.ranges and not kv.turn_cache.quantized:
                 self.pool.rates.dequantize(

@@ -143,6 +143,7 @@ class CachePool:
         self.used = 0
         self.peak = 0
         self.demotions = {Tier.WARM: 0, Tier.COLD: 0}
+        self.ready_drops = 0  # ready copies dropped for room (float -> quantized)
         self.installs = 0
         self.writes = 0  # warm writes that succeeded
         self.write_failures = 0
@@ -275,12 +276,34 @@ class CachePool:
         if missing <= 0:
             return True
         candidates = [c for c in self._candidates(exclude) if turn or not c.waiting]
-        if sum(c.nbytes for c in candidates) < missing:
+        # Ready copies go first (least recently used first, those of waiting turns last):
+        # the stored form stays, so bringing one back costs a dequantize, not a reload.
+        ready = sorted(
+            (
+                e
+                for e in self._entries.values()
+                if e.kv.ready is not None
+                and e is not exclude
+                and e.turn_reserve is None
+                and (turn or not (e.busy or e.pinned))
+            ),
+            key=lambda e: (e.busy or e.pinned, e.last_used),
+        )
+        demotable = {id(self._entries[c.agent]) for c in candidates}
+        spare = sum(e.kv.ready_bytes for e in ready if id(e) not in demotable)
+        if spare + sum(c.nbytes for c in candidates) < missing:
             return False
-        tiers = {c.agent: c.demote_to for c in candidates}
-        for agent in self.policy.victims(candidates, missing):
-            del self._entries[agent]
-            self.demotions[tiers[agent]] += 1
+        for e in ready:
+            if missing <= 0:
+                break
+            missing -= e.kv.drop_ready()
+            self.ready_drops += 1
+        if missing > 0:
+            candidates = [c for c in self._candidates(exclude) if turn or not c.waiting]
+            tiers = {c.agent: c.demote_to for c in candidates}
+            for agent in self.policy.victims(candidates, missing):
+                del self._entries[agent]
+                self.demotions[tiers[agent]] += 1
         return self.committed() + need <= self.limit
 
     def stuck(self, exclude: HotEntry | None = None) -> bool:
@@ -297,7 +320,8 @@ class CachePool:
     def start_turn(self, entry: HotEntry, reserve: int) -> bool:
         """Room for a turn's working cache of up to ``reserve`` bytes besides the entry's
         stored cache; False to wait (or, when ``stuck``, to refuse)."""
-        if not self.make_room(reserve, exclude=entry, turn=True):
+        # Its own ready copy becomes its working copy, which the reserve covers.
+        if not self.make_room(max(reserve - entry.kv.ready_bytes, 0), exclude=entry, turn=True):
             return False
         entry.turn_reserve = reserve
         return True

@@ -273,3 +273,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     installs: int
     warm_writes: int = 0  # turns whose new tokens were written to the warm tier
     warm_write_failures: int = 0  # turns whose warm write failed (Completion.save_error)
+    ready_agents: int = 0  # hot agents keeping a ready (float) copy between turns
+    ready_bytes: int = 0  # the bytes of those copies (part of cache_bytes)
+    dropped_ready: int = 0  # ready copies dropped for room (float -> quantized)
+    ready_turns: int = 0  # turns that started from a ready copy (nothing dequantized)

@@ -444,6 +444,7 @@ def open(
     delete_rejected: bool = False,
     attention: Attention = "auto",
     on_save_error: OnSaveError = "report",
+    ready_copies: bool = True,
 ) -> _Opening:
     """Open a session on ``model``: None for the default model (fetched once, verified), a
     ``.gguf`` file, a local MLX / Hugging Face model directory, or a callable returning a
@@ -464,6 +465,9 @@ def open(
     ``attention``: ``"quantized"`` runs attention and batches over the stored quantized
     caches, ``"dequantized"`` over a float copy made at each turn's start; ``"auto"``
     (default) picks quantized on a GPU and dequantized on the CPU (see EngineConfig).
+    ``ready_copies`` (dequantized attention): hot agents keep their float copy between
+    turns while the budget has room, so their next turn starts at once (dropped first when
+    room is needed; answers are the same either way).
     Raises ValueError for an ``on_save_error`` other than "report" or "raise"."""
     config = EngineConfig(
         max_batch=max_batch,
@@ -474,6 +478,7 @@ def open(
         persistent=cache_dir is not None,
         policy=policy or LRUPolicy(),
         attention=attention,
+        ready_copies=ready_copies,
     )
     session = Session(model, config, mailbox_size, cache_dir, delete_rejected, on_save_error)
     return _Opening(session)

@@ -1,12 +1,16 @@
-"""One agent's KV cache in two forms: stored (quantized ranges) and working (during a turn).
+"""One agent's KV cache in three forms: stored (quantized ranges), working (during a turn)
+and ready (a working cache kept between turns).
 
 The stored form is what the hot tier keeps and what the warm tier writes, byte for byte:
 a list of token ranges, each holding every layer's quantized K and V. While the agent
 takes a turn it has a working cache (``kernels.turn_cache``): a float copy of every token,
 or the stored parts read as they are, depending on the attention mode; either keeps the
 turn's new tokens in float. When the turn ends the new tokens are quantized into a new
-range and the working cache is dropped. So an agent kept hot and an agent reloaded from
-disk resume from the same bytes.
+range. The working cache is then dropped, or, for a float one, kept as the *ready* copy
+with the new tokens replaced by their dequantized stored values: it holds exactly what
+dequantizing the stored ranges would give, so the next turn starts without dequantizing
+anything. So an agent kept ready, one kept quantized and one reloaded from disk resume
+from the same values.
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ class AgentKV:
         self.tokens: list[int] = []
         self.ranges: list[StoredRange] = []
         self.work: TurnCache | None = None
+        # Between turns: the float copy of every stored token (see the module doc).
+        self.ready: TurnCache | None = None
 
     # -- sizes ------------------------------------------------------------------------
     @property
@@ -98,15 +104,29 @@ class AgentKV:
         return self.work.nbytes if self.work is not None else 0
 
     @property
+    def ready_bytes(self) -> int:
+        return self.ready.nbytes if self.ready is not None else 0
+
+    @property
     def nbytes(self) -> int:
-        return self.stored_bytes + self.work_bytes
+        return self.stored_bytes + self.work_bytes + self.ready_bytes
 
     # -- transitions ------------------------------------------------------------------
     def activate(self) -> TurnCache:
-        """The working cache of a turn (made once per turn): one row over the stored ranges."""
+        """The working cache of a turn (made once per turn): one row over the stored ranges,
+        the ready copy when there is one."""
         if self.work is None:
-            self.work = self.turn_cache.start(self)
+            if self.ready is not None:
+                self.work, self.ready = self.ready, None
+            else:
+                self.work = self.turn_cache.start(self)
         return self.work
+
+    def drop_ready(self) -> int:
+        """Forget the ready copy (the stored form stays); returns the bytes freed."""
+        freed = self.ready_bytes
+        self.ready = None
+        return freed
 
     def dequantize(self, layer: int, role: Role) -> mx.array:
         """Float K or V ``(1, H, T, D)`` of every stored token of ``layer``."""
@@ -117,12 +137,15 @@ class AgentKV:
         ]
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
-    def deactivate(self) -> StoredRange | None:
-        """Quantize the tokens added since the last range, drop the working copy.
+    def deactivate(self, *, keep_ready: bool = False) -> StoredRange | None:
+        """Quantize the tokens added since the last range, drop the working copy, or with
+        ``keep_ready`` keep it as the ready copy when its class can (``TurnCache.settle``).
 
         Returns the new range (None when nothing was added).
         """
         new = self._quantize_tail()
+        if keep_ready and self.work is not None:
+            self.ready = self.work.settle(self, new)
         self.work = None
         return new
 
@@ -151,6 +174,8 @@ class AgentKV:
             return
         if self.work is not None:
             raise ValueError("cannot trim a cache during its turn: end the turn first")
+        if self.ready is not None:
+            self.ready.trim(keep)
         del self.tokens[keep:]
         kept: list[StoredRange] = []
         for r in self.ranges:

@@ -33,7 +33,11 @@ from .qbatch import Kernel, QuantizedBatchCache
 from .qcodec import Role, concat_parts
 
 if TYPE_CHECKING:
-    from .agent_cache import AgentKV
+    from .agent_cache import AgentKV, StoredRange
+
+#: Tokens of room a ready copy keeps past its last one, so that the next turn appends in
+#: place instead of copying the whole cache to grow it (mlx-lm grows KVCache by 256).
+READY_SLACK = 256
 
 __all__ = (
     "CacheGeometry",
@@ -137,6 +141,16 @@ class TurnCache(Protocol):
         [start, stop), which the turn added after its ``start`` stored tokens."""
         ...
 
+    def settle(self, kv: AgentKV, new: StoredRange | None) -> TurnCache | None:
+        """This one-row cache, at the end of its turn, as ``kv``'s ready copy: exactly what
+        a new turn would start from (the tokens of ``new``, just quantized, replaced by
+        their stored values); None when this class keeps no copy between turns."""
+        ...
+
+    def trim(self, keep: int) -> None:
+        """Forget a ready copy's tokens from ``keep`` on."""
+        ...
+
     def arrays(self) -> list[mx.array]:
         """Every array, for ``mx.eval``."""
         ...
@@ -212,6 +226,40 @@ class FloatTurnCache(_Layers):
         keys, values = self._layers[layer].state[:2]
         return keys[:, :, start:stop, :], values[:, :, start:stop, :]
 
+    def settle(self, kv: AgentKV, new: StoredRange | None) -> FloatTurnCache | None:
+        total = kv.stored_tokens
+        cut = new.start if new is not None else total
+        layers = []
+        for i, layer in enumerate(self._layers):
+            if not isinstance(layer, KVCache) or layer.offset != total:
+                return None  # not one row over every stored token: start afresh next time
+            if layer.keys is None or layer.values is None:
+                layers.append(KVCache())
+                continue
+            fresh = []
+            roles: tuple[tuple[int, Role, mx.array], ...] = (
+                (0, "key", layer.keys),
+                (1, "value", layer.values),
+            )
+            for kind, role, array in roles:
+                parts = [array[:, :, :cut, :]]
+                if new is not None:
+                    n = new.stop - new.start
+                    parts.append(kv.codec.dequantize(new.layers[i][kind], new.start, n, role=role))
+                shape = (*array.shape[:2], READY_SLACK, array.shape[3])
+                parts.append(mx.zeros(shape, parts[-1].dtype))
+                fresh.append(mx.concatenate(parts, axis=2))  # a copy: no batch buffer kept
+            cache = KVCache()
+            cache.state = (fresh[0], fresh[1], total)
+            layers.append(cache)
+        out = FloatTurnCache(layers)
+        mx.eval(out.arrays())
+        return out
+
+    def trim(self, keep: int) -> None:
+        for layer in self._layers:
+            layer.trim(max(layer.offset - keep, 0))
+
     def arrays(self) -> list[mx.array]:
         return [a for layer in self._layers for a in layer.state if isinstance(a, mx.array)]
 
@@ -272,6 +320,12 @@ class QuantizedTurnCache(_Layers):
         if cache.stored_lengths() != [start] or cache.tail_lengths() != [stop - start]:
             raise ValueError("the working cache does not hold this agent's new tokens")
         return cache.tail(0)
+
+    def settle(self, kv: AgentKV, new: StoredRange | None) -> None:
+        return None  # the stored parts are what it reads: nothing to keep
+
+    def trim(self, keep: int) -> None:
+        raise NotImplementedError("a quantized working cache is never kept between turns")
 
     def arrays(self) -> list[mx.array]:
         return [a for layer in self._layers for a in layer.state]

@@ -1,0 +1,107 @@
+"""Ready copies: a hot agent keeps its float working copy between turns (dequantized
+attention), holding exactly what dequantizing its stored cache gives, so answers never
+change; the budget drops ready copies before it demotes anything (real engine, tiny model,
+real MLX arrays)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvactor
+from kvactor.actors.config import turn_reserve_bytes
+from kvactor.actors.model import make_tiny_model
+from kvactor.kernels.agent_cache import AgentKV
+from kvactor.kernels.qcodec import DEFAULT_CODEC
+from kvactor.kernels.turn_cache import FloatTurnCache
+
+TURNS = ["hello there", "tell me more", "tell me more", "and something else entirely"]
+
+
+def tiny() -> Any:
+    return functools.partial(make_tiny_model, 0, head_dim=64)
+
+
+def test_a_ready_copy_holds_exactly_the_dequantized_stored_cache() -> None:
+    lm = make_tiny_model(0, head_dim=64)
+    kv = AgentKV(DEFAULT_CODEC, lm.geometry)
+    for n in (40, 9, 300):  # the last turn outgrows the first copy's spare room
+        work = kv.activate()
+        ids = [7 + (len(kv.tokens) + i) % 50 for i in range(n)]
+        lm.model(mx.array([ids]), cache=work.layers)
+        kv.tokens.extend(ids)
+        kv.deactivate(keep_ready=True)
+        assert kv.ready is not None and kv.work is None
+        fresh = FloatTurnCache.start(kv)  # what a reloaded agent would start from
+        for mine, theirs in zip(kv.ready.layers, fresh.layers, strict=True):
+            assert mine.offset == theirs.offset == len(kv.tokens)
+            for a, b in zip(mine.state[:2], theirs.state[:2], strict=True):
+                np.testing.assert_array_equal(
+                    np.array(a[:, :, : mine.offset]), np.array(b[:, :, : theirs.offset])
+                )
+    kv.trim(20)  # a prompt that diverged: the ready copy is cut with the stored ranges
+    assert kv.ready is not None and kv.ready.layers[0].offset == 20
+    assert kv.drop_ready() > 0 and kv.ready is None and kv.stored_tokens == 20
+
+
+async def conversation(**options: Any) -> tuple[list[list[int]], kvactor.EngineStats]:
+    async with kvactor.open(tiny(), attention="dequantized", **options) as kv:
+        agent = await kv.spawn_agent("a", system="You are terse.")
+        out = []
+        for i, text in enumerate(TURNS):
+            if i == 3:  # a raw prompt that diverges from the cached text
+                out.append((await agent.complete("something else", max_tokens=6)).token_ids)
+            out.append((await agent.generate(text, max_tokens=6)).token_ids)
+        return out, await kv.stats()
+
+
+async def test_ready_copies_change_no_answer_and_skip_the_dequantize(tmp_path: Path) -> None:
+    ready, with_ready = await conversation()
+    plain, without = await conversation(ready_copies=False)
+    assert ready == plain
+    assert with_ready.ready_turns == len(ready) - 1 and with_ready.ready_agents == 1
+    assert with_ready.ready_bytes > 0
+    assert without.ready_turns == 0 and without.ready_agents == 0
+    # A reload from disk between every turn gives the same answers too.
+    reloaded = []
+    for i, text in enumerate(TURNS):
+        async with kvactor.open(tiny(), attention="dequantized", cache_dir=tmp_path) as kv:
+            agent = await kv.spawn_agent("a", system="You are terse.")
+            if i == 3:
+                reloaded.append((await agent.complete("something else", max_tokens=6)).token_ids)
+            reloaded.append((await agent.generate(text, max_tokens=6)).token_ids)
+    assert reloaded == ready
+
+
+@pytest.mark.parametrize("agents", [6])
+async def test_the_budget_drops_ready_copies_before_demoting_anyone(
+    tmp_path: Path, agents: int
+) -> None:
+    async def run(budget: int | None) -> tuple[list[list[int]], kvactor.EngineStats]:
+        async with kvactor.open(
+            tiny(), attention="dequantized", budget_bytes=budget, cache_dir=tmp_path / str(budget)
+        ) as kv:
+            out = []
+            names = [await kv.spawn_agent(f"a{i}") for i in range(agents)]
+            for phase in ("first words", "second words"):
+                for agent in names:  # one at a time: no turn waits on another
+                    out.append((await agent.generate(phase, max_tokens=5)).token_ids)
+                names.reverse()  # the agents that ran last come back first
+            return out, await kv.stats()
+
+    unbounded, stats = await run(None)
+    assert stats.ready_agents == agents and stats.dropped_ready == 0
+    stored = stats.cache_bytes - stats.ready_bytes
+    # Room for every stored cache, one turn's working copy and one ready copy, not more.
+    reserve = turn_reserve_bytes(make_tiny_model(0, head_dim=64).geometry, 128)
+    budget = stored + reserve + stats.ready_bytes // agents
+    bounded, tight = await run(budget)
+    assert bounded == unbounded
+    assert tight.peak_bytes <= budget
+    assert tight.dropped_ready > 0 and tight.demoted_warm == tight.demoted_cold == 0
+    assert tight.ready_turns > 0  # the most recent agents kept theirs, and used them
