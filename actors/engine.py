@@ -10,11 +10,12 @@ from typing import Any, cast
 
 import mlx.core as mx
 import msgspec
+from mlx_lm.models.cache import KVCache
 
 from ..kernels.agent_cache import AgentKV, StoredRange, segment_layout
 from ..kernels.qcodec import DEFAULT_CODEC
 from ..kernels.sampling import sample_rows
-from ..kernels.turn_cache import TurnCache
+from ..kernels.turn_cache import READY_SLACK, FloatTurnCache, TurnCache
 from ..runtime import ThreadActor
 from .config import EngineConfig, ModelSpec, turn_reserve_bytes
 from .enums import Room, Tier
@@ -89,6 +90,8 @@ class EngineActor(ThreadActor):
         self._generated = 0
         self._max_batch_seen = 0
         self._ready_turns = 0
+        # Ready copies built ahead of a turn (agent, entry, layers so far), oldest first.
+        self._readying: deque[tuple[str, HotEntry, list[KVCache]]] = deque()
 
     # -- lifecycle --------------------------------------------------------------------
     def on_start(self) -> None:
@@ -110,6 +113,7 @@ class EngineActor(ThreadActor):
             request.reply.fail(EngineStopped("the engine stopped before this generation ended"))
         self._prefilling.clear()
         self._ready.clear()
+        self._readying.clear()
         self._batch.clear()
         self._batch_cache = None
         for entry in self.pool.entries():
@@ -143,7 +147,12 @@ class EngineActor(ThreadActor):
             case Install(agent, tokens, ranges, pin, read_s):
                 nbytes = sum(int(a.nbytes) for *_, t in ranges for a in t.values())
                 pool.rates.disk(nbytes, read_s)
-                return pool.install(agent, nbytes, lambda: self._staged(tokens, ranges), pin=pin)
+                installed = pool.install(
+                    agent, nbytes, lambda: self._staged(tokens, ranges), pin=pin
+                )
+                if installed and not pin and self.config.ready_copies:
+                    self._ready_ahead(agent)  # a hint: make the turn to come start ready
+                return installed
             case Release(agent):
                 return pool.release(agent)
             case GetModelInfo():
@@ -299,8 +308,42 @@ class EngineActor(ThreadActor):
         if self._batch:
             self._decode_step()
             progressed = True
+        building = self._build_ready_step()  # one layer at a time, between steps
         # Waiting only for memory (writes to disk to finish): sleep until a message comes.
-        return progressed and bool(self._prefilling or self._ready or self._batch)
+        return building or (progressed and bool(self._prefilling or self._ready or self._batch))
+
+    def _ready_ahead(self, agent: str) -> None:
+        """Queue building an idle agent's ready copy (dequantized attention only)."""
+        entry = self.pool.get(agent)
+        if entry is None or self.turn_cache.quantized or entry.kv.ready is not None:
+            return
+        kv = entry.kv
+        nbytes = (kv.stored_tokens + READY_SLACK) * kv.geometry.fp32_bytes_per_token()
+        if self.pool.reserve_ready(agent, nbytes):
+            self._readying.append((agent, entry, []))
+
+    def _build_ready_step(self) -> bool:
+        """Dequantize one layer of the oldest ready copy being built; True while any is."""
+        while self._readying:
+            agent, entry, layers = self._readying[0]
+            kv = entry.kv
+            if (
+                self.pool.get(agent) is not entry
+                or entry.busy
+                or kv.work is not None
+                or kv.ready is not None
+            ):
+                self._readying.popleft()  # gone, or its turn came first: it dequantizes
+                self.pool.ready_done(agent)
+                continue
+            layers.append(FloatTurnCache.row_layer(kv, len(layers), READY_SLACK))
+            mx.eval([a for a in layers[-1].state if isinstance(a, mx.array)])
+            if len(layers) == kv.geometry.n_layers:
+                self._readying.popleft()
+                kv.ready = FloatTurnCache(layers)
+                self.pool.ready_done(agent)
+            return True
+        return False
 
     def _drop_cancelled(self) -> None:
         for queue in (self._prefilling, self._ready):

@@ -149,6 +149,7 @@ class CachePool:
         self.write_failures = 0
         self._entries: dict[str, HotEntry] = {}
         self._staged: dict[str, int] = {}  # agent -> bytes reserved for a staging warm cache
+        self._readying: dict[str, int] = {}  # agent -> bytes of a ready copy being built
         self._pins: dict[int, int] = {}  # export id -> bytes being written
         self._exports = 0
         self._writing: dict[int, str] = {}  # export id -> its agent
@@ -217,6 +218,7 @@ class CachePool:
         """Bytes in use now (and the peak so far)."""
         used = sum(e.kv.nbytes for e in self._entries.values()) + self._batch_bytes()
         used += sum(self._pins.values()) + sum(self._staged.values())
+        used += sum(self._readying.values())
         self.used = used
         self.peak = max(self.peak, used)
         return used
@@ -308,12 +310,14 @@ class CachePool:
 
     def stuck(self, exclude: HotEntry | None = None) -> bool:
         """Nothing is on its way to free room: no running turn (but ``exclude``'s), no write,
-        staging or export about to end. A request that does not fit now never will."""
+        staging, export or ready copy being built about to end. A request that does not
+        fit now never will."""
         others = (e for e in self._entries.values() if e is not exclude)
         return not (
             any(e.turn_reserve is not None or e.write_due for e in others)
             or self._pins
             or self._staged
+            or self._readying
         )
 
     # -- turns ------------------------------------------------------------------------
@@ -394,6 +398,21 @@ class CachePool:
         self.installs += 1
         self.measure()
         return True
+
+    # -- ready copies built ahead of a turn ------------------------------------------
+    def reserve_ready(self, agent: str, nbytes: int) -> bool:
+        """Room for building the agent's ready copy of up to ``nbytes``, if it is free now:
+        a copy built ahead of need never demotes anyone."""
+        if self.limit is not None and self.committed() + nbytes > self.limit:
+            return False
+        self._readying[agent] = nbytes
+        self.measure()
+        return True
+
+    def ready_done(self, agent: str) -> None:
+        """The build ended (the copy is the entry's now, or was given up)."""
+        self._readying.pop(agent, None)
+        self.measure()
 
     # -- writing to the warm tier -----------------------------------------------------
     def export(self, agent: str) -> Exported:

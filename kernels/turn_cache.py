@@ -179,19 +179,27 @@ class FloatTurnCache(_Layers):
 
     @classmethod
     def start(cls, kv: AgentKV) -> FloatTurnCache:
-        layers = []
-        for i in range(kv.geometry.n_layers):
-            kv.geometry.layer(i)
-            cache = KVCache()
-            if kv.ranges:
-                keys = kv.dequantize(i, "key")
-                values = kv.dequantize(i, "value")
-                cache.state = (keys, values, keys.shape[2])
-            layers.append(cache)
-        out = cls(layers)
+        out = cls([cls.row_layer(kv, i) for i in range(kv.geometry.n_layers)])
         if kv.ranges:
             mx.eval(out.arrays())
         return out
+
+    @staticmethod
+    def row_layer(kv: AgentKV, i: int, slack: int = 0) -> KVCache:
+        """Layer ``i`` of a one-row float cache over ``kv``'s stored ranges, with room for
+        ``slack`` more tokens (lazy: evaluate it)."""
+        kv.geometry.layer(i)
+        cache = KVCache()
+        if kv.ranges:
+            keys = kv.dequantize(i, "key")
+            values = kv.dequantize(i, "value")
+            if slack:
+                keys, values = (
+                    mx.concatenate([a, mx.zeros((*a.shape[:2], slack, a.shape[3]), a.dtype)], 2)
+                    for a in (keys, values)
+                )
+            cache.state = (keys, values, kv.stored_tokens)
+        return cache
 
     @classmethod
     def prepare(cls, model: nn.Module) -> None:

@@ -9,12 +9,14 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import kvactor
 from kvactor.actors.config import turn_reserve_bytes
+from kvactor.actors.enums import Tier
 from kvactor.actors.model import make_tiny_model
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.qcodec import DEFAULT_CODEC
@@ -105,3 +107,51 @@ async def test_the_budget_drops_ready_copies_before_demoting_anyone(
     assert tight.peak_bytes <= budget
     assert tight.dropped_ready > 0 and tight.demoted_warm == tight.demoted_cold == 0
     assert tight.ready_turns > 0  # the most recent agents kept theirs, and used them
+
+
+async def test_a_prefetch_hint_builds_the_ready_copy_before_the_turn(tmp_path: Path) -> None:
+    async with kvactor.open(tiny(), attention="dequantized", cache_dir=tmp_path) as kv:
+        await (await kv.spawn_agent("p")).generate("remember this", max_tokens=6)
+    answers = []
+    for prefetch in (True, False):
+        async with kvactor.open(tiny(), attention="dequantized", cache_dir=tmp_path) as kv:
+            agent = await kv.spawn_agent("p")
+            if prefetch:
+                await kv.prefetch("p")
+                with anyio.fail_after(10):
+                    while (await kv.stats()).ready_agents == 0:
+                        await anyio.sleep(0.005)
+            done = await agent.generate("what was it?", max_tokens=6)
+            stats = await kv.stats()
+            assert done.path == (Tier.HOT if prefetch else Tier.WARM)
+            assert stats.ready_turns == (1 if prefetch else 0)
+            answers.append(done.token_ids)
+        # Restore the warm cache as it was for the next session: forget this turn.
+        await save_first_turn(tmp_path)
+    assert answers[0] == answers[1]
+
+
+async def save_first_turn(root: Path) -> None:
+    async with kvactor.open(tiny(), attention="dequantized", cache_dir=root) as kv:
+        await kv.forget("p")
+        await (await kv.spawn_agent("p")).generate("remember this", max_tokens=6)
+
+
+async def test_a_ready_copy_is_built_ahead_only_with_free_room(tmp_path: Path) -> None:
+    async with kvactor.open(tiny(), attention="dequantized", cache_dir=tmp_path) as kv:
+        await (await kv.spawn_agent("p")).generate("remember this", max_tokens=6)
+        stored = (await kv.stats()).cache_bytes - (await kv.stats()).ready_bytes
+    # Room for the stored cache (and its file header), not for a ready copy: the hint
+    # stages it but builds no copy and demotes nobody.
+    async with kvactor.open(
+        tiny(), attention="dequantized", cache_dir=tmp_path, budget_bytes=stored + 65536
+    ) as kv:
+        await kv.prefetch("p")
+        with anyio.fail_after(10):
+            while (await kv.stats()).installs == 0:
+                await anyio.sleep(0.005)
+        for _ in range(20):
+            await anyio.sleep(0.005)
+        stats = await kv.stats()
+        assert stats.ready_agents == 0 and stats.demoted_warm == 0
+        assert stats.peak_bytes <= stored + 65536
