@@ -148,7 +148,9 @@ def format_summary(results: Results) -> list[str]:
         )
     budget = f" of a {size(stats.budget_bytes)} budget" if stats.budget_bytes else " (no budget)"
     paragraphs.append(
-        f"engine: {stats.demoted_warm} demotions to warm, {stats.demoted_cold} to cold, "
+        f"engine: {stats.ready_turns} turns started from a ready float copy, "
+        f"{stats.dropped_ready} ready copies dropped for room; "
+        f"{stats.demoted_warm} demotions to warm, {stats.demoted_cold} to cold, "
         f"{stats.installs} reloads from disk; hot-tier peak {size(stats.peak_bytes)}{budget}; "
         f"{stats.generated_tokens} tokens generated; wall time {results.wall_s:.1f} s."
     )
