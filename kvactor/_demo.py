@@ -319,7 +319,8 @@ def _execute(
     except KvactorError as exc:
         print(f"kvactor: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    view.write(["", *format_summary(results), "", next_run(results)])
+    fresh = bool(getattr(args, "fresh", False))
+    view.write(["", *format_summary(results), "", next_run(results, fresh=fresh)])
     if json_path:
         write_results(results, json_path)
         print(f"results: {json_path}")
@@ -329,13 +330,14 @@ def _execute(
     return 0
 
 
-def next_run(results: Results) -> str:
-    """What running the same scenario again will do."""
+def next_run(results: Results, *, fresh: bool = False) -> str:
+    """What running the same scenario again will do. ``fresh``: this run started over at
+    the user's request (``--fresh``), which does not carry over to the next run."""
     s = results.scenario
     longest = max((t.cache_tokens for t in results.turns), default=0)
     if results.cache_dir is None:
         return "no warm tier: the next run starts cold again."
-    if not s.resume:
+    if not s.resume and not fresh:
         return "resume = false: the next run forgets these caches and starts cold."
     if s.resume_max_tokens is not None and longest > s.resume_max_tokens:
         return (
