@@ -185,6 +185,12 @@ def test_kvactor_run_writes_json_results(tmp_path: Path) -> None:
     assert "found warm caches for 3 agents from a previous run" in again.stdout
     assert load_results(tmp_path / "again.json").resumed == ["alpha", "beta", "gamma"]
 
+    # --fresh starts this run over; the scenario still resumes, so the next run does too.
+    fresh = _kvactor("run", "team.toml", "--fresh", cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "asked to start fresh" in fresh.stdout
+    assert "run it again: a new process resumes every agent from disk" in fresh.stdout
+
 
 def test_the_demo_command_on_the_tiny_model(tmp_path: Path) -> None:
     # The random tiny model's replies are invalid UTF-8 that quotes back as 3 bytes per
