@@ -128,11 +128,14 @@ class AgentKV:
         self.ready = None
         return freed
 
-    def dequantize(self, layer: int, role: Role) -> mx.array:
-        """Float K or V ``(1, H, T, D)`` of every stored token of ``layer``."""
+    def dequantize(self, layer: int, role: Role, *, rotated: bool = False) -> mx.array:
+        """Float K or V ``(1, H, T, D)`` of every stored token of ``layer``; ``rotated``:
+        left in the codec's stored basis (``KVCodec.dequantize``)."""
         kind = 1 if role == "value" else 0
         pieces = [
-            self.codec.dequantize(r.layers[layer][kind], r.start, r.stop - r.start, role=role)
+            self.codec.dequantize(
+                r.layers[layer][kind], r.start, r.stop - r.start, role=role, rotated=rotated
+            )
             for r in self.ranges
         ]
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
@@ -155,11 +158,11 @@ class AgentKV:
             return None
         layers: list[tuple[Parts, Parts]] = []
         for i in range(self.geometry.n_layers):
-            k, v = self.work.added(i, start, stop)
+            k, v, rotated = self.work.added(i, start, stop)
             layers.append(
                 (
-                    self.codec.quantize(k, start, role="key"),
-                    self.codec.quantize(v, start, role="value"),
+                    self.codec.quantize(k, start, role="key", rotated=rotated),
+                    self.codec.quantize(v, start, role="value", rotated=rotated),
                 )
             )
         new = StoredRange(start, stop, layers)

@@ -31,6 +31,7 @@ def tiny() -> Any:
 
 def test_a_ready_copy_holds_exactly_the_dequantized_stored_cache() -> None:
     lm = make_tiny_model(0, head_dim=64)
+    FloatTurnCache.prepare(lm.model)
     kv = AgentKV(DEFAULT_CODEC, lm.geometry)
     for n in (40, 9, 300):  # the last turn outgrows the first copy's spare room
         work = kv.activate()
