@@ -3,14 +3,14 @@ and ready (a working cache kept between turns).
 
 The stored form is what the hot tier keeps and what the warm tier writes, byte for byte:
 a list of token ranges, each holding every layer's quantized K and V. While the agent
-takes a turn it has a working cache (``kernels.turn_cache``): a float copy of every token,
-or the stored parts read as they are, depending on the attention mode; either keeps the
-turn's new tokens in float. When the turn ends the new tokens are quantized into a new
-range. The working cache is then dropped, or, for a float one, kept as the *ready* copy
-with the new tokens replaced by their dequantized stored values: it holds exactly what
-dequantizing the stored ranges would give, so the next turn starts without dequantizing
-anything. So an agent kept ready, one kept quantized and one reloaded from disk resume
-from the same values.
+takes a turn it has a working cache (``kernels.turn_cache``): a float copy of every token
+(left in the codec's Hadamard basis when it rotates), or the stored parts read as they are,
+depending on the attention mode; either keeps the turn's new tokens in float. When the
+turn ends the new tokens are quantized into a new range. The working cache is then
+dropped, or, for a float one, kept as the *ready* copy with the new tokens replaced by
+their dequantized stored values: it holds exactly what dequantizing the stored ranges
+would give, so the next turn starts without dequantizing anything. So an agent kept
+ready, one kept quantized and one reloaded from disk resume from the same values.
 """
 
 from __future__ import annotations
