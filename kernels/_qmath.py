@@ -8,7 +8,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-__all__ = ("dequantize_reference", "rotate")
+__all__ = ("dequantize_reference", "rotate", "rotate_rows")
 
 
 @functools.lru_cache(maxsize=8)
@@ -29,6 +29,14 @@ def rotate(x: mx.array) -> mx.array:
     if mx.default_device() == mx.cpu:
         return x @ _hadamard_matrix(x.shape[-1])
     return mx.hadamard_transform(x)
+
+
+def rotate_rows(x: mx.array) -> mx.array:
+    """x·H over the last axis in fp32, each row on its own: a row's result does not depend on
+    the rows that come with it (a BLAS matmul, as in :func:`rotate`, may round differently
+    with their number). What the codec quantizes, so that K/V rotated as they enter a working
+    cache quantize to the bytes of K/V rotated at once when the turn ends."""
+    return mx.hadamard_transform(x.astype(mx.float32))
 
 
 def dequantize_reference(

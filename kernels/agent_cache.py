@@ -3,14 +3,14 @@ and ready (a working cache kept between turns).
 
 The stored form is what the hot tier keeps and what the warm tier writes, byte for byte:
 a list of token ranges, each holding every layer's quantized K and V. While the agent
-takes a turn it has a working cache (``kernels.turn_cache``): a float copy of every token,
-or the stored parts read as they are, depending on the attention mode; either keeps the
-turn's new tokens in float. When the turn ends the new tokens are quantized into a new
-range. The working cache is then dropped, or, for a float one, kept as the *ready* copy
-with the new tokens replaced by their dequantized stored values: it holds exactly what
-dequantizing the stored ranges would give, so the next turn starts without dequantizing
-anything. So an agent kept ready, one kept quantized and one reloaded from disk resume
-from the same values.
+takes a turn it has a working cache (``kernels.turn_cache``): a float copy of every token
+(left in the codec's Hadamard basis when it rotates), or the stored parts read as they are,
+depending on the attention mode; either keeps the turn's new tokens in float. When the
+turn ends the new tokens are quantized into a new range. The working cache is then
+dropped, or, for a float one, kept as the *ready* copy with the new tokens replaced by
+their dequantized stored values: it holds exactly what dequantizing the stored ranges
+would give, so the next turn starts without dequantizing anything. So an agent kept
+ready, one kept quantized and one reloaded from disk resume from the same values.
 """
 
 from __future__ import annotations
@@ -128,11 +128,14 @@ class AgentKV:
         self.ready = None
         return freed
 
-    def dequantize(self, layer: int, role: Role) -> mx.array:
-        """Float K or V ``(1, H, T, D)`` of every stored token of ``layer``."""
+    def dequantize(self, layer: int, role: Role, *, rotated: bool = False) -> mx.array:
+        """Float K or V ``(1, H, T, D)`` of every stored token of ``layer``; ``rotated``:
+        left in the codec's stored basis (``KVCodec.dequantize``)."""
         kind = 1 if role == "value" else 0
         pieces = [
-            self.codec.dequantize(r.layers[layer][kind], r.start, r.stop - r.start, role=role)
+            self.codec.dequantize(
+                r.layers[layer][kind], r.start, r.stop - r.start, role=role, rotated=rotated
+            )
             for r in self.ranges
         ]
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
@@ -155,11 +158,11 @@ class AgentKV:
             return None
         layers: list[tuple[Parts, Parts]] = []
         for i in range(self.geometry.n_layers):
-            k, v = self.work.added(i, start, stop)
+            k, v, rotated = self.work.added(i, start, stop)
             layers.append(
                 (
-                    self.codec.quantize(k, start, role="key"),
-                    self.codec.quantize(v, start, role="value"),
+                    self.codec.quantize(k, start, role="key", rotated=rotated),
+                    self.codec.quantize(v, start, role="value", rotated=rotated),
                 )
             )
         new = StoredRange(start, stop, layers)

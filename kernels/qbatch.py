@@ -27,8 +27,8 @@ values may have different widths.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Literal, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, cast
 
 import mlx.core as mx
 
@@ -239,11 +239,31 @@ class QuantizedBatchCache:
         parts.append(valid[:, None, None, :] & causal[None, None])
         return mx.concatenate(parts, axis=-1)
 
-    def attend(self, queries: mx.array, scale: float, mask: mx.array | None) -> mx.array:
+    def attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None = None,
+        sdpa: Callable[..., mx.array] | None = None,
+    ) -> mx.array:
         """Scaled dot-product attention of ``queries`` ``(B, n_heads, N, D)`` over this
-        cache (after ``update_and_fetch`` of the same step); ``mask`` from :meth:`make_mask`."""
+        cache, after ``update_and_fetch`` of the same step (``keys`` and ``values``, its
+        tails, and ``sdpa``, mlx-lm's function, are not needed: see
+        ``kernels.attention.Attends``); ``mask`` from :meth:`make_mask`.
+
+        Raises ValueError before ``update_and_fetch``; NotImplementedError for learned
+        attention sinks.
+        """
         if self.keys is None or self.values is None:
             raise ValueError("attend needs the step's keys and values first (update_and_fetch)")
+        if sinks is not None:
+            raise NotImplementedError("learned attention sinks over a quantized batch")
+        if not isinstance(mask, mx.array):
+            mask = None  # make_mask always gives an array: anything else is no mask
         b, n_heads, n, d = queries.shape
         h = self.keys.shape[1]
         repeats = n_heads // h

@@ -17,6 +17,9 @@ Options, all measured by ``bench/fidelity.py`` on the default model:
 - ``rotate``: multiply each head vector by the orthonormal Sylvester Hadamard matrix H before
   quantizing and by Hᵀ (= H) after dequantizing. Orthonormal, so the values that come back can
   feed any attention unchanged; it only spreads outlier channels over the group before rounding.
+  A role stored in fp16 is never rotated (:meth:`KVCodec.rotates`). ``rotated=True`` on
+  :meth:`KVCodec.quantize` / :meth:`KVCodec.dequantize` takes / gives values still in the
+  stored basis (x·H), for attention that works there (``kernels.rotated``).
 - ``sink_tokens``: the first N tokens of the sequence (attention sinks) are stored at 8 bits.
 - ``key_bits`` / ``key_group_size``: keys coded differently from values (K8/V4 and the like).
   Such a codec needs ``role="key"`` or ``role="value"`` on every call (:data:`DEFAULT_CODEC` is
@@ -41,6 +44,7 @@ import numpy as np
 
 from ._qmath import dequantize_reference as dequantize_reference
 from ._qmath import rotate as rotate
+from ._qmath import rotate_rows as rotate_rows
 
 __all__ = (
     "DEFAULT_CODEC",
@@ -51,6 +55,7 @@ __all__ = (
     "concat_parts",
     "dequantize_reference",
     "parts_tokens",
+    "rotate_rows",
 )
 
 Role = Literal["key", "value"]
@@ -165,6 +170,11 @@ class KVCodec:
             return self.bits, self.group_size
         raise ValueError(f"role must be 'key' or 'value', not {role!r}")
 
+    def rotates(self, role: Role | None = None) -> bool:
+        """Whether a role is stored in the Hadamard basis (``rotate``, and not fp16). Raises
+        ValueError like :meth:`role_spec`, and for a missing role of an asymmetric codec."""
+        return self.rotate and self._spec(role)[0] != 16
+
     def _n_sink(self, bits: int, start: int, n: int) -> int:
         """How many of tokens ``start .. start + n - 1`` are sinks kept apart at 8 bits."""
         if bits >= _SINK_BITS:
@@ -179,9 +189,14 @@ class KVCodec:
 
     # ------------------------------------------------------------------ coding
 
-    def quantize(self, x: mx.array, start: int, *, role: Role | None = None) -> dict[str, mx.array]:
+    def quantize(
+        self, x: mx.array, start: int, *, role: Role | None = None, rotated: bool = False
+    ) -> dict[str, mx.array]:
         """The stored parts of ``x`` (``(1, H, n, head_dim)`` float, K after RoPE or V) whose first
         token sits at absolute position ``start`` of the sequence. Lazy: nothing is evaluated.
+        ``rotated``: ``x`` is in the stored basis already (x·H by :func:`rotate_rows`, as this
+        method would rotate it, so the bytes are the same); nothing changes for a role the
+        codec does not :meth:`rotates`.
 
         Values are rounded to fp16 first (so MLX returns scales and biases in fp16, the stored
         dtype; the rounding costs nothing measurable at <= 8 bits) and must lie in fp16 range.
@@ -200,10 +215,10 @@ class KVCodec:
             return {}
         if bits == 16:
             return {"x": x.astype(mx.float16)}
-        if self.rotate:
+        if self.rotate and not rotated:
             # Not rotate(): a BLAS matmul rounds differently with the number of rows, so pieces
             # would not quantize to the bytes of the whole; the transform works row by row.
-            x = mx.hadamard_transform(x.astype(mx.float32))
+            x = rotate_rows(x)
         x = x.astype(mx.float16)
         n_sink = self._n_sink(bits, start, n)
         parts: dict[str, mx.array] = {}
@@ -221,8 +236,11 @@ class KVCodec:
         dtype: mx.Dtype = mx.float32,
         *,
         role: Role | None = None,
+        rotated: bool = False,
     ) -> mx.array:
-        """``(1, H, n, head_dim)`` in ``dtype`` from the parts of tokens ``start .. start + n - 1``.
+        """``(1, H, n, head_dim)`` in ``dtype`` from the parts of tokens ``start .. start + n - 1``;
+        ``rotated``: left in the stored basis (x·H when the codec :meth:`rotates` the role:
+        skips the inverse rotation, most of the cost on CPU).
 
         Raises ValueError if the part names or token counts do not fit that range (the shapes
         of untrusted parts are checked against :meth:`expected_parts` by their reader).
@@ -243,7 +261,7 @@ class KVCodec:
         if "q" in parts:
             pieces.append(_dequantize(parts, bits, group, ""))
         x = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
-        if self.rotate:
+        if self.rotate and not rotated:
             x = rotate(x)  # H is symmetric and orthonormal: H·H = I
         return x.astype(dtype)
 

@@ -6,7 +6,9 @@ batch of agents decoding together. Choosing an attention mode chooses the class:
 
 - :class:`FloatTurnCache` (``"dequantized"``): a float copy of each row's stored tokens, made
   once at the turn's start; one row is a list of mlx-lm ``KVCache``, a batch a list of
-  mlx-lm ``BatchKVCache``.
+  mlx-lm ``BatchKVCache``. When the codec rotates keys and values the copy stays in its
+  Hadamard basis (``kernels.rotated``: no inverse rotation to make it), and the model's
+  attention is bound to that per model.
 - :class:`QuantizedTurnCache` (``"quantized"``): the stored parts read as they are, plus a
   float tail of the turn's tokens (``QuantizedBatchCache`` per layer); the model's attention
   is bound to it per model (:func:`kernels.attention.bind_attention`).
@@ -31,6 +33,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from .attention import bind_attention
 from .qbatch import Kernel, QuantizedBatchCache
 from .qcodec import Role, concat_parts
+from .rotated import RotatedBasis, RotatedKVCache, works_rotated
 
 if TYPE_CHECKING:
     from .agent_cache import AgentKV, StoredRange
@@ -136,9 +139,13 @@ class TurnCache(Protocol):
         """Row ``row`` alone."""
         ...
 
-    def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
+    def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
         """Float K and V ``(1, H, stop - start, D)`` of a one-row cache's tokens
-        [start, stop), which the turn added after its ``start`` stored tokens."""
+        [start, stop), which the turn added after its ``start`` stored tokens, and whether
+        they are in the codec's stored (rotated) basis already.
+
+        Raises RuntimeError or ValueError when the cache does not hold them as it should.
+        """
         ...
 
     def settle(self, kv: AgentKV, new: StoredRange | None) -> TurnCache | None:
@@ -173,7 +180,8 @@ class _Layers:
 
 class FloatTurnCache(_Layers):
     """Dequantized attention: a float copy of the stored tokens, made once per turn. A row
-    is a list of mlx-lm KVCache, a batch a list of BatchKVCache."""
+    is a list of mlx-lm KVCache, a batch a list of BatchKVCache (their subclasses in the
+    Hadamard basis when the codec rotates: ``kernels.rotated``)."""
 
     quantized: ClassVar[bool] = False
 
@@ -189,10 +197,11 @@ class FloatTurnCache(_Layers):
         """Layer ``i`` of a one-row float cache over ``kv``'s stored ranges, with room for
         ``slack`` more tokens (lazy: evaluate it)."""
         kv.geometry.layer(i)
-        cache = KVCache()
+        rotated = works_rotated(kv.codec)
+        cache = RotatedKVCache() if rotated else KVCache()
         if kv.ranges:
-            keys = kv.dequantize(i, "key")
-            values = kv.dequantize(i, "value")
+            keys = kv.dequantize(i, "key", rotated=rotated)
+            values = kv.dequantize(i, "value", rotated=rotated)
             if slack:
                 keys, values = (
                     mx.concatenate([a, mx.zeros((*a.shape[:2], slack, a.shape[3]), a.dtype)], 2)
@@ -203,11 +212,13 @@ class FloatTurnCache(_Layers):
 
     @classmethod
     def prepare(cls, model: nn.Module) -> None:
-        pass  # the model's own attention reads float caches
+        # Plain float caches go to the model's own attention, rotated ones through the basis.
+        bind_attention(model, RotatedBasis)
 
     def _batched(self) -> list[BatchKVCache]:
+        # KVCache.merge is BatchKVCache.merge, RotatedKVCache's keeps the basis.
         return [
-            layer if isinstance(layer, BatchKVCache) else BatchKVCache.merge([layer])
+            layer if isinstance(layer, BatchKVCache) else type(layer).merge([layer])
             for layer in self._layers
         ]
 
@@ -219,6 +230,8 @@ class FloatTurnCache(_Layers):
             raise TypeError("a float batch takes float rows only")
         mine = self._batched()
         for layer, new in zip(mine, other._batched(), strict=True):
+            if isinstance(layer, RotatedBasis) != isinstance(new, RotatedBasis):
+                raise TypeError("a float batch takes rows in its own basis only")
             layer.extend(new)
         self._layers = mine
 
@@ -230,9 +243,13 @@ class FloatTurnCache(_Layers):
     def extract(self, row: int) -> FloatTurnCache:
         return FloatTurnCache([layer.extract(row) for layer in self._batched()])
 
-    def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
-        keys, values = self._layers[layer].state[:2]
-        return keys[:, :, start:stop, :], values[:, :, start:stop, :]
+    def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
+        cache = self._layers[layer]
+        rotated = isinstance(cache, RotatedBasis)
+        if rotated:
+            cache.check_attended()
+        keys, values = cache.state[:2]
+        return keys[:, :, start:stop, :], values[:, :, start:stop, :], rotated
 
     def settle(self, kv: AgentKV, new: StoredRange | None) -> FloatTurnCache | None:
         total = kv.stored_tokens
@@ -242,8 +259,9 @@ class FloatTurnCache(_Layers):
             if not isinstance(layer, KVCache) or layer.offset != total:
                 return None  # not one row over every stored token: start afresh next time
             if layer.keys is None or layer.values is None:
-                layers.append(KVCache())
+                layers.append(type(layer)())
                 continue
+            rotated = isinstance(layer, RotatedBasis)  # the basis the copy is in
             fresh = []
             roles: tuple[tuple[int, Role, mx.array], ...] = (
                 (0, "key", layer.keys),
@@ -253,11 +271,15 @@ class FloatTurnCache(_Layers):
                 parts = [array[:, :, :cut, :]]
                 if new is not None:
                     n = new.stop - new.start
-                    parts.append(kv.codec.dequantize(new.layers[i][kind], new.start, n, role=role))
+                    parts.append(
+                        kv.codec.dequantize(
+                            new.layers[i][kind], new.start, n, role=role, rotated=rotated
+                        )
+                    )
                 shape = (*array.shape[:2], READY_SLACK, array.shape[3])
                 parts.append(mx.zeros(shape, parts[-1].dtype))
                 fresh.append(mx.concatenate(parts, axis=2))  # a copy: no batch buffer kept
-            cache = KVCache()
+            cache = type(layer)()
             cache.state = (fresh[0], fresh[1], total)
             layers.append(cache)
         out = FloatTurnCache(layers)
@@ -323,11 +345,11 @@ class QuantizedTurnCache(_Layers):
     def extract(self, row: int) -> QuantizedTurnCache:
         return QuantizedTurnCache([layer.extract(row) for layer in self._layers])
 
-    def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
+    def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
         cache = self._layers[layer]
         if cache.stored_lengths() != [start] or cache.tail_lengths() != [stop - start]:
             raise ValueError("the working cache does not hold this agent's new tokens")
-        return cache.tail(0)
+        return (*cache.tail(0), False)  # the tail is in the model's basis
 
     def settle(self, kv: AgentKV, new: StoredRange | None) -> None:
         return None  # the stored parts are what it reads: nothing to keep

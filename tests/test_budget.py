@@ -22,6 +22,7 @@ from kvactor.actors.config import turn_reserve_bytes
 from kvactor.actors.model import make_tiny_model
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.qcodec import DEFAULT_CODEC
+from kvactor.kernels.turn_cache import FloatTurnCache
 
 AGENTS = 10
 ROUNDS = 3
@@ -42,6 +43,7 @@ def one_turn_need(quantized: bool, context: int = MAX_CONTEXT) -> int:
     needs alone: its stored cache and the room its working cache reserves (CachePool's
     accounting)."""
     lm = make_tiny_model(0, head_dim=64)
+    FloatTurnCache.prepare(lm.model)
     kv = AgentKV(DEFAULT_CODEC, lm.geometry)
     work = kv.activate()
     ids = [7 + i % 50 for i in range(context)]

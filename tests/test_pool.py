@@ -14,11 +14,14 @@ from kvactor.actors.model import LoadedModel, make_tiny_model
 from kvactor.actors.pool import CachePool, EvictionPolicy
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.qcodec import DEFAULT_CODEC
+from kvactor.kernels.turn_cache import FloatTurnCache
 
 
 @pytest.fixture(scope="module")
 def lm() -> LoadedModel:
-    return make_tiny_model(0, head_dim=64)
+    loaded = make_tiny_model(0, head_dim=64)
+    FloatTurnCache.prepare(loaded.model)
+    return loaded
 
 
 def new_pool(

@@ -15,7 +15,8 @@ from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.attention import bind_attention
 from kvactor.kernels.qbatch import QuantizedBatchCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC, KVCodec
-from kvactor.kernels.turn_cache import QuantizedTurnCache
+from kvactor.kernels.rotated import RotatedBasis
+from kvactor.kernels.turn_cache import FloatTurnCache, QuantizedTurnCache
 
 CODECS = [
     DEFAULT_CODEC,  # K5/V3 + rotation + 8-bit sinks
@@ -30,6 +31,7 @@ CODECS = [
 def lm() -> LoadedModel:
     loaded = make_tiny_model(0, head_dim=64)
     QuantizedTurnCache.prepare(loaded.model)
+    FloatTurnCache.prepare(loaded.model)  # one model, both modes
     return loaded
 
 
@@ -146,6 +148,8 @@ def test_binding_attention_leaves_other_caches_models_and_mlx_lm_alone() -> None
     before = logits_of(loaded, new, [KVCache() for _ in range(loaded.n_layers)])
     assert bind_attention(loaded.model, QuantizedBatchCache) == loaded.n_layers
     assert bind_attention(loaded.model, QuantizedBatchCache) == 0  # idempotent
+    assert bind_attention(loaded.model, RotatedBasis) == loaded.n_layers  # a second class
+    assert bind_attention(loaded.model, RotatedBasis) == 0
     after = logits_of(loaded, new, [KVCache() for _ in range(loaded.n_layers)])
     assert mx.array_equal(before, after).item()
     # Per model: mlx-lm's modules and another model of the same class are untouched.
@@ -154,11 +158,14 @@ def test_binding_attention_leaves_other_caches_models_and_mlx_lm_alone() -> None
     assert isinstance(loaded.model.layers[0].self_attn, llama.Attention)
     with pytest.raises(TypeError, match="no attention layer"):
         bind_attention(loaded.model.layers[0].mlp, QuantizedBatchCache)
-    # The bound model attends over a quantized batch; the unbound one cannot.
+    # The bound model attends over a quantized batch and a rotated float copy; the unbound
+    # one cannot, and says so rather than attend in the wrong basis.
     kv = stored(loaded, DEFAULT_CODEC, tokens(20, 7), [20])
     assert close(logits_of(loaded, new, quantized(kv)) - logits_of(loaded, new, float_copy(kv)))
     with pytest.raises((TypeError, ValueError, AttributeError)):
-        logits_of(other, new, quantized(stored(other, DEFAULT_CODEC, tokens(20, 7), [20])))
+        logits_of(other, new, quantized(kv))
+    with pytest.raises(RuntimeError, match="prepare the model"):
+        stored(other, DEFAULT_CODEC, tokens(20, 7), [20])
 
 
 def test_bad_use_gets_clear_errors(lm: LoadedModel) -> None:

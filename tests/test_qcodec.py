@@ -189,6 +189,60 @@ def test_rotation_needs_power_of_two_head_dim() -> None:
         codec.expected_parts(0, 4, H, 96)
 
 
+ROTATING = [
+    DEFAULT_CODEC,
+    KVCodec(rotate=True),
+    KVCodec(bits=4, key_bits=8, rotate=True, sink_tokens=4),  # keys cut at 4, not sinks
+    KVCodec(bits=2, group_size=32, rotate=True, sink_tokens=9),
+]
+
+
+@pytest.mark.parametrize("codec", ROTATING, ids=lambda c: c.name)
+def test_rotating_as_tokens_arrive_stores_the_same_bytes(codec: KVCodec) -> None:
+    # A rotated working cache rotates each step's K/V as it enters (prefill chunks, then one
+    # token per decode step, as rows of a batch), and quantizes the turn's tokens with
+    # rotated=True: the bytes must be those of quantizing the plain K/V, for every range.
+    x = with_outliers(60, seed=3)
+    batch = mx.concatenate([normal(60, seed=4), x, normal(60, seed=6)])  # x is row 1
+    bounds = [0, 7, 8, 9, 40, 60]
+    entered = mx.concatenate(
+        [qcodec.rotate_rows(batch[:, :, a:b])[1:2] for a, b in itertools.pairwise(bounds)],
+        axis=2,
+    )
+    assert entered.dtype == mx.float32
+    for a, b in [(0, 3), (3, 9), (9, 60), (0, 60)]:  # turns: their own cuts
+        for role in ROLES:
+            want = codec.quantize(x[:, :, a:b], a, role=role)
+            got = codec.quantize(entered[:, :, a:b], a, role=role, rotated=True)
+            assert bitwise_equal(got, want), (a, b, role)
+
+
+@pytest.mark.parametrize("codec", [*ROTATING, KVCodec(), FP16_CODEC], ids=lambda c: c.name)
+def test_dequantizing_into_the_rotated_basis_skips_only_the_rotation(codec: KVCodec) -> None:
+    x = with_outliers(20, seed=7)
+    for role in ROLES:
+        parts = codec.quantize(x, 0, role=role)
+        plain = codec.dequantize(parts, 0, 20, role=role)
+        rotated = codec.dequantize(parts, 0, 20, role=role, rotated=True)
+        if codec.rotates(role):
+            np.testing.assert_allclose(
+                np.array(mx.hadamard_transform(rotated)), np.array(plain), atol=1e-4
+            )
+        else:
+            np.testing.assert_array_equal(np.array(rotated), np.array(plain))
+
+
+def test_only_quantized_roles_of_a_rotating_codec_are_rotated() -> None:
+    assert DEFAULT_CODEC.rotates("key") and DEFAULT_CODEC.rotates("value")
+    assert not KVCodec(bits=4).rotates()
+    half = KVCodec(bits=16, key_bits=4, rotate=True)  # fp16 values are stored as they are
+    assert half.rotates("key") and not half.rotates("value")
+    x = normal(5)
+    assert bitwise_equal(
+        half.quantize(x, 0, role="value", rotated=True), half.quantize(x, 0, role="value")
+    )
+
+
 # ---------------------------------------------------------------------- sinks
 
 

@@ -20,6 +20,7 @@ from kvactor.actors.enums import Tier
 from kvactor.actors.model import make_tiny_model
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.qcodec import DEFAULT_CODEC
+from kvactor.kernels.rotated import RotatedKVCache
 from kvactor.kernels.turn_cache import FloatTurnCache
 
 TURNS = ["hello there", "tell me more", "tell me more", "and something else entirely"]
@@ -31,6 +32,7 @@ def tiny() -> Any:
 
 def test_a_ready_copy_holds_exactly_the_dequantized_stored_cache() -> None:
     lm = make_tiny_model(0, head_dim=64)
+    FloatTurnCache.prepare(lm.model)
     kv = AgentKV(DEFAULT_CODEC, lm.geometry)
     for n in (40, 9, 300):  # the last turn outgrows the first copy's spare room
         work = kv.activate()
@@ -40,6 +42,8 @@ def test_a_ready_copy_holds_exactly_the_dequantized_stored_cache() -> None:
         kv.deactivate(keep_ready=True)
         assert kv.ready is not None and kv.work is None
         fresh = FloatTurnCache.start(kv)  # what a reloaded agent would start from
+        # Both in the codec's Hadamard basis (kernels.rotated), as the turns ran.
+        assert all(isinstance(layer, RotatedKVCache) for layer in (*kv.ready.layers, *fresh.layers))
         for mine, theirs in zip(kv.ready.layers, fresh.layers, strict=True):
             assert mine.offset == theirs.offset == len(kv.tokens)
             for a, b in zip(mine.state[:2], theirs.state[:2], strict=True):

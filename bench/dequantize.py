@@ -1,0 +1,99 @@
+"""What a turn's float working copy costs to make, with and without the inverse rotation:
+``AgentKV.dequantize`` of every layer's keys and values, on a cache of the default model's
+shape (30 layers, 3 KV heads, head_dim 64) stored with the default codec (keys 5-bit,
+values 3-bit, group 64, Hadamard rotation, 4 sinks at 8 bits), 4096 tokens in one range.
+
+- ``model_basis``: ``rotated=False``, the values rotated back (the working copy before the
+  rotated basis);
+- ``rotated_basis``: ``rotated=True``, left in the stored basis (what ``FloatTurnCache``
+  reads now that attention rotates queries and outputs instead).
+
+Medians of ``--rounds`` rounds that alternate the two, every array evaluated.
+
+    python bench/dequantize.py [--tokens 4096] [--rounds 7] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import kvactor  # noqa: F401 - first: it loads an optimized BLAS before mlx.core
+
+# isort: split
+import mlx.core as mx
+
+from kvactor.kernels.agent_cache import AgentKV, StoredRange
+from kvactor.kernels.qcodec import DEFAULT_CODEC
+from kvactor.kernels.turn_cache import CacheGeometry
+
+LAYERS, HEADS, DIM = 30, 3, 64
+
+
+def stored(n: int) -> AgentKV:
+    """An agent cache of ``n`` random tokens, every layer stored in one range."""
+    mx.random.seed(0)
+    kv = AgentKV(DEFAULT_CODEC, CacheGeometry.uniform(LAYERS, HEADS, DIM))
+    layers = []
+    for _ in range(LAYERS):
+        k, v = (mx.random.normal((1, HEADS, n, DIM)) for _ in range(2))
+        layers.append(
+            (DEFAULT_CODEC.quantize(k, 0, role="key"), DEFAULT_CODEC.quantize(v, 0, role="value"))
+        )
+        mx.eval(layers[-1])
+    kv.ranges = [StoredRange(0, n, layers)]
+    kv.tokens = list(range(n))
+    return kv
+
+
+def dequantize_all(kv: AgentKV, rotated: bool) -> float:
+    t0 = time.perf_counter()
+    arrays = [
+        kv.dequantize(i, role, rotated=rotated) for i in range(LAYERS) for role in ("key", "value")
+    ]
+    mx.eval(arrays)
+    return time.perf_counter() - t0
+
+
+def main(n: int, rounds: int) -> dict[str, Any]:
+    kv = stored(n)
+    times: dict[str, list[float]] = {"model_basis": [], "rotated_basis": []}
+    dequantize_all(kv, False)  # warm up both paths
+    dequantize_all(kv, True)
+    for r in range(rounds):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        for rotated in order:
+            times["rotated_basis" if rotated else "model_basis"].append(dequantize_all(kv, rotated))
+    out: dict[str, Any] = {
+        "tokens": n,
+        "layers": LAYERS,
+        "codec": DEFAULT_CODEC.name,
+        "stored_bytes": kv.stored_bytes,
+        "rounds": rounds,
+    }
+    for name, values in times.items():
+        out[f"{name}_s"] = statistics.median(values)
+    out["saved_s"] = out["model_basis_s"] - out["rotated_basis_s"]
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    result = main(args.tokens, args.rounds)
+    print(
+        f"{result['tokens']} tokens x {LAYERS} layers ({result['codec']}, "
+        f"{result['stored_bytes'] / 1e6:.1f} MB stored), median of {result['rounds']}:\n"
+        f"  dequantize into the model's basis  {result['model_basis_s'] * 1e3:7.1f} ms\n"
+        f"  dequantize, left rotated           {result['rotated_basis_s'] * 1e3:7.1f} ms\n"
+        f"  saved                              {result['saved_s'] * 1e3:7.1f} ms"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
