@@ -233,7 +233,7 @@ class AgentActor(Actor):
             # Special tokens come from the template only: markers in contents stay text.
             prompt, literal = self.tokenizer.render_chat(messages, add_generation_prompt=True)
         tokens, match = match_prefix(self.tokenizer, self.tokens, self.text, prompt, literal)
-        saved = False  # this turn's write ran (or there is no warm tier)
+        write_ran = False  # this turn's write ran (or there is no warm tier)
         try:
             path = Tier.HOT
             finished: Finished | None = None
@@ -278,9 +278,9 @@ class AgentActor(Actor):
             if self.warm is not None:
                 with anyio.CancelScope(shield=True):
                     error = await self._persist()
-            saved = True
+            write_ran = True
         finally:
-            if not saved and self.warm is not None:
+            if not write_ran and self.warm is not None:
                 # Left before its write (cancelled, failed): if the engine finished the
                 # turn, it expects a write that will not come. Tell it so.
                 with anyio.CancelScope(shield=True), contextlib.suppress(ActorDeadError):

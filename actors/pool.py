@@ -105,6 +105,11 @@ class HotEntry:
     write_due: bool = False  # its turn ended: the agent is about to export the new tokens
 
     @property
+    def waiting(self) -> bool:
+        """A turn of it is queued, or it was staged for one: a reload would come soon."""
+        return self.busy or self.pinned
+
+    @property
     def clean(self) -> bool:
         return self.persisted >= len(self.kv.tokens)
 
@@ -150,9 +155,8 @@ class CachePool:
         self._entries: dict[str, HotEntry] = {}
         self._staged: dict[str, int] = {}  # agent -> bytes reserved for a staging warm cache
         self._readying: dict[str, int] = {}  # agent -> bytes of a ready copy being built
-        self._pins: dict[int, int] = {}  # export id -> bytes being written
+        self._pins: dict[int, tuple[str, int]] = {}  # export id -> (agent, bytes) being written
         self._exports = 0
-        self._writing: dict[int, str] = {}  # export id -> its agent
         self._turns: set[str] = set()  # agents with a turn queued or running
         self._waiters: deque[_Waiter] = deque()
 
@@ -178,29 +182,26 @@ class CachePool:
         """
         if agent in self._turns:
             raise AgentBusy(f"agent {agent!r} already has a generation in flight")
-        entry = self._entries.get(agent)
-        if entry is None:
-            entry = self._entries[agent] = HotEntry(self._make_kv())
-        else:
-            entry.hits += 1
         self._turns.add(agent)
-        entry.busy = True
-        entry.pinned = False
-        entry.write_due = False
-        entry.next_use = time.monotonic()  # soon: its turn is queued
-        entry.last_used = time.monotonic()
-        return entry
+        return self._queue(agent, hit=True)
 
     def adopt(self, agent: str) -> HotEntry:
         """For a queued turn whose cache was demoted while it waited: the agent's entry now
         (staged again meanwhile) or a new empty one, marked busy."""
+        return self._queue(agent, hit=False)
+
+    def _queue(self, agent: str, *, hit: bool) -> HotEntry:
+        """The agent's entry (made when it has none) marked for a queued turn; ``hit``: a
+        turn found it hot."""
         entry = self._entries.get(agent)
         if entry is None:
             entry = self._entries[agent] = HotEntry(self._make_kv())
+        elif hit:
+            entry.hits += 1
         entry.busy = True
         entry.pinned = False
-        entry.next_use = time.monotonic()
-        entry.last_used = time.monotonic()
+        entry.write_due = False
+        entry.next_use = entry.last_used = time.monotonic()  # soon: its turn is queued
         return entry
 
     def drop(self, agent: str) -> bool:
@@ -217,7 +218,7 @@ class CachePool:
     def measure(self) -> int:
         """Bytes in use now (and the peak so far)."""
         used = sum(e.kv.nbytes for e in self._entries.values()) + self._batch_bytes()
-        used += sum(self._pins.values()) + sum(self._staged.values())
+        used += sum(n for _, n in self._pins.values()) + sum(self._staged.values())
         used += sum(self._readying.values())
         self.used = used
         self.peak = max(self.peak, used)
@@ -234,7 +235,7 @@ class CachePool:
     def _candidates(self, exclude: HotEntry | None = None) -> list[Candidate]:
         """Every cache that may be demoted now: all but running turns' (and ``exclude``),
         and those whose new tokens are being written or about to be."""
-        writing = set(self._writing.values())
+        writing = {agent for agent, _ in self._pins.values()}
         out = []
         for agent, e in self._entries.items():
             if e is exclude or e.turn_reserve is not None or e.write_due or agent in writing:
@@ -260,7 +261,7 @@ class CachePool:
                     demote_to=Tier.WARM if warm else Tier.COLD,
                     reload_s=reload_s,
                     next_use=e.next_use,
-                    waiting=e.busy or e.pinned,
+                    waiting=e.waiting,
                 )
             )
         return out
@@ -287,9 +288,9 @@ class CachePool:
                 if e.kv.ready is not None
                 and e is not exclude
                 and e.turn_reserve is None
-                and (turn or not (e.busy or e.pinned))
+                and (turn or not e.waiting)
             ),
-            key=lambda e: (e.busy or e.pinned, e.last_used),
+            key=lambda e: (e.waiting, e.last_used),
         )
         demotable = {id(self._entries[c.agent]) for c in candidates}
         spare = sum(e.kv.ready_bytes for e in ready if id(e) not in demotable)
@@ -425,8 +426,7 @@ class CachePool:
             raise AgentBusy(f"agent {agent!r} is generating")
         ranges = entry.kv.ranges_from(entry.persisted)
         self._exports += 1
-        self._pins[self._exports] = sum(r.nbytes for r in ranges)
-        self._writing[self._exports] = agent
+        self._pins[self._exports] = (agent, sum(r.nbytes for r in ranges))
         entry.write_due = False
         return Exported(
             export_id=self._exports,
@@ -440,7 +440,6 @@ class CachePool:
         rest): unpin it. After a failure the cache stays unclean, and, with no write on its
         way, a candidate to go cold; a later write that succeeds saves the rest. Export id
         0 says a turn's write will not come (its agent left before it)."""
-        self._writing.pop(export_id, None)
         if self._pins.pop(export_id, None) is not None:  # id 0: "no write is coming"
             if failed:
                 self.write_failures += 1

@@ -96,6 +96,14 @@ class CacheGeometry:
         return sum(4 * g.n_kv_heads * (g.key_dim + g.value_dim) for g in self.layers if g)
 
 
+def _with_room(pieces: list[mx.array], slack: int) -> mx.array:
+    """``pieces`` of K or V ``(1, H, T_i, D)`` joined along the tokens, with ``slack`` zero
+    tokens after them (in the dtype of the last piece): one new array."""
+    last = pieces[-1]
+    room = mx.zeros((*last.shape[:2], slack, last.shape[3]), last.dtype)
+    return mx.concatenate([*pieces, room], axis=2)
+
+
 class TurnCache(Protocol):
     """All layers' working cache of one or more rows (agents) in running turns.
 
@@ -203,10 +211,7 @@ class FloatTurnCache(_Layers):
             keys = kv.dequantize(i, "key", rotated=rotated)
             values = kv.dequantize(i, "value", rotated=rotated)
             if slack:
-                keys, values = (
-                    mx.concatenate([a, mx.zeros((*a.shape[:2], slack, a.shape[3]), a.dtype)], 2)
-                    for a in (keys, values)
-                )
+                keys, values = _with_room([keys], slack), _with_room([values], slack)
             cache.state = (keys, values, kv.stored_tokens)
         return cache
 
@@ -276,9 +281,7 @@ class FloatTurnCache(_Layers):
                             new.layers[i][kind], new.start, n, role=role, rotated=rotated
                         )
                     )
-                shape = (*array.shape[:2], READY_SLACK, array.shape[3])
-                parts.append(mx.zeros(shape, parts[-1].dtype))
-                fresh.append(mx.concatenate(parts, axis=2))  # a copy: no batch buffer kept
+                fresh.append(_with_room(parts, READY_SLACK))  # a copy: no batch buffer kept
             cache = type(layer)()
             cache.state = (fresh[0], fresh[1], total)
             layers.append(cache)
