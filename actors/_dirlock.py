@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
+from ._fileio import CLOEXEC, NOFOLLOW
 from .errors import CacheDirLocked
 
 __all__ = ("LOCK_FILE", "CacheDirLock", "lock_cache_dir")
 
 LOCK_FILE = ".lock"
-_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+_FLAGS = os.O_RDWR | os.O_CREAT | CLOEXEC | NOFOLLOW
 
 
 class CacheDirLock:
