@@ -8,7 +8,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-__all__ = ("dequantize_reference", "rotate", "rotate_rows")
+__all__ = ("affine", "dequantize_reference", "rotate", "rotate_rows", "unpack")
 
 
 @functools.lru_cache(maxsize=8)
@@ -43,23 +43,37 @@ def dequantize_reference(
     q: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
 ) -> mx.array:
     """``mx.dequantize`` (affine) in plain array ops, bit for bit the same given fp32 scales and
-    biases; on CPU it is faster (3x for 3, 5 and 6 bits, whose values straddle words).
+    biases; on CPU it is faster (3x for 3, 5 and 6 bits, whose values straddle words)."""
+    return affine(unpack(q, bits), scales, biases, group_size)
+
+
+def unpack(q: mx.array, bits: int) -> mx.array:
+    """The codes packed in ``q`` (uint32 ``(..., words)``) as integers ``(..., words * 32 /
+    bits)``: uint32 for 2, 4 and 8 bits, uint8 for 3, 5 and 6.
 
     MLX packs values little-endian: ``32 / bits`` per uint32 for 2, 4 and 8 bits, else 8 values
-    per ``bits`` bytes.
+    per ``bits`` bytes. Those 8 are read as one word (the ``bits`` bytes padded with zeros to
+    a uint32 for 3 bits, a uint64 for 5 and 6) and shifted apart in one broadcast: 1.5x (5
+    bits) to 2.8x (3 bits) faster on CPU than assembling the word byte by byte.
     """
     lead, words = q.shape[:-1], q.shape[-1]
     dim = words * 32 // bits
     mask = (1 << bits) - 1
     if 32 % bits == 0:
-        shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
-        values = (q[..., None] >> shifts) & mask
-    else:
-        packs = mx.view(q, mx.uint8).reshape(*lead, dim // 8, bits).astype(mx.uint64)
-        word = packs[..., 0]
-        for j in range(1, bits):
-            word = word | (packs[..., j] << (8 * j))
-        values = (word[..., None] >> mx.arange(0, 8 * bits, bits, dtype=mx.uint64)) & mask
-    grouped = values.reshape(*lead, dim // group_size, group_size).astype(mx.float32)
-    out = grouped * scales[..., None] + biases[..., None]
-    return out.reshape(*lead, dim)
+        return ((q[..., None] >> mx.arange(0, 32, bits, dtype=mx.uint32)) & mask).reshape(
+            *lead, dim
+        )
+    width, kind = (4, mx.uint32) if bits * 8 <= 32 else (8, mx.uint64)
+    packs = mx.view(q, mx.uint8).reshape(*lead, dim // 8, bits)
+    padded = mx.pad(packs, [(0, 0)] * len(lead) + [(0, 0), (0, width - bits)])
+    word = mx.view(padded, kind)  # (..., dim // 8, 1)
+    values = (word >> mx.arange(0, 8 * bits, bits, dtype=kind)).astype(mx.uint8) & mask
+    return values.reshape(*lead, dim)
+
+
+def affine(codes: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+    """``codes * scale + bias`` per group of ``group_size`` along the last axis, in the dtype
+    of ``scales`` (fp32 here)."""
+    lead, dim = codes.shape[:-1], codes.shape[-1]
+    grouped = codes.reshape(*lead, dim // group_size, group_size).astype(scales.dtype)
+    return (grouped * scales[..., None] + biases[..., None]).reshape(*lead, dim)

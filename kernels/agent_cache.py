@@ -22,6 +22,7 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
+from ._qmath import affine
 from .qcodec import KVCodec, Role
 from .turn_cache import CacheGeometry, FloatTurnCache, TurnCache
 
@@ -128,16 +129,41 @@ class AgentKV:
         self.ready = None
         return freed
 
-    def dequantize(self, layer: int, role: Role, *, rotated: bool = False) -> mx.array:
-        """Float K or V ``(1, H, T, D)`` of every stored token of ``layer``; ``rotated``:
-        left in the codec's stored basis (``KVCodec.dequantize``)."""
+    def dequantize(
+        self, layer: int, role: Role, *, rotated: bool = False, room: int = 0
+    ) -> mx.array:
+        """Float K or V ``(1, H, T + room, D)`` in fp32: every stored token of ``layer``, then
+        ``room`` zero tokens; ``rotated``: left in the codec's stored basis
+        (``KVCodec.dequantize``). On CPU, in the stored basis, the codes of every range and
+        the room are joined as integers and scaled in one pass: no float copy is joined."""
         kind = 1 if role == "value" else 0
-        pieces = [
-            self.codec.dequantize(
-                r.layers[layer][kind], r.start, r.stop - r.start, role=role, rotated=rotated
+        codec = self.codec
+        bits, group = codec.role_spec(role)
+        spans = [(r.layers[layer][kind], r.start, r.stop - r.start) for r in self.ranges]
+        if bits != 16 and mx.default_device() == mx.cpu and (rotated or not codec.rotate):
+            triples = [codec.codes(parts, start, n, role=role) for parts, start, n in spans]
+            if room:
+                codes, scales, _ = triples[-1]
+                zeros = mx.zeros((*codes.shape[:2], room, codes.shape[3]), codes.dtype)
+                none = mx.zeros((*scales.shape[:2], room, scales.shape[3]), scales.dtype)
+                triples.append((zeros, none, none))
+            kinds = {t[0].dtype for t in triples}
+            widest = mx.uint32 if mx.uint32 in kinds else mx.uint8
+            joined = [
+                mx.concatenate([t[j] if j else t[j].astype(widest) for t in triples], axis=2)
+                if len(triples) > 1
+                else triples[0][j]
+                for j in range(3)
+            ]
+            return affine(
+                joined[0], joined[1].astype(mx.float32), joined[2].astype(mx.float32), group
             )
-            for r in self.ranges
+        pieces = [
+            codec.dequantize(p, start, n, role=role, rotated=rotated) for p, start, n in spans
         ]
+        if room:
+            last = pieces[-1]
+            pieces.append(mx.zeros((*last.shape[:2], room, last.shape[3]), mx.float32))
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
     def deactivate(self, *, keep_ready: bool = False) -> StoredRange | None:

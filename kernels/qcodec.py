@@ -42,6 +42,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
+from ._qmath import affine, unpack
 from ._qmath import dequantize_reference as dequantize_reference
 from ._qmath import rotate as rotate
 from ._qmath import rotate_rows as rotate_rows
@@ -245,6 +246,51 @@ class KVCodec:
         Raises ValueError if the part names or token counts do not fit that range (the shapes
         of untrusted parts are checked against :meth:`expected_parts` by their reader).
         """
+        bits, group = self._check_parts(parts, start, n, role)
+        if bits == 16:
+            return parts["x"].astype(dtype)
+        if mx.default_device() == mx.cpu:
+            codes, scales, biases = self.codes(parts, start, n, role=role)
+            x = affine(codes, scales.astype(mx.float32), biases.astype(mx.float32), group)
+        else:
+            prefixes = [p for p in (_SINK, "") if p + "q" in parts]
+            pieces = [_dequantize(parts, _SINK_BITS if p else bits, group, p) for p in prefixes]
+            x = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+        if self.rotate and not rotated:
+            x = rotate(x)  # H is symmetric and orthonormal: H·H = I
+        return x.astype(dtype)
+
+    def codes(
+        self, parts: Mapping[str, mx.array], start: int, n: int, *, role: Role | None = None
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """The integer codes ``(1, H, n, head_dim)`` of a quantized role's tokens ``start ..
+        start + n - 1`` (sinks and body joined), with their fp16 scales and biases ``(1, H,
+        n, head_dim / group_size)``: ``affine`` of them (scales widened to fp32) is
+        :meth:`dequantize` with ``rotated=True``, bit for bit. Joining codes of several
+        ranges before one ``affine`` copies a quarter of the bytes of joining floats (on CPU,
+        where the codes are unpacked by plain ops anyway). Raises ValueError like
+        :meth:`dequantize`, and for a 16-bit role."""
+        bits, _ = self._check_parts(parts, start, n, role)
+        if bits == 16:
+            raise ValueError("a 16-bit role has no codes")
+        codes, scales, biases = [], [], []
+        for prefix, width in ((_SINK, _SINK_BITS), ("", bits)):
+            if prefix + "q" in parts:
+                codes.append(unpack(parts[prefix + "q"], width))
+                scales.append(parts[prefix + "s"])
+                biases.append(parts[prefix + "b"])
+        if len(codes) == 1:
+            return codes[0], scales[0], biases[0]
+        kind = codes[-1].dtype  # sink codes (8 bits) fit the body's (uint8 or uint32)
+        return (
+            mx.concatenate([c.astype(kind) for c in codes], axis=2),
+            mx.concatenate(scales, axis=2),
+            mx.concatenate(biases, axis=2),
+        )
+
+    def _check_parts(
+        self, parts: Mapping[str, mx.array], start: int, n: int, role: Role | None
+    ) -> tuple[int, int]:
         bits, group = self._spec(role)
         names = set(self._part_names(bits, start, n))
         if set(parts) != names:
@@ -253,17 +299,7 @@ class KVCodec:
             raise ValueError("cannot dequantize an empty range: its shape is unknown")
         if parts_tokens(parts) != n:
             raise ValueError(f"parts hold {parts_tokens(parts)} tokens, not {n}")
-        if bits == 16:
-            return parts["x"].astype(dtype)
-        pieces = []
-        if _SINK + "q" in parts:
-            pieces.append(_dequantize(parts, _SINK_BITS, group, _SINK))
-        if "q" in parts:
-            pieces.append(_dequantize(parts, bits, group, ""))
-        x = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
-        if self.rotate and not rotated:
-            x = rotate(x)  # H is symmetric and orthonormal: H·H = I
-        return x.astype(dtype)
+        return bits, group
 
     def _part_names(self, bits: int, start: int, n: int) -> list[str]:
         if n == 0:
@@ -401,7 +437,7 @@ def _dequantize(parts: Mapping[str, mx.array], bits: int, group: int, prefix: st
     # In fp32: given fp16 scales, mx.dequantize computes in fp16 (less exact, 4x slower on CPU).
     scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
     if mx.default_device() == mx.cpu:
-        return dequantize_reference(q, scales, biases, group, bits)
+        return affine(unpack(q, bits), scales, biases, group)
     return mx.dequantize(q, scales, biases, group_size=group, bits=bits)
 
 

@@ -195,7 +195,9 @@ class FloatTurnCache(_Layers):
 
     @classmethod
     def start(cls, kv: AgentKV) -> FloatTurnCache:
-        out = cls([cls.row_layer(kv, i) for i in range(kv.geometry.n_layers)])
+        # With room for the turn's first tokens: the first step writes in place instead of
+        # growing (copying) every layer, as KVCache would by the same 256 tokens.
+        out = cls([cls.row_layer(kv, i, READY_SLACK) for i in range(kv.geometry.n_layers)])
         if kv.ranges:
             mx.eval(out.arrays())
         return out
@@ -208,10 +210,8 @@ class FloatTurnCache(_Layers):
         rotated = works_rotated(kv.codec)
         cache = RotatedKVCache() if rotated else KVCache()
         if kv.ranges:
-            keys = kv.dequantize(i, "key", rotated=rotated)
-            values = kv.dequantize(i, "value", rotated=rotated)
-            if slack:
-                keys, values = _with_room([keys], slack), _with_room([values], slack)
+            keys = kv.dequantize(i, "key", rotated=rotated, room=slack)
+            values = kv.dequantize(i, "value", rotated=rotated, room=slack)
             cache.state = (keys, values, kv.stored_tokens)
         return cache
 

@@ -520,3 +520,46 @@ def test_pieces_are_bitwise_the_same_at_scale() -> None:
                 for a, b in itertools.pairwise(bounds)
             ]
             assert bitwise_equal(concat_parts(pieces), DEFAULT_CODEC.quantize(x, 0, role=role))
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_dequantize_with_room_joins_ranges_bit_for_bit(rotated: bool) -> None:
+    # AgentKV.dequantize joins the integer codes of every range (sinks in the first) and the
+    # room before one scale pass: the same bits as dequantizing each range and joining floats.
+    from kvactor.kernels.agent_cache import AgentKV, StoredRange
+    from kvactor.kernels.turn_cache import CacheGeometry
+
+    codec = KVCodec(bits=3, key_bits=5, rotate=True, sink_tokens=4)
+    x = with_outliers(20)
+    cuts = [(0, 7), (7, 8), (8, 20)]
+    kv = AgentKV(codec, CacheGeometry.uniform(1, x.shape[1], x.shape[3]))
+    kv.ranges = [
+        StoredRange(
+            a,
+            b,
+            [
+                (
+                    codec.quantize(x[:, :, a:b], a, role="key"),
+                    codec.quantize(x[:, :, a:b], a, role="value"),
+                )
+            ],
+        )
+        for a, b in cuts
+    ]
+    kv.tokens = list(range(20))
+    for role in ROLES:
+        kind = 0 if role == "key" else 1
+        want = mx.concatenate(
+            [
+                codec.dequantize(
+                    r.layers[0][kind], r.start, r.stop - r.start, role=role, rotated=rotated
+                )
+                for r in kv.ranges
+            ],
+            axis=2,
+        )
+        for room in (0, 5):
+            got = kv.dequantize(0, role, rotated=rotated, room=room)
+            assert got.dtype == mx.float32 and got.shape[2] == 20 + room
+            np.testing.assert_array_equal(np.array(got[:, :, :20]), np.array(want))
+            assert not np.array(got[:, :, 20:]).any()
