@@ -79,6 +79,11 @@ _FRAME = re.compile(rb'\{"checksum":"(crc32:[0-9a-f]{8})","manifest":')
 ExpectFn = Callable[[int, int], Expected]
 
 
+def uniform_geometry(n_layers: int, n_kv_heads: int, head_dim: int) -> list[list[int]]:
+    """``CacheGeometry.describe`` of ``n_layers`` full-attention layers alike."""
+    return [[n_kv_heads, head_dim, head_dim, 0] for _ in range(n_layers)]
+
+
 class CacheIdentity(msgspec.Struct, frozen=True, kw_only=True):
     """What a warm cache must have been made with to be used: model, codec, format."""
 
@@ -89,6 +94,12 @@ class CacheIdentity(msgspec.Struct, frozen=True, kw_only=True):
     head_dim: int
     vocab_size: int  # token ids must lie in [0, vocab_size): the ids the engine takes
     format_version: int = FORMAT_VERSION
+    # Per layer [n_kv_heads, key_dim, value_dim, window] (CacheGeometry.describe); []: every
+    # layer n_kv_heads heads of head_dim (what caches written before this field hold).
+    geometry: list[list[int]] = msgspec.field(default_factory=list)
+
+    def layer_geometry(self) -> list[list[int]]:
+        return self.geometry or uniform_geometry(self.n_layers, self.n_kv_heads, self.head_dim)
 
 
 class SegmentEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,6 +132,10 @@ class CacheManifest(msgspec.Struct, frozen=True, kw_only=True):
     updated: float
     segments: list[SegmentEntry]
     last_segment: int = 0  # the highest seg-<n> ever written here: names never repeat
+    geometry: list[list[int]] = msgspec.field(default_factory=list)  # as CacheIdentity's
+
+    def layer_geometry(self) -> list[list[int]]:
+        return self.geometry or uniform_geometry(self.n_layers, self.n_kv_heads, self.head_dim)
 
 
 class _Versioned(msgspec.Struct):
@@ -270,6 +285,10 @@ def _check_manifest(
         want = (identity.n_layers, identity.n_kv_heads, identity.head_dim)
         if shape != want:
             raise refuse(f"layers/kv heads/head dim {shape}, expected {want}")
+        if m.layer_geometry() != identity.layer_geometry():
+            raise refuse(
+                f"layer geometry {m.layer_geometry()}, expected {identity.layer_geometry()}"
+            )
     elif min(m.n_layers, m.n_kv_heads, m.head_dim) <= 0:
         raise refuse("layers/kv heads/head dim must be positive")
     if m.agent != agent:

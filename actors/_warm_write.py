@@ -274,6 +274,7 @@ def append_cache(
         n_layers=identity.n_layers,
         n_kv_heads=identity.n_kv_heads,
         head_dim=identity.head_dim,
+        geometry=identity.layer_geometry(),
         agent=agent,
         n_tokens=len(token_ids),
         token_ids=token_ids,

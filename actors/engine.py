@@ -184,6 +184,7 @@ class EngineActor(ThreadActor):
             head_dim=self.lm.head_dim,
             codec=self.codec.describe(),
             vocab_size=self._vocab_size,
+            geometry=self.lm.geometry.describe(),
         )
 
     def _stats(self) -> EngineStats:

@@ -15,6 +15,7 @@ On Metal / CUDA the quantized kernels are fast and weights stay quantized.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 from dataclasses import dataclass
@@ -25,10 +26,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models import llama
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from ..kernels.turn_cache import CacheGeometry
+from ..kernels.turn_cache import CacheGeometry, LayerGeometry
 from . import _gguf
 from ._fetch import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
 from ._fetch import default_model_path as default_model_path
@@ -46,6 +46,7 @@ __all__ = (
     "load_model",
     "make_tiny_model",
     "model_dir",
+    "probe_geometry",
 )
 
 _DEFAULT_SPECS = ("default", "smollm2", DEFAULT_MODEL_NAME.lower())
@@ -78,17 +79,24 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str
     context_length: int
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
     fingerprint: str
     weights: str
+    geometry: CacheGeometry  # every layer's KV cache, read from the model (probe_geometry)
     path: Path | None = None
 
     @property
-    def geometry(self) -> CacheGeometry:
-        """The KV cache of every layer (heads, key and value widths)."""
-        return CacheGeometry.uniform(self.n_layers, self.n_kv_heads, self.head_dim)
+    def n_layers(self) -> int:
+        return self.geometry.n_layers
+
+    @property
+    def n_kv_heads(self) -> int:
+        """KV heads of the first layer (every layer's: ``geometry``)."""
+        return self.geometry.layer(0).n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Key width of the first layer (every layer's, and value widths: ``geometry``)."""
+        return self.geometry.layer(0).key_dim
 
     def make_cache(self) -> list[Any]:
         """A fresh mlx-lm prompt cache (one entry per layer)."""
@@ -149,11 +157,9 @@ def _load_gguf(path: Path, fp32: bool, on_cpu: bool) -> LoadedModel:
         tokenizer=tokenizer,
         name=path.stem,
         context_length=int(args.max_position_embeddings or 2048),
-        n_layers=args.num_hidden_layers,
-        n_kv_heads=int(args.num_key_value_heads or args.num_attention_heads),
-        head_dim=int(args.head_dim or args.hidden_size // args.num_attention_heads),
         fingerprint=_fingerprint(_arch_of(args), file_digest(path), tokenizer.digest),
         weights="fp32" if fp32 else "quantized",
+        geometry=probe_geometry(model, "llama"),
         path=path,
     )
 
@@ -183,13 +189,11 @@ def _load_directory(path: Path, fp32: bool, on_cpu: bool) -> LoadedModel:
     tokenizer = MlxLmTokenizer(wrapper, tok_digest.hexdigest())
 
     args = getattr(model, "args", None)
-    attn = getattr(model.layers[0], "self_attn", None)
-    heads = int(_setting(config, args, "num_attention_heads", 0))
-    hidden = int(_setting(config, args, "hidden_size", 0))
-    n_kv = _setting(config, args, "num_key_value_heads", None) or getattr(attn, "n_kv_heads", heads)
-    head_dim = _setting(config, args, "head_dim", None) or getattr(attn, "head_dim", None)
-    if head_dim is None and heads:
-        head_dim = hidden // heads
+    family = str(_setting(config, args, "model_type", "unknown"))
+    try:
+        geometry = probe_geometry(model, family)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
     context = _setting(config, args, "max_position_embeddings", None) or 4096
     arch = {"config": config}
     return LoadedModel(
@@ -197,11 +201,9 @@ def _load_directory(path: Path, fp32: bool, on_cpu: bool) -> LoadedModel:
         tokenizer=tokenizer,
         name=path.name,
         context_length=int(context),
-        n_layers=len(model.layers),
-        n_kv_heads=int(n_kv),
-        head_dim=int(head_dim or 0),
         fingerprint=_fingerprint(arch, weights_digest.hexdigest(), tokenizer.digest),
         weights="fp32" if fp32 else "quantized",
+        geometry=geometry,
         path=path,
     )
 
@@ -259,7 +261,7 @@ def _dequantized(module: nn.Module) -> mx.array:
     )
 
 
-def _arch_of(args: llama.ModelArgs) -> dict[str, Any]:
+def _arch_of(args: Any) -> dict[str, Any]:
     return {k: v for k, v in sorted(vars(args).items()) if not k.startswith("_")}
 
 
@@ -272,19 +274,56 @@ def _fingerprint(arch: dict[str, Any], weights_digest: str, tokenizer_digest: st
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-# ---------------------------------------------------------------- the tiny test model
+# ---------------------------------------------------------------- the cache geometry
 
 
-def make_tiny_model(seed: int = 0, **overrides: Any) -> LoadedModel:
-    """A tiny random llama (2 layers, hidden 64, 4 heads / 2 KV heads, head_dim 16) over a
-    byte-level tokenizer with ChatML specials; fp32, deterministic given ``seed``.
+def probe_geometry(model: nn.Module, family: str) -> CacheGeometry:
+    """Every layer's KV cache as the model itself makes and fills it: ``make_prompt_cache``
+    (the model's own ``make_cache`` when it has one), then two tokens through the model and
+    the shapes each layer's cache took (heads, key and value widths: MLA keys and values
+    differ) and, for an mlx-lm ``RotatingKVCache``, its window.
 
-    ``overrides`` replace mlx-lm ``llama.ModelArgs`` fields (``num_hidden_layers=4`` ...).
-    Raises TypeError for an unknown field.
+    Raises ValueError naming the family and the layer when a layer keeps a cache kvactor
+    cannot store (state-space, chunked, pre-quantized or composite caches, a rotating cache
+    that keeps tokens at its start), or no cache at all. Whether the codec can store the
+    widths is the engine's check, at start.
     """
-    tokenizer = tiny_byte_tokenizer()
-    fields: dict[str, Any] = {
-        "model_type": "llama",
+    caches = make_prompt_cache(model)
+    layers = getattr(model, "layers", None)
+    if layers is not None and len(caches) != len(layers):
+        raise ValueError(
+            f"model family {family!r}: {len(caches)} caches for {len(layers)} layers "
+            "(layers without a KV cache are not supported)"
+        )
+    for i, cache in enumerate(caches):
+        kind = type(cache)
+        if kind is RotatingKVCache and cache.keep:
+            raise ValueError(
+                f"model family {family!r}: layer {i} keeps {cache.keep} tokens at the start "
+                "of its sliding window (not supported)"
+            )
+        if kind not in (KVCache, RotatingKVCache):
+            raise ValueError(
+                f"model family {family!r}: layer {i} keeps a {kind.__name__}, not supported "
+                "(kvactor stores KVCache and RotatingKVCache layers)"
+            )
+    model(mx.array([[0, 0]], dtype=mx.uint32), cache=caches)
+    out = []
+    for cache in caches:
+        keys, values = cache.state[:2]
+        _, heads, _, key_dim = keys.shape
+        value_dim = values.shape[-1]
+        window = cache.max_size if isinstance(cache, RotatingKVCache) else None
+        out.append(LayerGeometry(int(heads), int(key_dim), int(value_dim), window))
+    return CacheGeometry(tuple(out))
+
+
+# ---------------------------------------------------------------- the tiny test models
+
+#: Base configurations of the tiny random models, per mlx-lm family: every family of the
+#: research's models. Head widths are multiples of 32 (the smallest quantization group).
+TINY_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {
         "hidden_size": 64,
         "num_hidden_layers": 2,
         "intermediate_size": 128,
@@ -292,14 +331,87 @@ def make_tiny_model(seed: int = 0, **overrides: Any) -> LoadedModel:
         "num_key_value_heads": 2,
         "head_dim": 16,
         "rms_norm_eps": 1e-5,
-        "vocab_size": tokenizer.vocab_size,
-        "max_position_embeddings": 2048,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
+    },
+    "qwen3": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    # Sliding-window layers 0 and 2 (a window of 16 tokens), global layers 1 and 3.
+    "gemma3_text": {
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 16,
+        "sliding_window_pattern": 2,
+    },
+    # Multi-head latent attention (keys 64 + 32 wide, values 64 wide), a dense first layer
+    # and a mixture of experts (4 routed, 2 per token, 1 shared) in the second.
+    "deepseek_v2": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "kv_lora_rank": 32,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 64,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "topk_method": "greedy",
+        # DeepSeek-Coder-V2-Lite's YaRN settings.
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+    },
+}
+
+
+def make_tiny_model(seed: int = 0, family: str = "llama", **overrides: Any) -> LoadedModel:
+    """A tiny random model of an mlx-lm ``family`` (a key of :data:`TINY_FAMILIES`; the
+    llama: 2 layers, hidden 64, 4 heads / 2 KV heads, head_dim 16) over a byte-level
+    tokenizer with ChatML specials; fp32, deterministic given ``seed``.
+
+    ``overrides`` replace fields of the family's mlx-lm ``ModelArgs``
+    (``num_hidden_layers=4`` ...). Raises TypeError for an unknown field, ValueError for
+    an unknown family.
+    """
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"family must be one of {sorted(TINY_FAMILIES)}, not {family!r}")
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    tokenizer = tiny_byte_tokenizer()
+    fields: dict[str, Any] = {
+        "model_type": family,
+        **TINY_FAMILIES[family],
+        "vocab_size": tokenizer.vocab_size,
+        "max_position_embeddings": 2048,
     }
     fields.update(overrides)
-    args = llama.ModelArgs(**fields)
-    model = llama.Model(args)
+    args = module.ModelArgs(**fields)
+    model = module.Model(args)
     # numpy's generator is specified bit-for-bit across platforms, unlike default init.
     rng = np.random.default_rng(seed)
     params: list[tuple[str, mx.array]] = []
@@ -308,21 +420,23 @@ def make_tiny_model(seed: int = 0, **overrides: Any) -> LoadedModel:
     for name, value in sorted(shapes, key=lambda kv: kv[0]):
         array: np.ndarray[Any, np.dtype[np.float32]]
         if name.endswith("norm.weight"):
-            array = np.ones(value.shape, dtype=np.float32)
+            # Gemma's norms scale by 1 + weight: zeros there are ones elsewhere.
+            fill = 0.0 if family.startswith("gemma") else 1.0
+            array = np.full(value.shape, fill, dtype=np.float32)
         else:
             array = rng.normal(0.0, 0.05, size=value.shape).astype(np.float32)
         weights_digest.update(name.encode() + array.tobytes())
         params.append((name, mx.array(array)))
     model.load_weights(params, strict=True)
+    model.set_dtype(mx.float32)
     mx.eval(model.parameters())
+    prefix = "tiny-llama" if family == "llama" else f"tiny-{family}"
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        name=f"tiny-llama-seed{seed}",
+        name=f"{prefix}-seed{seed}",
         context_length=int(args.max_position_embeddings or 2048),
-        n_layers=args.num_hidden_layers,
-        n_kv_heads=int(args.num_key_value_heads or args.num_attention_heads),
-        head_dim=int(args.head_dim or args.hidden_size // args.num_attention_heads),
         fingerprint=_fingerprint(_arch_of(args), weights_digest.hexdigest(), tokenizer.digest),
         weights="fp32",
+        geometry=probe_geometry(model, family),
     )

@@ -255,6 +255,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     head_dim: int
     codec: dict[str, Any]
     vocab_size: int = 0  # the engine takes token ids in [0, vocab_size); 0: unknown (old records)
+    # Per layer [n_kv_heads, key_dim, value_dim, window (0: none)] (CacheGeometry.describe);
+    # [] in old records: every layer n_kv_heads x head_dim.
+    geometry: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class EngineStats(msgspec.Struct, frozen=True):

@@ -316,8 +316,9 @@ class Session:
             n_kv_heads=info.n_kv_heads,
             head_dim=info.head_dim,
             vocab_size=info.vocab_size,  # a cache of other ids would fail every turn
+            geometry=info.geometry,
         )
-        geometry = CacheGeometry.uniform(info.n_layers, info.n_kv_heads, info.head_dim)
+        geometry = CacheGeometry.from_description(identity.layer_geometry())
         expect = segment_layout(codec, geometry)
         self.store = await self.runtime.spawn(
             StoreActor, identity, expect, root, delete_rejected=self._delete_rejected, name="store"

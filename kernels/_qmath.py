@@ -8,7 +8,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-__all__ = ("affine", "dequantize_reference", "rotate", "rotate_rows", "unpack")
+__all__ = ("affine", "dequantize_reference", "rotate", "rotate_rows", "rotation_block", "unpack")
 
 
 @functools.lru_cache(maxsize=8)
@@ -20,23 +20,40 @@ def _hadamard_matrix(n: int) -> mx.array:
     return mx.array(h / np.sqrt(n, dtype=np.float32))
 
 
+def rotation_block(width: int) -> int:
+    """The size of the Hadamard blocks that rotate vectors ``width`` wide: the whole width
+    when it is a power of two, else the largest power of two dividing it (a 96-wide MLA key
+    turns in three blocks of 32). Block-diagonal, the rotation is still orthonormal and
+    symmetric, and each block spans whole quantization groups or lies inside one."""
+    return width & -width
+
+
 def rotate(x: mx.array) -> mx.array:
-    """x·H over the last axis (H orthonormal Hadamard, the same as ``mx.hadamard_transform``).
+    """x·H over the last axis (H orthonormal Hadamard, block-diagonal in blocks of
+    :func:`rotation_block`; the same as ``mx.hadamard_transform`` of each block).
 
     On CPU a BLAS matmul with H beats MLX's fast Walsh-Hadamard transform (~1.8x here for
     a 4K-token cache); elsewhere the transform is used.
     """
+    width = x.shape[-1]
+    block = rotation_block(width)
+    if block != width:
+        return rotate(x.reshape(*x.shape[:-1], width // block, block)).reshape(x.shape)
     if mx.default_device() == mx.cpu:
-        return x @ _hadamard_matrix(x.shape[-1])
+        return x @ _hadamard_matrix(width)
     return mx.hadamard_transform(x)
 
 
 def rotate_rows(x: mx.array) -> mx.array:
-    """x·H over the last axis in fp32, each row on its own: a row's result does not depend on
-    the rows that come with it (a BLAS matmul, as in :func:`rotate`, may round differently
-    with their number). What the codec quantizes, so that K/V rotated as they enter a working
-    cache quantize to the bytes of K/V rotated at once when the turn ends."""
-    return mx.hadamard_transform(x.astype(mx.float32))
+    """x·H over the last axis in fp32 (blocks as :func:`rotate`), each row on its own: a
+    row's result does not depend on the rows that come with it (a BLAS matmul, as in
+    :func:`rotate`, may round differently with their number). What the codec quantizes, so
+    that K/V rotated as they enter a working cache quantize to the bytes of K/V rotated at
+    once when the turn ends."""
+    width = x.shape[-1]
+    block = rotation_block(width)
+    blocks = x.astype(mx.float32).reshape(*x.shape[:-1], width // block, block)
+    return mx.hadamard_transform(blocks).reshape(x.shape)
 
 
 def dequantize_reference(
@@ -71,9 +88,12 @@ def unpack(q: mx.array, bits: int) -> mx.array:
     return values.reshape(*lead, dim)
 
 
-def affine(codes: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
-    """``codes * scale + bias`` per group of ``group_size`` along the last axis, in the dtype
-    of ``scales`` (fp32 here)."""
+def affine(
+    codes: mx.array, scales: mx.array, biases: mx.array, group_size: int | None = None
+) -> mx.array:
+    """``codes * scale + bias`` per group of ``group_size`` along the last axis (None: the
+    width over the scales per vector), in the dtype of ``scales`` (fp32 here)."""
     lead, dim = codes.shape[:-1], codes.shape[-1]
+    group_size = group_size or dim // scales.shape[-1]
     grouped = codes.reshape(*lead, dim // group_size, group_size).astype(scales.dtype)
     return (grouped * scales[..., None] + biases[..., None]).reshape(*lead, dim)

@@ -26,7 +26,7 @@ from ._qmath import affine
 from .qcodec import KVCodec, Role
 from .turn_cache import CacheGeometry, FloatTurnCache, TurnCache
 
-__all__ = ("AgentKV", "StoredRange", "segment_layout")
+__all__ = ("AgentKV", "StoredRange", "cache_nbytes", "segment_layout")
 
 Parts = dict[str, mx.array]
 
@@ -138,7 +138,7 @@ class AgentKV:
         the room are joined as integers and scaled in one pass: no float copy is joined."""
         kind = 1 if role == "value" else 0
         codec = self.codec
-        bits, group = codec.role_spec(role)
+        bits = codec.role_spec(role)[0]
         spans = [(r.layers[layer][kind], r.start, r.stop - r.start) for r in self.ranges]
         if bits != 16 and mx.default_device() == mx.cpu and (rotated or not codec.rotate):
             triples = [codec.codes(parts, start, n, role=role) for parts, start, n in spans]
@@ -155,9 +155,7 @@ class AgentKV:
                 else triples[0][j]
                 for j in range(3)
             ]
-            return affine(
-                joined[0], joined[1].astype(mx.float32), joined[2].astype(mx.float32), group
-            )
+            return affine(joined[0], joined[1].astype(mx.float32), joined[2].astype(mx.float32))
         pieces = [
             codec.dequantize(p, start, n, role=role, rotated=rotated) for p, start, n in spans
         ]
@@ -260,3 +258,13 @@ def segment_layout(
         return out
 
     return expect
+
+
+def cache_nbytes(codec: KVCodec, geometry: CacheGeometry, n_tokens: int, start: int = 0) -> int:
+    """Stored bytes of tokens ``start .. start + n_tokens - 1`` over every layer of
+    ``geometry`` (each layer's heads, key and value widths). Raises ValueError like
+    ``KVCodec.expected_parts``."""
+    return sum(
+        codec.nbytes(n_tokens, g.n_kv_heads, g.key_dim, start, value_dim=g.value_dim)
+        for g in (geometry.layer(i) for i in range(geometry.n_layers))
+    )

@@ -81,7 +81,8 @@ def _region_parts(
     head_dim: int,
 ) -> tuple[_Coded, _Coded]:
     """A role's parts for tokens [0, n) of one agent, split into region 0 and region 1."""
-    bits, group = codec.role_spec(role)
+    bits = codec.role_spec(role)[0]
+    group = codec.group_for(role, head_dim)
     cut = min(codec.sink_tokens, n)
     rotated = codec.rotate and bits != 16
 
@@ -221,23 +222,35 @@ class QuantizedBatchCache:
         self, n: int, return_array: bool = False, window_size: int | None = None
     ) -> mx.array:
         """``(B, 1, n, columns)`` bool: which cached tokens each of ``n`` new queries sees
-        (every valid stored token; tail tokens up to its own position)."""
-        if window_size is not None:
-            raise NotImplementedError("sliding-window attention over a quantized batch")
+        (every valid stored token; tail tokens up to its own position); with a
+        ``window_size`` (a sliding-window layer), only the tokens less than that many
+        positions behind the query, as mlx-lm's windowed causal mask."""
         parts = []
+        positions = []  # each column's token position in its row's sequence
+        base = mx.zeros((self.rows,), mx.int32)
         for region, lengths in zip(self._regions, self._region_lengths, strict=True):
             width = region["key"].width
+            lens = mx.array(lengths, dtype=mx.int32)
             if width:
-                lens = mx.array(lengths)
                 valid = mx.arange(width)[None] >= (width - lens)[:, None]
                 parts.append(mx.broadcast_to(valid[:, None, None, :], (self.rows, 1, n, width)))
+                positions.append(base[:, None] + mx.arange(width)[None] - (width - lens)[:, None])
+            base = base + lens
         total = self._idx + n
         cols = mx.arange(total)
-        first = total - (mx.array(self._tail_lengths) + n)
+        tails = mx.array(self._tail_lengths, dtype=mx.int32)
+        first = total - (tails + n)
         valid = cols[None] >= first[:, None]
         causal = cols[None] <= (self._idx + mx.arange(n))[:, None]
         parts.append(valid[:, None, None, :] & causal[None, None])
-        return mx.concatenate(parts, axis=-1)
+        mask = mx.concatenate(parts, axis=-1)
+        if window_size is None:
+            return mask
+        positions.append(base[:, None] + cols[None] - first[:, None])
+        keys_at = mx.concatenate(positions, axis=-1)  # (B, columns)
+        queries_at = (base + tails)[:, None] + mx.arange(n)[None]  # (B, n)
+        near = keys_at[:, None, :] > queries_at[:, :, None] - window_size
+        return mask & near[:, None]
 
     def attend(
         self,

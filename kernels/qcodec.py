@@ -3,8 +3,10 @@
 One layer's K (after RoPE) or V is a float array ``(1, n_kv_heads, T, head_dim)``. The codec
 turns a token range of it into named *parts* (plain arrays: what the hot tier keeps and the warm
 tier writes to safetensors, byte for byte) and back. Groups of ``group_size`` values run along
-``head_dim``, so every token is coded on its own: quantizing a range in pieces gives exactly the
-bytes of quantizing it at once, and the warm tier can append new token ranges as new segments.
+``head_dim`` (for widths it does not divide, the largest smaller group that does: 32-wide
+MLA values, 96-wide MLA keys; :meth:`KVCodec.group_for`), so every token is coded on its
+own: quantizing a range in pieces gives exactly the bytes of quantizing it at once, and the
+warm tier can append new token ranges as new segments.
 
 Parts of one range (``{prefix}`` is ``""`` for the body and ``"sink_"`` for sink tokens):
 
@@ -17,6 +19,7 @@ Options, all measured by ``bench/fidelity.py`` on the default model:
 - ``rotate``: multiply each head vector by the orthonormal Sylvester Hadamard matrix H before
   quantizing and by Hᵀ (= H) after dequantizing. Orthonormal, so the values that come back can
   feed any attention unchanged; it only spreads outlier channels over the group before rounding.
+  A width that is not a power of two turns in blocks (``rotation_block``: 96 in three of 32).
   A role stored in fp16 is never rotated (:meth:`KVCodec.rotates`). ``rotated=True`` on
   :meth:`KVCodec.quantize` / :meth:`KVCodec.dequantize` takes / gives values still in the
   stored basis (x·H), for attention that works there (``kernels.rotated``).
@@ -182,11 +185,26 @@ class KVCodec:
             return 0  # the body is already at >= 8 bits: no separate sink parts
         return max(0, min(self.sink_tokens - start, n))
 
-    def _check_head_dim(self, head_dim: int, bits: int, group: int) -> None:
-        if bits != 16 and head_dim % group:
-            raise ValueError(f"group_size {group} does not divide head_dim {head_dim}")
-        if self.rotate and bits != 16 and head_dim & (head_dim - 1):
-            raise ValueError(f"rotate needs a power-of-two head_dim, not {head_dim}")
+    def group_for(self, role: Role | None, width: int) -> int:
+        """The quantization group of a role's vectors ``width`` wide: the role's group size
+        when it divides the width, else the largest smaller one of 64 and 32 that does (MLA
+        values 32 wide, keys 96 wide). Raises ValueError when none does, and like
+        :meth:`role_spec`."""
+        bits, group = self._spec(role)
+        if bits == 16:
+            return group
+        for size in sorted(_GROUP_SIZES, reverse=True):
+            if size <= group and width % size == 0:
+                return size
+        raise ValueError(
+            f"no quantization group of {group} or less divides width {width} "
+            f"({self.name} stores {role or 'K/V'} of widths that are multiples of 32)"
+        )
+
+    def _check_head_dim(self, head_dim: int, role: Role | None) -> tuple[int, int]:
+        """(bits, group) of a role for vectors ``head_dim`` wide: see :meth:`group_for`."""
+        bits, _ = self._spec(role)
+        return bits, self.group_for(role, head_dim)
 
     # ------------------------------------------------------------------ coding
 
@@ -209,8 +227,7 @@ class KVCodec:
             raise ValueError(f"expected (1, n_kv_heads, tokens, head_dim), got {x.shape}")
         if start < 0:
             raise ValueError(f"start must be >= 0, not {start}")
-        bits, group = self._spec(role)
-        self._check_head_dim(x.shape[-1], bits, group)
+        bits, group = self._check_head_dim(x.shape[-1], role)
         n = x.shape[2]
         if n == 0:
             return {}
@@ -291,6 +308,8 @@ class KVCodec:
     def _check_parts(
         self, parts: Mapping[str, mx.array], start: int, n: int, role: Role | None
     ) -> tuple[int, int]:
+        """(bits, group) of parts that fit tokens ``start .. start + n - 1``; the group from
+        their shapes (width over scales per token)."""
         bits, group = self._spec(role)
         names = set(self._part_names(bits, start, n))
         if set(parts) != names:
@@ -299,6 +318,10 @@ class KVCodec:
             raise ValueError("cannot dequantize an empty range: its shape is unknown")
         if parts_tokens(parts) != n:
             raise ValueError(f"parts hold {parts_tokens(parts)} tokens, not {n}")
+        if bits != 16:
+            prefix = "" if "q" in parts else _SINK
+            width = parts[prefix + "q"].shape[-1] * 32 // (bits if prefix == "" else _SINK_BITS)
+            group = self.group_for(role, width)
         return bits, group
 
     def _part_names(self, bits: int, start: int, n: int) -> list[str]:
@@ -321,8 +344,7 @@ class KVCodec:
         """
         if min(start, n, n_kv_heads, head_dim) < 0:
             raise ValueError("start, n, n_kv_heads and head_dim must be >= 0")
-        bits, group = self._spec(role)
-        self._check_head_dim(head_dim, bits, group)
+        bits, group = self._check_head_dim(head_dim, role)
         if n == 0:
             return {}
         if bits == 16:
@@ -339,14 +361,23 @@ class KVCodec:
 
     # ------------------------------------------------------------------ sizes
 
-    def nbytes(self, n_tokens: int, n_kv_heads: int, head_dim: int, start: int = 0) -> int:
-        """Bytes of K *and* V of one layer for tokens ``start .. start + n_tokens - 1`` (multiply
-        by the number of layers for a whole cache). Raises ValueError like
-        :meth:`expected_parts`."""
+    def nbytes(
+        self,
+        n_tokens: int,
+        n_kv_heads: int,
+        head_dim: int,
+        start: int = 0,
+        *,
+        value_dim: int | None = None,
+    ) -> int:
+        """Bytes of K *and* V of one layer for tokens ``start .. start + n_tokens - 1`` (keys
+        ``head_dim`` wide, values ``value_dim``, default the same; ``kernels.agent_cache.
+        cache_nbytes`` sums a whole cache). Raises ValueError like :meth:`expected_parts`."""
         total = 0
-        for role in ("key", "value"):
+        widths: tuple[tuple[Role, int], ...] = (("key", head_dim), ("value", value_dim or head_dim))
+        for role, dim in widths:
             for shape, dtype in self.expected_parts(
-                start, n_tokens, n_kv_heads, head_dim, role=role
+                start, n_tokens, n_kv_heads, dim, role=role
             ).values():
                 total += int(np.prod(shape)) * np.dtype(dtype).itemsize
         return total
@@ -356,8 +387,7 @@ class KVCodec:
         exact: Q4 g64 is 0.28125. Raises ValueError if ``head_dim`` does not suit the codec."""
         ratio = Fraction(0)
         for role in ("key", "value"):
-            bits, group = self._spec(role)
-            self._check_head_dim(head_dim, bits, group)
+            bits, group = self._check_head_dim(head_dim, role)
             per_value = Fraction(16) if bits == 16 else bits + Fraction(2 * 16, group)
             ratio += per_value / 16 / 2
         return float(ratio)

@@ -81,14 +81,39 @@ class CacheGeometry:
     def n_layers(self) -> int:
         return len(self.layers)
 
+    def describe(self) -> list[list[int]]:
+        """Per layer ``[n_kv_heads, key_dim, value_dim, window]`` (window 0: none; ``[]`` for
+        a layer without a cache): what a stored cache records and is checked against."""
+        return [
+            [] if g is None else [g.n_kv_heads, g.key_dim, g.value_dim, g.window or 0]
+            for g in self.layers
+        ]
+
+    @classmethod
+    def from_description(cls, layers: list[list[int]]) -> CacheGeometry:
+        """The geometry :meth:`describe` gave ``layers``. Raises ValueError for anything else."""
+        out: list[LayerGeometry | None] = []
+        for entry in layers:
+            if not entry:
+                out.append(None)
+                continue
+            if len(entry) != 4 or not all(isinstance(x, int) and x >= 0 for x in entry):
+                raise ValueError(f"bad layer geometry {entry!r}")
+            heads, key_dim, value_dim, window = entry
+            if min(heads, key_dim, value_dim) <= 0:
+                raise ValueError(f"bad layer geometry {entry!r}")
+            out.append(LayerGeometry(heads, key_dim, value_dim, window or None))
+        if not out:
+            raise ValueError("a geometry has at least one layer")
+        return cls(tuple(out))
+
     def layer(self, i: int) -> LayerGeometry:
         """Layer ``i``'s geometry; raises NotImplementedError for a layer without a cache
-        or with a sliding window (not supported by the stored form yet)."""
+        (not supported by the stored form yet). A sliding-window layer is stored whole and
+        attended through its window (the model's mask)."""
         g = self.layers[i]
         if g is None:
             raise NotImplementedError(f"layer {i} keeps no KV cache: not supported yet")
-        if g.window is not None:
-            raise NotImplementedError(f"layer {i} has a sliding window: not supported yet")
         return g
 
     def fp32_bytes_per_token(self) -> int:

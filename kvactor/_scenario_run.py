@@ -38,6 +38,7 @@ from .actors import open as open_session
 from .actors.config import turn_reserve_bytes
 from .actors.session import Agent, Session
 from .actors.store import forget, list_agents, lock_cache_dir
+from .kernels.agent_cache import cache_nbytes
 from .kernels.qcodec import KVCodec
 from .kernels.turn_cache import CacheGeometry
 
@@ -53,8 +54,13 @@ def _codec_bytes_per_token(info: ModelInfo) -> float:
     are left out: the count starts past them)."""
     codec = KVCodec.from_description(info.codec)
     n = 1024
-    per_layer = codec.nbytes(n, info.n_kv_heads, info.head_dim, start=codec.sink_tokens)
-    return per_layer / n * info.n_layers
+    return cache_nbytes(codec, _geometry(info), n, start=codec.sink_tokens) / n
+
+
+def _geometry(info: ModelInfo) -> CacheGeometry:
+    if info.geometry:
+        return CacheGeometry.from_description(info.geometry)
+    return CacheGeometry.uniform(info.n_layers, info.n_kv_heads, info.head_dim)
 
 
 def estimate_context(s: Scenario, tokenizer: Tokenizer, start_tokens: Mapping[str, int]) -> int:
@@ -103,9 +109,7 @@ def estimate_budget(
     cache) and for ``hot_agents`` idle agents' quantized caches of that length."""
     assert s.hot_agents is not None
     longest = estimate_context(s, tokenizer, start_tokens)
-    reserve = turn_reserve_bytes(
-        CacheGeometry.uniform(info.n_layers, info.n_kv_heads, info.head_dim), longest
-    )
+    reserve = turn_reserve_bytes(_geometry(info), longest)
     cached = longest * _codec_bytes_per_token(info)
     budget = int(s.concurrency * (reserve + cached) + s.hot_agents * cached)
     note = (

@@ -181,12 +181,27 @@ def test_rotation_shrinks_error_on_outlier_channels() -> None:
     assert rotated < 0.5 * plain
 
 
-def test_rotation_needs_power_of_two_head_dim() -> None:
-    codec = KVCodec(rotate=True, group_size=32)
-    with pytest.raises(ValueError, match="power-of-two"):
-        codec.quantize(normal(4, dim=96), 0)
-    with pytest.raises(ValueError, match="power-of-two"):
-        codec.expected_parts(0, 4, H, 96)
+def test_a_width_that_is_not_a_power_of_two_turns_in_blocks() -> None:
+    # MLA keys 96 wide: three Hadamard blocks of 32, orthonormal, and quantized in groups
+    # of 32 (64 does not divide 96).
+    from kvactor.kernels._qmath import rotate, rotate_rows, rotation_block
+
+    assert [rotation_block(w) for w in (64, 96, 192, 128, 160)] == [64, 32, 64, 128, 32]
+    x = normal(6, dim=96)
+    blocks = x.reshape(1, H, 6, 3, 32)
+    want = mx.hadamard_transform(blocks).reshape(x.shape)
+    np.testing.assert_allclose(np.array(rotate(x)), np.array(want), atol=1e-5)
+    np.testing.assert_array_equal(np.array(rotate_rows(x)), np.array(want))
+    np.testing.assert_allclose(np.array(rotate(rotate(x))), np.array(x), atol=1e-5)
+    codec = KVCodec(rotate=True)
+    assert codec.group_for("value", 96) == 32
+    parts = codec.quantize(x, 0)
+    assert parts["s"].shape[-1] == 3
+    assert {k: v.shape for k, v in parts.items()} == {
+        k: shape for k, (shape, _) in codec.expected_parts(0, 6, H, 96).items()
+    }
+    back = codec.dequantize(parts, 0, 6)
+    assert rms(x, back) < 0.2 * rms(x, mx.zeros_like(x))
 
 
 ROTATING = [
@@ -478,14 +493,19 @@ def test_bad_settings_are_refused(kwargs: dict[str, Any]) -> None:
         KVCodec(**kwargs)
 
 
-def test_group_must_divide_head_dim() -> None:
+def test_the_group_shrinks_to_divide_the_width_or_the_width_is_refused() -> None:
     codec = KVCodec(group_size=128)
-    with pytest.raises(ValueError, match="does not divide"):
-        codec.quantize(normal(2), 0)
-    with pytest.raises(ValueError, match="does not divide"):
-        codec.expected_parts(0, 2, H, D)
-    with pytest.raises(ValueError, match="does not divide"):
-        codec.bytes_ratio_vs_fp16(D)
+    assert [codec.group_for("key", w) for w in (128, 256, 64, 96, 32)] == [128, 128, 64, 32, 32]
+    # 128 does not divide D: the group is the next size down that does, in every method.
+    assert codec.quantize(normal(2), 0)["s"].shape[-1] == D // codec.group_for("key", D)
+    assert codec.expected_parts(0, 2, H, D)["s"][0][-1] == D // codec.group_for("key", D)
+    assert codec.bytes_ratio_vs_fp16(D) == KVCodec(group_size=64).bytes_ratio_vs_fp16(D)
+    for width in (48, 16):
+        with pytest.raises(ValueError, match=f"divides width {width}"):
+            codec.quantize(normal(2, dim=width), 0)
+        with pytest.raises(ValueError, match=f"divides width {width}"):
+            codec.expected_parts(0, 2, H, width)
+    assert KVCodec(bits=16).expected_parts(0, 2, H, 48)["x"][0] == (1, H, 2, 48)
 
 
 def test_bad_inputs_are_refused() -> None:

@@ -1,0 +1,247 @@
+"""Every model family of the research, as tiny random-weight models built from a config:
+llama, qwen3, gemma3_text (sliding-window layers, a window smaller than the tests'
+contexts) and deepseek_v2 (multi-head latent attention: keys and values of different
+widths; a mixture of experts). Real engine, real files, real actors, both attention modes."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+import kvactor
+from kvactor import Attention
+from kvactor.actors.config import turn_reserve_bytes
+from kvactor.actors.enums import Match, Tier
+from kvactor.actors.model import TINY_FAMILIES, make_tiny_model, probe_geometry
+from kvactor.kernels.agent_cache import cache_nbytes
+from kvactor.kernels.qcodec import DEFAULT_CODEC
+from kvactor.kernels.turn_cache import LayerGeometry
+
+FAMILIES = sorted(TINY_FAMILIES)
+ATTENTION = pytest.mark.parametrize("attention", ["dequantized", "quantized"])
+FAMILY = pytest.mark.parametrize("family", FAMILIES)
+SYSTEM = "You are a careful agent."
+WINDOW = TINY_FAMILIES["gemma3_text"]["sliding_window"]
+
+
+def tiny(family: str) -> Any:
+    # The tiny llama's heads are 16 wide by default: 64 lets the default codec store them.
+    extra = {"head_dim": 64} if family == "llama" else {}
+    return functools.partial(make_tiny_model, 0, family, **extra)
+
+
+def test_geometry_is_read_from_the_model() -> None:
+    gemma = make_tiny_model(0, "gemma3_text").geometry.layers
+    assert gemma == (
+        LayerGeometry(1, 64, 64, WINDOW),
+        LayerGeometry(1, 64, 64, None),
+        LayerGeometry(1, 64, 64, WINDOW),
+        LayerGeometry(1, 64, 64, None),
+    )
+    # MLA: keys are qk_nope + qk_rope wide, values v_head_dim, one KV head per query head.
+    deepseek = make_tiny_model(0, "deepseek_v2").geometry.layers
+    assert deepseek == (LayerGeometry(2, 96, 64, None),) * 2
+    assert make_tiny_model(0, "qwen3").geometry.layers == (LayerGeometry(1, 64, 64, None),) * 2
+    llama = make_tiny_model(0, "llama", head_dim=64)
+    assert llama.geometry.layers == (LayerGeometry(2, 64, 64, None),) * 2
+    assert (llama.n_layers, llama.n_kv_heads, llama.head_dim) == (2, 2, 64)
+
+
+def test_a_layer_without_a_standard_cache_is_refused_by_name() -> None:
+    lm = make_tiny_model(0, "qwen3")
+    model = lm.model
+    # A real mlx-lm state-space cache where the model's first layer would keep K/V.
+    model.make_cache = lambda: [ArraysCache(2), KVCache()]
+    with pytest.raises(ValueError, match=r"'qwen3': layer 0 keeps a ArraysCache"):
+        probe_geometry(model, "qwen3")
+    model.make_cache = lambda: [KVCache()]
+    with pytest.raises(ValueError, match="1 caches for 2 layers"):
+        probe_geometry(model, "qwen3")
+
+
+async def test_a_width_the_codec_cannot_store_fails_at_open() -> None:
+    # Heads 48 wide: no quantization group (32, 64) divides them. The error comes from
+    # open(), naming the width, not from a dead engine in the middle of a turn.
+    model = functools.partial(make_tiny_model, 0, "qwen3", head_dim=48)
+    with pytest.raises(ValueError, match="divides width 48"):
+        async with kvactor.open(model):
+            pass
+
+
+async def _conversation(
+    family: str, attention: Attention, cache_dir: Path | None, turns: int
+) -> list[kvactor.Completion]:
+    async with kvactor.open(tiny(family), cache_dir=cache_dir, attention=attention) as kv:
+        agent = await kv.spawn_agent("one", system=SYSTEM)
+        out = []
+        for prompt in ("describe the sliding window", "and the global layers?")[:turns]:
+            out.append(await agent.generate(prompt, max_tokens=10))
+        return out
+
+
+def _first_turn_elsewhere(family: str, attention: str, root: Path) -> list[int]:
+    """The first turn, run and saved by another process."""
+    script = textwrap.dedent(
+        f"""
+        import anyio, functools, json, kvactor
+        from kvactor.actors.model import make_tiny_model
+        extra = {{"head_dim": 64}} if {family!r} == "llama" else {{}}
+        model = functools.partial(make_tiny_model, 0, {family!r}, **extra)
+        async def main():
+            async with kvactor.open(model, cache_dir={str(root)!r}, attention={attention!r}) as kv:
+                agent = await kv.spawn_agent("one", system={SYSTEM!r})
+                done = await agent.generate("describe the sliding window", max_tokens=10)
+                print(json.dumps(done.token_ids))
+        anyio.run(main)
+        """
+    )
+    env = {**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    )
+    return list(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+@FAMILY
+@ATTENTION
+def test_a_warm_reload_in_another_process_equals_the_cache_kept_hot(
+    tmp_path: Path, family: str, attention: Attention
+) -> None:
+    first, hot = anyio.run(_conversation, family, attention, None, 2)
+    assert hot.path == Tier.HOT
+    assert _first_turn_elsewhere(family, attention, tmp_path) == first.token_ids
+
+    async def resume() -> kvactor.Completion:
+        async with kvactor.open(tiny(family), cache_dir=tmp_path, attention=attention) as kv:
+            agent = await kv.spawn_agent("one", system=SYSTEM)
+            return await agent.generate("and the global layers?", max_tokens=10)
+
+    warm = anyio.run(resume)
+    assert warm.path == Tier.WARM
+    assert warm.timings.reused_tokens == hot.timings.reused_tokens > WINDOW
+    assert warm.token_ids == hot.token_ids
+
+
+@FAMILY
+@ATTENTION
+async def test_batched_turns_equal_solo_turns(family: str, attention: Attention) -> None:
+    prompts = [f"agent {i} says {'abc'[i % 3] * (3 + 5 * i)}" for i in range(4)]
+
+    async def run(max_batch: int) -> list[list[int]]:
+        async with kvactor.open(tiny(family), max_batch=max_batch, attention=attention) as kv:
+            agents = [await kv.spawn_agent(f"a{i}") for i in range(len(prompts))]
+            out: list[list[int]] = [[] for _ in prompts]
+
+            async def two_turns(i: int) -> None:
+                for turn in range(2):
+                    done = await agents[i].generate(f"{prompts[i]} #{turn}", max_tokens=8)
+                    out[i] += done.token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(two_turns, i)
+            stats = await kv.stats()
+            assert stats.max_batch_seen <= max_batch
+            if max_batch > 1:
+                assert stats.max_batch_seen > 1  # the turns did share a batch
+            return out
+
+    assert await run(4) == await run(1)
+
+
+@ATTENTION
+async def test_extend_and_diverge_across_the_sliding_window_edge(
+    tmp_path: Path, attention: Attention
+) -> None:
+    # Raw prompts on the gemma model (window 16): the second extends the first (reusing far
+    # more than a window), the third diverges at a point more than a window behind the end,
+    # below every token a sliding layer still attends to. Kept hot and reloaded from disk
+    # after each turn, the answers are the same.
+    base = "The quick brown fox jumps over the lazy dog, " * 2
+    prompts = [base, None, base[:30] + "and then it rests by the river bank."]
+
+    async def run(reload: bool) -> list[kvactor.Completion]:
+        out: list[kvactor.Completion] = []
+        for i, prompt in enumerate(prompts):
+            async with kvactor.open(
+                tiny("gemma3_text"), cache_dir=tmp_path / str(reload), attention=attention
+            ) as kv:
+                agent = await kv.spawn_agent("raw")
+                if prompt is None:  # extend: the last turn's text and answer, and more
+                    prompt = base + out[-1].text + " Then what?"
+                out.append(await agent.complete(prompt, max_tokens=8))
+                if not reload:
+                    for later in prompts[i + 1 :]:
+                        if later is None:
+                            later = base + out[-1].text + " Then what?"
+                        out.append(await agent.complete(later, max_tokens=8))
+                    return out
+        return out
+
+    hot, warm = await run(False), await run(True)
+    assert [d.match for d in hot] == [Match.NEW, Match.EXTEND, Match.DIVERGE]
+    assert [d.match for d in warm] == [d.match for d in hot]
+    assert [d.path for d in warm[1:]] == [Tier.WARM, Tier.WARM]
+    assert hot[1].timings.reused_tokens > 2 * WINDOW
+    # The diverging turn reuses about 30 tokens of a cache more than a window longer.
+    assert 0 < hot[2].timings.reused_tokens <= 32
+    assert hot[1].timings.prompt_tokens - hot[2].timings.reused_tokens > WINDOW
+    assert [d.token_ids for d in warm] == [d.token_ids for d in hot]
+
+
+@FAMILY
+@ATTENTION
+async def test_the_budget_holds_and_changes_no_answer(
+    tmp_path: Path, family: str, attention: Attention
+) -> None:
+    prompts = [f"agent {i}: {'xyz'[i % 3] * (4 + 3 * i)}" for i in range(6)]
+
+    async def run_all(root: Path, **options: Any) -> tuple[list[list[int]], kvactor.EngineStats]:
+        async with kvactor.open(
+            tiny(family), cache_dir=root, max_batch=3, attention=attention, **options
+        ) as kv:
+            agents = [await kv.spawn_agent(f"a{i}") for i in range(len(prompts))]
+            out: list[list[int]] = [[] for _ in prompts]
+
+            async def turn(i: int, n: int) -> None:
+                done = await agents[i].generate(f"{prompts[i]} {n}", max_tokens=6)
+                out[i] += done.token_ids
+
+            for n in range(2):
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(turn, i, n)
+            return out, await kv.stats()
+
+    free, _ = await run_all(tmp_path / "free")
+    # What a turn of up to 128 tokens needs alone, by the engine's own accounting (its
+    # stored cache and the working cache it reserves): caches go warm and come back.
+    geometry = tiny(family)().geometry
+    stored = cache_nbytes(DEFAULT_CODEC, geometry, 128)
+    quantized = attention == "quantized"
+    budget = stored + turn_reserve_bytes(geometry, 128, stored_bytes=stored if quantized else None)
+    tight, stats = await run_all(tmp_path / "tight", budget_bytes=budget)
+    assert stats.peak_bytes <= budget
+    assert stats.demoted_warm > 0
+    assert tight == free
+
+
+def test_tiny_families_build_deterministically() -> None:
+    for family in FAMILIES:
+        a, b = make_tiny_model(3, family), make_tiny_model(3, family)
+        assert a.fingerprint == b.fingerprint
+        ids = mx.array([[5, 6, 7]])
+        assert mx.array_equal(a.model(ids), b.model(ids)).item()
+    with pytest.raises(ValueError, match="family must be one of"):
+        make_tiny_model(0, "mamba")
