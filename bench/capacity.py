@@ -5,6 +5,14 @@
 Bytes per agent come from the codec's arithmetic (``KVCodec.nbytes``) and are checked by
 quantizing a random cache of that shape (default: SmolLM2-135M, 30 layers, 3 KV heads, head_dim
 64) and summing the real ``nbytes`` of the stored parts; the two must agree to the byte.
+
+A second table does the same with the default codec for the cache geometry of each model
+family of the research, taken from the models' public configs (no weights needed): Llama 3.1
+8B, Gemma 3 12B (40 sliding-window layers of 1024 tokens, 8 global layers) and
+DeepSeek-Coder-V2-Lite (multi-head latent attention as mlx-lm runs it: per head, keys of
+128 + 64 and values of 128). For Gemma 3, beside the bytes of every token, the bytes when its
+sliding layers keep only their window (``windowed``: the saving issue 12 asks for; kvactor
+stores every token of those layers today and attends through the window).
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ import kvactor  # noqa: F401 - first: loads the BLAS before mlx.core
 
 import mlx.core as mx
 
+from kvactor.kernels.agent_cache import cache_nbytes
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec, Role
+from kvactor.kernels.turn_cache import CacheGeometry, LayerGeometry
 
 __all__ = ("CODECS", "main", "measured_nbytes")
 
@@ -31,6 +41,80 @@ CODECS: dict[str, KVCodec] = {
     "default": DEFAULT_CODEC,
 }
 ROLES: tuple[Role, ...] = ("key", "value")
+
+
+def _gemma3_12b() -> CacheGeometry:
+    # text_config: 48 layers, 8 KV heads, head_dim 256, sliding_window 1024, every 6th global.
+    return CacheGeometry(
+        tuple(LayerGeometry(8, 256, 256, None if (i + 1) % 6 == 0 else 1024) for i in range(48))
+    )
+
+
+#: Cache geometries of the research's model families, from their public configs.
+FAMILIES: dict[str, CacheGeometry] = {
+    "SmolLM2-135M (default, llama)": CacheGeometry.uniform(30, 3, 64),
+    "Llama 3.1 8B": CacheGeometry.uniform(32, 8, 128),
+    "Gemma 3 12B": _gemma3_12b(),
+    # 27 layers, 16 heads; keys qk_nope 128 + qk_rope 64, values v_head_dim 128.
+    "DeepSeek-Coder-V2-Lite": CacheGeometry((LayerGeometry(16, 192, 128),) * 27),
+}
+
+
+def family_nbytes(codec: KVCodec, geometry: CacheGeometry, context: int, windowed: bool) -> int:
+    """Stored bytes of a ``context``-token cache; ``windowed``: sliding layers keep only
+    their last ``window`` tokens."""
+    total = 0
+    for g in geometry.layers:
+        assert g is not None
+        one = CacheGeometry((g,))
+        if windowed and g.window is not None and g.window < context:
+            total += cache_nbytes(codec, one, g.window, start=context - g.window)
+        else:
+            total += cache_nbytes(codec, one, context)
+    return total
+
+
+def measured_family_nbytes(codec: KVCodec, geometry: CacheGeometry, context: int) -> int:
+    """Real bytes of the stored parts of a random cache of that geometry."""
+    total = 0
+    key = mx.random.key(1)
+    for g in geometry.layers:
+        assert g is not None
+        for role in ROLES:
+            key, sub = mx.random.split(key)
+            x = mx.random.normal((1, g.n_kv_heads, context, g.dim(role)), key=sub)
+            parts = codec.quantize(x, 0, role=role)
+            mx.eval(parts)
+            total += sum(part.nbytes for part in parts.values())
+    return total
+
+
+def families(budget: int, context: int) -> dict[str, dict[str, Any]]:
+    """Per family: stored bytes per token and agents of ``context`` tokens in ``budget``,
+    every token stored and with sliding layers windowed. The arithmetic is checked against
+    real quantized parts at 64 tokens (a full cache of the big models would not fit here).
+
+    Raises RuntimeError if the computed and measured bytes differ.
+    """
+    rows = {}
+    for name, geometry in FAMILIES.items():
+        computed = cache_nbytes(DEFAULT_CODEC, geometry, 64)
+        measured = measured_family_nbytes(DEFAULT_CODEC, geometry, 64)
+        if computed != measured:
+            raise RuntimeError(f"{name}: computed {computed} bytes, measured {measured}")
+        full = family_nbytes(DEFAULT_CODEC, geometry, context, windowed=False)
+        windowed = family_nbytes(DEFAULT_CODEC, geometry, context, windowed=True)
+        fp16 = family_nbytes(FP16_CODEC, geometry, context, windowed=False)
+        rows[name] = {
+            "geometry": geometry.describe(),
+            "bytes_per_token": full / context,
+            "fp16_bytes_per_token": fp16 / context,
+            "bytes_per_agent": full,
+            "agents": budget // full,
+            "windowed_bytes_per_agent": windowed,
+            "windowed_agents": budget // windowed,
+        }
+    return rows
 
 
 def measured_nbytes(codec: KVCodec, context: int, layers: int, kv_heads: int, head_dim: int) -> int:
@@ -70,6 +154,7 @@ def main(budget: int, context: int, layers: int, kv_heads: int, head_dim: int) -
         "context": context,
         "shape": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim},
         "codecs": rows,
+        "families": families(budget, context),
     }
 
 
@@ -88,6 +173,22 @@ def print_table(result: dict[str, Any]) -> None:
         mb = row["bytes_per_agent"] / 1e6
         ratio = row["agents"] / fp16 if fp16 else float("inf")
         print(f"| {label} | {row['bytes_ratio']:.4f} | {mb:.2f} | {row['agents']} | {ratio:.2f}x |")
+    print()
+    print(f"model families, default codec ({DEFAULT_CODEC.name}), {result['context']} tokens:")
+    print(
+        "| family | KB per token (fp16) | MB per agent | agents in "
+        f"{budget:g} GiB | sliding layers windowed: MB per agent | agents |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, row in result["families"].items():
+        kb, fp16_kb = row["bytes_per_token"] / 1e3, row["fp16_bytes_per_token"] / 1e3
+        cells = [name, f"{kb:.1f} ({fp16_kb:.1f})", f"{row['bytes_per_agent'] / 1e6:.1f}"]
+        cells.append(str(row["agents"]))
+        if row["windowed_bytes_per_agent"] != row["bytes_per_agent"]:
+            cells += [f"{row['windowed_bytes_per_agent'] / 1e6:.1f}", str(row["windowed_agents"])]
+        else:
+            cells += ["-", "-"]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
