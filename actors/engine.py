@@ -271,7 +271,7 @@ class EngineActor(ThreadActor):
         and size the working cache the rest needs."""
         kv = entry.kv
         prompt = request.prompt
-        keep = min(_common_prefix(kv.tokens, prompt), len(prompt) - 1)
+        keep = kv.reusable(min(_common_prefix(kv.tokens, prompt), len(prompt) - 1))
         kv.trim(keep)
         entry.persisted = min(entry.persisted, keep)
         quantized = self.turn_cache.quantized
@@ -294,6 +294,7 @@ class EngineActor(ThreadActor):
         ]
         if kv.stored_tokens != len(tokens):
             raise ValueError("staged ranges do not cover the staged tokens")
+        kv.slide(len(tokens))  # what it read is on disk
         mx.eval([a for r in kv.ranges for k, v in r.layers for a in (*k.values(), *v.values())])
         return kv
 
@@ -360,6 +361,9 @@ class EngineActor(ThreadActor):
         ``finished``: it ended normally, so its agent writes the new tokens next."""
         keep = self.config.ready_copies and self.pool.get(request.agent) is request.entry
         request.entry.kv.deactivate(keep_ready=keep)
+        kv = request.entry.kv
+        # Without a warm tier nothing is ever written: every range may go.
+        kv.slide(request.entry.persisted if self.pool.persistent else len(kv.tokens))
         self.pool.end_turn(request.agent, request.entry, write_due=finished)
 
     def _start(self, request: Generation) -> bool | None:

@@ -1,6 +1,12 @@
 """One agent's KV cache in three forms: stored (quantized ranges), working (during a turn)
 and ready (a working cache kept between turns).
 
+A model with sliding-window layers (Gemma 3) attends there only to the last ``window``
+tokens: once a range lies wholly behind the window of a turn resuming anywhere in the last
+range, its sliding layers' parts are dropped (:meth:`AgentKV.slide`); those tokens read as zeros in
+working caches, where the model's window mask hides them anyway. A turn that would resume
+below that point (a DIVERGE far back) starts from nothing instead (:meth:`AgentKV.reusable`).
+
 The stored form is what the hot tier keeps and what the warm tier writes, byte for byte:
 a list of token ranges, each holding every layer's quantized K and V. While the agent
 takes a turn it has a working cache (``kernels.turn_cache``): a float copy of every token
@@ -90,6 +96,8 @@ class AgentKV:
         self.work: TurnCache | None = None
         # Between turns: the float copy of every stored token (see the module doc).
         self.ready: TurnCache | None = None
+        # Sliding-window layers keep no parts of the ranges before this token (slide()).
+        self.window_start = 0
 
     # -- sizes ------------------------------------------------------------------------
     @property
@@ -123,6 +131,57 @@ class AgentKV:
                 self.work = self.turn_cache.start(self)
         return self.work
 
+    def reusable(self, keep: int) -> int:
+        """How much of a common prefix of ``keep`` tokens a turn can resume at: all of it,
+        or 0 when the sliding-window layers no longer hold the window that resuming there
+        needs (tokens ``keep - window + 1 .. keep - 1``)."""
+        window = self.geometry.window
+        if self.window_start and window is not None and keep < self.window_start + window - 1:
+            return 0
+        return keep
+
+    def slide(self, persisted: int) -> int:
+        """Drop the sliding-window layers' parts of every stored range that lies wholly
+        behind the window of a turn resuming anywhere in the last range (so a turn that
+        redoes or edits the last one still resumes), and is safe in the warm tier
+        (``persisted`` tokens are: a later write never needs them). Between turns only.
+        Returns the bytes freed."""
+        window = self.geometry.window
+        if window is None or self.work is not None or not self.ranges:
+            return 0
+        limit = min(self.ranges[-1].start - window + 1, persisted)
+        sliding = [i for i in range(self.geometry.n_layers) if self.geometry.sliding(i)]
+        freed = 0
+        for r in self.ranges:
+            if r.stop > limit:
+                break
+            if r.stop <= self.window_start:
+                continue
+            for i in sliding:
+                k, v = r.layers[i]
+                freed += sum(a.nbytes for a in (*k.values(), *v.values()))
+                r.layers[i] = ({}, {})
+            self.window_start = r.stop
+        return freed
+
+    def layer_parts(self, layer: int, role: Role) -> list[Parts]:
+        """Every stored range's parts of one layer and role, in order; zeros (as the codec
+        shapes them) for a range whose sliding-layer parts were dropped."""
+        kind = 1 if role == "value" else 0
+        g = self.geometry.layer(layer)
+        out = []
+        for r in self.ranges:
+            parts = r.layers[layer][kind]
+            if not parts:
+                n = r.stop - r.start
+                shapes = self.codec.expected_parts(r.start, n, g.n_kv_heads, g.dim(role), role=role)
+                parts = {
+                    name: mx.zeros(shape, getattr(mx, dtype))
+                    for name, (shape, dtype) in shapes.items()
+                }
+            out.append(parts)
+        return out
+
     def drop_ready(self) -> int:
         """Forget the ready copy (the stored form stays); returns the bytes freed."""
         freed = self.ready_bytes
@@ -136,10 +195,12 @@ class AgentKV:
         ``room`` zero tokens; ``rotated``: left in the codec's stored basis
         (``KVCodec.dequantize``). On CPU, in the stored basis, the codes of every range and
         the room are joined as integers and scaled in one pass: no float copy is joined."""
-        kind = 1 if role == "value" else 0
         codec = self.codec
         bits = codec.role_spec(role)[0]
-        spans = [(r.layers[layer][kind], r.start, r.stop - r.start) for r in self.ranges]
+        spans = [
+            (parts, r.start, r.stop - r.start)
+            for parts, r in zip(self.layer_parts(layer, role), self.ranges, strict=True)
+        ]
         if bits != 16 and mx.default_device() == mx.cpu and (rotated or not codec.rotate):
             triples = [codec.codes(parts, start, n, role=role) for parts, start, n in spans]
             if room:
@@ -203,7 +264,11 @@ class AgentKV:
             raise ValueError("cannot trim a cache during its turn: end the turn first")
         if self.ready is not None:
             self.ready.trim(keep)
+        if keep != self.reusable(keep):
+            raise ValueError(f"cannot resume at token {keep}: see reusable()")
         del self.tokens[keep:]
+        if keep == 0:
+            self.window_start = 0
         kept: list[StoredRange] = []
         for r in self.ranges:
             if r.stop <= keep:

@@ -116,6 +116,17 @@ class CacheGeometry:
             raise NotImplementedError(f"layer {i} keeps no KV cache: not supported yet")
         return g
 
+    @property
+    def window(self) -> int | None:
+        """The widest sliding window of any layer (None: every layer attends to all)."""
+        windows = [g.window for g in self.layers if g is not None and g.window is not None]
+        return max(windows) if windows else None
+
+    def sliding(self, i: int) -> bool:
+        """Whether layer ``i`` attends through a sliding window."""
+        g = self.layers[i]
+        return g is not None and g.window is not None
+
     def fp32_bytes_per_token(self) -> int:
         """Bytes of one token's fp32 K and V over every layer."""
         return sum(4 * g.n_kv_heads * (g.key_dim + g.value_dim) for g in self.layers if g)
@@ -341,8 +352,8 @@ class QuantizedTurnCache(_Layers):
             kv.codec,
             g.n_kv_heads,
             (g.key_dim, g.value_dim),
-            concat_parts([r.layers[i][0] for r in kv.ranges]),
-            concat_parts([r.layers[i][1] for r in kv.ranges]),
+            concat_parts(kv.layer_parts(i, "key")),
+            concat_parts(kv.layer_parts(i, "value")),
             kv.stored_tokens,
             cls.kernel,
         )

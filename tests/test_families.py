@@ -164,40 +164,66 @@ async def test_batched_turns_equal_solo_turns(family: str, attention: Attention)
 async def test_extend_and_diverge_across_the_sliding_window_edge(
     tmp_path: Path, attention: Attention
 ) -> None:
-    # Raw prompts on the gemma model (window 16): the second extends the first (reusing far
-    # more than a window), the third diverges at a point more than a window behind the end,
-    # below every token a sliding layer still attends to. Kept hot and reloaded from disk
-    # after each turn, the answers are the same.
+    # Raw prompts on the gemma model (window 16). Two turns extend the first (each reusing
+    # everything before it); by then the sliding layers have dropped the first range. The
+    # fourth diverges a few tokens before the end (inside what they still hold: it reuses
+    # the rest); the fifth diverges more than a window behind, below what they dropped (it
+    # starts from nothing). Kept hot, and reloaded from disk before each turn, the answers
+    # are the same.
     base = "The quick brown fox jumps over the lazy dog, " * 2
-    prompts = [base, None, base[:30] + "and then it rests by the river bank."]
+
+    def prompt(answers: list[kvactor.Completion]) -> str | None:
+        texts = [base]
+        for i, more in enumerate((" Then what happened next?", " And what did the fox do?")):
+            if len(answers) > i:
+                texts.append(texts[-1] + answers[i].text + more)
+        if len(answers) > 2:
+            texts.append(texts[2][:-4] + " then?")
+        if len(answers) > 3:
+            texts.append(base[:30] + "and then it rests by the river bank.")
+        return texts[len(answers)] if len(answers) < len(texts) else None
 
     async def run(reload: bool) -> list[kvactor.Completion]:
         out: list[kvactor.Completion] = []
-        for i, prompt in enumerate(prompts):
-            async with kvactor.open(
-                tiny("gemma3_text"), cache_dir=tmp_path / str(reload), attention=attention
-            ) as kv:
+        root = tmp_path / str(reload)
+        while (text := prompt(out)) is not None:
+            async with kvactor.open(tiny("gemma3_text"), cache_dir=root, attention=attention) as kv:
                 agent = await kv.spawn_agent("raw")
-                if prompt is None:  # extend: the last turn's text and answer, and more
-                    prompt = base + out[-1].text + " Then what?"
-                out.append(await agent.complete(prompt, max_tokens=8))
-                if not reload:
-                    for later in prompts[i + 1 :]:
-                        if later is None:
-                            later = base + out[-1].text + " Then what?"
-                        out.append(await agent.complete(later, max_tokens=8))
-                    return out
+                while text is not None:
+                    out.append(await agent.complete(text, max_tokens=8))
+                    text = prompt(out) if not reload else None
         return out
 
     hot, warm = await run(False), await run(True)
-    assert [d.match for d in hot] == [Match.NEW, Match.EXTEND, Match.DIVERGE]
+    assert len(hot) == 5
+    assert [d.match for d in hot] == [Match.NEW, Match.EXTEND, Match.EXTEND] + [Match.DIVERGE] * 2
     assert [d.match for d in warm] == [d.match for d in hot]
-    assert [d.path for d in warm[1:]] == [Tier.WARM, Tier.WARM]
-    assert hot[1].timings.reused_tokens > 2 * WINDOW
-    # The diverging turn reuses about 30 tokens of a cache more than a window longer.
-    assert 0 < hot[2].timings.reused_tokens <= 32
-    assert hot[1].timings.prompt_tokens - hot[2].timings.reused_tokens > WINDOW
+    assert [d.path for d in warm[1:4]] == [Tier.WARM] * 3
+    assert hot[2].timings.reused_tokens > hot[1].timings.reused_tokens > 2 * WINDOW
+    assert hot[3].timings.reused_tokens == hot[2].timings.prompt_tokens - 4
+    assert hot[4].timings.reused_tokens == warm[4].timings.reused_tokens == 0
     assert [d.token_ids for d in warm] == [d.token_ids for d in hot]
+
+
+async def test_sliding_layers_keep_only_their_window() -> None:
+    # Two of the four layers slide over 16 tokens: after a long conversation their stored
+    # parts hold only the last ranges, the global layers hold everything.
+    async def stored_bytes(window: int) -> tuple[int, list[int]]:
+        model = functools.partial(make_tiny_model, 0, "gemma3_text", sliding_window=window)
+        async with kvactor.open(model, attention="quantized") as kv:
+            agent = await kv.spawn_agent("long")
+            ids, text = [], ""
+            for turn in range(6):  # each turn extends the last
+                text += f" turn {turn}: " + "abcdefgh" * 4
+                done = await agent.complete(text, max_tokens=4)
+                assert done.timings.reused_tokens >= len(text) - 50
+                ids += done.token_ids
+                text += done.text
+            return (await kv.stats()).cache_bytes, ids
+
+    windowed, _ = await stored_bytes(WINDOW)
+    whole, _ = await stored_bytes(1024)  # a window longer than the conversation
+    assert windowed < 0.7 * whole
 
 
 @FAMILY
