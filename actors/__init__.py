@@ -26,6 +26,7 @@ from .errors import ContextOverflow as ContextOverflow
 from .errors import EngineStopped as EngineStopped
 from .errors import InvalidAgentId as InvalidAgentId
 from .errors import KvactorError as KvactorError
+from .errors import ModelExportError as ModelExportError
 from .errors import ModelLoadError as ModelLoadError
 from .errors import StoreWriteError as StoreWriteError
 from .errors import UnknownAgent as UnknownAgent
@@ -78,6 +79,7 @@ __all__ = (
     "LoadedModel",
     "Match",
     "ModelInfo",
+    "ModelExportError",
     "ModelLoadError",
     "Room",
     "Sampling",

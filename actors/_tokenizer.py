@@ -365,6 +365,11 @@ class ByteLevelBPETokenizer(Tokenizer):
     def special_texts(self) -> frozenset[str]:
         return frozenset(self._bytes[i].decode("utf-8") for i in self._special)
 
+    def to_json(self) -> str:
+        """The Hugging Face ``tokenizers`` JSON (a ``tokenizer.json``) of the tokenizer that
+        :meth:`encode` runs: vocabulary, merges, pre-tokenizer, added tokens, decoder."""
+        return str(self._rust.to_str())
+
     @functools.cached_property
     def _plain(self) -> _RustTokenizer:
         """The same tokenizer with special tokens matched as ordinary text."""

@@ -21,6 +21,7 @@ __all__ = (
     "EngineStopped",
     "InvalidAgentId",
     "KvactorError",
+    "ModelExportError",
     "ModelLoadError",
     "StoreWriteError",
     "UnknownAgent",
@@ -87,3 +88,7 @@ class CacheDirLocked(KvactorError):
 
 class ModelLoadError(KvactorError):
     """A model could not be found, fetched, verified or loaded."""
+
+
+class ModelExportError(KvactorError):
+    """A model directory export was refused (the folder holds other files) or failed."""

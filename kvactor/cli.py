@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ("main",)
 
@@ -24,7 +25,25 @@ def _run(args: argparse.Namespace) -> int:
 def _fetch_model(args: argparse.Namespace) -> int:
     from .actors.model import fetch_default_model
 
-    print(fetch_default_model())
+    if args.force and args.mlx_dir is None:
+        print("kvactor fetch-model: --force goes with --mlx-dir", file=sys.stderr)
+        return 2
+    gguf = fetch_default_model()
+    print(gguf)
+    if args.mlx_dir is None:
+        return 0
+    from .actors._export import export_mlx_dir
+    from .actors.errors import ModelExportError, ModelLoadError
+
+    def say(message: str) -> None:
+        print(f"kvactor: {message}", file=sys.stderr, flush=True)
+
+    try:
+        result = export_mlx_dir(gguf, args.mlx_dir, force=args.force, progress=say)
+    except (ModelExportError, ModelLoadError) as exc:
+        print(f"kvactor fetch-model: {exc}", file=sys.stderr)
+        return 1
+    print(result.path)
     return 0
 
 
@@ -105,7 +124,25 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     run.set_defaults(func=_run)
     fetch = sub.add_parser(
-        "fetch-model", help="download and verify the default model now (else on first use)"
+        "fetch-model",
+        help="download and verify the default model now (else on first use)",
+        description="Download and verify the default model (a GGUF file) and print its path. "
+        "With --mlx-dir, also write it as an mlx-lm model directory (config.json, float32 "
+        "model.safetensors, tokenizer files) for tools that load only such folders "
+        "(mlx_lm.load, mlx-lm's server), and print that path too. Exits with 1 when the "
+        "export is refused or fails.",
+    )
+    fetch.add_argument(
+        "--mlx-dir",
+        metavar="DIR",
+        type=Path,
+        help="write the model to DIR in mlx-lm's format (kept if already exported there)",
+    )
+    fetch.add_argument(
+        "--force",
+        action="store_true",
+        help="with --mlx-dir: export again, even into a non-empty DIR that is not an export "
+        "(its other files are left alone)",
     )
     fetch.set_defaults(func=_fetch_model)
     inspect = sub.add_parser("inspect", help="list the warm caches: agents, tokens, bytes, model")
