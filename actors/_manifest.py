@@ -39,6 +39,7 @@ __all__ = (
     "MANIFEST",
     "MAX_MANIFEST_BYTES",
     "SEGMENT_FILE",
+    "WINDOW_FILE",
     "CacheIdentity",
     "CacheManifest",
     "ExpectFn",
@@ -54,6 +55,8 @@ __all__ = (
     "read_manifest",
     "rejected_dir",
     "segment_metadata",
+    "split_layers",
+    "uniform_geometry",
     "warm_info",
 )
 
@@ -69,6 +72,8 @@ _MAX_SEGMENT_BYTES = 1 << 40
 
 MANIFEST = "manifest.json"
 SEGMENT_FILE = re.compile(r"seg-([0-9]{1,12})\.safetensors")
+#: The sliding-window layers' tensors of a segment, apart (see CacheManifest).
+WINDOW_FILE = re.compile(r"win-([0-9]{1,12})\.safetensors")
 _MAX_SEGMENT_NUMBER = 10**12 - 1  # so that the next number still has 12 digits
 _CHECKSUM = re.compile(r"crc32:[0-9a-f]{8}")
 # manifest.json: this, then BODY, then "}" (nothing else: not even a newline).
@@ -77,6 +82,16 @@ _FRAME = re.compile(rb'\{"checksum":"(crc32:[0-9a-f]{8})","manifest":')
 #: ``expect(start, stop)``: exact tensor name -> (shape, numpy dtype name) of a segment
 #: holding tokens [start, stop). Supplied by the codec.
 ExpectFn = Callable[[int, int], Expected]
+
+
+def split_layers(geometry: list[list[int]]) -> tuple[frozenset[int], int] | None:
+    """For a geometry (``CacheGeometry.describe``) with both sliding-window and global
+    layers: the sliding layers and their widest window, whose tensors the warm tier keeps
+    apart. None for any other (every layer in one segment)."""
+    sliding = frozenset(i for i, g in enumerate(geometry) if g and g[3])
+    if not sliding or len(sliding) == sum(1 for g in geometry if g):
+        return None
+    return sliding, max(geometry[i][3] for i in sliding)
 
 
 def uniform_geometry(n_layers: int, n_kv_heads: int, head_dim: int) -> list[list[int]]:
@@ -133,6 +148,11 @@ class CacheManifest(msgspec.Struct, frozen=True, kw_only=True):
     segments: list[SegmentEntry]
     last_segment: int = 0  # the highest seg-<n> ever written here: names never repeat
     geometry: list[list[int]] = msgspec.field(default_factory=list)  # as CacheIdentity's
+    # A model with sliding-window and global layers (split_layers): ``segments`` hold the
+    # global layers and ``window_segments`` (win-<n>, beside seg-<n>, same tokens) the
+    # sliding ones, only for the last ranges: those a turn resuming anywhere in the last
+    # segment attends to (older ones are deleted). Other models: all layers in segments.
+    window_segments: list[SegmentEntry] = msgspec.field(default_factory=list)
 
     def layer_geometry(self) -> list[list[int]]:
         return self.geometry or uniform_geometry(self.n_layers, self.n_kv_heads, self.head_dim)
@@ -162,11 +182,17 @@ class Loaded(msgspec.Struct, frozen=True):
     manifest: CacheManifest
     segments: list[dict[str, np.ndarray[Any, Any]]]
     nbytes: int  # bytes read
+    windows: list[dict[str, np.ndarray[Any, Any]]] = []  # of manifest.window_segments
 
     def ranges(self) -> list[tuple[int, int, dict[str, np.ndarray[Any, Any]]]]:
-        """``(start, stop, tensors)`` per segment, in token order."""
+        """``(start, stop, tensors)`` per segment, in token order; a segment's window
+        tensors (sliding-window layers, for the last ranges) joined to its own."""
+        windows = {
+            entry.start: tensors
+            for entry, tensors in zip(self.manifest.window_segments, self.windows, strict=True)
+        }
         return [
-            (entry.start, entry.start + entry.use, tensors)
+            (entry.start, entry.start + entry.use, {**tensors, **windows.get(entry.start, {})})
             for entry, tensors in zip(self.manifest.segments, self.segments, strict=True)
         ]
 
@@ -328,6 +354,25 @@ def _check_manifest(
         position += s.use
     if position != m.n_tokens:
         raise refuse(f"segments hold {position} tokens, manifest says {m.n_tokens}")
+    split = split_layers(m.layer_geometry())
+    if m.window_segments and split is None:
+        raise refuse("window segments for a model without sliding-window layers")
+    mains = {(s.start, s.stop, s.use) for s in m.segments}
+    position = m.window_segments[0].start if m.window_segments else m.n_tokens
+    for s in m.window_segments:
+        named = WINDOW_FILE.fullmatch(s.file)
+        if named is None or s.file in files:
+            raise refuse(f"bad or repeated window segment file name {s.file[:80]!r}")
+        files.add(s.file)
+        if int(named.group(1)) > m.last_segment:
+            raise refuse(f"segment {s.file} is numbered past the last one, {m.last_segment}")
+        if s.start != position or (s.start, s.stop, s.use) not in mains:
+            raise refuse(f"window segment {s.file} does not match a segment at {position}")
+        if not 0 < s.nbytes <= _MAX_SEGMENT_BYTES or not _CHECKSUM.fullmatch(s.checksum):
+            raise refuse(f"segment {s.file} has a bad size or checksum entry")
+        position += s.use
+    if position != m.n_tokens:
+        raise refuse(f"window segments end at {position}, manifest says {m.n_tokens}")
 
 
 def load_manifest(
@@ -383,7 +428,8 @@ def warm_info(manifest: CacheManifest, manifest_bytes: int) -> WarmInfo:
     return WarmInfo(
         agent=manifest.agent,
         tokens=manifest.n_tokens,
-        nbytes=manifest_bytes + sum(s.nbytes for s in manifest.segments),
+        nbytes=manifest_bytes
+        + sum(s.nbytes for s in (*manifest.segments, *manifest.window_segments)),
         segments=len(manifest.segments),
         updated=manifest.updated,
         model_fingerprint=manifest.model_fingerprint,

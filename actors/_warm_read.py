@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from ._manifest import (
     contained,
     load_manifest,
     segment_metadata,
+    split_layers,
     warm_info,
 )
 from ._safetensors import MAX_HEADER_BYTES, Expected, format_checksum, parse_segment
@@ -107,18 +109,43 @@ def _read_segment(
     return parsed.tensors
 
 
+def _layer_filter(geometry: list[list[int]], window: bool | None) -> Callable[[str], bool]:
+    """Which tensor names (``{layer}.{k|v}.{part}``) a segment holds: all of them
+    (``window`` None: a model without split layers), the global layers' or the sliding
+    layers' (``split_layers``)."""
+    split = split_layers(geometry)
+    if window is None or split is None:
+        return lambda name: True
+    sliding = split[0]
+    return lambda name: (int(name.split(".", 1)[0]) in sliding) == window
+
+
 def _read_segments(
     folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
 ) -> Loaded:
-    segments = []
-    for entry in manifest.segments:
-        path = folder / entry.file
-        full = _expect(expect, entry.start, entry.stop, path)
-        tensors = _read_segment(path, entry, full, identity, manifest.agent)
-        if entry.use < entry.stop - entry.start:
-            tensors = _prefix(tensors, _expect(expect, entry.start, entry.start + entry.use, path))
-        segments.append(tensors)
-    return Loaded(manifest, segments, sum(s.nbytes for s in manifest.segments))
+    geometry = identity.layer_geometry()
+    split = split_layers(geometry) is not None
+    out: list[list[dict[str, np.ndarray[Any, Any]]]] = []
+    for entries, window in ((manifest.segments, False), (manifest.window_segments, True)):
+        keep = _layer_filter(geometry, window if split else None)
+        read = []
+        for entry in entries:
+            path = folder / entry.file
+
+            def layout(
+                start: int, stop: int, path: Path = path, keep: Callable[[str], bool] = keep
+            ) -> Expected:
+                return {k: v for k, v in _expect(expect, start, stop, path).items() if keep(k)}
+
+            tensors = _read_segment(
+                path, entry, layout(entry.start, entry.stop), identity, manifest.agent
+            )
+            if entry.use < entry.stop - entry.start:
+                tensors = _prefix(tensors, layout(entry.start, entry.start + entry.use))
+            read.append(tensors)
+        out.append(read)
+    nbytes = sum(s.nbytes for s in (*manifest.segments, *manifest.window_segments))
+    return Loaded(manifest, out[0], nbytes, windows=out[1])
 
 
 def read_cache(
@@ -223,7 +250,7 @@ def list_agents(
             if loaded is None:
                 raise CacheRejected("no manifest.json (an interrupted first write?)")
             manifest, size = loaded
-            for s in manifest.segments:
+            for s in (*manifest.segments, *manifest.window_segments):
                 try:
                     info = os.lstat(folder / s.file)
                 except OSError as exc:

@@ -28,6 +28,7 @@ from ._manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     SEGMENT_FILE,
+    WINDOW_FILE,
     CacheIdentity,
     CacheManifest,
     ExpectFn,
@@ -38,6 +39,7 @@ from ._manifest import (
     load_manifest,
     rejected_dir,
     segment_metadata,
+    split_layers,
     warm_info,
 )
 from ._safetensors import build_header, checksum, tensor_bytes
@@ -193,9 +195,10 @@ def _set_aside(root: Path, folder: Path, agent: str, delete: bool) -> None:
 
 
 def _remove_orphans(folder: Path, manifest: CacheManifest) -> None:
-    live = {s.file for s in manifest.segments}
+    live = {s.file for s in (*manifest.segments, *manifest.window_segments)}
     for name in os.listdir(folder):
-        ours = SEGMENT_FILE.fullmatch(name) or (name.startswith(".") and name.endswith(".tmp"))
+        named = SEGMENT_FILE.fullmatch(name) or WINDOW_FILE.fullmatch(name)
+        ours = named or (name.startswith(".") and name.endswith(".tmp"))
         if ours and name not in live:
             with contextlib.suppress(OSError):  # best effort: the next append retries
                 os.unlink(folder / name)
@@ -267,6 +270,12 @@ def append_cache(
 
     now = time.time()
     segments = _cut(old.segments, start) if old is not None else []
+    windows = _cut(old.window_segments, start) if old is not None else []
+    split = split_layers(identity.layer_geometry())
+    if split is not None and arrays:
+        # The new segment is the last range now: keep the sliding layers' tensors that a
+        # turn resuming anywhere in it attends to (as AgentKV.slide keeps them hot).
+        windows = [w for w in windows if w.start + w.use > start - split[1] + 1]
     manifest = CacheManifest(
         format_version=identity.format_version,
         model_fingerprint=identity.model_fingerprint,
@@ -285,6 +294,7 @@ def append_cache(
         updated=now,
         segments=segments,
         last_segment=old.last_segment if old is not None else 0,
+        window_segments=windows,
     )
     # Encoding now raises TypeError for what JSON cannot hold, before any disk work; the
     # segment entry added below and the checksum frame are a few hundred bytes at most.
@@ -297,12 +307,28 @@ def append_cache(
             folder.mkdir(parents=True, exist_ok=True)
             _fsync_dir(folder.parent)
         if arrays:
-            found = [m for m in map(SEGMENT_FILE.fullmatch, os.listdir(folder)) if m]
+            names = os.listdir(folder)
+            found = [m for p in (SEGMENT_FILE, WINDOW_FILE) for m in map(p.fullmatch, names) if m]
             number = max([manifest.last_segment, *(int(m.group(1)) for m in found)]) + 1
-            entry = _write_segment(folder, number, identity, agent, start, len(token_ids), arrays)
-            manifest = msgspec.structs.replace(
-                manifest, segments=[*segments, entry], last_segment=number
-            )
+            stop = len(token_ids)
+            if split is None:
+                entry = _write_segment(folder, number, identity, agent, start, stop, arrays)
+                manifest = msgspec.structs.replace(
+                    manifest, segments=[*segments, entry], last_segment=number
+                )
+            else:
+                sliding = [(k, a) for k, a in arrays if int(k.split(".", 1)[0]) in split[0]]
+                rest = [(k, a) for k, a in arrays if int(k.split(".", 1)[0]) not in split[0]]
+                entry = _write_segment(folder, number, identity, agent, start, stop, rest)
+                window = _write_segment(
+                    folder, number, identity, agent, start, stop, sliding, prefix="win"
+                )
+                manifest = msgspec.structs.replace(
+                    manifest,
+                    segments=[*segments, entry],
+                    window_segments=[*windows, window],
+                    last_segment=number,
+                )
         raw = encode_manifest(manifest)
         _write_atomic(folder, MANIFEST, [memoryview(raw)])
     except OSError as exc:
@@ -323,11 +349,12 @@ def _write_segment(
     start: int,
     stop: int,
     arrays: list[tuple[str, np.ndarray[Any, Any]]],
+    prefix: str = "seg",
 ) -> SegmentEntry:
     header = build_header(arrays, segment_metadata(identity, agent, start, stop))
     chunks = [memoryview(header), *(tensor_bytes(array) for _, array in arrays)]
     summing = in_background(checksum, chunks)  # the whole file, while it is written
-    name = f"seg-{number}.safetensors"
+    name = f"{prefix}-{number}.safetensors"
     try:
         size = _write_atomic(folder, name, chunks)
     finally:

@@ -288,12 +288,20 @@ class EngineActor(ThreadActor):
         """A staged warm cache (host arrays) as a hot one (one copy into MLX)."""
         kv = self._new_kv()
         kv.tokens = list(tokens)
+        geometry = self.lm.geometry
+        sliding = frozenset(i for i in range(geometry.n_layers) if geometry.sliding(i))
         kv.ranges = [
-            StoredRange.from_numpy(start, stop, self.lm.n_layers, tensors)
+            StoredRange.from_numpy(start, stop, geometry.n_layers, tensors, sliding)
             for start, stop, tensors in ranges
         ]
         if kv.stored_tokens != len(tokens):
             raise ValueError("staged ranges do not cover the staged tokens")
+        # The warm tier keeps sliding layers' tensors for the last ranges only.
+        lacking = [r for r in kv.ranges if any(not r.holds_layer(i) for i in sliding)]
+        if lacking:
+            if lacking != kv.ranges[: len(lacking)]:
+                raise ValueError("staged sliding-layer tensors are not the last ranges")
+            kv.window_start = lacking[-1].stop
         kv.slide(len(tokens))  # what it read is on disk
         mx.eval([a for r in kv.ranges for k, v in r.layers for a in (*k.values(), *v.values())])
         return kv

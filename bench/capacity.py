@@ -11,8 +11,8 @@ family of the research, taken from the models' public configs (no weights needed
 8B, Gemma 3 12B (40 sliding-window layers of 1024 tokens, 8 global layers) and
 DeepSeek-Coder-V2-Lite (multi-head latent attention as mlx-lm runs it: per head, keys of
 128 + 64 and values of 128). For Gemma 3, beside the bytes of every token, the bytes when its
-sliding layers keep only their window (``windowed``: the saving issue 12 asks for; kvactor
-stores every token of those layers today and attends through the window).
+sliding layers keep only their window (``windowed``: what kvactor's tiers keep, give or
+take the last turn's range, which they keep whole).
 """
 
 from __future__ import annotations

@@ -62,16 +62,28 @@ class StoredRange:
 
     @classmethod
     def from_numpy(
-        cls, start: int, stop: int, n_layers: int, tensors: dict[str, np.ndarray[Any, Any]]
+        cls,
+        start: int,
+        stop: int,
+        n_layers: int,
+        tensors: dict[str, np.ndarray[Any, Any]],
+        may_lack: frozenset[int] = frozenset(),
     ) -> StoredRange:
-        """The inverse of ``to_numpy`` (one copy into MLX). Raises KeyError on a missing layer."""
+        """The inverse of ``to_numpy`` (one copy into MLX); the layers in ``may_lack``
+        (sliding-window layers, see ``AgentKV.slide``) may have no parts at all. Raises
+        KeyError on another missing layer, or half of one."""
         layers: list[tuple[Parts, Parts]] = [({}, {}) for _ in range(n_layers)]
         for key, array in tensors.items():
             layer, kind, name = key.split(".", 2)
             layers[int(layer)][0 if kind == "k" else 1][name] = mx.array(array)
-        if any(not k or not v for k, v in layers):
-            raise KeyError("a stored range lacks the K or V parts of some layer")
+        for i, (k, v) in enumerate(layers):
+            if (not k or not v) and (k or v or i not in may_lack):
+                raise KeyError("a stored range lacks the K or V parts of some layer")
         return cls(start, stop, layers)
+
+    def holds_layer(self, layer: int) -> bool:
+        """Whether the range has the layer's parts (a sliding layer's may be dropped)."""
+        return bool(self.layers[layer][0])
 
 
 class AgentKV:

@@ -22,8 +22,9 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 import kvactor
 from kvactor import Attention
 from kvactor.actors.config import turn_reserve_bytes
-from kvactor.actors.enums import Match, Tier
+from kvactor.actors.enums import Match, StageOutcome, Tier
 from kvactor.actors.model import TINY_FAMILIES, make_tiny_model, probe_geometry
+from kvactor.actors.prefetch import Stage
 from kvactor.kernels.agent_cache import cache_nbytes
 from kvactor.kernels.qcodec import DEFAULT_CODEC
 from kvactor.kernels.turn_cache import LayerGeometry
@@ -271,3 +272,89 @@ def test_tiny_families_build_deterministically() -> None:
         assert mx.array_equal(a.model(ids), b.model(ids)).item()
     with pytest.raises(ValueError, match="family must be one of"):
         make_tiny_model(0, "mamba")
+
+
+async def test_the_warm_tier_keeps_sliding_layers_for_the_last_ranges_only(
+    tmp_path: Path,
+) -> None:
+    # On disk the sliding layers' tensors sit apart (win-<n> beside seg-<n>) and only the
+    # files a turn resuming in the last range needs stay; a reload resumes from them as the
+    # hot cache does. A damaged window file is refused like any other: the agent starts cold.
+    prompts: list[str] = []
+
+    async def conversation(root: Path | None, turns: int) -> list[kvactor.Completion]:
+        async with kvactor.open(tiny("gemma3_text"), cache_dir=root) as kv:
+            agent = await kv.spawn_agent("long")
+            out, text = [], ""
+            for turn in range(turns):
+                text += f" turn {turn}: " + "abcdefgh" * 3
+                prompts.append(text)
+                out.append(await agent.complete(text, max_tokens=4))
+                text += out[-1].text
+            return out
+
+    hot = await conversation(None, 7)
+    await conversation(tmp_path, 6)
+    folder = tmp_path / "agents" / "long"
+    segs = sorted(folder.glob("seg-*.safetensors"))
+    wins = sorted(folder.glob("win-*.safetensors"))
+    assert len(segs) == 6 and 1 <= len(wins) <= 3
+    manifest = json.loads((folder / "manifest.json").read_bytes())["manifest"]
+    assert [w["file"] for w in manifest["window_segments"]] == [p.name for p in wins]
+    async with kvactor.open(tiny("gemma3_text"), cache_dir=tmp_path) as kv:
+        resumed = await (await kv.spawn_agent("long")).complete(prompts[6], max_tokens=4)
+    assert resumed.path == Tier.WARM
+    assert resumed.timings.reused_tokens == hot[-1].timings.reused_tokens > 100
+    assert resumed.token_ids == hot[-1].token_ids
+
+    newest = max(folder.glob("win-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
+    data = bytearray(newest.read_bytes())
+    data[-3] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    async with kvactor.open(tiny("gemma3_text"), cache_dir=tmp_path) as kv:
+        assert kv.prefetcher is not None
+        result = await kv.prefetcher.ask(Stage("long"), timeout=None)
+        assert result.outcome is StageOutcome.REJECTED
+        assert newest.name in result.detail and "checksum mismatch" in result.detail
+        done = await (await kv.spawn_agent("long")).complete(prompts[6], max_tokens=4)
+        assert done.path == Tier.COLD and done.timings.reused_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["drop the last window segment", "shift a window segment", "windows without sliding layers"],
+)
+async def test_a_manifest_with_window_segments_that_do_not_fit_is_refused(
+    tmp_path: Path, damage: str
+) -> None:
+    import msgspec
+
+    from kvactor.actors._manifest import CacheManifest, encode_manifest, load_manifest
+
+    async with kvactor.open(tiny("gemma3_text"), cache_dir=tmp_path) as kv:
+        agent = await kv.spawn_agent("w")
+        text = ""
+        for turn in range(3):
+            text += f" turn {turn}: " + "abcdefgh" * 3
+            text += (await agent.complete(text, max_tokens=4)).text
+    folder = tmp_path / "agents" / "w"
+    m = msgspec.json.decode(
+        msgspec.json.encode(json.loads((folder / "manifest.json").read_bytes())["manifest"]),
+        type=CacheManifest,
+    )
+    assert m.window_segments
+    windows = list(m.window_segments)
+    if damage == "drop the last window segment":
+        windows = windows[:-1]
+        reason = "window segments end at"
+    elif damage == "shift a window segment":
+        windows[0] = msgspec.structs.replace(windows[0], start=windows[0].start + 1)
+        reason = "does not match a segment"
+    else:
+        m = msgspec.structs.replace(m, geometry=[[1, 64, 64, 0]] * 4)
+        reason = "model without sliding-window layers"
+    (folder / "manifest.json").write_bytes(
+        encode_manifest(msgspec.structs.replace(m, window_segments=windows))
+    )
+    with pytest.raises(kvactor.CacheRejected, match=reason):
+        load_manifest(folder, None, "w")
