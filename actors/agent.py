@@ -31,18 +31,29 @@ from .enums import FinishReason, Match, Tier
 from .errors import CacheMiss, StoreWriteError
 from .protocol import Export, Finished, Generate, Piece, Sampling, Timings, Written
 
-__all__ = ("AgentActor", "AgentState", "GetState", "Turn", "TurnDone", "match_prefix")
+__all__ = (
+    "AgentActor",
+    "AgentState",
+    "GetState",
+    "Turn",
+    "TurnDone",
+    "check_history",
+    "match_prefix",
+)
 
 log = logging.getLogger("kvactor.agent")
 
 
 class Turn(msgspec.Struct, frozen=True, tag=True):
-    """A user message (``raw=False``) or a whole raw prompt (``raw=True``); the reply
-    streams text pieces, then one TurnDone."""
+    """A user message (``raw=False``) or a whole raw prompt (``raw=True``); or, with
+    ``history``, the whole conversation as the caller keeps it (an HTTP client resending
+    every message: ``text`` is unused), which replaces the agent's. The reply streams text
+    pieces, then one TurnDone."""
 
     text: str
     sampling: Sampling
     raw: bool = False
+    history: list[dict[str, str]] | None = None
 
 
 class GetState(msgspec.Struct, frozen=True, tag=True):
@@ -72,6 +83,30 @@ class TurnDone(msgspec.Struct, frozen=True):
     match: Match
     saved: bool = False
     save_error: str | None = None
+
+
+ROLES = frozenset({"system", "user", "assistant"})
+
+
+def check_history(history: object) -> list[dict[str, str]]:
+    """A conversation as a list of ``{"role": ..., "content": ...}`` (roles system, user,
+    assistant; contents str), copied. Raises ValueError (TypeError for wrong types) for
+    anything else, an empty list, or one whose last message is not the user's."""
+    if not isinstance(history, list) or not history:
+        raise ValueError("the conversation must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(history):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise ValueError(f"message {i} must have exactly the keys 'role' and 'content'")
+        role, content = m["role"], m["content"]
+        if role not in ROLES:
+            raise ValueError(f"message {i}: role must be one of {sorted(ROLES)}, not {role!r}")
+        if not isinstance(content, str):
+            raise TypeError(f"message {i}: content must be a str")
+        out.append({"role": role, "content": content})
+    if out[-1]["role"] != "user":
+        raise ValueError("the last message must be the user's")
+    return out
 
 
 def _common_chars(a: str, b: str) -> int:
@@ -206,6 +241,8 @@ class AgentActor(Actor):
 
     async def receive(self, message: Turn | GetState) -> Any:
         match message:
+            case Turn(text, sampling, raw, history) if history is not None:
+                return self._turn(text, sampling, raw, check_history(history))
             case Turn(text, sampling, raw):
                 if not text.strip():
                     raise ValueError("the prompt is empty")
@@ -222,10 +259,17 @@ class AgentActor(Actor):
         raise TypeError(f"an agent does not handle {type(message).__name__}")
 
     async def _turn(
-        self, text: str, sampling: Sampling, raw: bool
+        self,
+        text: str,
+        sampling: Sampling,
+        raw: bool,
+        history: list[dict[str, str]] | None = None,
     ) -> AsyncIterator[str | TurnDone]:
         literal: Sequence[tuple[int, int]] = ()
-        if raw:  # the caller's text as it is, special tokens included (an explicit opt-in)
+        if history is not None:  # the caller's conversation replaces ours
+            messages = history
+            prompt, literal = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+        elif raw:  # the caller's text as it is, special tokens included (an explicit opt-in)
             messages = self.messages
             prompt = text
         else:

@@ -18,7 +18,7 @@ from ..kernels.turn_cache import CacheGeometry
 from ..runtime import ActorRef, ReplyStream, Runtime
 from ._dirlock import CacheDirLock, lock_cache_dir
 from ._tokenizer import Tokenizer
-from .agent import AgentActor, AgentState, GetState, Turn, TurnDone
+from .agent import AgentActor, AgentState, GetState, Turn, TurnDone, check_history
 from .config import Attention, EngineConfig, ModelSpec
 from .engine import EngineActor
 from .enums import FinishReason, Match, Tier
@@ -146,6 +146,19 @@ class Agent:
 
         A prompt that extends the previous one (plus what was generated) reuses the cache."""
         return self._stream(Turn(_text(prompt), Sampling.from_options(sampling), raw=True))
+
+    def stream_chat(self, messages: list[dict[str, str]], **sampling: Any) -> TextStream:
+        """Stream the reply to a whole conversation kept by the caller (``[{"role",
+        "content"}, ...]``, ending with the user's message), as an HTTP client resends it
+        every turn: it replaces the agent's history, and whatever of it the cache already
+        spells is reused (prefix matching: a resent history plus a new message is an
+        EXTEND). Raises ValueError / TypeError for a malformed conversation or options."""
+        history = check_history(messages)
+        return self._stream(Turn("", Sampling.from_options(sampling), history=history))
+
+    async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> Completion:
+        """The whole reply to a conversation kept by the caller; see ``stream_chat``."""
+        return await _drain(self.stream_chat(messages, **sampling))
 
     def _stream(self, turn: Turn) -> TextStream:
         raising = self._session.on_save_error == "raise"

@@ -87,6 +87,49 @@ def _forget(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import anyio
+
+        from .server import serve
+    except ImportError as exc:
+        print(f"kvactor serve: {exc}", file=sys.stderr)
+        return 2
+    from .actors.errors import KvactorError
+    from .actors.store import default_cache_dir
+
+    cache_dir = None if args.no_cache_dir else (args.cache_dir or default_cache_dir())
+    options = {"cache_dir": cache_dir, "attention": args.attention}
+    if args.budget_mb is not None:
+        options["budget_bytes"] = int(args.budget_mb * 1e6)
+
+    def ready(port: int) -> None:
+        where = f"cache {cache_dir}" if cache_dir else "no warm tier"
+        print(
+            f"kvactor serving on http://{args.host}:{port}/v1 ({where}); Ctrl-C stops",
+            file=sys.stderr,
+        )
+
+    try:
+        anyio.run(
+            lambda: serve(
+                args.model,
+                host=args.host,
+                port=args.port,
+                ready=ready,
+                model_id=args.model_id,
+                max_pending=args.max_pending,
+                **options,
+            )
+        )
+    except KeyboardInterrupt:
+        pass
+    except (KvactorError, OSError) as exc:
+        print(f"kvactor serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvactor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", help="override the scenario's model (a path, or 'tiny')")
     run.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     run.set_defaults(func=_run)
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI- and Anthropic-compatible HTTP server; every conversation is an agent",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/messages, /v1/models, "
+        "/v1/agents, /metrics and /health (needs the kvactor[server] extra). A request "
+        "names its agent with the X-Agent-Id header (else OpenAI's user, else Anthropic's "
+        "metadata.user_id).",
+    )
+    serve.add_argument("model", nargs="?", help="model path (default: the default model)")
+    serve.add_argument("--cache-dir", type=Path, help="warm tier (default: the user cache)")
+    serve.add_argument("--no-cache-dir", action="store_true", help="no warm tier")
+    serve.add_argument("--budget-mb", type=float, help="hot budget in MB (default: none)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0: a free port")
+    serve.add_argument("--attention", choices=["auto", "quantized", "dequantized"], default="auto")
+    serve.add_argument("--model-id", help="the id clients name (default: the model's name)")
+    serve.add_argument("--max-pending", type=int, default=64, help="requests in flight before 429s")
+    serve.set_defaults(func=_serve)
     fetch = sub.add_parser(
         "fetch-model",
         help="download and verify the default model now (else on first use)",
