@@ -87,6 +87,20 @@ def _forget(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    """Bytes from ``1048576``, ``512M``, ``2G`` (powers of 1024) or ``1.5GB``."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    body = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = body[-1:] if body[-1:] in units else ""
+    try:
+        value = float(body[: len(body) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512M or 2G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"the budget must be positive, not {text!r}")
+    return int(value * units[unit])
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         import anyio
@@ -100,7 +114,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     cache_dir = None if args.no_cache_dir else (args.cache_dir or default_cache_dir())
     options = {"cache_dir": cache_dir, "attention": args.attention}
-    if args.budget_mb is not None:
+    if args.budget is not None:
+        options["budget_bytes"] = args.budget
+    elif args.budget_mb is not None:
         options["budget_bytes"] = int(args.budget_mb * 1e6)
 
     def ready(port: int) -> None:
@@ -177,7 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", help="model path (default: the default model)")
     serve.add_argument("--cache-dir", type=Path, help="warm tier (default: the user cache)")
     serve.add_argument("--no-cache-dir", action="store_true", help="no warm tier")
-    serve.add_argument("--budget-mb", type=float, help="hot budget in MB (default: none)")
+    serve.add_argument(
+        "--budget", type=_size, help="hot budget in bytes, or with K, M, G (default: none)"
+    )
+    serve.add_argument("--budget-mb", type=float, help=argparse.SUPPRESS)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0: a free port")
     serve.add_argument("--attention", choices=["auto", "quantized", "dequantized"], default="auto")

@@ -612,8 +612,10 @@ def create_app(
                 "prompt_tokens_details": {"cached_tokens": t.reused_tokens},
             }
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-            data = {
+        def chunk(
+            delta: dict[str, Any], finish: str | None = None, info: dict[str, Any] | None = None
+        ) -> str:
+            data: dict[str, Any] = {
                 "id": ident,
                 "object": "chat.completion.chunk",
                 "created": created,
@@ -623,6 +625,8 @@ def create_app(
                     {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
                 ],
             }
+            if info is not None:
+                data["kvactor"] = info
             return f"data: {json.dumps(data)}\n\n"
 
         if not stream:
@@ -670,7 +674,7 @@ def create_app(
                 assert done is not None
                 server.remember(agent, [*messages, {"role": "assistant", "content": done.text}])
                 server.metrics.turn(done)
-                yield chunk({}, _finish_reason(done))
+                yield chunk({}, _finish_reason(done), _kvactor_info(agent, done))
                 if usage_in_stream:
                     data = {
                         "id": ident,

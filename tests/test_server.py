@@ -433,3 +433,22 @@ def test_kvactor_serve_answers_and_stops_on_sigterm_with_caches_committed(
             proc.stderr.close()
     manifest = json.loads((tmp_path / "agents" / "cli" / "manifest.json").read_bytes())
     assert manifest["manifest"]["n_tokens"] > 0
+
+
+def test_serve_takes_a_budget_in_bytes_or_with_a_unit() -> None:
+    import argparse
+
+    from kvactor.cli import _size, build_parser
+
+    assert [_size(t) for t in ("1000", "512M", "2G", "1.5GB", "64KiB")] == [
+        1000,
+        512 << 20,
+        2 << 30,
+        3 << 29,
+        64 << 10,
+    ]
+    for bad in ("lots", "-1G", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _size(bad)
+    args = build_parser().parse_args(["serve", "--budget", "256M", "--port", "0"])
+    assert args.budget == 256 << 20 and args.port == 0 and args.host == "127.0.0.1"

@@ -1,0 +1,241 @@
+"""The demo's workload over HTTP: ``kvactor serve`` against mlx-lm's own server
+(``mlx_lm.server``) on the same weights, same machine, one run.
+
+Both servers run as their own processes on 127.0.0.1 (free ports). mlx-lm's serves an
+mlx-lm model folder exported from the default model (``kvactor fetch-model --mlx-dir``:
+the same float32 weights, bit-identical logits); kvactor serves the default model with the
+demo's hot budget (83 MB: about two idle agents beside the running turn) and a fresh warm
+tier. The workload is ``kvactor/scenarios/demo.toml``: six agents, three phases, each
+prompt quoting the others' last answers, every agent's conversation resent in full each
+turn by the ``openai`` client (streaming, greedy, 32 tokens), kvactor's requests naming
+their agent with ``X-Agent-Id``. The first phases run on freshly started servers; then
+both servers are restarted and the last phase runs (``after_restart``). Both processes run
+MLX over the same optimized BLAS (mlx-lm's is started through ``import kvactor``).
+
+Printed: summed time to first token per server (all turns, before and after the restart),
+kvactor's per path, the ratio, and whether the greedy answers agree turn by turn.
+
+    python bench/serve.py [--json PATH] [--budget-mb 83]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kvactor  # first: it loads an optimized BLAS before mlx.core
+
+# isort: split
+import httpx
+from openai import OpenAI
+
+from kvactor._scenario_format import Scenario, load_scenario, turn_plan, turn_prompt
+from kvactor.actors._export import export_mlx_dir
+from kvactor.actors.model import default_model_path
+
+DEMO = Path(kvactor.__file__).parent / "scenarios" / "demo.toml"
+MAX_TOKENS = 32
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def server(kind: str, model_dir: Path, cache_dir: Path, budget_mb: float) -> Iterator[str]:
+    """A server process on a free port; yields its base URL, stops it with SIGTERM."""
+    port = free_port()
+    if kind == "kvactor":
+        command = [
+            sys.executable,
+            "-m",
+            "kvactor",
+            "serve",
+            "--port",
+            str(port),
+            "--cache-dir",
+            str(cache_dir),
+            "--budget",
+            str(int(budget_mb * 1e6)),
+            "--model-id",
+            "m",
+        ]
+        ready = "/health"
+    else:
+        # Through kvactor's import, which puts the same optimized BLAS under MLX (else
+        # mlx-lm would run on the wheel's reference BLAS, ~40x slower here: not a fair peer).
+        command = [
+            sys.executable,
+            "-c",
+            "import kvactor; from mlx_lm.server import main; main()",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--log-level",
+            "WARNING",
+        ]
+        ready = "/v1/models"
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{kind} server exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + ready, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{kind} server did not start")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_phases(
+    base: str,
+    kind: str,
+    model: str,
+    s: Scenario,
+    phases: list[int],
+    histories: dict[str, list[dict[str, str]]],
+    outputs: dict[str, str],
+) -> list[dict[str, Any]]:
+    """The turns of the given phases, in the demo's order; histories and outputs grow."""
+    records = []
+    with OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        for index, phase, names in turn_plan(s):
+            if index not in phases:
+                continue
+            snapshot = dict(outputs)
+            for name in names:
+                history = histories[name]
+                history.append({"role": "user", "content": turn_prompt(s, phase, name, snapshot)})
+                headers = {"X-Agent-Id": name} if kind == "kvactor" else None
+                t0 = time.perf_counter()
+                first = None
+                text, path = "", None
+                stream = client.chat.completions.create(
+                    model=model,
+                    messages=history,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0.0,
+                    stream=True,
+                    extra_headers=headers,
+                )
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        first = first or time.perf_counter()
+                        text += chunk.choices[0].delta.content
+                    info = (chunk.model_extra or {}).get("kvactor")
+                    if info:
+                        path = info["path"]
+                wall = time.perf_counter() - t0
+                history.append({"role": "assistant", "content": text})
+                outputs[name] = text
+                records.append(
+                    {
+                        "phase": index,
+                        "agent": name,
+                        "ttft_s": (first or time.perf_counter()) - t0,
+                        "wall_s": wall,
+                        "path": path,
+                        "text": text,
+                    }
+                )
+    return records
+
+
+def main(budget_mb: float) -> dict[str, Any]:
+    s = load_scenario(DEMO)
+    plan = turn_plan(s)
+    last = len(plan) - 1
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVACTOR_BENCH_DIR")) as tmp:
+        root = Path(tmp)
+        model_dir = root / "mlx-model"
+        export_mlx_dir(default_model_path(), model_dir)
+        results: dict[str, Any] = {}
+        for kind in ("kvactor", "mlx_lm"):
+            model = "m" if kind == "kvactor" else str(model_dir)
+            histories = {a.name: [{"role": "system", "content": a.system}] for a in s.agents}
+            outputs: dict[str, str] = {}
+            t0 = time.perf_counter()
+            with server(kind, model_dir, root / "warm", budget_mb) as base:
+                before = run_phases(base, kind, model, s, list(range(last)), histories, outputs)
+            with server(kind, model_dir, root / "warm", budget_mb) as base:
+                after = run_phases(base, kind, model, s, [last], histories, outputs)
+            results[kind] = {
+                "turns": before + after,
+                "ttft_s": sum(r["ttft_s"] for r in before + after),
+                "ttft_before_restart_s": sum(r["ttft_s"] for r in before),
+                "ttft_after_restart_s": sum(r["ttft_s"] for r in after),
+                "wall_s": time.perf_counter() - t0,
+            }
+    ours, theirs = results["kvactor"], results["mlx_lm"]
+    by_path: dict[str, list[float]] = {}
+    for r in ours["turns"]:
+        by_path.setdefault(r["path"] or "?", []).append(r["ttft_s"])
+    same = [a["text"] == b["text"] for a, b in zip(ours["turns"], theirs["turns"], strict=True)]
+    return {
+        "budget_mb": budget_mb,
+        "max_tokens": MAX_TOKENS,
+        "kvactor": ours,
+        "mlx_lm": theirs,
+        "kvactor_ttft_by_path": {
+            p: {"turns": len(v), "sum_s": sum(v), "median_s": statistics.median(v)}
+            for p, v in by_path.items()
+        },
+        "ttft_ratio": ours["ttft_s"] / theirs["ttft_s"],
+        "ttft_ratio_after_restart": ours["ttft_after_restart_s"] / theirs["ttft_after_restart_s"],
+        "answers_equal": sum(same),
+        "turns": len(same),
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-mb", type=float, default=83.0)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    out = main(args.budget_mb)
+    print("| server | summed TTFT | before restart | after restart | wall |")
+    print("|---|---:|---:|---:|---:|")
+    for kind in ("kvactor", "mlx_lm"):
+        r = out[kind]
+        print(
+            f"| {kind} | {r['ttft_s']:.2f} s | {r['ttft_before_restart_s']:.2f} s "
+            f"| {r['ttft_after_restart_s']:.2f} s | {r['wall_s']:.1f} s |"
+        )
+    print(
+        f"kvactor / mlx-lm summed TTFT: {out['ttft_ratio']:.2f}x "
+        f"(after the restart: {out['ttft_ratio_after_restart']:.2f}x); "
+        f"greedy answers equal in {out['answers_equal']} of {out['turns']} turns"
+    )
+    for path, row in out["kvactor_ttft_by_path"].items():
+        print(
+            f"  kvactor {path}: {row['turns']} turns, {row['sum_s']:.2f} s "
+            f"(median {row['median_s']:.2f} s)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
