@@ -334,44 +334,40 @@ def _check_manifest(
             raise refuse(f"manifest time {name} is not a finite time >= 0")
     if not 0 <= m.last_segment < _MAX_SEGMENT_NUMBER:
         raise refuse(f"last segment number {m.last_segment} is out of range")
-    position = 0
     files: set[str] = set()
-    for s in m.segments:
-        named = SEGMENT_FILE.fullmatch(s.file)
-        if named is None or s.file in files:
-            raise refuse(f"bad or repeated segment file name {s.file[:80]!r}")
-        files.add(s.file)
-        if int(named.group(1)) > m.last_segment:
-            raise refuse(f"segment {s.file} is numbered past the last one, {m.last_segment}")
-        if (
-            s.start != position
-            or not s.start < s.stop <= _MAX_TOKENS
-            or not 0 < s.use <= s.stop - s.start
-        ):
-            raise refuse(f"segment {s.file} does not continue the tokens at {position}")
-        if not 0 < s.nbytes <= _MAX_SEGMENT_BYTES or not _CHECKSUM.fullmatch(s.checksum):
-            raise refuse(f"segment {s.file} has a bad size or checksum entry")
-        position += s.use
+
+    def entries(kind: str, pattern: re.Pattern[str], listed: list[SegmentEntry], at: int) -> int:
+        """Check one list of segment entries, tiling tokens from ``at``; where they end."""
+        for s in listed:
+            named = pattern.fullmatch(s.file)
+            if named is None or s.file in files:
+                raise refuse(f"bad or repeated {kind} file name {s.file[:80]!r}")
+            files.add(s.file)
+            if int(named.group(1)) > m.last_segment:
+                raise refuse(f"{kind} {s.file} is numbered past the last one, {m.last_segment}")
+            if (
+                s.start != at
+                or not s.start < s.stop <= _MAX_TOKENS
+                or not 0 < s.use <= s.stop - s.start
+            ):
+                raise refuse(f"{kind} {s.file} does not continue the tokens at {at}")
+            if not 0 < s.nbytes <= _MAX_SEGMENT_BYTES or not _CHECKSUM.fullmatch(s.checksum):
+                raise refuse(f"{kind} {s.file} has a bad size or checksum entry")
+            at += s.use
+        return at
+
+    position = entries("segment", SEGMENT_FILE, m.segments, 0)
     if position != m.n_tokens:
         raise refuse(f"segments hold {position} tokens, manifest says {m.n_tokens}")
-    split = split_layers(m.layer_geometry())
-    if m.window_segments and split is None:
+    windows = m.window_segments
+    if windows and split_layers(m.layer_geometry()) is None:
         raise refuse("window segments for a model without sliding-window layers")
     mains = {(s.start, s.stop, s.use) for s in m.segments}
-    position = m.window_segments[0].start if m.window_segments else m.n_tokens
-    for s in m.window_segments:
-        named = WINDOW_FILE.fullmatch(s.file)
-        if named is None or s.file in files:
-            raise refuse(f"bad or repeated window segment file name {s.file[:80]!r}")
-        files.add(s.file)
-        if int(named.group(1)) > m.last_segment:
-            raise refuse(f"segment {s.file} is numbered past the last one, {m.last_segment}")
-        if s.start != position or (s.start, s.stop, s.use) not in mains:
-            raise refuse(f"window segment {s.file} does not match a segment at {position}")
-        if not 0 < s.nbytes <= _MAX_SEGMENT_BYTES or not _CHECKSUM.fullmatch(s.checksum):
-            raise refuse(f"segment {s.file} has a bad size or checksum entry")
-        position += s.use
-    if position != m.n_tokens:
+    for s in windows:
+        if (s.start, s.stop, s.use) not in mains:
+            raise refuse(f"window segment {s.file} does not match a segment")
+    position = entries("window segment", WINDOW_FILE, windows, windows[0].start if windows else 0)
+    if windows and position != m.n_tokens:
         raise refuse(f"window segments end at {position}, manifest says {m.n_tokens}")
 
 

@@ -124,6 +124,7 @@ def run_phases(
 ) -> list[dict[str, Any]]:
     """The turns of the given phases, in the demo's order; histories and outputs grow."""
     records = []
+    client: Any  # typed loosely: plain dict messages
     with OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
         for index, phase, names in turn_plan(s):
             if index not in phases:
@@ -178,7 +179,10 @@ def main(budget_mb: float) -> dict[str, Any]:
         results: dict[str, Any] = {}
         for kind in ("kvactor", "mlx_lm"):
             model = "m" if kind == "kvactor" else str(model_dir)
-            histories = {a.name: [{"role": "system", "content": a.system}] for a in s.agents}
+            histories: dict[str, list[dict[str, str]]] = {
+                a.name: [{"role": "system", "content": a.system}] if a.system else []
+                for a in s.agents
+            }
             outputs: dict[str, str] = {}
             t0 = time.perf_counter()
             with server(kind, model_dir, root / "warm", budget_mb) as base:

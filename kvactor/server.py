@@ -475,6 +475,38 @@ def _api_errors(exc: BaseException) -> ApiError:
 
 
 Shaper = Callable[[ApiError], JSONResponse]
+Conversation = list[dict[str, str]] | str  # what an agent last served (anonymous routing)
+Start = Callable[[Agent], TextStream]  # starts the turn on the agent chosen
+After = Callable[[Completion], Conversation]  # the conversation once the turn is done
+
+
+class _Streamed:
+    """A streamed turn: its agent, its text stream and first piece, and its Completion
+    once the stream is drained (``finished``)."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        stream: TextStream,
+        first: str | None,
+        on_done: Callable[[Completion], None],
+    ) -> None:
+        self.agent, self.stream, self.first, self.on_done = agent, stream, first, on_done
+        self.done: Completion | None = None
+
+    async def texts(self) -> AsyncIterator[str]:
+        if self.first:
+            yield self.first
+        async for piece in self.stream:
+            yield piece
+
+    def finished(self) -> Completion:
+        """The Completion (after ``texts`` ran out), handed to ``on_done`` once."""
+        if self.done is None:
+            self.done = self.stream.completion
+            assert self.done is not None
+            self.on_done(self.done)
+        return self.done
 
 
 async def _started(stream: TextStream) -> str | None:
@@ -543,12 +575,52 @@ def create_app(
 
         return Route(path, endpoint, methods=methods, name=name)
 
-    def streaming(events: AsyncIterator[str]) -> StreamingResponse:
+    async def whole(
+        agent_id: str | None, conversation: Conversation, start: Start, after: After
+    ) -> tuple[Agent, Completion]:
+        """A turn answered at once: the agent, its Completion (remembered and counted)."""
+        async with server.agent(agent_id, conversation) as agent:
+            async with start(agent) as pieces:
+                async for _ in pieces:
+                    pass
+            done = pieces.completion
+            assert done is not None
+            server.remember(agent, after(done))
+        server.metrics.turn(done)
+        return agent, done
+
+    async def streamed(
+        agent_id: str | None,
+        conversation: Conversation,
+        start: Start,
+        after: After,
+        events: Callable[[_Streamed], AsyncIterator[str]],
+    ) -> StreamingResponse:
+        """A turn streamed as server-sent ``events`` of it, once its first piece (or its
+        error, answered with a status instead) is there."""
+        choose = server.agent(agent_id, conversation)
+        agent = await choose.__aenter__()
+        try:
+            pieces = start(agent)
+            first = await _started(pieces)
+        except BaseException:
+            await choose.__aexit__(None, None, None)
+            raise
+
+        def on_done(done: Completion) -> None:
+            server.remember(agent, after(done))
+            server.metrics.turn(done)
+
+        turn = _Streamed(agent, pieces, first, on_done)
+
         async def body() -> AsyncIterator[str]:
             try:
-                async for event in events:
+                async for event in events(turn):
                     yield event
             finally:
+                with anyio.CancelScope(shield=True):
+                    await pieces.aclose()
+                    await choose.__aexit__(None, None, None)
                 server.release()
 
         return StreamingResponse(
@@ -557,7 +629,7 @@ def create_app(
 
     # -- OpenAI: chat completions ------------------------------------------------------
     chat_fields = frozenset(
-        {
+        [
             "model",
             "messages",
             "stream",
@@ -574,7 +646,7 @@ def create_app(
             "frequency_penalty",
             "logprobs",
             "response_format",
-        }
+        ]
     )
 
     async def chat_completions(request: Request) -> Response:
@@ -629,11 +701,14 @@ def create_app(
                 data["kvactor"] = info
             return f"data: {json.dumps(data)}\n\n"
 
+        def start(agent: Agent) -> TextStream:
+            return agent.stream_chat(messages, **options)
+
+        def after(done: Completion) -> Conversation:
+            return [*messages, {"role": "assistant", "content": done.text}]
+
         if not stream:
-            async with server.agent(agent_id, messages) as agent:
-                done = await agent.chat(messages, **options)
-                server.remember(agent, [*messages, {"role": "assistant", "content": done.text}])
-            server.metrics.turn(done)
+            agent, done = await whole(agent_id, messages, start, after)
             return JSONResponse(
                 {
                     "id": ident,
@@ -654,48 +729,29 @@ def create_app(
                 }
             )
 
-        choose = server.agent(agent_id, messages)
-        agent = await choose.__aenter__()
-        try:
-            pieces = agent.stream_chat(messages, **options)
-            first = await _started(pieces)
-        except BaseException:
-            await choose.__aexit__(None, None, None)
-            raise
+        async def events(turn: _Streamed) -> AsyncIterator[str]:
+            yield chunk({"role": "assistant", "content": ""})
+            async for piece in turn.texts():
+                yield chunk({"content": piece})
+            done = turn.finished()
+            yield chunk({}, _finish_reason(done), _kvactor_info(turn.agent, done))
+            if usage_in_stream:
+                data = {
+                    "id": ident,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": server.model_id,
+                    "choices": [],
+                    "usage": usage(done),
+                }
+                yield f"data: {json.dumps(data)}\n\n"
+            yield "data: [DONE]\n\n"
 
-        async def events() -> AsyncIterator[str]:
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                if first:
-                    yield chunk({"content": first})
-                async for piece in pieces:
-                    yield chunk({"content": piece})
-                done = pieces.completion
-                assert done is not None
-                server.remember(agent, [*messages, {"role": "assistant", "content": done.text}])
-                server.metrics.turn(done)
-                yield chunk({}, _finish_reason(done), _kvactor_info(agent, done))
-                if usage_in_stream:
-                    data = {
-                        "id": ident,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": server.model_id,
-                        "choices": [],
-                        "usage": usage(done),
-                    }
-                    yield f"data: {json.dumps(data)}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await pieces.aclose()
-                    await choose.__aexit__(None, None, None)
-
-        return streaming(events())
+        return await streamed(agent_id, messages, start, after, events)
 
     # -- OpenAI: completions -----------------------------------------------------------
     completion_fields = frozenset(
-        {
+        [
             "model",
             "prompt",
             "stream",
@@ -709,7 +765,7 @@ def create_app(
             "n",
             "echo",
             "logprobs",
-        }
+        ]
     )
 
     async def completions(request: Request) -> Response:
@@ -748,44 +804,28 @@ def create_app(
                 }
             return out
 
+        def start(agent: Agent) -> TextStream:
+            return agent.stream_raw(prompt, **options)
+
+        def after(done: Completion) -> Conversation:
+            return prompt + done.text
+
         if not stream:
-            async with server.agent(agent_id, prompt) as agent:
-                done = await agent.complete(prompt, **options)
-                server.remember(agent, prompt + done.text)
-            server.metrics.turn(done)
+            _, done = await whole(agent_id, prompt, start, after)
             return JSONResponse(payload(done.text, _finish_reason(done), done))
 
-        choose = server.agent(agent_id, prompt)
-        agent = await choose.__aenter__()
-        try:
-            pieces = agent.stream_raw(prompt, **options)
-            first = await _started(pieces)
-        except BaseException:
-            await choose.__aexit__(None, None, None)
-            raise
+        async def events(turn: _Streamed) -> AsyncIterator[str]:
+            async for piece in turn.texts():
+                yield f"data: {json.dumps(payload(piece, None, None))}\n\n"
+            done = turn.finished()
+            yield f"data: {json.dumps(payload('', _finish_reason(done), done))}\n\n"
+            yield "data: [DONE]\n\n"
 
-        async def events() -> AsyncIterator[str]:
-            try:
-                if first:
-                    yield f"data: {json.dumps(payload(first, None, None))}\n\n"
-                async for piece in pieces:
-                    yield f"data: {json.dumps(payload(piece, None, None))}\n\n"
-                done = pieces.completion
-                assert done is not None
-                server.remember(agent, prompt + done.text)
-                server.metrics.turn(done)
-                yield f"data: {json.dumps(payload('', _finish_reason(done), done))}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await pieces.aclose()
-                    await choose.__aexit__(None, None, None)
-
-        return streaming(events())
+        return await streamed(agent_id, prompt, start, after, events)
 
     # -- Anthropic: messages -----------------------------------------------------------
     message_fields = frozenset(
-        {
+        [
             "model",
             "messages",
             "max_tokens",
@@ -795,7 +835,7 @@ def create_app(
             "top_p",
             "stop_sequences",
             "metadata",
-        }
+        ]
     )
 
     async def messages_route(request: Request) -> Response:
@@ -842,11 +882,14 @@ def create_app(
         def event(kind: str, data: dict[str, Any]) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
+        def start(agent: Agent) -> TextStream:
+            return agent.stream_chat(messages, **options)
+
+        def after(done: Completion) -> Conversation:
+            return [*messages, {"role": "assistant", "content": done.text}]
+
         if not stream:
-            async with server.agent(agent_id, messages) as agent:
-                done = await agent.chat(messages, **options)
-                server.remember(agent, [*messages, {"role": "assistant", "content": done.text}])
-            server.metrics.turn(done)
+            _, done = await whole(agent_id, messages, start, after)
             reason, sequence = stop_reason(done)
             return JSONResponse(
                 {
@@ -861,63 +904,32 @@ def create_app(
                 }
             )
 
-        choose = server.agent(agent_id, messages)
-        agent = await choose.__aenter__()
-        try:
-            pieces = agent.stream_chat(messages, **options)
-            first = await _started(pieces)
-        except BaseException:
-            await choose.__aexit__(None, None, None)
-            raise
+        async def events(turn: _Streamed) -> AsyncIterator[str]:
+            begin: dict[str, Any] = {
+                "id": ident,
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": server.model_id,
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": 0, "output_tokens": 0},
+            }
+            yield event("message_start", {"message": begin})
+            block = {"type": "text", "text": ""}
+            yield event("content_block_start", {"index": 0, "content_block": block})
+            yield event("ping", {})
+            async for piece in turn.texts():
+                delta = {"type": "text_delta", "text": piece}
+                yield event("content_block_delta", {"index": 0, "delta": delta})
+            done = turn.finished()
+            reason, sequence = stop_reason(done)
+            yield event("content_block_stop", {"index": 0})
+            end = {"stop_reason": reason, "stop_sequence": sequence}
+            yield event("message_delta", {"delta": end, "usage": usage(done)})
+            yield event("message_stop", {})
 
-        async def events() -> AsyncIterator[str]:
-            try:
-                start: dict[str, Any] = {
-                    "id": ident,
-                    "type": "message",
-                    "role": "assistant",
-                    "content": [],
-                    "model": server.model_id,
-                    "stop_reason": None,
-                    "stop_sequence": None,
-                    "usage": {"input_tokens": 0, "output_tokens": 0},
-                }
-                yield event("message_start", {"message": start})
-                yield event(
-                    "content_block_start",
-                    {"index": 0, "content_block": {"type": "text", "text": ""}},
-                )
-                yield event("ping", {})
-                if first:
-                    yield event(
-                        "content_block_delta",
-                        {"index": 0, "delta": {"type": "text_delta", "text": first}},
-                    )
-                async for piece in pieces:
-                    yield event(
-                        "content_block_delta",
-                        {"index": 0, "delta": {"type": "text_delta", "text": piece}},
-                    )
-                done = pieces.completion
-                assert done is not None
-                server.remember(agent, [*messages, {"role": "assistant", "content": done.text}])
-                server.metrics.turn(done)
-                reason, sequence = stop_reason(done)
-                yield event("content_block_stop", {"index": 0})
-                yield event(
-                    "message_delta",
-                    {
-                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                        "usage": usage(done),
-                    },
-                )
-                yield event("message_stop", {})
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await pieces.aclose()
-                    await choose.__aexit__(None, None, None)
-
-        return streaming(events())
+        return await streamed(agent_id, messages, start, after, events)
 
     # -- the rest ----------------------------------------------------------------------
     async def models(request: Request) -> Response:
