@@ -37,7 +37,17 @@ from .protocol import (
     Timings,
     check_agent_id,
 )
-from .store import Append, CacheIdentity, Forget, ListAgents, Manifest, StoreActor, WarmInfo
+from .store import (
+    Append,
+    CacheIdentity,
+    Forget,
+    ListAgents,
+    Manifest,
+    StoreActor,
+    StoreStats,
+    StoreStatsQuery,
+    WarmInfo,
+)
 
 __all__ = ("Agent", "Completion", "Session", "TextStream", "WarmTier", "open")
 
@@ -420,6 +430,13 @@ class Session:
 
     async def stats(self) -> EngineStats:
         stats: EngineStats = await self.engine.ask(StatsQuery())
+        return stats
+
+    async def warm_stats(self) -> StoreStats:
+        """The warm tier's reads and writes so far (all zero without a warm tier)."""
+        if self.store is None:
+            return StoreStats()
+        stats: StoreStats = await self.store.ask(StoreStatsQuery())
         return stats
 
 

@@ -120,7 +120,24 @@ class Forget(msgspec.Struct, frozen=True, tag=True):
     agent: str
 
 
-StoreMessage = Append | Load | Manifest | ListAgents | Forget
+class StoreStatsQuery(msgspec.Struct, frozen=True, tag=True):
+    """The warm tier's I/O so far: answers a StoreStats."""
+
+
+class StoreStats(msgspec.Struct, frozen=True):
+    """Bytes the warm tier read (verified loads) and wrote (appends, segments and
+    manifests), and the seconds those took (the reads' and writes' own time: the rate)."""
+
+    reads: int = 0
+    bytes_read: int = 0
+    read_s: float = 0.0
+    writes: int = 0
+    bytes_written: int = 0
+    write_s: float = 0.0
+    rejected: int = 0  # loads refused (the agent continued cold)
+
+
+StoreMessage = Append | Load | Manifest | ListAgents | Forget | StoreStatsQuery
 
 
 # ------------------------------------------------------------------------------ actor
@@ -156,6 +173,7 @@ class StoreActor(Actor):
         # Why Load refused a cache still in place: for ListAgents, and so that the next
         # Append sets it aside instead of building on it.
         self._refused: dict[str, str] = {}
+        self._io = StoreStats()
 
     async def receive(self, message: StoreMessage) -> Any:
         match message:
@@ -169,11 +187,19 @@ class StoreActor(Actor):
                 return await self._list()
             case Forget(agent):
                 return await self._forget(check_agent_id(agent))
+            case StoreStatsQuery():
+                return self._io
         raise TypeError(f"the store does not handle {type(message).__name__}")
+
+    def _count(self, **more: float) -> None:
+        self._io = msgspec.structs.replace(
+            self._io, **{k: getattr(self._io, k) + v for k, v in more.items()}
+        )
 
     async def _append(self, m: Append) -> WarmInfo:
         agent = check_agent_id(m.agent)
         self._manifests.pop(agent, None)  # unknown until the write ends, whatever happens
+        t0 = time.perf_counter()
         info = await anyio.to_thread.run_sync(
             functools.partial(
                 append_cache,
@@ -192,9 +218,12 @@ class StoreActor(Actor):
             )
         )
         self._refused.pop(agent, None)
+        written = sum(a.nbytes for a in m.tensors.values())  # the segments' tensor bytes
+        self._count(writes=1, bytes_written=written, write_s=time.perf_counter() - t0)
         return info
 
     async def _load(self, agent: str) -> Loaded:
+        t0 = time.perf_counter()
         try:
             loaded = await anyio.to_thread.run_sync(
                 functools.partial(
@@ -210,8 +239,10 @@ class StoreActor(Actor):
             self._manifests.pop(agent, None)
             if not self.delete_rejected:
                 self._refused[agent] = exc.reason
+            self._count(rejected=1)
             raise
         self._manifests[agent] = loaded.manifest
+        self._count(reads=1, bytes_read=loaded.nbytes, read_s=time.perf_counter() - t0)
         return loaded
 
     async def _manifest(self, agent: str) -> CacheManifest | None:

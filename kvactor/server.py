@@ -271,6 +271,25 @@ class _Metrics:
             )
         }
 
+        self.warm = {
+            name: Gauge(f"kvactor_warm_tier_{name}", help_, registry=r)
+            for name, help_ in (
+                ("reads", "Warm caches read and verified"),
+                ("bytes_read", "Bytes the warm tier read"),
+                ("read_s", "Seconds the warm tier spent reading and verifying"),
+                ("writes", "Appends to warm caches"),
+                ("bytes_written", "Tensor bytes the warm tier wrote"),
+                ("write_s", "Seconds the warm tier spent writing (fsyncs included)"),
+                ("rejected", "Warm caches refused when read (their agents went cold)"),
+            )
+        }
+        self.warm_rate = Gauge(
+            "kvactor_warm_tier_bytes_per_second",
+            "The warm tier's read and write rates (bytes over their own time)",
+            ["direction"],
+            registry=r,
+        )
+
     def turn(self, done: Completion) -> None:
         t = done.timings
         path = str(done.path)
@@ -287,6 +306,11 @@ class _Metrics:
         for name, gauge in self.engine.items():
             value = getattr(stats, name, 0)
             gauge.set(value or 0)
+        io = await session.warm_stats()
+        for name, gauge in self.warm.items():
+            gauge.set(getattr(io, name))
+        self.warm_rate.labels("read").set(io.bytes_read / io.read_s if io.read_s else 0)
+        self.warm_rate.labels("write").set(io.bytes_written / io.write_s if io.write_s else 0)
         return generate_latest(self.registry)
 
 

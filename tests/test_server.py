@@ -360,8 +360,8 @@ async def test_requests_without_an_id_go_to_the_conversation_they_continue() -> 
         assert two["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-async def test_metrics_parse_with_prometheus_client() -> None:
-    async with running() as (_, base), httpx.AsyncClient() as http:
+async def test_metrics_parse_with_prometheus_client(tmp_path: Path) -> None:
+    async with running(cache_dir=tmp_path) as (_, base), httpx.AsyncClient() as http:
         for _ in range(2):
             await oai(base, "m").chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
@@ -372,6 +372,13 @@ async def test_metrics_parse_with_prometheus_client() -> None:
     counts = {s.labels["path"]: s.value for s in ttft.samples if s.name.endswith("_count")}
     assert counts.get("cold") == 1 and counts.get("hot") == 1
     assert families["kvactor_cache_bytes"].samples[0].value > 0
+    assert families["kvactor_warm_tier_writes"].samples[0].value == 2
+    assert families["kvactor_warm_tier_bytes_written"].samples[0].value > 0
+    rates = {
+        s.labels["direction"]: s.value
+        for s in families["kvactor_warm_tier_bytes_per_second"].samples
+    }
+    assert rates["write"] > 0
     assert any(s.labels.get("status") == "200" for s in families["kvactor_http_requests"].samples)
 
 
