@@ -282,6 +282,7 @@ class AgentActor(Actor):
             path = Tier.HOT
             finished: Finished | None = None
             started = time.perf_counter()  # a reload on the way counts in the turn's TTFT
+            load_s = 0.0
             for attempt in range(_ATTEMPTS):
                 # A cache demoted while its turn waited (for room, behind other turns)
                 # is staged again and the turn sent again: it keeps its place in the
@@ -302,7 +303,10 @@ class AgentActor(Actor):
                     if self.warm is None:
                         raise
                     path = Tier.WARM
-                    if not await self.warm.stage(self.agent_id):
+                    staging = time.perf_counter()
+                    staged = await self.warm.stage(self.agent_id)
+                    load_s += time.perf_counter() - staging
+                    if not staged:
                         self.persisted = 0  # unreadable or refused: start cold
                         path = Tier.COLD
             if finished is None:
@@ -333,7 +337,7 @@ class AgentActor(Actor):
             text=finished.text,
             reason=finished.reason,
             token_ids=finished.token_ids,
-            timings=finished.timings,
+            timings=msgspec.structs.replace(finished.timings, load_s=load_s),
             path=path,
             match=match,
             saved=self.warm is not None and error is None,

@@ -413,10 +413,9 @@ class EngineActor(ThreadActor):
             request.prefill_start = time.perf_counter()
             self._ready_turns += kv.ready is not None
             kv.activate()
+            request.dequantize_s = time.perf_counter() - request.prefill_start
             if kv.ranges and not kv.turn_cache.quantized:
-                self.pool.rates.dequantize(
-                    kv.stored_bytes, time.perf_counter() - request.prefill_start
-                )
+                self.pool.rates.dequantize(kv.stored_bytes, request.dequantize_s)
         kv = request.entry.kv
         chunk = request.todo[: self.config.prefill_chunk]
         del request.todo[: len(chunk)]

@@ -39,6 +39,7 @@ class Generation:
     generated: list[int] = field(default_factory=list)
     prefill_start: float = 0.0
     prefill_end: float = 0.0
+    dequantize_s: float = 0.0  # making its working copy (0 from a ready copy)
 
     @property
     def tokens(self) -> list[int]:
@@ -105,6 +106,7 @@ class Generation:
                     reused_tokens=self.reused,
                     prefilled_tokens=len(self.prompt) - self.reused,
                     generated_tokens=len(self.generated),
+                    dequantize_s=self.dequantize_s,
                 ),
             )
         )

@@ -221,6 +221,10 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     reused_tokens: int
     prefilled_tokens: int
     generated_tokens: int
+    # Parts of the above: reading the warm cache from disk for this turn (in queue_s) and
+    # making the working copy from the stored cache (in prefill_s).
+    load_s: float = 0.0
+    dequantize_s: float = 0.0
 
     @property
     def decode_tok_s(self) -> float:

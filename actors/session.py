@@ -432,6 +432,13 @@ class Session:
         stats: EngineStats = await self.engine.ask(StatsQuery())
         return stats
 
+    async def cache_info(self, name: str) -> CacheInfo:
+        """Agent ``name``'s hot cache (tokens, bytes, busy, persisted), whether or not an
+        agent actor runs for it (a prefetch stages caches ahead of their agents). Raises
+        UnknownAgent when it has no hot cache, InvalidAgentId for an unsafe name."""
+        info: CacheInfo = await self.engine.ask(CacheQuery(check_agent_id(name)))
+        return info
+
     async def warm_stats(self) -> StoreStats:
         """The warm tier's reads and writes so far (all zero without a warm tier)."""
         if self.store is None:

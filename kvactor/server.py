@@ -45,6 +45,7 @@ from .actors import (
     InvalidAgentId,
     Session,
     TextStream,
+    Tier,
     UnknownAgent,
 )
 from .actors.protocol import check_agent_id
@@ -231,8 +232,8 @@ class _Metrics:
         )
         self.ttft_part = Histogram(
             "kvactor_ttft_part_seconds",
-            "Where a turn's time to first token went: queue (waiting, a reload from disk "
-            "included) and prefill (dequantizing the cache included)",
+            "Where a turn's time to first token went: queue (waiting), load (reading its "
+            "warm cache), dequantize (making the working copy) and prefill",
             ["part"],
             registry=r,
             buckets=_TTFT_BUCKETS,
@@ -290,12 +291,16 @@ class _Metrics:
             registry=r,
         )
 
-    def turn(self, done: Completion) -> None:
+    def turn(self, done: Completion, prefetched: bool = False) -> None:
+        """Count a finished turn; ``prefetched``: a prefetch had staged its cache (a hot
+        turn then counts under path ``prefetched``)."""
         t = done.timings
-        path = str(done.path)
+        path = "prefetched" if prefetched and done.path == Tier.HOT else str(done.path)
         self.ttft.labels(path).observe(t.ttft_s)
-        self.ttft_part.labels("queue").observe(t.queue_s)
-        self.ttft_part.labels("prefill").observe(t.prefill_s)
+        self.ttft_part.labels("queue").observe(t.queue_s - t.load_s)
+        self.ttft_part.labels("load").observe(t.load_s)
+        self.ttft_part.labels("dequantize").observe(t.dequantize_s)
+        self.ttft_part.labels("prefill").observe(t.prefill_s - t.dequantize_s)
         self.turns.labels(path).inc()
         self.prompt_tokens.inc(t.prompt_tokens)
         self.cached_tokens.inc(t.reused_tokens)
@@ -349,6 +354,14 @@ class _Server:
         self.anon = _Anonymous()
         self.lock = anyio.Lock()
         self.last_used: dict[str, float] = {}
+        self.prefetched: set[str] = set()  # agents staged by the prefetch route, not used yet
+
+    def finished(self, agent: Agent, done: Completion, conversation: Conversation) -> None:
+        """A turn is over: remember its conversation (anonymous routing), count it."""
+        self.remember(agent, conversation)
+        prefetched = agent.name in self.prefetched
+        self.prefetched.discard(agent.name)
+        self.metrics.turn(done, prefetched)
 
     # -- admission and parsing ---------------------------------------------------------
     def admit(self) -> None:
@@ -609,8 +622,7 @@ def create_app(
                     pass
             done = pieces.completion
             assert done is not None
-            server.remember(agent, after(done))
-        server.metrics.turn(done)
+            server.finished(agent, done, after(done))
         return agent, done
 
     async def streamed(
@@ -632,8 +644,7 @@ def create_app(
             raise
 
         def on_done(done: Completion) -> None:
-            server.remember(agent, after(done))
-            server.metrics.turn(done)
+            server.finished(agent, done, after(done))
 
         turn = _Streamed(agent, pieces, first, on_done)
 
@@ -998,20 +1009,15 @@ def create_app(
                     last_used=w.updated,
                     rejected=w.rejected,
                 )
-            live = session.agents.get(name)
-            if live is not None:
-                try:
-                    info = await live.cache_info()
-                except UnknownAgent:
-                    pass
-                else:
-                    row.update(
-                        tier="hot",
-                        form="quantized",
-                        tokens=info.tokens,
-                        bytes=info.nbytes,
-                        busy=info.busy,
-                    )
+            with contextlib.suppress(UnknownAgent):  # no hot cache: warm or cold
+                info = await session.cache_info(name)
+                row.update(
+                    tier="hot",
+                    form="quantized",
+                    tokens=info.tokens,
+                    bytes=info.nbytes,
+                    busy=info.busy,
+                )
             if name in server.last_used:
                 row["last_used"] = server.last_used[name]
             rows.append(row)
@@ -1043,6 +1049,7 @@ def create_app(
         if not any(w.agent == name for w in await session.warm_agents()):
             raise ApiError(404, f"agent {name!r} has no warm cache", code="agent_not_found")
         await session.prefetch(name)
+        server.prefetched.add(name)
         return JSONResponse({"id": name, "prefetching": True}, status_code=202)
 
     async def metrics(request: Request) -> Response:

@@ -459,3 +459,37 @@ def test_serve_takes_a_budget_in_bytes_or_with_a_unit() -> None:
             _size(bad)
     args = build_parser().parse_args(["serve", "--budget", "256M", "--port", "0"])
     assert args.budget == 256 << 20 and args.port == 0 and args.host == "127.0.0.1"
+
+
+async def test_metrics_split_a_warm_turn_and_label_a_prefetched_one(tmp_path: Path) -> None:
+    user = [{"role": "user", "content": "hi"}]
+    async with running(cache_dir=tmp_path) as (_, base):
+        for name in ("w", "p"):
+            await oai(base, name).chat.completions.create(model="tiny", messages=user, max_tokens=3)
+    async with running(cache_dir=tmp_path) as (_, base), httpx.AsyncClient() as http:
+        # "w" comes back without a hint: reloaded for its turn; "p" is prefetched first.
+        await oai(base, "w").chat.completions.create(model="tiny", messages=user, max_tokens=3)
+        assert (await http.post(f"{base}/v1/agents/p/prefetch")).status_code == 202
+        with anyio.fail_after(20):
+            while not any(
+                a["id"] == "p" and a["tier"] == "hot"
+                for a in (await http.get(f"{base}/v1/agents")).json()["data"]
+            ):
+                await anyio.sleep(0.02)
+        await oai(base, "p").chat.completions.create(model="tiny", messages=user, max_tokens=3)
+        text = (await http.get(f"{base}/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    counts = {
+        s.labels["path"]: s.value
+        for s in families["kvactor_ttft_seconds"].samples
+        if s.name.endswith("_count")
+    }
+    assert counts == {"warm": 1, "prefetched": 1}
+    parts = {
+        s.labels["part"]: s.value
+        for s in families["kvactor_ttft_part_seconds"].samples
+        if s.name.endswith("_sum")
+    }
+    assert set(parts) == {"queue", "load", "dequantize", "prefill"}
+    assert parts["load"] > 0 and parts["dequantize"] > 0 and parts["prefill"] > 0
+    assert families["kvactor_warm_tier_reads"].samples[0].value == 2
