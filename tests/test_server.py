@@ -493,3 +493,35 @@ async def test_metrics_split_a_warm_turn_and_label_a_prefetched_one(tmp_path: Pa
     assert set(parts) == {"queue", "load", "dequantize", "prefill"}
     assert parts["load"] > 0 and parts["dequantize"] > 0 and parts["prefill"] > 0
     assert families["kvactor_warm_tier_reads"].samples[0].value == 2
+
+
+async def test_one_agent_takes_concurrent_requests_in_turn_and_anonymous_ones_are_bounded() -> None:
+    async with running(app_options={"max_anonymous": 2}) as (kv, base), httpx.AsyncClient() as http:
+        chat = f"{base}/v1/chat/completions"
+        same = {
+            "model": "tiny",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "one at a time"}],
+        }
+        answers: list[str] = []
+
+        async def ask() -> None:
+            r = await http.post(chat, json=same, headers={"X-Agent-Id": "solo"}, timeout=60)
+            assert r.status_code == 200
+            answers.append(r.json()["choices"][0]["message"]["content"])
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(ask)
+        assert len(set(answers)) == 1 and len(answers) == 3  # greedy, same prompt
+        # Three unrelated id-less conversations with room for two: the oldest is forgotten.
+        names = []
+        for i in range(3):
+            body = {
+                "model": "tiny",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": f"topic {i}"}],
+            }
+            names.append((await http.post(chat, json=body)).json()["kvactor"]["agent"])
+        assert len(set(names)) == 3
+        assert names[0] not in kv.agents and names[2] in kv.agents
