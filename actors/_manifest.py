@@ -31,7 +31,7 @@ import numpy as np
 
 from ._fileio import open_regular
 from ._safetensors import Expected, format_checksum
-from .errors import CacheRejected, UnsafeCachePath
+from .errors import CacheRejected, InvalidAgentId, UnsafeCachePath
 from .protocol import check_agent_id
 
 __all__ = (
@@ -126,6 +126,7 @@ class SegmentEntry(msgspec.Struct, frozen=True, kw_only=True):
     use: int  # below stop - start after a DIVERGE cut into this segment
     nbytes: int
     checksum: str  # "crc32:xxxxxxxx" over the whole file, header included
+    owner: str = ""  # the agent the file was written for, when not this one (a fork's)
 
 
 class CacheManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -353,6 +354,11 @@ def _check_manifest(
                 raise refuse(f"{kind} {s.file} does not continue the tokens at {at}")
             if not 0 < s.nbytes <= _MAX_SEGMENT_BYTES or not _CHECKSUM.fullmatch(s.checksum):
                 raise refuse(f"{kind} {s.file} has a bad size or checksum entry")
+            if s.owner:
+                try:
+                    check_agent_id(s.owner)
+                except InvalidAgentId as exc:
+                    raise refuse(f"{kind} {s.file}: bad owner: {exc}") from None
             at += s.use
         return at
 

@@ -102,7 +102,9 @@ def _read_segment(
         parsed = parse_segment(buffer, expected)
     except CacheRejected as exc:
         raise refuse(exc.reason) from None
-    for key, value in segment_metadata(identity, agent, entry.start, entry.stop).items():
+    # A fork's segments are its source's files (linked): their header names the source.
+    owner = entry.owner or agent
+    for key, value in segment_metadata(identity, owner, entry.start, entry.stop).items():
         said = parsed.metadata.get(key)
         if said != value:
             raise refuse(f"metadata {key} is {str(said)[:80]!r}, expected {value!r}")

@@ -46,7 +46,7 @@ from ._safetensors import build_header, checksum, tensor_bytes
 from ._warm_read import tree_bytes
 from .errors import CacheRejected, StoreWriteError
 
-__all__ = ("append_cache", "forget")
+__all__ = ("append_cache", "fork_cache", "forget")
 
 _LITTLE = sys.byteorder == "little"
 _IOV_MAX = 512  # buffers per writev call (POSIX guarantees 16, Linux and macOS allow 1024)
@@ -385,3 +385,76 @@ def forget(root: str | os.PathLike[str], agent: str) -> int:
     except OSError as exc:
         raise StoreWriteError(f"forgetting agent {agent!r} failed: {exc}") from exc
     return freed
+
+
+# ------------------------------------------------------------------------------ fork
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` holding ``src``'s bytes: a hard link (no copy, the same file), else a copy
+    (another file system, no link support), made durable."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copyfile(src, dst, follow_symlinks=False)
+        fd = os.open(dst, os.O_RDONLY | CLOEXEC | NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fork_cache(
+    root: str | os.PathLike[str], identity: CacheIdentity, source: str, new: str
+) -> WarmInfo | None:
+    """Give agent ``new`` a warm cache that is ``source``'s as it is on disk now: its
+    segment files hard-linked into ``new``'s folder (one copy of the bytes; a copy where
+    links fail), then its manifest, the commit point. The source and the fork append,
+    cut and forget on their own from then on: files are never rewritten, and a file stays
+    until its last name is deleted. None when the source has no warm cache.
+
+    Raises InvalidAgentId / UnsafeCachePath like ``append_cache``, CacheRejected when the
+    source's manifest is refused, ValueError when ``new`` has a warm cache already,
+    StoreWriteError when the disk fails (nothing of ``new`` is loadable then).
+    """
+    src, dst = agent_dir(root, source), agent_dir(root, new)
+    loaded = load_manifest(src, identity, source)
+    if loaded is None:
+        return None
+    try:
+        if load_manifest(dst, identity, new) is not None:
+            raise ValueError(f"agent {new!r} has a warm cache already")
+    except CacheRejected:
+        raise ValueError(f"agent {new!r} has a (refused) warm cache already") from None
+    old = loaded[0]
+    now = time.time()
+
+    def owned(entries: list[SegmentEntry]) -> list[SegmentEntry]:
+        return [msgspec.structs.replace(s, owner=s.owner or source) for s in entries]
+
+    manifest = msgspec.structs.replace(
+        old,
+        agent=new,
+        segments=owned(old.segments),
+        window_segments=owned(old.window_segments),
+        created=now,
+        updated=now,
+    )
+    try:
+        fresh = not dst.is_dir()
+        dst.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            _fsync_dir(dst.parent)
+        for entry in (*old.segments, *old.window_segments):
+            tmp = dst / f".{entry.file}.{secrets.token_hex(4)}.tmp"
+            _link_or_copy(src / entry.file, tmp)
+            os.replace(tmp, dst / entry.file)
+        _fsync_dir(dst)
+        raw = encode_manifest(manifest)
+        _write_atomic(dst, MANIFEST, [memoryview(raw)])
+    except OSError as exc:
+        code = errno.errorcode.get(exc.errno, "error") if exc.errno else "error"
+        raise StoreWriteError(
+            f"forking the warm cache of agent {source!r} into {new!r} failed ({code}: "
+            f"{exc.strerror or exc})"
+        ) from exc
+    _remove_orphans(dst, manifest)
+    return warm_info(manifest, len(raw))

@@ -35,6 +35,7 @@ __all__ = (
     "AgentActor",
     "AgentState",
     "GetState",
+    "Snapshot",
     "Turn",
     "TurnDone",
     "check_history",
@@ -58,6 +59,11 @@ class Turn(msgspec.Struct, frozen=True, tag=True):
 
 class GetState(msgspec.Struct, frozen=True, tag=True):
     pass
+
+
+class Snapshot(msgspec.Struct, frozen=True, tag=True):
+    """The agent between turns: its cached tokens, their text and its conversation
+    (answers a ``(tokens, text, messages)`` tuple; what a fork starts from)."""
 
 
 class AgentState(msgspec.Struct, frozen=True):
@@ -210,6 +216,7 @@ class AgentActor(Actor):
         tokenizer: Tokenizer,
         system: str | None,
         warm: Any | None = None,
+        start: tuple[list[int], str, list[dict[str, str]]] | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.engine = engine
@@ -224,9 +231,11 @@ class AgentActor(Actor):
         self.persisted = 0  # tokens safe in the warm tier
         self.restored = False
         self.turns = 0
+        if start is not None:  # a fork without a warm tier: its source's state, as it was
+            self.tokens, self.text, self.messages = start
 
     async def on_start(self) -> None:
-        if self.warm is None:
+        if self.warm is None or self.tokens:
             return
         saved = await self.warm.restore(self.agent_id)
         if saved is None:
@@ -239,7 +248,7 @@ class AgentActor(Actor):
         self.persisted = len(tokens)
         self.restored = True
 
-    async def receive(self, message: Turn | GetState) -> Any:
+    async def receive(self, message: Turn | GetState | Snapshot) -> Any:
         match message:
             case Turn(text, sampling, raw, history) if history is not None:
                 return self._turn(text, sampling, raw, check_history(history))
@@ -247,6 +256,8 @@ class AgentActor(Actor):
                 if not text.strip():
                     raise ValueError("the prompt is empty")
                 return self._turn(text, sampling, raw)
+            case Snapshot():
+                return list(self.tokens), self.text, [dict(m) for m in self.messages]
             case GetState():
                 return AgentState(
                     agent=self.agent_id,

@@ -30,6 +30,7 @@ from .protocol import (
     EngineMessage,
     EngineStats,
     Export,
+    Fork,
     Generate,
     GetModelInfo,
     Install,
@@ -159,6 +160,13 @@ class EngineActor(ThreadActor):
                 return self._model_info(), self.lm.tokenizer
             case DropCache(agent):
                 return pool.drop(agent)
+            case Fork(source, new, tokens):
+                entry = pool.get(check_agent_id(source))
+                check_agent_id(new)
+                if entry is None or entry.busy or entry.kv.tokens != tokens:
+                    return False
+                kv = entry.kv.fork(self._new_kv())
+                return pool.install(new, kv.stored_bytes, lambda: kv, pin=False)
             case CacheQuery(agent):
                 entry = pool.get(agent)
                 if entry is None:

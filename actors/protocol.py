@@ -181,6 +181,16 @@ class CacheQuery(msgspec.Struct, frozen=True, tag=True):
     agent: str
 
 
+class Fork(msgspec.Struct, frozen=True, tag=True):
+    """Make ``new``'s hot cache the ``source``'s, sharing its stored arrays (they are never
+    written in place), if the source is hot, idle and holds exactly ``tokens``: answers
+    whether it did."""
+
+    source: str
+    new: str
+    tokens: list[int]
+
+
 class GetModelInfo(msgspec.Struct, frozen=True, tag=True):
     """Answers ``(ModelInfo, Tokenizer)``. The tokenizer is a live object, not data: agents
     render prompts and match prefixes on the event loop without a round trip per call, and
@@ -200,6 +210,7 @@ EngineMessage = (
     | Release
     | DropCache
     | CacheQuery
+    | Fork
     | GetModelInfo
     | StatsQuery
 )

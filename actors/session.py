@@ -18,7 +18,7 @@ from ..kernels.turn_cache import CacheGeometry
 from ..runtime import ActorRef, ReplyStream, Runtime
 from ._dirlock import CacheDirLock, lock_cache_dir
 from ._tokenizer import Tokenizer
-from .agent import AgentActor, AgentState, GetState, Turn, TurnDone, check_history
+from .agent import AgentActor, AgentState, GetState, Snapshot, Turn, TurnDone, check_history
 from .config import Attention, EngineConfig, ModelSpec
 from .engine import EngineActor
 from .enums import FinishReason, Match, Tier
@@ -30,6 +30,7 @@ from .protocol import (
     CacheQuery,
     DropCache,
     EngineStats,
+    Fork,
     GetModelInfo,
     ModelInfo,
     Sampling,
@@ -41,6 +42,7 @@ from .store import (
     Append,
     CacheIdentity,
     Forget,
+    ForkCache,
     ListAgents,
     Manifest,
     StoreActor,
@@ -384,6 +386,52 @@ class Session:
             raise ValueError(f"agent {name!r} already exists")
         ref = await self.runtime.spawn(
             AgentActor, name, self.engine, self.tokenizer, system, self.warm, name=f"agent:{name}"
+        )
+        agent = Agent(self, name, ref)
+        self._agents[name] = agent
+        return agent
+
+    async def fork(self, source: str, name: str) -> Agent:
+        """A new agent ``name`` that starts where agent ``source`` is now: its conversation
+        and its cache, without copying it. In memory the stored arrays are shared (the
+        budget still counts them for each agent); on disk ``name``'s folder gets hard links
+        to ``source``'s segment files (one copy of the bytes) and a manifest of its own.
+        From then on each goes its own way: neither ever sees the other's later tokens,
+        and forgetting one leaves the other whole.
+
+        The source is asked between its turns (a turn it is taking finishes first). Raises
+        InvalidAgentId for unsafe names, ValueError when ``name`` exists (running or on
+        disk), UnknownAgent when ``source`` is neither running nor on disk.
+        """
+        check_agent_id(source)
+        check_agent_id(name)
+        if name in self._agents:
+            raise ValueError(f"agent {name!r} already exists")
+        running = self._agents.get(source)
+        if running is not None:
+            start = await running.ref.ask(Snapshot())
+        elif self.warm is not None:
+            start = await self.warm.restore(source)
+        else:
+            start = None
+        if start is None:
+            raise UnknownAgent(f"no agent named {source!r}, running or on disk")
+        on_disk = None
+        store, warm = self.store, self.warm
+        if store is not None and warm is not None:
+            forked = await store.ask(ForkCache(source, name))
+            on_disk = None if forked is None else await warm.restore(name)  # what it resumes
+        # Hot too when the source is, with exactly those tokens (else it stages from disk).
+        await self.engine.ask(Fork(source, name, list((on_disk or start)[0])))
+        ref = await self.runtime.spawn(
+            AgentActor,
+            name,
+            self.engine,
+            self.tokenizer,
+            None,
+            self.warm,
+            None if on_disk else start,
+            name=f"agent:{name}",
         )
         agent = Agent(self, name, ref)
         self._agents[name] = agent

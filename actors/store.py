@@ -40,7 +40,7 @@ from ._manifest import (
     read_manifest,
 )
 from ._warm_read import list_agents, read_cache
-from ._warm_write import append_cache, forget
+from ._warm_write import append_cache, forget, fork_cache
 from .enums import Tier
 from .errors import CacheRejected
 from .protocol import check_agent_id
@@ -120,6 +120,14 @@ class Forget(msgspec.Struct, frozen=True, tag=True):
     agent: str
 
 
+class ForkCache(msgspec.Struct, frozen=True, tag=True):
+    """Give ``new`` a warm cache that is ``source``'s, its segment files linked (see
+    ``fork_cache``): answers a WarmInfo, or None when the source has none."""
+
+    source: str
+    new: str
+
+
 class StoreStatsQuery(msgspec.Struct, frozen=True, tag=True):
     """The warm tier's I/O so far: answers a StoreStats."""
 
@@ -137,7 +145,7 @@ class StoreStats(msgspec.Struct, frozen=True):
     rejected: int = 0  # loads refused (the agent continued cold)
 
 
-StoreMessage = Append | Load | Manifest | ListAgents | Forget | StoreStatsQuery
+StoreMessage = Append | Load | Manifest | ListAgents | Forget | ForkCache | StoreStatsQuery
 
 
 # ------------------------------------------------------------------------------ actor
@@ -187,6 +195,12 @@ class StoreActor(Actor):
                 return await self._list()
             case Forget(agent):
                 return await self._forget(check_agent_id(agent))
+            case ForkCache(source, new):
+                source, new = check_agent_id(source), check_agent_id(new)
+                self._manifests.pop(new, None)
+                return await anyio.to_thread.run_sync(
+                    fork_cache, self.root, self.identity, source, new
+                )
             case StoreStatsQuery():
                 return self._io
         raise TypeError(f"the store does not handle {type(message).__name__}")

@@ -143,6 +143,21 @@ class AgentKV:
                 self.work = self.turn_cache.start(self)
         return self.work
 
+    def fork(self, into: AgentKV) -> AgentKV:
+        """``into`` (a new, empty cache of the same codec and geometry) holding this one's
+        tokens and stored ranges, their arrays shared, not copied: nothing writes stored
+        arrays in place (cuts slice them, ``slide`` drops them from the ranges' own
+        lists). Between turns only. Returns ``into``."""
+        if self.work is not None:
+            raise ValueError("cannot fork a cache during its turn")
+        into.tokens = list(self.tokens)
+        into.ranges = [
+            StoredRange(r.start, r.stop, [(dict(k), dict(v)) for k, v in r.layers])
+            for r in self.ranges
+        ]
+        into.window_start = self.window_start
+        return into
+
     def reusable(self, keep: int) -> int:
         """How much of a common prefix of ``keep`` tokens a turn can resume at: all of it,
         or 0 when the sliding-window layers no longer hold the window that resuming there

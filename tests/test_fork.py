@@ -1,0 +1,119 @@
+"""Forks: a new agent that starts where another is, sharing its cache (arrays in memory,
+hard-linked segment files on disk), then goes its own way. Real engine, files, actors."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvactor
+from kvactor.actors.enums import Tier
+from kvactor.actors.model import make_tiny_model
+
+tiny = functools.partial(make_tiny_model, 0, head_dim=64)
+SYSTEM = "You are agent seven."
+
+
+async def test_a_fork_resumes_from_the_source_cache_and_then_goes_its_own_way() -> None:
+    async with kvactor.open(tiny) as kv:
+        source = await kv.spawn_agent("src", system=SYSTEM)
+        await source.generate("read this long shared document please", max_tokens=6)
+        held = (await source.state()).tokens
+        engine_before = (await kv.stats()).installs
+        fork = await kv.fork("src", "copy")
+        # Hot at once, no copy: the fork's stored arrays are the source's own objects.
+        engine: Any = kv.engine._cell._actor  # looking inside: the engine actor's pool
+        pool = engine.pool
+        src_kv, fork_kv = pool.get("src").kv, pool.get("copy").kv
+        assert fork_kv.tokens == src_kv.tokens and fork_kv is not src_kv
+        assert fork_kv.ranges[0].layers[0][0]["q"] is src_kv.ranges[0].layers[0][0]["q"]
+        assert (await kv.stats()).installs == engine_before + 1
+        assert await fork.history() == await source.history()
+        # The same next prompt from the same cache: the same greedy answer, all reused.
+        a = await fork.generate("what next?", max_tokens=6)
+        b = await source.generate("what next?", max_tokens=6)
+        assert a.path == b.path == Tier.HOT
+        assert a.timings.reused_tokens == b.timings.reused_tokens > held // 2
+        assert a.token_ids == b.token_ids
+        # Then they diverge: neither sees the other's turns.
+        await fork.generate("only the fork hears this", max_tokens=4)
+        await source.generate("only the source hears that", max_tokens=4)
+        fork_text = " ".join(m["content"] for m in await fork.history())
+        source_text = " ".join(m["content"] for m in await source.history())
+        assert "only the fork" in fork_text and "only the source" not in fork_text
+        assert "only the source" in source_text and "only the fork" not in source_text
+        # Their caches hold their own tokens only.
+        assert src_kv.tokens != fork_kv.tokens
+
+
+async def test_fork_errors() -> None:
+    async with kvactor.open(tiny) as kv:
+        await (await kv.spawn_agent("a")).generate("hi", max_tokens=2)
+        await kv.spawn_agent("b")
+        with pytest.raises(ValueError, match="already exists"):
+            await kv.fork("a", "b")
+        with pytest.raises(kvactor.UnknownAgent):
+            await kv.fork("nobody", "c")
+        with pytest.raises(kvactor.InvalidAgentId):
+            await kv.fork("a", "../c")
+
+
+async def test_on_disk_a_fork_links_the_source_files_and_outlives_it(tmp_path: Path) -> None:
+    async with kvactor.open(tiny, cache_dir=tmp_path) as kv:
+        source = await kv.spawn_agent("src", system=SYSTEM)
+        await source.generate("read this long shared document please", max_tokens=6)
+        await kv.fork("src", "copy")
+        hot = await kv.agent("copy").generate("what next?", max_tokens=6)
+    agents = tmp_path / "agents"
+    src_files = sorted(agents.glob("src/seg-*.safetensors"))
+    first = agents / "copy" / src_files[0].name
+    # One copy of the bytes: the fork's first segment is the source's file, linked.
+    assert os.stat(first).st_ino == os.stat(src_files[0]).st_ino
+    assert os.stat(first).st_nlink == 2
+    manifest = json.loads((agents / "copy" / "manifest.json").read_bytes())["manifest"]
+    assert manifest["agent"] == "copy" and manifest["segments"][0]["owner"] == "src"
+    assert "owner" not in manifest["segments"][-1] or not manifest["segments"][-1]["owner"]
+    # Forget the source: the fork still loads (in another process) and answers the same.
+    async with kvactor.open(tiny, cache_dir=tmp_path) as kv:
+        assert await kv.forget("src") > 0
+    assert not (agents / "src").exists() and os.stat(first).st_nlink == 1
+    script = textwrap.dedent(
+        f"""
+        import anyio, functools, json, kvactor
+        from kvactor.actors.model import make_tiny_model
+        model = functools.partial(make_tiny_model, 0, head_dim=64)
+        async def main():
+            async with kvactor.open(model, cache_dir={str(tmp_path)!r}) as kv:
+                fork = await kv.spawn_agent("copy")
+                history = await fork.history()
+                done = await fork.generate("and then?", max_tokens=6)
+                print(json.dumps([len(history), done.path, done.timings.reused_tokens]))
+        anyio.run(main)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"},
+    )
+    n_messages, path, reused = json.loads(out.stdout.strip().splitlines()[-1])
+    assert n_messages == 5 and path == "warm" and reused > 0
+    # And the hot fork's turn matched what a fork resumed from disk gives.
+    async with kvactor.open(tiny, cache_dir=tmp_path / "again") as kv:
+        source = await kv.spawn_agent("src", system=SYSTEM)
+        await source.generate("read this long shared document please", max_tokens=6)
+    async with kvactor.open(tiny, cache_dir=tmp_path / "again") as kv:
+        fork = await kv.fork("src", "copy")  # the source is on disk only: linked, then staged
+        again = await fork.generate("what next?", max_tokens=6)
+        assert again.path == Tier.WARM
+        assert again.token_ids == hot.token_ids
