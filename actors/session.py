@@ -373,12 +373,19 @@ class Session:
             self._closed = True
             await self._close(exc_type, exc, tb)
 
-    async def spawn_agent(self, name: str, *, system: str | None = None) -> Agent:
-        """A new agent called ``name`` (letters, digits, '.', '_', '-').
+    async def spawn_agent(
+        self, name: str, *, system: str | None = None, fork_of: str | None = None
+    ) -> Agent:
+        """A new agent called ``name`` (letters, digits, '.', '_', '-'); ``fork_of``: one
+        that starts where that agent is (``fork``; ``system`` must then be None).
 
         Raises InvalidAgentId for an unsafe name, ValueError when it already exists,
-        TypeError when ``system`` is not a str.
+        TypeError when ``system`` is not a str; with ``fork_of``, what ``fork`` raises.
         """
+        if fork_of is not None:
+            if system is not None:
+                raise ValueError("a fork keeps its source's system prompt: leave system None")
+            return await self.fork(fork_of, name)
         check_agent_id(name)
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str or None, not {type(system).__name__}")

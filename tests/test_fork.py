@@ -64,6 +64,10 @@ async def test_fork_errors() -> None:
             await kv.fork("nobody", "c")
         with pytest.raises(kvactor.InvalidAgentId):
             await kv.fork("a", "../c")
+        with pytest.raises(ValueError, match="system prompt"):
+            await kv.spawn_agent("d", system="other", fork_of="a")
+        d = await kv.spawn_agent("d", fork_of="a")
+        assert await d.history() == await kv.agent("a").history()
 
 
 async def test_on_disk_a_fork_links_the_source_files_and_outlives_it(tmp_path: Path) -> None:
