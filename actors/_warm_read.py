@@ -196,19 +196,22 @@ def read_cache(
 
 
 # ------------------------------------------------------------------------------ list
-def tree_bytes(path: Path) -> int:
-    """The bytes of every file under ``path`` (what deleting it frees); of ``path`` itself
-    when it is not a folder."""
-    if not os.path.isdir(path) or os.path.islink(path):
+def tree_bytes(path: Path, *, owned: bool = False) -> int:
+    """The bytes of every file under ``path``; of ``path`` itself when it is not a folder.
+    ``owned``: only files with no other name (what deleting ``path`` frees: a fork's
+    segments are hard links that keep their bytes while another agent names them)."""
+
+    def size(file: str | Path) -> int:
         with contextlib.suppress(OSError):
-            return os.lstat(path).st_size
+            info = os.lstat(file)
+            return 0 if owned and info.st_nlink > 1 else info.st_size
         return 0
-    total = 0
-    for folder, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(folder, name)).st_size
-    return total
+
+    if not os.path.isdir(path) or os.path.islink(path):
+        return size(path)
+    return sum(
+        size(os.path.join(folder, name)) for folder, _, files in os.walk(path) for name in files
+    )
 
 
 def _refused_info(agent: str, folder: Path, reason: str) -> WarmInfo:

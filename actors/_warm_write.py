@@ -367,7 +367,8 @@ def _write_segment(
 # ---------------------------------------------------------------------------- forget
 def forget(root: str | os.PathLike[str], agent: str) -> int:
     """Delete every byte of the agent's warm cache (a refused copy set aside included);
-    returns the bytes freed, 0 for an unknown agent.
+    returns the bytes freed, 0 for an unknown agent: segment files that forks of it (or
+    that it forked from) still name stay, and do not count.
 
     Raises InvalidAgentId for an unsafe id and UnsafeCachePath when ``agents/``,
     ``rejected/`` or the agent's folder in either is a symlink, both before touching the
@@ -379,7 +380,7 @@ def forget(root: str | os.PathLike[str], agent: str) -> int:
     try:
         for folder in folders:
             if os.path.lexists(folder):
-                freed += tree_bytes(folder)
+                freed += tree_bytes(folder, owned=True)
                 _remove(folder)
                 _fsync_dir(folder.parent)
     except OSError as exc:

@@ -86,8 +86,10 @@ async def test_on_disk_a_fork_links_the_source_files_and_outlives_it(tmp_path: P
     assert manifest["agent"] == "copy" and manifest["segments"][0]["owner"] == "src"
     assert "owner" not in manifest["segments"][-1] or not manifest["segments"][-1]["owner"]
     # Forget the source: the fork still loads (in another process) and answers the same.
+    shared = first.stat().st_size
     async with kvactor.open(tiny, cache_dir=tmp_path) as kv:
-        assert await kv.forget("src") > 0
+        owned = sum(p.stat().st_size for p in (agents / "src").iterdir()) - shared
+        assert await kv.forget("src") == owned  # the linked segment stays: not freed
     assert not (agents / "src").exists() and os.stat(first).st_nlink == 1
     script = textwrap.dedent(
         f"""
