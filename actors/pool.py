@@ -216,8 +216,16 @@ class CachePool:
 
     # -- accounting -------------------------------------------------------------------
     def measure(self) -> int:
-        """Bytes in use now (and the peak so far)."""
-        used = sum(e.kv.nbytes for e in self._entries.values()) + self._batch_bytes()
+        """Bytes in use now (and the peak so far). A stored array that several caches hold
+        (forks share their source's) counts once."""
+        seen: set[int] = set()
+        used = self._batch_bytes()
+        for e in self._entries.values():
+            used += e.kv.work_bytes + e.kv.ready_bytes
+            for a in e.kv.stored_arrays():
+                if id(a) not in seen:
+                    seen.add(id(a))
+                    used += a.nbytes
         used += sum(n for _, n in self._pins.values()) + sum(self._staged.values())
         used += sum(self._readying.values())
         self.used = used
@@ -236,11 +244,17 @@ class CachePool:
         """Every cache that may be demoted now: all but running turns' (and ``exclude``),
         and those whose new tokens are being written or about to be."""
         writing = {agent for agent, _ in self._pins.values()}
+        holders: dict[int, int] = {}  # stored array id -> how many caches hold it
+        for e in self._entries.values():
+            for a in e.kv.stored_arrays():
+                holders[id(a)] = holders.get(id(a), 0) + 1
         out = []
         for agent, e in self._entries.items():
             if e is exclude or e.turn_reserve is not None or e.write_due or agent in writing:
                 continue
-            nbytes = e.kv.nbytes
+            # What demoting it frees: arrays another cache holds too stay.
+            own = sum(a.nbytes for a in e.kv.stored_arrays() if holders[id(a)] == 1)
+            nbytes = own + e.kv.work_bytes + e.kv.ready_bytes
             # A cache not complete on disk (a cancelled turn's, or one whose write failed)
             # goes cold: its warm copy, if any, is older.
             warm = self.persistent and e.clean

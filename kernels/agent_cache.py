@@ -21,7 +21,7 @@ ready, one kept quantized and one reloaded from disk resume from the same values
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -119,6 +119,13 @@ class AgentKV:
     @property
     def stored_bytes(self) -> int:
         return sum(r.nbytes for r in self.ranges)
+
+    def stored_arrays(self) -> Iterator[mx.array]:
+        """Every array of the stored ranges (a fork's are its source's: see ``fork``)."""
+        for r in self.ranges:
+            for k, v in r.layers:
+                yield from k.values()
+                yield from v.values()
 
     @property
     def work_bytes(self) -> int:

@@ -123,3 +123,19 @@ async def test_on_disk_a_fork_links_the_source_files_and_outlives_it(tmp_path: P
         again = await fork.generate("what next?", max_tokens=6)
         assert again.path == Tier.WARM
         assert again.token_ids == hot.token_ids
+
+
+async def test_forks_count_once_in_the_hot_budget() -> None:
+    async with kvactor.open(tiny, attention="quantized") as kv:
+        source = await kv.spawn_agent("src", system=SYSTEM)
+        await source.generate("a long shared document " * 20, max_tokens=4)
+        alone = (await kv.stats()).cache_bytes
+        for i in range(3):
+            await kv.fork("src", f"f{i}")
+        stats = await kv.stats()
+        assert stats.agents_cached == 4
+        assert stats.cache_bytes == alone  # the forks hold the source's arrays: no new bytes
+        # A fork's own tokens are its own bytes (a cut into a shared range makes its own
+        # slices too); the source's still count once.
+        await kv.agent("f0").generate("mine", max_tokens=2)
+        assert (await kv.stats()).cache_bytes > alone
