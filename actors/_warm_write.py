@@ -204,6 +204,21 @@ def _remove_orphans(folder: Path, manifest: CacheManifest) -> None:
                 os.unlink(folder / name)
 
 
+def _commit(folder: Path, manifest: CacheManifest) -> WarmInfo:
+    """Write the manifest (the commit point), then remove what it no longer lists."""
+    raw = encode_manifest(manifest)
+    _write_atomic(folder, MANIFEST, [memoryview(raw)])
+    _remove_orphans(folder, manifest)
+    return warm_info(manifest, len(raw))
+
+
+def _write_failed(exc: OSError, doing: str) -> StoreWriteError:
+    code = errno.errorcode.get(exc.errno, "error") if exc.errno else "error"
+    return StoreWriteError(
+        f"{doing} failed ({code}: {exc.strerror or exc}); the previous cache stays loadable"
+    )
+
+
 def append_cache(
     root: str | os.PathLike[str],
     identity: CacheIdentity,
@@ -329,16 +344,9 @@ def append_cache(
                     window_segments=[*windows, window],
                     last_segment=number,
                 )
-        raw = encode_manifest(manifest)
-        _write_atomic(folder, MANIFEST, [memoryview(raw)])
+        return _commit(folder, manifest)
     except OSError as exc:
-        code = errno.errorcode.get(exc.errno, "error") if exc.errno else "error"
-        raise StoreWriteError(
-            f"writing the warm cache of agent {agent!r} failed ({code}: "
-            f"{exc.strerror or exc}); the previous cache stays loadable"
-        ) from exc
-    _remove_orphans(folder, manifest)
-    return warm_info(manifest, len(raw))
+        raise _write_failed(exc, f"writing the warm cache of agent {agent!r}") from exc
 
 
 def _write_segment(
@@ -449,13 +457,8 @@ def fork_cache(
             _link_or_copy(src / entry.file, tmp)
             os.replace(tmp, dst / entry.file)
         _fsync_dir(dst)
-        raw = encode_manifest(manifest)
-        _write_atomic(dst, MANIFEST, [memoryview(raw)])
+        return _commit(dst, manifest)
     except OSError as exc:
-        code = errno.errorcode.get(exc.errno, "error") if exc.errno else "error"
-        raise StoreWriteError(
-            f"forking the warm cache of agent {source!r} into {new!r} failed ({code}: "
-            f"{exc.strerror or exc})"
+        raise _write_failed(
+            exc, f"forking the warm cache of agent {source!r} into {new!r}"
         ) from exc
-    _remove_orphans(dst, manifest)
-    return warm_info(manifest, len(raw))

@@ -663,26 +663,17 @@ def create_app(
         )
 
     # -- OpenAI: chat completions ------------------------------------------------------
-    chat_fields = frozenset(
-        [
-            "model",
-            "messages",
-            "stream",
-            "stream_options",
-            "max_tokens",
-            "max_completion_tokens",
-            "temperature",
-            "top_p",
-            "seed",
-            "stop",
-            "user",
-            "n",
-            "presence_penalty",
-            "frequency_penalty",
-            "logprobs",
-            "response_format",
-        ]
+    openai_fields = frozenset(
+        {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed"}
+        | {"stop", "user", "n", "logprobs"}
     )
+    chat_fields = openai_fields | {
+        "messages",
+        "max_completion_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "response_format",
+    }
 
     async def chat_completions(request: Request) -> Response:
         body = await server.body(request)
@@ -785,23 +776,7 @@ def create_app(
         return await streamed(agent_id, messages, start, after, events)
 
     # -- OpenAI: completions -----------------------------------------------------------
-    completion_fields = frozenset(
-        [
-            "model",
-            "prompt",
-            "stream",
-            "stream_options",
-            "max_tokens",
-            "temperature",
-            "top_p",
-            "seed",
-            "stop",
-            "user",
-            "n",
-            "echo",
-            "logprobs",
-        ]
-    )
+    completion_fields = openai_fields | {"prompt", "echo"}
 
     async def completions(request: Request) -> Response:
         body = await server.body(request)
