@@ -481,6 +481,34 @@ def _agent_id(request: Request, *fields: Any) -> str | None:
     return None
 
 
+Conversation = list[dict[str, str]] | str  # what an agent last served (anonymous routing)
+Start = Callable[[Agent], TextStream]  # starts the turn on the agent chosen
+After = Callable[[Completion], Conversation]  # the conversation once the turn is done
+
+
+def _openai_usage(done: Completion) -> dict[str, Any]:
+    t = done.timings
+    return {
+        "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.generated_tokens,
+        "total_tokens": t.prompt_tokens + t.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": t.reused_tokens},
+    }
+
+
+def _chat_turn(messages: list[dict[str, str]], options: dict[str, Any]) -> tuple[Start, After]:
+    """How a chat request's turn starts on its agent, and the conversation once it is done
+    (for anonymous routing)."""
+
+    def start(agent: Agent) -> TextStream:
+        return agent.stream_chat(messages, **options)
+
+    def after(done: Completion) -> Conversation:
+        return [*messages, {"role": "assistant", "content": done.text}]
+
+    return start, after
+
+
 def _finish_reason(done: Completion) -> str:
     return "length" if done.finish_reason == FinishReason.LENGTH else "stop"
 
@@ -512,9 +540,6 @@ def _api_errors(exc: BaseException) -> ApiError:
 
 
 Shaper = Callable[[ApiError], JSONResponse]
-Conversation = list[dict[str, str]] | str  # what an agent last served (anonymous routing)
-Start = Callable[[Agent], TextStream]  # starts the turn on the agent chosen
-After = Callable[[Completion], Conversation]  # the conversation once the turn is done
 
 
 class _Streamed:
@@ -701,15 +726,6 @@ def create_app(
         created = int(time.time())
         agent_id = _agent_id(request, body.get("user"))
 
-        def usage(done: Completion) -> dict[str, Any]:
-            t = done.timings
-            return {
-                "prompt_tokens": t.prompt_tokens,
-                "completion_tokens": t.generated_tokens,
-                "total_tokens": t.prompt_tokens + t.generated_tokens,
-                "prompt_tokens_details": {"cached_tokens": t.reused_tokens},
-            }
-
         def chunk(
             delta: dict[str, Any], finish: str | None = None, info: dict[str, Any] | None = None
         ) -> str:
@@ -727,11 +743,7 @@ def create_app(
                 data["kvactor"] = info
             return f"data: {json.dumps(data)}\n\n"
 
-        def start(agent: Agent) -> TextStream:
-            return agent.stream_chat(messages, **options)
-
-        def after(done: Completion) -> Conversation:
-            return [*messages, {"role": "assistant", "content": done.text}]
+        start, after = _chat_turn(messages, options)
 
         if not stream:
             agent, done = await whole(agent_id, messages, start, after)
@@ -750,7 +762,7 @@ def create_app(
                             "finish_reason": _finish_reason(done),
                         }
                     ],
-                    "usage": usage(done),
+                    "usage": _openai_usage(done),
                     "kvactor": _kvactor_info(agent, done),
                 }
             )
@@ -768,7 +780,7 @@ def create_app(
                     "created": created,
                     "model": server.model_id,
                     "choices": [],
-                    "usage": usage(done),
+                    "usage": _openai_usage(done),
                 }
                 yield f"data: {json.dumps(data)}\n\n"
             yield "data: [DONE]\n\n"
@@ -805,13 +817,7 @@ def create_app(
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
             }
             if done is not None:
-                t = done.timings
-                out["usage"] = {
-                    "prompt_tokens": t.prompt_tokens,
-                    "completion_tokens": t.generated_tokens,
-                    "total_tokens": t.prompt_tokens + t.generated_tokens,
-                    "prompt_tokens_details": {"cached_tokens": t.reused_tokens},
-                }
+                out["usage"] = _openai_usage(done)
             return out
 
         def start(agent: Agent) -> TextStream:
@@ -892,11 +898,7 @@ def create_app(
         def event(kind: str, data: dict[str, Any]) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
-        def start(agent: Agent) -> TextStream:
-            return agent.stream_chat(messages, **options)
-
-        def after(done: Completion) -> Conversation:
-            return [*messages, {"role": "assistant", "content": done.text}]
+        start, after = _chat_turn(messages, options)
 
         if not stream:
             _, done = await whole(agent_id, messages, start, after)
