@@ -297,7 +297,7 @@ class EngineActor(ThreadActor):
         kv = self._new_kv()
         kv.tokens = list(tokens)
         geometry = self.lm.geometry
-        sliding = frozenset(i for i in range(geometry.n_layers) if geometry.sliding(i))
+        sliding = geometry.sliding
         kv.ranges = [
             StoredRange.from_numpy(start, stop, geometry.n_layers, tensors, sliding)
             for start, stop, tensors in ranges
@@ -311,7 +311,7 @@ class EngineActor(ThreadActor):
                 raise ValueError("staged sliding-layer tensors are not the last ranges")
             kv.window_start = lacking[-1].stop
         kv.slide(len(tokens))  # what it read is on disk
-        mx.eval([a for r in kv.ranges for k, v in r.layers for a in (*k.values(), *v.values())])
+        mx.eval(list(kv.stored_arrays()))
         return kv
 
     # -- the work loop ----------------------------------------------------------------

@@ -45,14 +45,19 @@ class StoredRange:
     stop: int
     layers: list[tuple[Parts, Parts]]
 
+    def arrays(self) -> Iterator[mx.array]:
+        """Every part array of every layer."""
+        for k, v in self.layers:
+            yield from k.values()
+            yield from v.values()
+
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for k, v in self.layers for a in (*k.values(), *v.values()))
+        return sum(a.nbytes for a in self.arrays())
 
     def to_numpy(self) -> dict[str, np.ndarray[Any, Any]]:
         """Host views of the arrays (zero-copy on CPU), named ``{layer}.{k|v}.{part}``."""
-        arrays = [a for k, v in self.layers for a in (*k.values(), *v.values())]
-        mx.eval(arrays)
+        mx.eval(list(self.arrays()))
         out: dict[str, np.ndarray[Any, Any]] = {}
         for i, (k, v) in enumerate(self.layers):
             for kind, parts in (("k", k), ("v", v)):
@@ -123,9 +128,7 @@ class AgentKV:
     def stored_arrays(self) -> Iterator[mx.array]:
         """Every array of the stored ranges (a fork's are its source's: see ``fork``)."""
         for r in self.ranges:
-            for k, v in r.layers:
-                yield from k.values()
-                yield from v.values()
+            yield from r.arrays()
 
     @property
     def work_bytes(self) -> int:
@@ -174,29 +177,24 @@ class AgentKV:
             return 0
         return keep
 
-    def slide(self, persisted: int) -> int:
+    def slide(self, persisted: int) -> None:
         """Drop the sliding-window layers' parts of every stored range that lies wholly
         behind the window of a turn resuming anywhere in the last range (so a turn that
         redoes or edits the last one still resumes), and is safe in the warm tier
-        (``persisted`` tokens are: a later write never needs them). Between turns only.
-        Returns the bytes freed."""
+        (``persisted`` tokens are: a later write never needs them). Between turns only."""
         window = self.geometry.window
         if window is None or self.work is not None or not self.ranges:
-            return 0
+            return
         limit = min(self.ranges[-1].start - window + 1, persisted)
-        sliding = [i for i in range(self.geometry.n_layers) if self.geometry.sliding(i)]
-        freed = 0
+        sliding = self.geometry.sliding
         for r in self.ranges:
             if r.stop > limit:
                 break
             if r.stop <= self.window_start:
                 continue
             for i in sliding:
-                k, v = r.layers[i]
-                freed += sum(a.nbytes for a in (*k.values(), *v.values()))
                 r.layers[i] = ({}, {})
             self.window_start = r.stop
-        return freed
 
     def layer_parts(self, layer: int, role: Role) -> list[Parts]:
         """Every stored range's parts of one layer and role, in order; zeros (as the codec
@@ -285,7 +283,7 @@ class AgentKV:
                 )
             )
         new = StoredRange(start, stop, layers)
-        mx.eval([a for k, v in layers for a in (*k.values(), *v.values())])
+        mx.eval(list(new.arrays()))
         self.ranges.append(new)
         return new
 

@@ -109,8 +109,8 @@ class CacheGeometry:
 
     def layer(self, i: int) -> LayerGeometry:
         """Layer ``i``'s geometry; raises NotImplementedError for a layer without a cache
-        (not supported by the stored form yet). A sliding-window layer is stored whole and
-        attended through its window (the model's mask)."""
+        (not supported by the stored form yet). A sliding-window layer keeps only its
+        window's ranges (``AgentKV.slide``) and is attended through the model's mask."""
         g = self.layers[i]
         if g is None:
             raise NotImplementedError(f"layer {i} keeps no KV cache: not supported yet")
@@ -122,10 +122,12 @@ class CacheGeometry:
         windows = [g.window for g in self.layers if g is not None and g.window is not None]
         return max(windows) if windows else None
 
-    def sliding(self, i: int) -> bool:
-        """Whether layer ``i`` attends through a sliding window."""
-        g = self.layers[i]
-        return g is not None and g.window is not None
+    @property
+    def sliding(self) -> frozenset[int]:
+        """The layers that attend through a sliding window."""
+        return frozenset(
+            i for i, g in enumerate(self.layers) if g is not None and g.window is not None
+        )
 
     def fp32_bytes_per_token(self) -> int:
         """Bytes of one token's fp32 K and V over every layer."""
