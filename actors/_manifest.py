@@ -55,6 +55,7 @@ __all__ = (
     "read_manifest",
     "rejected_dir",
     "segment_metadata",
+    "segment_holds",
     "split_layers",
     "uniform_geometry",
     "warm_info",
@@ -92,6 +93,17 @@ def split_layers(geometry: list[list[int]]) -> tuple[frozenset[int], int] | None
     if not sliding or len(sliding) == sum(1 for g in geometry if g):
         return None
     return sliding, max(geometry[i][3] for i in sliding)
+
+
+def segment_holds(geometry: list[list[int]], window: bool) -> Callable[[str], bool]:
+    """Which tensor names (``{layer}.{k|v}.{part}``) a segment holds: with split layers
+    (``split_layers``) a window segment (``window``) the sliding layers', a segment the
+    others'; else a segment all of them."""
+    split = split_layers(geometry)
+    if split is None:
+        return lambda name: not window
+    sliding = split[0]
+    return lambda name: (int(name.split(".", 1)[0]) in sliding) == window
 
 
 def uniform_geometry(n_layers: int, n_kv_heads: int, head_dim: int) -> list[list[int]]:

@@ -30,8 +30,8 @@ from ._manifest import (
     agent_dir,
     contained,
     load_manifest,
+    segment_holds,
     segment_metadata,
-    split_layers,
     warm_info,
 )
 from ._safetensors import MAX_HEADER_BYTES, Expected, format_checksum, parse_segment
@@ -111,25 +111,13 @@ def _read_segment(
     return parsed.tensors
 
 
-def _layer_filter(geometry: list[list[int]], window: bool | None) -> Callable[[str], bool]:
-    """Which tensor names (``{layer}.{k|v}.{part}``) a segment holds: all of them
-    (``window`` None: a model without split layers), the global layers' or the sliding
-    layers' (``split_layers``)."""
-    split = split_layers(geometry)
-    if window is None or split is None:
-        return lambda name: True
-    sliding = split[0]
-    return lambda name: (int(name.split(".", 1)[0]) in sliding) == window
-
-
 def _read_segments(
     folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
 ) -> Loaded:
     geometry = identity.layer_geometry()
-    split = split_layers(geometry) is not None
     out: list[list[dict[str, np.ndarray[Any, Any]]]] = []
     for entries, window in ((manifest.segments, False), (manifest.window_segments, True)):
-        keep = _layer_filter(geometry, window if split else None)
+        keep = segment_holds(geometry, window)
         read = []
         for entry in entries:
             path = folder / entry.file

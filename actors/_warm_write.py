@@ -38,6 +38,7 @@ from ._manifest import (
     encode_manifest,
     load_manifest,
     rejected_dir,
+    segment_holds,
     segment_metadata,
     split_layers,
     warm_info,
@@ -332,8 +333,9 @@ def append_cache(
                     manifest, segments=[*segments, entry], last_segment=number
                 )
             else:
-                sliding = [(k, a) for k, a in arrays if int(k.split(".", 1)[0]) in split[0]]
-                rest = [(k, a) for k, a in arrays if int(k.split(".", 1)[0]) not in split[0]]
+                in_window = segment_holds(identity.layer_geometry(), window=True)
+                sliding = [(k, a) for k, a in arrays if in_window(k)]
+                rest = [(k, a) for k, a in arrays if not in_window(k)]
                 entry = _write_segment(folder, number, identity, agent, start, stop, rest)
                 window = _write_segment(
                     folder, number, identity, agent, start, stop, sliding, prefix="win"
