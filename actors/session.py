@@ -391,17 +391,12 @@ class Session:
             raise TypeError(f"system must be a str or None, not {type(system).__name__}")
         if name in self._agents:
             raise ValueError(f"agent {name!r} already exists")
-        ref = await self.runtime.spawn(
-            AgentActor, name, self.engine, self.tokenizer, system, self.warm, name=f"agent:{name}"
-        )
-        agent = Agent(self, name, ref)
-        self._agents[name] = agent
-        return agent
+        return await self._start_agent(name, system)
 
     async def fork(self, source: str, name: str) -> Agent:
         """A new agent ``name`` that starts where agent ``source`` is now: its conversation
-        and its cache, without copying it. In memory the stored arrays are shared (the
-        budget still counts them for each agent); on disk ``name``'s folder gets hard links
+        and its cache, without copying it. In memory the stored arrays are shared (the hot
+        budget counts them once); on disk ``name``'s folder gets hard links
         to ``source``'s segment files (one copy of the bytes) and a manifest of its own.
         From then on each goes its own way: neither ever sees the other's later tokens,
         and forgetting one leaves the other whole.
@@ -430,14 +425,22 @@ class Session:
             on_disk = None if forked is None else await warm.restore(name)  # what it resumes
         # Hot too when the source is, with exactly those tokens (else it stages from disk).
         await self.engine.ask(Fork(source, name, list((on_disk or start)[0])))
+        return await self._start_agent(name, None, None if on_disk else start)
+
+    async def _start_agent(
+        self,
+        name: str,
+        system: str | None,
+        start: tuple[list[int], str, list[dict[str, str]]] | None = None,
+    ) -> Agent:
         ref = await self.runtime.spawn(
             AgentActor,
             name,
             self.engine,
             self.tokenizer,
-            None,
+            system,
             self.warm,
-            None if on_disk else start,
+            start,
             name=f"agent:{name}",
         )
         agent = Agent(self, name, ref)
