@@ -414,10 +414,7 @@ class _Server:
 
     # -- agents ------------------------------------------------------------------------
     async def named(self, agent_id: str) -> Agent:
-        try:
-            check_agent_id(agent_id)
-        except InvalidAgentId as exc:
-            raise ApiError(400, str(exc), param="agent_id") from None
+        check_agent_id(agent_id)  # InvalidAgentId: a 400 (_api_errors)
         if agent_id.startswith(ANONYMOUS):
             raise ApiError(
                 400, f"agent ids starting with {ANONYMOUS!r} are the server's own", param="agent_id"
@@ -1001,11 +998,7 @@ def create_app(
         return JSONResponse({"object": "list", "data": rows})
 
     async def forget(request: Request) -> Response:
-        name = request.path_params["agent_id"]
-        try:
-            check_agent_id(name)
-        except InvalidAgentId as exc:
-            raise ApiError(400, str(exc), param="agent_id") from None
+        name = check_agent_id(request.path_params["agent_id"])  # else a 400 (_api_errors)
         known = name in session.agents or any(w.agent == name for w in await session.warm_agents())
         if not known:
             raise ApiError(404, f"no agent {name!r}", code="agent_not_found")
@@ -1018,11 +1011,7 @@ def create_app(
         )
 
     async def prefetch(request: Request) -> Response:
-        name = request.path_params["agent_id"]
-        try:
-            check_agent_id(name)
-        except InvalidAgentId as exc:
-            raise ApiError(400, str(exc), param="agent_id") from None
+        name = check_agent_id(request.path_params["agent_id"])  # else a 400 (_api_errors)
         if not any(w.agent == name for w in await session.warm_agents()):
             raise ApiError(404, f"agent {name!r} has no warm cache", code="agent_not_found")
         await session.prefetch(name)
