@@ -222,6 +222,9 @@ class CachePool:
         used = self._batch_bytes()
         for e in self._entries.values():
             used += e.kv.work_bytes + e.kv.ready_bytes
+            if not e.kv.shared:  # the common case, per decode step: no set of ids
+                used += e.kv.stored_bytes
+                continue
             for a in e.kv.stored_arrays():
                 if id(a) not in seen:
                     seen.add(id(a))
@@ -244,16 +247,21 @@ class CachePool:
         """Every cache that may be demoted now: all but running turns' (and ``exclude``),
         and those whose new tokens are being written or about to be."""
         writing = {agent for agent, _ in self._pins.values()}
-        holders: dict[int, int] = {}  # stored array id -> how many caches hold it
+        holders: dict[int, int] = {}  # stored array id -> how many sharing caches hold it
         for e in self._entries.values():
-            for a in e.kv.stored_arrays():
-                holders[id(a)] = holders.get(id(a), 0) + 1
+            if e.kv.shared:
+                for a in e.kv.stored_arrays():
+                    holders[id(a)] = holders.get(id(a), 0) + 1
         out = []
         for agent, e in self._entries.items():
             if e is exclude or e.turn_reserve is not None or e.write_due or agent in writing:
                 continue
             # What demoting it frees: arrays another cache holds too stay.
-            own = sum(a.nbytes for a in e.kv.stored_arrays() if holders[id(a)] == 1)
+            own = (
+                sum(a.nbytes for a in e.kv.stored_arrays() if holders[id(a)] == 1)
+                if e.kv.shared
+                else e.kv.stored_bytes
+            )
             nbytes = own + e.kv.work_bytes + e.kv.ready_bytes
             # A cache not complete on disk (a cancelled turn's, or one whose write failed)
             # goes cold: its warm copy, if any, is older.

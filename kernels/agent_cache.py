@@ -115,6 +115,8 @@ class AgentKV:
         self.ready: TurnCache | None = None
         # Sliding-window layers keep no parts of the ranges before this token (slide()).
         self.window_start = 0
+        # Some stored arrays may be another cache's too (a fork, or its source).
+        self.shared = False
 
     # -- sizes ------------------------------------------------------------------------
     @property
@@ -166,6 +168,7 @@ class AgentKV:
             for r in self.ranges
         ]
         into.window_start = self.window_start
+        self.shared = into.shared = True
         return into
 
     def reusable(self, keep: int) -> int:
