@@ -47,7 +47,7 @@ from ._safetensors import build_header, checksum, tensor_bytes
 from ._warm_read import tree_bytes
 from .errors import CacheRejected, StoreWriteError
 
-__all__ = ("append_cache", "fork_cache", "forget")
+__all__ = ("append_cache", "fork_cache", "forget", "share_cache")
 
 _LITTLE = sys.byteorder == "little"
 _IOV_MAX = 512  # buffers per writev call (POSIX guarantees 16, Linux and macOS allow 1024)
@@ -436,31 +436,95 @@ def fork_cache(
     except CacheRejected:
         raise ValueError(f"agent {new!r} has a (refused) warm cache already") from None
     old = loaded[0]
-    now = time.time()
+    manifest = _linked_manifest(old, source, new, old.segments, old.window_segments)
+    doing = f"forking the warm cache of agent {source!r} into {new!r}"
+    return _link_into(src, dst, manifest, doing)
+
+
+def share_cache(
+    root: str | os.PathLike[str],
+    identity: CacheIdentity,
+    source: str,
+    new: str,
+    tokens: Sequence[int],
+    *,
+    text: str = "",
+    messages: Sequence[Mapping[str, str]] = (),
+) -> WarmInfo | None:
+    """Give agent ``new``, which has no warm cache, one holding ``tokens``: a prefix of
+    ``source``'s cache that ends where one of its segments ends, its segment files linked
+    as ``fork_cache`` links them (one copy of the bytes). ``text`` and ``messages`` are
+    ``new``'s. None, touching nothing, when that cannot be done: ``source`` has no such
+    segments (or a refused cache), ``new`` has a warm cache (even a refused one), or the
+    model has sliding-window layers (whose window files belong to the last segments);
+    the caller then writes the tokens itself.
+
+    Raises InvalidAgentId / UnsafeCachePath like ``append_cache``; StoreWriteError when
+    the disk fails (nothing of ``new`` is loadable then).
+    """
+    src, dst = agent_dir(root, source), agent_dir(root, new)
+    upto = len(tokens)
+    try:
+        loaded = load_manifest(src, identity, source)
+        if load_manifest(dst, identity, new) is not None:
+            return None
+    except CacheRejected:
+        return None
+    if loaded is None or split_layers(identity.layer_geometry()) is not None:
+        return None
+    old = loaded[0]
+    if old.window_segments or list(old.token_ids[:upto]) != [operator.index(t) for t in tokens]:
+        return None
+    segments = [s for s in old.segments if s.start < upto]
+    if not segments or segments[-1].start + segments[-1].use != upto:
+        return None
+    manifest = _linked_manifest(old, source, new, segments, [])
+    manifest = msgspec.structs.replace(
+        manifest,
+        n_tokens=upto,
+        token_ids=list(old.token_ids[:upto]),
+        text=text,
+        messages=[dict(m) for m in messages],
+        extra={},
+    )
+    return _link_into(src, dst, manifest, f"sharing agent {source!r}'s warm cache with {new!r}")
+
+
+def _linked_manifest(
+    old: CacheManifest,
+    source: str,
+    new: str,
+    segments: list[SegmentEntry],
+    windows: list[SegmentEntry],
+) -> CacheManifest:
+    """``new``'s manifest naming ``source``'s ``segments`` (their first owner kept)."""
 
     def owned(entries: list[SegmentEntry]) -> list[SegmentEntry]:
         return [msgspec.structs.replace(s, owner=s.owner or source) for s in entries]
 
-    manifest = msgspec.structs.replace(
+    now = time.time()
+    return msgspec.structs.replace(
         old,
         agent=new,
-        segments=owned(old.segments),
-        window_segments=owned(old.window_segments),
+        segments=owned(segments),
+        window_segments=owned(windows),
         created=now,
         updated=now,
     )
+
+
+def _link_into(src: Path, dst: Path, manifest: CacheManifest, doing: str) -> WarmInfo:
+    """Link the files ``manifest`` names from ``src`` into ``dst``, then commit it there."""
     try:
         fresh = not dst.is_dir()
         dst.mkdir(parents=True, exist_ok=True)
         if fresh:
             _fsync_dir(dst.parent)
-        for entry in (*old.segments, *old.window_segments):
+        for entry in (*manifest.segments, *manifest.window_segments):
             tmp = dst / f".{entry.file}.{secrets.token_hex(4)}.tmp"
             _link_or_copy(src / entry.file, tmp)
             os.replace(tmp, dst / entry.file)
         _fsync_dir(dst)
         return _commit(dst, manifest)
     except OSError as exc:
-        raise _write_failed(
-            exc, f"forking the warm cache of agent {source!r} into {new!r}"
-        ) from exc
+        raise _write_failed(exc, doing) from exc

@@ -48,13 +48,16 @@ log = logging.getLogger("kvactor.agent")
 class Turn(msgspec.Struct, frozen=True, tag=True):
     """A user message (``raw=False``) or a whole raw prompt (``raw=True``); or, with
     ``history``, the whole conversation as the caller keeps it (an HTTP client resending
-    every message: ``text`` is unused), which replaces the agent's. The reply streams text
-    pieces, then one TurnDone."""
+    every message: ``text`` is unused), which replaces the agent's. ``prime``: no message;
+    the cache is filled with the conversation as it is (its system prompt: a shared
+    context), one token sampled and dropped. The reply streams text pieces, then one
+    TurnDone."""
 
     text: str
     sampling: Sampling
     raw: bool = False
     history: list[dict[str, str]] | None = None
+    prime: bool = False  # fill the cache with the conversation so far (a shared context)
 
 
 class GetState(msgspec.Struct, frozen=True, tag=True):
@@ -217,8 +220,10 @@ class AgentActor(Actor):
         system: str | None,
         warm: Any | None = None,
         start: tuple[list[int], str, list[dict[str, str]]] | None = None,
+        context: str | None = None,
     ) -> None:
         self.agent_id = agent_id
+        self.context = context  # the shared context its system prompt is, if any
         self.engine = engine
         self.tokenizer = tokenizer
         self.warm = warm  # the warm tier (actors.session.WarmTier), or None
@@ -252,6 +257,8 @@ class AgentActor(Actor):
         match message:
             case Turn(text, sampling, raw, history) if history is not None:
                 return self._turn(text, sampling, raw, check_history(history))
+            case Turn(text, sampling, prime=True):
+                return self._turn(text, sampling, False, prime=True)
             case Turn(text, sampling, raw):
                 if not text.strip():
                     raise ValueError("the prompt is empty")
@@ -275,9 +282,19 @@ class AgentActor(Actor):
         sampling: Sampling,
         raw: bool,
         history: list[dict[str, str]] | None = None,
+        *,
+        prime: bool = False,
     ) -> AsyncIterator[str | TurnDone]:
         literal: Sequence[tuple[int, int]] = ()
-        if history is not None:  # the caller's conversation replaces ours
+        if self.context is not None and not self.tokens and self.warm is not None:
+            # Its shared context hot, if it fits: the engine shares what is hot.
+            with contextlib.suppress(Exception):
+                await self.warm.hot(self.context)
+        if prime:
+            messages = self.messages
+            prompt, literal = self.tokenizer.render_chat(messages, add_generation_prompt=False)
+            sampling = msgspec.structs.replace(sampling, max_tokens=1)
+        elif history is not None:  # the caller's conversation replaces ours
             messages = history
             prompt, literal = self.tokenizer.render_chat(messages, add_generation_prompt=True)
         elif raw:  # the caller's text as it is, special tokens included (an explicit opt-in)
@@ -324,7 +341,7 @@ class AgentActor(Actor):
                 raise RuntimeError("the engine ended a generation without saying why")
             if finished.timings.reused_tokens == 0:
                 path = Tier.COLD
-            if not raw:
+            if not raw and not prime:
                 self.messages = [*messages, {"role": "assistant", "content": finished.text}]
             self.tokens = finished.cache_tokens
             self.text = self.tokenizer.decode(self.tokens)
@@ -367,7 +384,20 @@ class AgentActor(Actor):
         upto = exported.persisted
         error = None
         try:
+            if exported.shared_upto and upto == 0:
+                # Its first tokens are another agent's segments: link them, write the rest.
+                shared = exported.tokens[: exported.shared_upto]
+                if await self.warm.share(
+                    self.agent_id,
+                    exported.shared_from,
+                    tokens=shared,
+                    text=self.tokenizer.decode(shared),
+                    messages=self.messages,
+                ):
+                    upto = exported.shared_upto
             for start, stop, tensors in exported.ranges:
+                if stop <= upto:
+                    continue  # linked
                 await self.warm.append(
                     self.agent_id,
                     start,

@@ -39,6 +39,11 @@ class EngineConfig:
     between turns (its new tokens replaced by their stored values, so nothing changes an
     answer), within the budget: the next turn starts without dequantizing. Room is made
     by dropping ready copies first (least recently used), then by demoting caches.
+    ``share_prefixes``: a turn that finds nothing of its own agent's cache to reuse reuses
+    the longest run of stored ranges of another hot cache (a shared context, an agent with
+    the same system prompt) that its prompt begins with, token for token: those arrays are
+    shared, not copied or prefilled (``AgentKV.share_into``), and on disk its first write
+    links that agent's segment files instead of writing them again.
 
     Raises ValueError for a value out of range.
     """
@@ -52,6 +57,7 @@ class EngineConfig:
     policy: EvictionPolicy = field(default_factory=LRUPolicy)
     attention: Attention = "auto"
     ready_copies: bool = True
+    share_prefixes: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1:

@@ -91,6 +91,8 @@ class EngineActor(ThreadActor):
         self._generated = 0
         self._max_batch_seen = 0
         self._ready_turns = 0
+        self._shared_turns = 0
+        self._shared_tokens = 0
         # Ready copies built ahead of a turn (agent, entry, layers so far), oldest first.
         self._readying: deque[tuple[str, HotEntry, list[KVCache]]] = deque()
 
@@ -215,6 +217,8 @@ class EngineActor(ThreadActor):
             ready_bytes=sum(e.kv.ready_bytes for e in pool.entries()),
             dropped_ready=pool.ready_drops,
             ready_turns=self._ready_turns,
+            shared_turns=self._shared_turns,
+            shared_tokens=self._shared_tokens,
             installs=pool.installs,
             warm_writes=pool.writes,
             warm_write_failures=pool.write_failures,
@@ -282,6 +286,11 @@ class EngineActor(ThreadActor):
         keep = kv.reusable(min(_common_prefix(kv.tokens, prompt), len(prompt) - 1))
         kv.trim(keep)
         entry.persisted = min(entry.persisted, keep)
+        if entry.shared_from is not None and keep < entry.shared_from[1]:
+            entry.shared_from = None  # cut below what it shared: its write is its own
+        request.shared = 0
+        if keep == 0 and self.config.share_prefixes:
+            keep = request.shared = self._share_prefix(request.agent, entry, prompt)
         quantized = self.turn_cache.quantized
         request.entry = entry
         request.todo = list(prompt[keep:])
@@ -291,6 +300,37 @@ class EngineActor(ThreadActor):
             (len(prompt) - keep if quantized else len(prompt)) + request.sampling.max_tokens,
             stored_bytes=kv.stored_bytes if quantized else None,
         )
+
+    def _share_prefix(self, agent: str, entry: HotEntry, prompt: list[int]) -> int:
+        """Base ``entry`` (empty) on the longest run of another hot cache's stored ranges
+        that ``prompt`` begins with, token for token (the last prompt token stays to be
+        fed): the arrays are shared, not copied. Returns the tokens it reuses (0: none)."""
+        limit = len(prompt) - 1
+        best: tuple[int, str, AgentKV, int] | None = None
+        for name, other in self.pool.items():
+            if name == agent or not other.kv.ranges or other.kv.tokens[:1] != prompt[:1]:
+                continue
+            bounds = other.kv.boundaries()
+            for count in range(len(bounds), 0, -1):
+                stop = bounds[count - 1]
+                if best is not None and stop <= best[0]:
+                    break
+                if stop <= limit and other.kv.tokens[:stop] == prompt[:stop]:
+                    best = (stop, name, other.kv, count)
+                    break
+        if best is None:
+            return 0
+        stop, source, source_kv, count = best
+        kv = entry.kv
+        source_kv.share_into(kv, count)
+        if kv.reusable(stop) != stop:  # a sliding window no longer held there
+            kv.trim(0)
+            return 0
+        entry.shared_from = (source, stop)
+        self._shared_turns += 1
+        self._shared_tokens += stop
+        self.pool.measure()
+        return stop
 
     def _staged(self, tokens: list[int], ranges: list[tuple[int, int, dict[str, Any]]]) -> AgentKV:
         """A staged warm cache (host arrays) as a hot one (one copy into MLX)."""

@@ -40,6 +40,7 @@ class Generation:
     prefill_start: float = 0.0
     prefill_end: float = 0.0
     dequantize_s: float = 0.0  # making its working copy (0 from a ready copy)
+    shared: int = 0  # prompt tokens reused from another agent's stored ranges
 
     @property
     def tokens(self) -> list[int]:
@@ -107,6 +108,7 @@ class Generation:
                     prefilled_tokens=len(self.prompt) - self.reused,
                     generated_tokens=len(self.generated),
                     dequantize_s=self.dequantize_s,
+                    shared_tokens=self.shared,
                 ),
             )
         )

@@ -103,6 +103,9 @@ class HotEntry:
     next_use: float | None = None
     turn_reserve: int | None = None  # while its turn's working cache exists: its maximum
     write_due: bool = False  # its turn ended: the agent is about to export the new tokens
+    # Its first ranges are another agent's (source, tokens) shared at a turn's start, and
+    # nothing of it is on disk yet: its first write may link that agent's segments.
+    shared_from: tuple[str, int] | None = None
 
     @property
     def waiting(self) -> bool:
@@ -172,6 +175,9 @@ class CachePool:
 
     def entries(self) -> list[HotEntry]:
         return list(self._entries.values())
+
+    def items(self) -> list[tuple[str, HotEntry]]:
+        return list(self._entries.items())
 
     def claim(self, agent: str) -> HotEntry:
         """The agent's entry (a new empty one if it has none), marked busy for a turn that
@@ -450,11 +456,14 @@ class CachePool:
         self._exports += 1
         self._pins[self._exports] = (agent, sum(r.nbytes for r in ranges))
         entry.write_due = False
+        shared = entry.shared_from if entry.persisted == 0 else None
         return Exported(
             export_id=self._exports,
             persisted=entry.persisted,
             tokens=list(entry.kv.tokens),
             ranges=[(r.start, r.stop, r.to_numpy()) for r in ranges],
+            shared_from=shared[0] if shared else "",
+            shared_upto=shared[1] if shared else 0,
         )
 
     def written(self, agent: str, export_id: int, upto: int, *, failed: bool = False) -> None:
@@ -472,5 +481,7 @@ class CachePool:
             entry.write_due = False  # whatever came of it, no write is on its way now
             if upto <= len(entry.kv.tokens):
                 entry.persisted = max(entry.persisted, upto)
+            if entry.persisted:
+                entry.shared_from = None  # its warm copy exists: later writes append
         self.measure()
         self.grant_waiters()

@@ -132,6 +132,10 @@ class Exported(msgspec.Struct, frozen=True):
     persisted: int  # tokens already safe on disk (the ranges start at or before this)
     tokens: list[int]  # every token the cache holds
     ranges: list[tuple[int, int, dict[str, Any]]]  # (start, stop, {name: numpy array})
+    # Tokens [0, shared_upto) are agent shared_from's stored ranges, shared at a turn's
+    # start, and nothing is on disk yet: the writer may link that agent's segment files.
+    shared_from: str = ""
+    shared_upto: int = 0
 
 
 class Written(msgspec.Struct, frozen=True, tag=True):
@@ -236,6 +240,7 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     # making the working copy from the stored cache (in prefill_s).
     load_s: float = 0.0
     dequantize_s: float = 0.0
+    shared_tokens: int = 0  # of the reused tokens, those shared from another agent's cache
 
     @property
     def decode_tok_s(self) -> float:
@@ -295,3 +300,5 @@ class EngineStats(msgspec.Struct, frozen=True):
     ready_bytes: int = 0  # the bytes of those copies (part of cache_bytes)
     dropped_ready: int = 0  # ready copies dropped for room (float -> quantized)
     ready_turns: int = 0  # turns that started from a ready copy (nothing dequantized)
+    shared_turns: int = 0  # turns that reused another agent's stored ranges (share_prefixes)
+    shared_tokens: int = 0  # the tokens those turns reused instead of prefilling them

@@ -45,6 +45,7 @@ from .store import (
     ForkCache,
     ListAgents,
     Manifest,
+    ShareCache,
     StoreActor,
     StoreStats,
     StoreStatsQuery,
@@ -254,6 +255,25 @@ class WarmTier:
     ) -> None:
         await self.store.ask(Append(agent, start, tensors, tokens, text, messages), timeout=120)
 
+    async def share(
+        self,
+        agent: str,
+        source: str,
+        *,
+        tokens: list[int],
+        text: str,
+        messages: list[dict[str, str]],
+    ) -> bool:
+        """Give ``agent`` (nothing on disk yet) a warm cache of ``tokens`` linked from
+        ``source``'s segments; False when that cannot be done (write them instead)."""
+        info = await self.store.ask(ShareCache(source, agent, tokens, text, messages), timeout=120)
+        return info is not None
+
+    async def hot(self, agent: str) -> None:
+        """Stage ``agent``'s warm cache into the hot tier if it is not hot and there is
+        room (a shared context an agent is about to reuse); never waits for room."""
+        await self.prefetch.ask(Prefetch(agent), timeout=None)
+
 
 class Session:
     """A runtime with one engine actor and any number of agent actors.
@@ -287,6 +307,7 @@ class Session:
         self.model: ModelInfo
         self.tokenizer: Tokenizer
         self._agents: dict[str, Agent] = {}
+        self._contexts: dict[str, str] = {}  # shared contexts made here: name -> text
         self._closed = False
 
     async def start(self) -> Session:
@@ -374,24 +395,75 @@ class Session:
             await self._close(exc_type, exc, tb)
 
     async def spawn_agent(
-        self, name: str, *, system: str | None = None, fork_of: str | None = None
+        self,
+        name: str,
+        *,
+        system: str | None = None,
+        fork_of: str | None = None,
+        context: str | None = None,
     ) -> Agent:
         """A new agent called ``name`` (letters, digits, '.', '_', '-'); ``fork_of``: one
-        that starts where that agent is (``fork``; ``system`` must then be None).
+        that starts where that agent is (``fork``); ``context``: one whose system prompt
+        is that shared context's text (see ``context``), so that its first turn reuses
+        the context's cache instead of prefilling it. Give at most one of ``system``,
+        ``fork_of`` and ``context``.
 
-        Raises InvalidAgentId for an unsafe name, ValueError when it already exists,
-        TypeError when ``system`` is not a str; with ``fork_of``, what ``fork`` raises.
+        Raises InvalidAgentId for an unsafe name, ValueError when it already exists or
+        for more than one of those, TypeError when ``system`` is not a str, UnknownAgent
+        for a ``context`` this session has not made; with ``fork_of``, what ``fork``
+        raises.
         """
+        if sum(x is not None for x in (system, fork_of, context)) > 1:
+            raise ValueError("give at most one of system, fork_of and context")
         if fork_of is not None:
-            if system is not None:
-                raise ValueError("a fork keeps its source's system prompt: leave system None")
             return await self.fork(fork_of, name)
         check_agent_id(name)
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str or None, not {type(system).__name__}")
+        if context is not None:
+            system = self._context_text(context)
         if name in self._agents:
             raise ValueError(f"agent {name!r} already exists")
-        return await self._start_agent(name, system)
+        return await self._start_agent(name, system, context=context)
+
+    async def context(self, name: str, text: str) -> Agent:
+        """A shared context called ``name``: an agent whose cache holds ``text`` as a
+        system prompt (as the chat template renders it) and nothing else, prefilled once
+        now (resumed from the warm tier when it is there). Agents spawned with
+        ``context=name`` start from its cache: their first turn shares its stored arrays
+        (one copy in the hot budget) instead of prefilling the text, and their first
+        write links its segment files (one copy on disk). Any agent whose prompt begins
+        with the same tokens shares them too (``share_prefixes``). Forget it like an
+        agent: the agents that share it keep what they use.
+
+        Calling it again with the same text returns the context (its cache made hot
+        again if it was demoted). Raises InvalidAgentId for an unsafe name, ValueError
+        for an empty text or a name that is an agent with another system prompt, TypeError
+        when ``text`` is not a str.
+        """
+        check_agent_id(name)
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, not {type(text).__name__}")
+        if not text.strip():
+            raise ValueError("a shared context needs some text")
+        known = self._contexts.get(name)
+        if known is not None and known != text:
+            raise ValueError(f"shared context {name!r} exists with another text")
+        agent = self._agents.get(name)
+        if agent is None:
+            agent = await self._start_agent(name, text)
+        messages = await agent.history()
+        if messages[:1] != [{"role": "system", "content": text}] or len(messages) > 1:
+            raise ValueError(f"agent {name!r} exists and is not a shared context of this text")
+        self._contexts[name] = text
+        await _drain(agent._stream(Turn("", Sampling(max_tokens=1), prime=True)))
+        return agent
+
+    def _context_text(self, name: str) -> str:
+        try:
+            return self._contexts[name]
+        except KeyError:
+            raise UnknownAgent(f"no shared context {name!r}: make it with context()") from None
 
     async def fork(self, source: str, name: str) -> Agent:
         """A new agent ``name`` that starts where agent ``source`` is now: its conversation
@@ -432,6 +504,8 @@ class Session:
         name: str,
         system: str | None,
         start: tuple[list[int], str, list[dict[str, str]]] | None = None,
+        *,
+        context: str | None = None,
     ) -> Agent:
         ref = await self.runtime.spawn(
             AgentActor,
@@ -441,6 +515,7 @@ class Session:
             system,
             self.warm,
             start,
+            context,
             name=f"agent:{name}",
         )
         agent = Agent(self, name, ref)
@@ -464,6 +539,7 @@ class Session:
         Returns the bytes freed on disk. Raises InvalidAgentId for an unsafe name."""
         check_agent_id(name)
         agent = self._agents.pop(name, None)
+        self._contexts.pop(name, None)
         if agent is not None:
             await agent.ref.stop()
         await self.engine.ask(DropCache(name))
@@ -541,6 +617,7 @@ def open(
     attention: Attention = "auto",
     on_save_error: OnSaveError = "report",
     ready_copies: bool = True,
+    share_prefixes: bool = True,
 ) -> _Opening:
     """Open a session on ``model``: None for the default model (fetched once, verified), a
     ``.gguf`` file, a local MLX / Hugging Face model directory, or a callable returning a
@@ -563,7 +640,10 @@ def open(
     (default) picks quantized on a GPU and dequantized on the CPU (see EngineConfig).
     ``ready_copies`` (dequantized attention): hot agents keep their float copy between
     turns while the budget has room, so their next turn starts at once (dropped first when
-    room is needed; answers are the same either way).
+    room is needed; answers are the same either way). ``share_prefixes``: a turn that
+    reuses nothing of its own cache reuses the stored ranges of another hot cache its
+    prompt begins with (a shared context: ``Session.context``), shared, not prefilled
+    (answers are the same either way; see EngineConfig).
     Raises ValueError for an ``on_save_error`` other than "report" or "raise"."""
     config = EngineConfig(
         max_batch=max_batch,
@@ -575,6 +655,7 @@ def open(
         policy=policy or LRUPolicy(),
         attention=attention,
         ready_copies=ready_copies,
+        share_prefixes=share_prefixes,
     )
     session = Session(model, config, mailbox_size, cache_dir, delete_rejected, on_save_error)
     return _Opening(session)

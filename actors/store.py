@@ -40,7 +40,7 @@ from ._manifest import (
     read_manifest,
 )
 from ._warm_read import list_agents, read_cache
-from ._warm_write import append_cache, forget, fork_cache
+from ._warm_write import append_cache, forget, fork_cache, share_cache
 from .enums import Tier
 from .errors import CacheRejected
 from .protocol import check_agent_id
@@ -128,6 +128,18 @@ class ForkCache(msgspec.Struct, frozen=True, tag=True):
     new: str
 
 
+class ShareCache(msgspec.Struct, frozen=True, tag=True):
+    """Give ``new`` (no warm cache yet) a warm cache of ``tokens``, a prefix of
+    ``source``'s ending at one of its segments, the files linked (see ``share_cache``):
+    answers a WarmInfo, or None when that cannot be done (then write them)."""
+
+    source: str
+    new: str
+    tokens: list[int]
+    text: str = ""
+    messages: list[dict[str, str]] = []
+
+
 class StoreStatsQuery(msgspec.Struct, frozen=True, tag=True):
     """The warm tier's I/O so far: answers a StoreStats."""
 
@@ -145,7 +157,9 @@ class StoreStats(msgspec.Struct, frozen=True):
     rejected: int = 0  # loads refused (the agent continued cold)
 
 
-StoreMessage = Append | Load | Manifest | ListAgents | Forget | ForkCache | StoreStatsQuery
+StoreMessage = (
+    Append | Load | Manifest | ListAgents | Forget | ForkCache | ShareCache | StoreStatsQuery
+)
 
 
 # ------------------------------------------------------------------------------ actor
@@ -200,6 +214,21 @@ class StoreActor(Actor):
                 self._manifests.pop(new, None)
                 return await anyio.to_thread.run_sync(
                     fork_cache, self.root, self.identity, source, new
+                )
+            case ShareCache(source, new, tokens, text, messages):
+                source, new = check_agent_id(source), check_agent_id(new)
+                self._manifests.pop(new, None)
+                return await anyio.to_thread.run_sync(
+                    functools.partial(
+                        share_cache,
+                        self.root,
+                        self.identity,
+                        source,
+                        new,
+                        tokens,
+                        text=text,
+                        messages=messages,
+                    )
                 )
             case StoreStatsQuery():
                 return self._io

@@ -162,13 +162,27 @@ class AgentKV:
         lists). Between turns only. Returns ``into``."""
         if self.work is not None:
             raise ValueError("cannot fork a cache during its turn")
-        into.tokens = list(self.tokens)
+        return self.share_into(into, len(self.ranges))
+
+    def boundaries(self) -> list[int]:
+        """The token counts at which its stored ranges end (where another cache may share
+        a prefix of it: ``share_into``)."""
+        return [r.stop for r in self.ranges]
+
+    def share_into(self, into: AgentKV, count: int) -> AgentKV:
+        """``into`` (empty, same codec and geometry) holding this cache's first ``count``
+        stored ranges and their tokens, the arrays shared, not copied (see ``fork``).
+        The ranges are immutable, so this is safe during this cache's turn too."""
+        shared = self.ranges[:count]
+        stop = shared[-1].stop if shared else 0
+        into.tokens = list(self.tokens[:stop])
         into.ranges = [
-            StoredRange(r.start, r.stop, [(dict(k), dict(v)) for k, v in r.layers])
-            for r in self.ranges
+            StoredRange(r.start, r.stop, [(dict(k), dict(v)) for k, v in r.layers]) for r in shared
         ]
-        into.window_start = self.window_start
-        self.shared = into.shared = True
+        into.window_start = min(self.window_start, stop)
+        into.work = into.ready = None
+        if shared:
+            self.shared = into.shared = True
         return into
 
     def reusable(self, keep: int) -> int:

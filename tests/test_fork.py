@@ -64,7 +64,7 @@ async def test_fork_errors() -> None:
             await kv.fork("nobody", "c")
         with pytest.raises(kvactor.InvalidAgentId):
             await kv.fork("a", "../c")
-        with pytest.raises(ValueError, match="system prompt"):
+        with pytest.raises(ValueError, match="at most one"):
             await kv.spawn_agent("d", system="other", fork_of="a")
         d = await kv.spawn_agent("d", fork_of="a")
         assert await d.history() == await kv.agent("a").history()
