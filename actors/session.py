@@ -22,7 +22,7 @@ from .agent import AgentActor, AgentState, GetState, Snapshot, Turn, TurnDone, c
 from .config import Attention, EngineConfig, ModelSpec
 from .engine import EngineActor
 from .enums import FinishReason, Match, Tier
-from .errors import CacheRejected, StoreWriteError, UnknownAgent
+from .errors import CacheRejected, StoreWriteError, UnknownAgent, UnsafeCachePath
 from .pool import EvictionPolicy, LRUPolicy
 from .prefetch import Prefetch, PrefetchActor, Stage, StageResult
 from .protocol import (
@@ -42,6 +42,7 @@ from .store import (
     Append,
     CacheIdentity,
     Forget,
+    Forgotten,
     ForkCache,
     ListAgents,
     Manifest,
@@ -50,6 +51,7 @@ from .store import (
     StoreStats,
     StoreStatsQuery,
     WarmInfo,
+    collect,
 )
 
 __all__ = ("Agent", "Completion", "Session", "TextStream", "WarmTier", "open")
@@ -366,6 +368,13 @@ class Session:
         )
         geometry = CacheGeometry.from_description(identity.layer_geometry())
         expect = segment_layout(codec, geometry)
+        # Files a killed process left unnamed (mid-write, mid-fork): we hold the lock.
+        try:
+            collected = await anyio.to_thread.run_sync(collect, root)
+            if collected.removed:
+                log.info("removed %d unreferenced cache files", len(collected.removed))
+        except (StoreWriteError, UnsafeCachePath) as exc:
+            log.warning("unreferenced cache files not collected: %s", exc)
         self.store = await self.runtime.spawn(
             StoreActor, identity, expect, root, delete_rejected=self._delete_rejected, name="store"
         )
@@ -533,10 +542,14 @@ class Session:
     def agents(self) -> dict[str, Agent]:
         return dict(self._agents)
 
-    async def forget(self, name: str) -> int:
-        """Stop the agent (if running) and delete every byte of its cache: hot and warm.
+    async def forget(self, name: str) -> Forgotten:
+        """Stop the agent (if running) and delete every byte of its cache that is its own:
+        hot and warm. Its stored arrays and segment files that other agents use (forks,
+        agents that shared its prefix, the context or agent it started from) stay for
+        them: the answer lists those files and their users (``kept``), and the bytes it
+        deleted from disk (``freed``). Forgetting the last user of a file deletes it.
 
-        Returns the bytes freed on disk. Raises InvalidAgentId for an unsafe name."""
+        Raises InvalidAgentId for an unsafe name."""
         check_agent_id(name)
         agent = self._agents.pop(name, None)
         self._contexts.pop(name, None)
@@ -544,9 +557,9 @@ class Session:
             await agent.ref.stop()
         await self.engine.ask(DropCache(name))
         if self.store is None:
-            return 0
-        freed: int = await self.store.ask(Forget(name))
-        return freed
+            return Forgotten(agent=name)
+        done: Forgotten = await self.store.ask(Forget(name))
+        return done
 
     async def prefetch(self, name: str) -> None:
         """Hint that agent ``name`` runs next: its warm cache is staged into the hot tier in

@@ -40,7 +40,17 @@ from ._manifest import (
     read_manifest,
 )
 from ._warm_read import list_agents, read_cache
-from ._warm_write import append_cache, forget, fork_cache, share_cache
+from ._warm_write import (
+    Collected,
+    Forgotten,
+    SharedFile,
+    append_cache,
+    collect,
+    forget,
+    forget_cache,
+    fork_cache,
+    share_cache,
+)
 from .enums import Tier
 from .errors import CacheRejected
 from .protocol import check_agent_id
@@ -53,20 +63,25 @@ __all__ = (
     "CacheDirLock",
     "CacheIdentity",
     "CacheManifest",
+    "Collected",
     "ExpectFn",
     "Forget",
+    "Forgotten",
     "ListAgents",
     "Load",
     "Loaded",
     "Manifest",
     "SegmentEntry",
+    "SharedFile",
     "StoreActor",
     "StoreMessage",
     "WarmInfo",
     "agent_dir",
     "append_cache",
+    "collect",
     "default_cache_dir",
     "forget",
+    "forget_cache",
     "format_table",
     "inspect_rows",
     "list_agents",
@@ -115,7 +130,8 @@ class ListAgents(msgspec.Struct, frozen=True, tag=True):
 
 
 class Forget(msgspec.Struct, frozen=True, tag=True):
-    """Delete every byte of ``agent``'s warm cache; answers the bytes freed (0 if none)."""
+    """Delete every byte of ``agent``'s warm cache that is its own; answers a Forgotten
+    (bytes freed, 0 if none; its files that other agents' caches use stay)."""
 
     agent: str
 
@@ -304,11 +320,11 @@ class StoreActor(Actor):
             for info in infos
         ]
 
-    async def _forget(self, agent: str) -> int:
+    async def _forget(self, agent: str) -> Forgotten:
         self._manifests.pop(agent, None)
         self._refused.pop(agent, None)
-        freed: int = await anyio.to_thread.run_sync(forget, self.root, agent)
-        return freed
+        done: Forgotten = await anyio.to_thread.run_sync(forget_cache, self.root, agent)
+        return done
 
 
 # -------------------------------------------------------------------------------- CLI

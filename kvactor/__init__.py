@@ -46,6 +46,8 @@ from .actors.session import Completion as Completion
 from .actors.session import Session as Session
 from .actors.session import TextStream as TextStream
 from .actors.session import open as open
+from .actors.store import Forgotten as Forgotten
+from .actors.store import SharedFile as SharedFile
 from .actors.store import WarmInfo as WarmInfo
 from .actors.store import default_cache_dir as default_cache_dir
 from .kernels.qcodec import DEFAULT_CODEC as DEFAULT_CODEC
@@ -73,6 +75,7 @@ __all__ = (
     "EngineStopped",
     "EvictionPolicy",
     "FinishReason",
+    "Forgotten",
     "InvalidAgentId",
     "KVCodec",
     "KvactorError",
@@ -82,6 +85,7 @@ __all__ = (
     "ModelLoadError",
     "Sampling",
     "Session",
+    "SharedFile",
     "StoreWriteError",
     "TextStream",
     "Tier",

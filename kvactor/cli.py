@@ -65,25 +65,50 @@ def _forget(args: argparse.Namespace) -> int:
 
     from .actors.errors import CacheDirLocked, InvalidAgentId
     from .actors.protocol import check_agent_id
-    from .actors.store import default_cache_dir, forget, lock_cache_dir
+    from .actors.store import Forgotten, default_cache_dir, forget_cache, lock_cache_dir
 
     root = args.dir or default_cache_dir()
     try:
         check_agent_id(args.agent)
-        freed = 0
+        done = Forgotten(agent=args.agent)
         if os.path.isdir(root):  # else nothing to forget: do not create it to lock it
             with lock_cache_dir(root):
-                freed = forget(root, args.agent)
+                done = forget_cache(root, args.agent)
     except InvalidAgentId as exc:
         print(f"kvactor forget: {exc}", file=sys.stderr)
         return 2
     except CacheDirLocked as exc:
         print(f"kvactor forget: {exc}", file=sys.stderr)
         return 3
-    if not freed:
+    if not done.freed and not done.kept:
         print(f"no warm cache for {args.agent!r} under {root}", file=sys.stderr)
         return 1
-    print(f"forgot {args.agent!r}: {freed} bytes deleted from {root}")
+    print(f"forgot {args.agent!r}: {done.freed} bytes deleted from {root}")
+    for kept in done.kept:
+        users = ", ".join(kept.users) or "another name"
+        print(f"  kept {kept.file} ({kept.nbytes} bytes): still used by {users}")
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    import os
+
+    from .actors.errors import CacheDirLocked
+    from .actors.store import collect, default_cache_dir, lock_cache_dir
+
+    root = args.dir or default_cache_dir()
+    if not os.path.isdir(root):
+        print(f"nothing to collect: no cache directory {root}")
+        return 0
+    try:
+        with lock_cache_dir(root):
+            done = collect(root)
+    except CacheDirLocked as exc:
+        print(f"kvactor gc: {exc}", file=sys.stderr)
+        return 3
+    for path in done.removed:
+        print(f"removed {path}")
+    print(f"{len(done.removed)} unreferenced files removed, {done.freed} bytes freed from {root}")
     return 0
 
 
@@ -241,6 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
     forget.add_argument("agent")
     forget.add_argument("--dir", help="cache directory (default as for inspect)")
     forget.set_defaults(func=_forget)
+    gc = sub.add_parser(
+        "gc",
+        help="remove cache files no manifest names (left by killed processes)",
+        description="Remove the segment and temporary files that no agent's manifest names "
+        "(a process killed mid-write, mid-fork or mid-share leaves them; a session also does "
+        "this when it opens). Idempotent. Exits with 3 while a session uses the directory.",
+    )
+    gc.add_argument("--dir", help="cache directory (default as for inspect)")
+    gc.set_defaults(func=_gc)
     return parser
 
 

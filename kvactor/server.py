@@ -1004,10 +1004,17 @@ def create_app(
             raise ApiError(404, f"no agent {name!r}", code="agent_not_found")
         async with server.lock:
             server.anon.last.pop(name, None)
-            freed = await session.forget(name)
+            done = await session.forget(name)
         server.last_used.pop(name, None)
+        kept = [{"file": k.file, "bytes": k.nbytes, "used_by": k.users} for k in done.kept]
         return JSONResponse(
-            {"id": name, "object": "agent.deleted", "deleted": True, "freed_bytes": freed}
+            {
+                "id": name,
+                "object": "agent.deleted",
+                "deleted": True,
+                "freed_bytes": done.freed,
+                "kept_shared": kept,
+            }
         )
 
     async def prefetch(request: Request) -> Response:

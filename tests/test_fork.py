@@ -89,7 +89,9 @@ async def test_on_disk_a_fork_links_the_source_files_and_outlives_it(tmp_path: P
     shared = first.stat().st_size
     async with kvactor.open(tiny, cache_dir=tmp_path) as kv:
         owned = sum(p.stat().st_size for p in (agents / "src").iterdir()) - shared
-        assert await kv.forget("src") == owned  # the linked segment stays: not freed
+        done = await kv.forget("src")
+        assert done.freed == owned  # the linked segment stays: not freed
+        assert [(k.file, k.users) for k in done.kept] == [(first.name, ["copy"])]
     assert not (agents / "src").exists() and os.stat(first).st_nlink == 1
     script = textwrap.dedent(
         f"""

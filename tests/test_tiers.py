@@ -243,8 +243,8 @@ async def test_forget_deletes_every_byte(tmp_path: Path) -> None:
         await agent.state()  # queued behind the turn, which ends by saving the cache
         folder = tmp_path / "agents" / "gone"
         assert any(folder.iterdir())
-        freed = await kv.forget("gone")
-        assert freed > 0 and not folder.exists()
+        done = await kv.forget("gone")
+        assert done.freed > 0 and not done.kept and not folder.exists()
         assert (await kv.stats()).agents_cached == 0
         with pytest.raises(kvactor.InvalidAgentId):
             await kv.forget("../etc")
