@@ -26,14 +26,14 @@ from kvactor.actors.store import collect, list_agents
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 DOC = " ".join(f"Clause {i}: the service keeps record {i} for {i % 7} days." for i in range(40))
-MODES = ["dequantized", "quantized"]
+MODES: list[kvactor.Attention] = ["dequantized", "quantized"]
 
 
 def _pool(kv: Any) -> Any:
     return kv.engine._cell._actor.pool  # looking inside: the engine actor's hot tier
 
 
-async def _run(share: bool, attention: str, cache_dir: Path | None = None) -> list[Any]:
+async def _run(share: bool, attention: kvactor.Attention, cache_dir: Path | None = None) -> list[Any]:
     """Three agents over DOC, two turns each: with a shared context, or independent."""
     async with kvactor.open(
         tiny, cache_dir=cache_dir, share_prefixes=share, attention=attention, ready_copies=False
@@ -54,7 +54,7 @@ async def _run(share: bool, attention: str, cache_dir: Path | None = None) -> li
 
 @pytest.mark.parametrize("attention", MODES)
 async def test_agents_over_a_shared_context_reuse_it_and_answer_as_independent_ones(
-    attention: str,
+    attention: kvactor.Attention,
 ) -> None:
     shared = await _run(True, attention)
     alone = await _run(False, attention)

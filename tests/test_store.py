@@ -874,8 +874,8 @@ async def test_actor_manifest_refusals_and_forget(tmp_path: Path) -> None:
         assert "checksum mismatch" in str(infos["a"].rejected)
         assert infos["b"].rejected is None
         on_disk = sum(p.stat().st_size for p in folder(tmp_path, "a").iterdir())
-        assert await store.ask(Forget("a")) == on_disk
-        assert await store.ask(Forget("a")) == 0
+        assert (await store.ask(Forget("a"))).freed == on_disk
+        assert (await store.ask(Forget("a"))).freed == 0
         assert await store.ask(Manifest("a")) is None
         assert [i.agent for i in await store.ask(ListAgents())] == ["b"]
         with pytest.raises(TypeError):
