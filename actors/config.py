@@ -43,7 +43,9 @@ class EngineConfig:
     the longest run of stored ranges of another hot cache (a shared context, an agent with
     the same system prompt) that its prompt begins with, token for token: those arrays are
     shared, not copied or prefilled (``AgentKV.share_into``), and on disk its first write
-    links that agent's segment files instead of writing them again.
+    links that agent's segment files instead of writing them again. Its answer is what
+    the same prompt gives from a reloaded cache of those tokens (stored values); a turn
+    that prefilled them itself attended over their float values, so it may differ.
 
     Raises ValueError for a value out of range.
     """

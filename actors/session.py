@@ -656,7 +656,8 @@ def open(
     room is needed; answers are the same either way). ``share_prefixes``: a turn that
     reuses nothing of its own cache reuses the stored ranges of another hot cache its
     prompt begins with (a shared context: ``Session.context``), shared, not prefilled
-    (answers are the same either way; see EngineConfig).
+    (the sharing agent attends over the stored values, as a warm resume does: see
+    EngineConfig).
     Raises ValueError for an ``on_save_error`` other than "report" or "raise"."""
     config = EngineConfig(
         max_batch=max_batch,

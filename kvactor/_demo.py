@@ -3,7 +3,8 @@
 The live view prints one line per turn and a table of every agent's tier; on a terminal
 the table is redrawn in place after each turn, elsewhere (CI logs, pipes) it is printed
 once per phase. The summary gives TTFT by path, the time saved against re-prefilling,
-and the engine's demotions and reloads.
+the engine's demotions and reloads, and (with a shared context or forks) what sharing
+saved against agents that each prefill their own prompts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import IO
 import anyio
 import msgspec
 
+from ._scenario_results import SHARED
 from .actors import BudgetExceeded, KvactorError, ModelLoadError, Tier, TurnPath
 from .scenario import (
     AgentRow,
@@ -35,7 +37,6 @@ from .scenario import (
     TurnStarted,
     cold_model,
     load_scenario,
-    parse_scenario,
     run_scenario,
     turn_path,
     write_results,
@@ -92,7 +93,15 @@ def agent_table(rows: Sequence[AgentRow]) -> list[str]:
 
 def turn_line(record: TurnRecord, total: int) -> str:
     width = len(str(total))
-    reused = f"{record.reused_tokens} reused + {record.prefilled_tokens} new"
+    own = record.reused_tokens - record.shared_tokens - record.forked_tokens
+    parts = []
+    if record.shared_tokens:
+        parts.append(f"{record.shared_tokens} shared")
+    if record.forked_tokens:
+        parts.append(f"{record.forked_tokens} forked")
+    if own or not parts:
+        parts.append(f"{own} reused")
+    reused = " + ".join([*parts, f"{record.prefilled_tokens} new"])
     return (
         f"  [{record.index + 1:>{width}}/{total}] {record.agent:<10} "
         f"{turn_path(record):<10} {record.match:<7} TTFT {record.ttft_s:6.2f} s  "
@@ -125,6 +134,8 @@ def format_summary(results: Results) -> list[str]:
         "whose prompt extended the cached one. queue: before the prefill (a reload from disk "
         "included). if cold: the estimated TTFT had the whole prompt been prefilled."
     )
+    if any(p.label == SHARED for p in summary.paths):
+        legend += " shared: the turns that shared another agent's cache (the shared context)."
     out += textwrap.wrap(legend, WIDTH, initial_indent="  ", subsequent_indent="  ")
     paragraphs = []
     for ref in summary.references[:1]:  # the longest turn
@@ -160,9 +171,101 @@ def format_summary(results: Results) -> list[str]:
             f"{stats.warm_writes + stats.warm_write_failures} writes failed (see the log): "
             "those turns were not saved until a later write of the same agent succeeded."
         )
+    if summary.sharing is not None:
+        paragraphs.append(sharing_paragraph(results))
     for paragraph in paragraphs:
         out += ["", *textwrap.wrap(paragraph, WIDTH, subsequent_indent="  ")]
+    if summary.sharing is not None:
+        out += sharing_table(results)
     return out
+
+
+def sharing_paragraph(results: Results) -> str:
+    """What was shared: the context, the turns that shared it, the forks."""
+    sharing = results.summary.sharing
+    assert sharing is not None
+    said = []
+    context = results.context
+    if context is not None:
+        made = (
+            f"prefilled once in {context.seconds:.1f} s"
+            if context.path is Tier.COLD
+            else f"resumed from disk in {context.seconds:.1f} s"
+        )
+        said.append(f"the shared context ({context.tokens} tokens) was {made}")
+    if sharing.shared_turns:
+        said.append(
+            f"{_count(sharing.shared_turns, 'turn')} shared {sharing.shared_tokens} tokens of "
+            "its cache instead of prefilling them"
+        )
+    elif context is not None:
+        said.append("no turn shared its cache (share_prefixes = false?)")
+    if sharing.forked_turns:
+        said.append(
+            f"{_count(sharing.forked_turns, 'fork')} took over {sharing.forked_tokens} tokens "
+            "of a source's cache"
+        )
+    return (
+        f"shared prefixes: {'; '.join(said)}. Against agents that each prefill their own "
+        "prompts (no shared context, no forks):"
+    )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def sharing_table(results: Results) -> list[str]:
+    """Tokens prefilled, time to first tokens and bytes: as run, and as independent
+    agents would have needed (estimated time; bytes as if nothing were shared)."""
+    sharing = results.summary.sharing
+    assert sharing is not None
+    ratio = sharing.independent_tokens / max(sharing.prefilled_tokens, 1)
+    rows = [
+        (
+            "tokens prefilled",
+            f"{sharing.prefilled_tokens:,}",
+            f"{sharing.independent_tokens:,}",
+            f"{ratio:.1f}x",
+        )
+    ]
+    if sharing.independent_ttft_s is not None:
+        rows.append(
+            (
+                "time to first tokens",
+                f"{sharing.ttft_s:.1f} s",
+                f"{sharing.independent_ttft_s:.1f} s",
+                f"{sharing.independent_ttft_s / max(sharing.ttft_s, 1e-9):.1f}x",
+            )
+        )
+    footprint = results.footprint
+    if footprint is not None:
+        rows.append(
+            (
+                f"hot caches ({footprint.hot_caches})",
+                size(footprint.hot_bytes),
+                size(footprint.hot_bytes_each),
+                f"{footprint.hot_bytes_each / max(footprint.hot_bytes, 1):.1f}x",
+            )
+        )
+        if footprint.disk_files:
+            rows.append(
+                (
+                    "warm tier on disk",
+                    size(footprint.disk_bytes),
+                    size(footprint.disk_bytes_each),
+                    f"{footprint.disk_bytes_each / max(footprint.disk_bytes, 1):.1f}x",
+                )
+            )
+    lines = table(("", "shared", "independent", ""), rows, {1, 2, 3})
+    notes = (
+        "time to first tokens: the turns' TTFT plus making the shared context; for "
+        "independent agents each sharing or forked turn is estimated as a cold prefill of "
+        "its whole prompt. hot caches: their stored bytes at the end, shared arrays once; "
+        "independent: each cache whole. disk: hard-linked files once; independent: each "
+        "link as a copy."
+    )
+    return [*lines, *textwrap.wrap(notes, WIDTH, initial_indent="  ", subsequent_indent="  ")]
 
 
 # -------------------------------------------------------------------------- live view
@@ -226,6 +329,18 @@ class LiveView:
             f" ({event.budget_note})",
             f"warm tier: {event.cache_dir or 'none (demoted caches are lost)'}",
         ]
+        context = event.context
+        if context is not None:
+            how = "prefilled" if context.path is Tier.COLD else "resumed from disk"
+            lines.append(
+                f"shared context: {context.tokens} tokens, {how} in {context.seconds:.1f} s: "
+                "every agent's system prompt, shared"
+            )
+        elif s.shared_context is not None:
+            lines.append(
+                "shared context: not shared (share_prefixes = false): every agent's system "
+                "prompt, prefilled by each"
+            )
         if event.reset is not None:
             lines.append(
                 f"found warm caches for {len(event.found_warm)} agents, but {event.reset}: "
@@ -360,19 +475,46 @@ def _overrides(scenario: Scenario, args: argparse.Namespace) -> Scenario:
     return msgspec.structs.replace(scenario, **changes) if changes else scenario
 
 
+def shipped_scenario(name: str) -> Scenario:
+    """A scenario of ``kvactor/scenarios/`` by name (``demo``, ``shared_doc``...)."""
+    return load_scenario(Path(__file__).parent / "scenarios" / f"{name}.toml")
+
+
 def demo_scenario() -> Scenario:
-    """The built-in scenario of ``kvactor demo`` (``kvactor/scenarios/demo.toml``)."""
-    text = importlib.resources.files("kvactor").joinpath("scenarios/demo.toml").read_text()
-    return parse_scenario(text, source="demo.toml")
+    """The first scenario of ``kvactor demo`` (``kvactor/scenarios/demo.toml``)."""
+    return shipped_scenario("demo")
+
+
+def shared_json_path(json_path: str) -> str:
+    """Where ``kvactor demo --json PATH`` writes the shared-document run's results."""
+    path = Path(json_path)
+    return str(path.with_name(f"{path.stem}-shared{path.suffix or '.json'}"))
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """``kvactor demo``: the built-in six-agent scenario on the default model."""
+    """``kvactor demo``: the built-in six-agent scenario, then many agents over one shared
+    document (``shared_doc.toml``), on the default model. ``--budget-mb`` and ``--plot``
+    apply to the first; ``--json PATH`` writes the second's results to PATH-shared.json."""
     if args.budget_mb is not None and args.budget_mb <= 0:
         print("kvactor demo: --budget-mb must be > 0", file=sys.stderr)
         return 2
     started = time.perf_counter()
     code = _execute(_overrides(demo_scenario(), args), args, args.json, args.plot)
+    if code != 0:
+        return code
+    # Its own budget; resume = false already, so --fresh changes nothing there.
+    rest = argparse.Namespace(**{**vars(args), "budget_mb": None, "fresh": False})
+    shared = _overrides(shipped_scenario("shared_doc"), rest)
+    intro = (
+        f"Shared prefixes: {len(shared.agents)} agents review one long design document "
+        "(kvactor/scenarios/shared_doc.md), each from its own angle. The document is every "
+        "agent's system prompt, prefilled once as a shared context: each agent's first "
+        "turn shares that cache (one copy in memory, hard links on disk) instead of "
+        "prefilling the document again."
+    )
+    print("", *textwrap.wrap(intro, WIDTH), "", sep="\n")
+    json_path = shared_json_path(args.json) if args.json else None
+    code = _execute(shared, rest, json_path, None)
     if code == 0:
         print(f"demo done in {time.perf_counter() - started:.0f} s")
     return code

@@ -28,7 +28,9 @@ __all__ = (
     "NO_OUTPUTS",
     "PLACEHOLDERS",
     "POLICIES",
+    "CONTEXT_AGENT",
     "AgentSpec",
+    "ContextSpec",
     "PhaseSpec",
     "SamplingSpec",
     "Scenario",
@@ -38,6 +40,7 @@ __all__ = (
     "render",
     "resolve_model",
     "scenario_cache_dir",
+    "shared_text",
     "turn_prompt",
 )
 
@@ -50,6 +53,7 @@ PLACEHOLDERS: Mapping[str, str] = {
 }
 POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy}
 NO_OUTPUTS = "(nothing yet)"
+CONTEXT_AGENT = "shared"  # the shared context's name in the session (and its warm cache)
 
 
 class ScenarioError(ValueError):
@@ -72,10 +76,25 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class AgentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One agent: a name (letters, digits, ``.``, ``_``, ``-``) and its system prompt."""
+    """One agent: a name (letters, digits, ``.``, ``_``, ``-``) and its system prompt.
+
+    With a ``shared_context``, every agent's system prompt is the shared text, and
+    ``system`` (its role) opens the prompt of its first turn instead. ``fork``: the agent
+    starts as a fork of that agent (its conversation and cache) at the start of the first
+    phase it speaks in; the source must have spoken in an earlier phase. A fork has no
+    ``system`` of its own."""
 
     name: str
     system: str | None = None
+    fork: str | None = None
+
+
+class ContextSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A text all agents read first: ``text`` inline, or ``file`` (UTF-8; a relative path
+    is relative to the scenario file). Give one of them."""
+
+    text: str | None = None
+    file: str | None = None
 
 
 class PhaseSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -104,8 +123,13 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
       ``concurrency``: turns in flight at once within a phase; ``prefetch``: hint the next
       agent's warm cache into memory while the current turn decodes.
     - ``cold_reference``: at the end, prefill the longest turn's prompt again from
-      scratch (a throwaway agent) to measure what a cold turn would have cost; without
-      cold turns in the run, the shortest turn's prompt too.
+      scratch (in a session of its own, so that it shares nothing) to measure what a cold
+      turn would have cost; without cold turns in the run, the shortest turn's prompt too.
+    - ``shared_context``: a text (a document, shared instructions) that is every agent's
+      system prompt. It is prefilled once before the first phase (``Session.context``,
+      named ``shared``); each agent's first turn shares its cache instead of prefilling
+      it, and its first warm write links the context's files. ``share_prefixes = false``
+      turns the sharing off (every first turn prefills the whole prompt: a baseline).
     """
 
     name: str
@@ -123,28 +147,39 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     concurrency: Positive = 1
     prefetch: bool = False
     cold_reference: bool = True
+    share_prefixes: bool = True
+    shared_context: ContextSpec | None = None
     sampling: SamplingSpec = SamplingSpec()
     agents: list[AgentSpec]
     phases: list[PhaseSpec]
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    """Read and check a scenario file. Raises ScenarioError naming the file and field."""
+    """Read and check a scenario file (a relative ``shared_context.file`` is relative to
+    it). Raises ScenarioError naming the file and field."""
     path = Path(path)
     try:
         data = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ScenarioError(f"{path}: cannot read: {reason}") from None
-    return parse_scenario(data, source=str(path))
+        raise ScenarioError(f"{path}: cannot read: {_reason(exc)}") from None
+    return parse_scenario(data, source=str(path), base_dir=path.parent)
 
 
-def parse_scenario(text: str, *, source: str = "scenario") -> Scenario:
-    """Parse TOML text into a checked Scenario.
+def _reason(exc: OSError | UnicodeDecodeError) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def parse_scenario(
+    text: str, *, source: str = "scenario", base_dir: str | Path | None = None
+) -> Scenario:
+    """Parse TOML text into a checked Scenario. A relative ``shared_context.file`` is
+    relative to ``base_dir`` (default: the working directory); the Scenario holds its
+    absolute path.
 
     Raises ScenarioError: invalid TOML (with line and column), a field of the wrong type
     or out of range, an unknown field (``- at `$.phases[1].max_tokens```), or a scenario
-    that does not make sense (unknown agent in a phase, duplicate agent, bad placeholder).
+    that does not make sense (unknown agent in a phase, duplicate agent, bad placeholder,
+    unknown fork source, a fork cycle, a shared context file that cannot be read).
     """
     try:
         raw = tomllib.loads(text)
@@ -158,7 +193,36 @@ def parse_scenario(text: str, *, source: str = "scenario") -> Scenario:
     if problem is not None:
         message, where = problem
         raise ScenarioError(f"{source}: {message} - at `$.{where}`")
+    context = scenario.shared_context
+    if context is not None and context.file is not None:
+        path = Path(context.file).expanduser()
+        path = (Path(base_dir or ".") / path).resolve()  # an absolute path stays as it is
+        context = msgspec.structs.replace(context, file=str(path))
+        scenario = msgspec.structs.replace(scenario, shared_context=context)
+        try:
+            shared_text(scenario)
+        except ScenarioError as exc:
+            raise ScenarioError(f"{source}: {exc}") from None
     return scenario
+
+
+def shared_text(s: Scenario) -> str | None:
+    """The scenario's shared context (read from its file), or None without one. Raises
+    ScenarioError when the file cannot be read or holds no text."""
+    context = s.shared_context
+    if context is None:
+        return None
+    if context.file is None:
+        assert context.text is not None  # checked by parse_scenario
+        return context.text
+    try:
+        text = Path(context.file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = f"cannot read {context.file}: {_reason(exc)}"
+        raise ScenarioError(f"{reason} - at `$.shared_context.file`") from None
+    if not text.strip():
+        raise ScenarioError(f"{context.file} is empty - at `$.shared_context.file`")
+    return text
 
 
 def _problem(s: Scenario) -> tuple[str, str] | None:
@@ -177,6 +241,14 @@ def _problem(s: Scenario) -> tuple[str, str] | None:
         return "cache_dir must be 'auto', 'none' or a folder", "cache_dir"
     if any(not stop for stop in s.sampling.stop):
         return "stop strings must not be empty", "sampling.stop"
+    context = s.shared_context
+    if context is not None:
+        if (context.text is None) == (context.file is None):
+            return "give text or file, not both or neither", "shared_context"
+        if context.text is not None and not context.text.strip():
+            return "the shared context is empty", "shared_context.text"
+        if context.file is not None and not context.file.strip():
+            return "file must name a file", "shared_context.file"
     if not s.agents:
         return "a scenario needs at least one agent", "agents"
     names: set[str] = set()
@@ -187,6 +259,11 @@ def _problem(s: Scenario) -> tuple[str, str] | None:
             return str(exc), f"agents[{i}].name"
         if agent.name in names:
             return f"duplicate agent name {agent.name!r}", f"agents[{i}].name"
+        if context is not None and agent.name == CONTEXT_AGENT:
+            return (
+                f"{CONTEXT_AGENT!r} names the shared context; rename the agent",
+                f"agents[{i}].name",
+            )
         names.add(agent.name)
     if not s.phases:
         return "a scenario needs at least one phase", "phases"
@@ -207,6 +284,37 @@ def _problem(s: Scenario) -> tuple[str, str] | None:
         problem = _template_problem(phase.prompt)
         if problem is not None:
             return problem, f"phases[{i}].prompt"
+    for i, agent in enumerate(s.agents):
+        problem = _fork_problem(s, agent)
+        if problem is not None:
+            return problem, f"agents[{i}].fork"
+    return None
+
+
+def _fork_problem(s: Scenario, agent: AgentSpec) -> str | None:
+    if agent.fork is None:
+        return None
+    if agent.system is not None:
+        return "a fork starts from its source's conversation: give fork or system, not both"
+    forks = {a.name: a.fork for a in s.agents}
+    if agent.fork not in forks:
+        return f"unknown fork source {agent.fork!r}; agents: {', '.join(forks)}"
+    chain = [agent.name]
+    step: str | None = agent.fork
+    while step is not None and step not in chain:
+        chain.append(step)
+        step = forks.get(step)
+    if step == agent.name:
+        return "fork cycle: " + " -> ".join([*chain, step])
+    first = first_phases(s)
+    if agent.name not in first:
+        return f"agent {agent.name!r} forks {agent.fork!r} but speaks in no phase"
+    if first.get(agent.fork, len(s.phases)) >= first[agent.name]:
+        phase = s.phases[first[agent.name]].name
+        return (
+            f"fork source {agent.fork!r} must speak in a phase before {phase!r}, where "
+            f"{agent.name!r} first speaks (the fork starts where its source is then)"
+        )
     return None
 
 
@@ -233,10 +341,14 @@ def render(template: str, **values: str) -> str:
     return template.format_map(values)
 
 
-def turn_prompt(s: Scenario, phase: PhaseSpec, agent: str, said: Mapping[str, str]) -> str:
-    """The prompt of ``agent``'s turn in ``phase``, given each agent's latest output."""
+def turn_prompt(
+    s: Scenario, phase: PhaseSpec, agent: str, said: Mapping[str, str], *, first: bool = False
+) -> str:
+    """The prompt of ``agent``'s turn in ``phase``, given each agent's latest output.
+    ``first``: the first turn of its conversation, which a shared context's agent's role
+    (its ``system``) opens."""
     others = [f"{n}: {said[n]}" for n in (a.name for a in s.agents) if n != agent and n in said]
-    return render(
+    text = render(
         phase.prompt,
         task=s.task,
         agent=agent,
@@ -244,12 +356,26 @@ def turn_prompt(s: Scenario, phase: PhaseSpec, agent: str, said: Mapping[str, st
         outputs="\n\n".join(others) or NO_OUTPUTS,
         own=said.get(agent, NO_OUTPUTS),
     )
+    if first and s.shared_context is not None:
+        role = next((a.system for a in s.agents if a.name == agent), None)
+        if role:
+            text = f"{role}\n\n{text}"
+    return text
 
 
 def turn_plan(s: Scenario) -> list[tuple[int, PhaseSpec, list[str]]]:
     """(index, phase, the names of its agents in turn order) for every phase."""
     every = [a.name for a in s.agents]
     return [(i, p, list(p.agents) if p.agents else every) for i, p in enumerate(s.phases)]
+
+
+def first_phases(s: Scenario) -> dict[str, int]:
+    """The index of the first phase each agent speaks in (agents that never speak: absent)."""
+    first: dict[str, int] = {}
+    for i, _, names in turn_plan(s):
+        for name in names:
+            first.setdefault(name, i)
+    return first
 
 
 # ------------------------------------------------------------------------------ setup
@@ -259,7 +385,8 @@ def resolve_model(spec: str) -> ModelSpec:
     if spec == "default":
         return None
     if spec == "tiny":
-        return functools.partial(make_tiny_model, 0, head_dim=64)
+        # Room for the shipped shared document, ~6,100 bytes: the tokenizer is bytewise.
+        return functools.partial(make_tiny_model, 0, head_dim=64, max_position_embeddings=16384)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ScenarioError(f"model: no such file or directory: {path} - at `$.model`")

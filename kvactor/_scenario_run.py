@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,18 +14,22 @@ import anyio
 import msgspec
 
 from ._scenario_format import (
+    CONTEXT_AGENT,
     POLICIES,
     PhaseSpec,
     Scenario,
     resolve_model,
     scenario_cache_dir,
+    shared_text,
     turn_plan,
     turn_prompt,
 )
 from ._scenario_results import (
     AgentRow,
     ColdReference,
+    ContextRecord,
     Event,
+    Footprint,
     PhaseStarted,
     Results,
     RunStarted,
@@ -35,9 +40,9 @@ from ._scenario_results import (
 )
 from .actors import ModelInfo, Tier, Tokenizer, UnknownAgent
 from .actors import open as open_session
-from .actors.config import turn_reserve_bytes
+from .actors.config import ModelSpec, turn_reserve_bytes
 from .actors.session import Agent, Session
-from .actors.store import forget, list_agents, lock_cache_dir
+from .actors.store import agent_dir, forget, list_agents, lock_cache_dir
 from .kernels.agent_cache import cache_nbytes
 from .kernels.qcodec import KVCodec
 from .kernels.turn_cache import CacheGeometry
@@ -78,8 +83,13 @@ def estimate_context(s: Scenario, tokenizer: Tokenizer, start_tokens: Mapping[st
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return len(tokenizer.encode(text))
 
-    head = {a.name: [{"role": "system", "content": a.system}] if a.system else [] for a in s.agents}
-    conversations = {name: list(messages) for name, messages in head.items()}
+    context = shared_text(s)
+    head: dict[str, list[dict[str, str]]] = {}
+    for a in s.agents:
+        system = context if context is not None else a.system
+        head[a.name] = [{"role": "system", "content": system}] if system else []
+    forks = {a.name: a.fork for a in s.agents if a.fork is not None and a.name not in start_tokens}
+    conversations = {name: list(messages) for name, messages in head.items() if name not in forks}
     offset = {
         name: max(0, tokens - (count(head[name], False) if head[name] else 0))
         for name, tokens in start_tokens.items()
@@ -90,9 +100,16 @@ def estimate_context(s: Scenario, tokenizer: Tokenizer, start_tokens: Mapping[st
     for _, phase, names in turn_plan(s):
         max_tokens = phase.max_tokens or s.sampling.max_tokens
         snapshot = dict(said)
+        for name in names:  # a fork starts as its source's conversation at the phase start
+            source = forks.get(name)
+            if source is not None and name not in conversations:
+                conversations[name] = list(conversations[source])
+                offset[name] = offset.get(source, 0)
         for name in names:
             messages = conversations[name]
-            messages.append({"role": "user", "content": turn_prompt(s, phase, name, snapshot)})
+            first = name not in start_tokens and name not in forks and len(messages) <= 1
+            prompt = turn_prompt(s, phase, name, snapshot, first=first)
+            messages.append({"role": "user", "content": prompt})
             need = offset.get(name, 0) + count(messages, True) + max_tokens
             longest = max(longest, need)
             said[name] = reply(max_tokens)
@@ -127,8 +144,9 @@ class _Outcome(msgspec.Struct, kw_only=True):
 
 
 def _warm_on_disk(s: Scenario, root: Path | None) -> _Outcome:
-    """Which of the scenario's agents have warm caches; forget them when asked to (or
-    when one is past ``resume_max_tokens``). Runs on a worker thread: it touches files."""
+    """Which of the scenario's agents have warm caches; forget them (and the shared
+    context's) when asked to (or when one is past ``resume_max_tokens``). Runs on a
+    worker thread: it touches files."""
     if root is None:
         return _Outcome(found=[], tokens={}, reset=None)
     names = {a.name for a in s.agents}
@@ -146,7 +164,7 @@ def _warm_on_disk(s: Scenario, root: Path | None) -> _Outcome:
             )
     if reset is not None:
         with lock_cache_dir(root):  # CacheDirLocked while another session uses it
-            for name in sorted(names):
+            for name in sorted(names | ({CONTEXT_AGENT} if s.shared_context else set())):
                 forget(root, name)
         return _Outcome(found=found, tokens={}, reset=reset)
     return _Outcome(found=found, tokens={w.agent: w.tokens for w in infos}, reset=None)
@@ -192,11 +210,22 @@ async def _is_hot(agent: Agent) -> bool:
 class _Runner:
     """The state of one run: the session, each agent's latest output, the records."""
 
-    def __init__(self, s: Scenario, kv: Session, on_event: Callable[[Event], None] | None) -> None:
+    def __init__(
+        self,
+        s: Scenario,
+        kv: Session,
+        on_event: Callable[[Event], None] | None,
+        context: str | None = None,
+    ) -> None:
         self.s = s
         self.kv = kv
         self.on_event = on_event
+        self.context = context  # the shared context's text, when it is shared
         self.names = [a.name for a in s.agents]
+        self.specs = {a.name: a for a in s.agents}
+        self.caches = [*self.names, *([CONTEXT_AGENT] if context is not None else [])]
+        self.fresh: set[str] = set()  # no user message yet: its role opens its next turn
+        self.forked: set[str] = set()  # forks before their first turn
         self.plan = turn_plan(s)
         self.total = sum(len(names) for *_, names in self.plan)
         self.outputs: dict[str, str] = {}
@@ -214,11 +243,49 @@ class _Runner:
     async def rows(self) -> list[AgentRow]:
         if self.on_event is None:
             return []
-        return await _tier_rows(self.kv, self.names, self.last, self.turns)
+        return await _tier_rows(self.kv, self.caches, self.last, self.turns)
+
+    async def spawn(self, on_disk: Collection[str], text: str | None) -> tuple[list[str], int]:
+        """Start every agent but the forks made later (those without a warm cache to
+        resume); ``text``: the shared context, shared when ``self.context`` is set, else
+        each agent's own system prompt. Returns the agents that resumed a warm cache, and
+        their tokens."""
+        resumed: list[str] = []
+        tokens = 0
+        for spec in self.s.agents:
+            if spec.fork is not None and spec.name not in on_disk:
+                continue  # forked at the start of the first phase it speaks in
+            if spec.fork is not None:
+                agent = await self.kv.spawn_agent(spec.name)  # resumes its warm cache
+            elif self.context is not None:
+                agent = await self.kv.spawn_agent(spec.name, context=CONTEXT_AGENT)
+            else:
+                agent = await self.kv.spawn_agent(spec.name, system=text or spec.system)
+            state = await agent.state()
+            if not any(m["role"] == "user" for m in state.messages):
+                self.fresh.add(spec.name)
+            if state.restored:
+                resumed.append(agent.name)
+                tokens += state.tokens
+                replies = [m["content"] for m in state.messages if m["role"] == "assistant"]
+                if replies:  # {outputs} of the first phase: what they said last time
+                    self.outputs[agent.name] = replies[-1].strip()
+        return resumed, tokens
+
+    async def fork(self, names: Sequence[str]) -> None:
+        """Make the forks that speak first in this phase: each starts where its source is
+        now, at the end of the previous phase."""
+        for name in names:
+            source = self.specs[name].fork
+            if source is not None and name not in self.kv.agents:
+                await self.kv.fork(source, name)
+                self.forked.add(name)
 
     async def hint(self, name: str | None) -> None:
         if name is None or not self.s.prefetch or self.kv.cache_dir is None:
             return
+        if name not in self.kv.agents:
+            return  # a fork not made yet
         agent = self.kv.agent(name)
         if not await _is_hot(agent):
             self.hinted_cold.add(name)
@@ -227,6 +294,7 @@ class _Runner:
     async def run(self) -> None:
         self.t0 = time.perf_counter()
         for index, phase, names in self.plan:
+            await self.fork(names)
             self.emit(PhaseStarted(index=index, name=phase.name, agents=list(names)))
             following = self.plan[index + 1][2][0] if index + 1 < len(self.plan) else None
             # Every turn of a phase quotes what the others said before the phase began,
@@ -269,7 +337,10 @@ class _Runner:
         after: str | None,
     ) -> None:
         s = self.s
-        prompt = turn_prompt(s, phase, name, snapshot)
+        prompt = turn_prompt(s, phase, name, snapshot, first=name in self.fresh)
+        self.fresh.discard(name)
+        forked = name in self.forked
+        self.forked.discard(name)
         sampling: dict[str, Any] = {
             "max_tokens": phase.max_tokens or s.sampling.max_tokens,
             "temperature": s.sampling.temperature,
@@ -322,6 +393,8 @@ class _Runner:
             start_s=started - self.t0,
             wall_s=wall,
             text=done.text,
+            shared_tokens=t.shared_tokens,
+            forked_tokens=t.reused_tokens - t.shared_tokens if forked else 0,
         )
         self.hinted_cold.discard(name)
         self.records.append(record)
@@ -331,42 +404,100 @@ class _Runner:
         self.emit(TurnFinished(record=record, total=self.total, agents=await self.rows()))
 
 
-async def _cold_references(kv: Session, records: Sequence[TurnRecord]) -> list[ColdReference]:
-    """Prefill again, from scratch, the prompt of the longest turn and (when the run had
-    no cold turn to compare with) of the shortest, in a throwaway agent."""
+async def _reference_prompts(
+    kv: Session, records: Sequence[TurnRecord]
+) -> list[tuple[TurnRecord, str]]:
+    """The turns to prefill again from scratch: the longest and (when the run had no cold
+    turn to compare with) the shortest, each with its whole prompt."""
     targets = [max(records, key=lambda r: (r.prompt_tokens, r.index))]
     if all(r.path is not Tier.COLD for r in records):
         shortest = min(records, key=lambda r: (r.prompt_tokens, r.index))
         if shortest.prompt_tokens <= 0.75 * targets[0].prompt_tokens:
             targets.append(shortest)
-    name = "cold-reference"
-    while name in kv.agents:
-        name += "-"
     out = []
     for record in targets:
         # The record's prompt is the agent's history up to that turn's user message.
         history = await kv.agent(record.agent).history()
         later = sum(1 for r in records if r.agent == record.agent and r.index > record.index)
         messages = history[: len(history) - 2 * later - 1]
-        if not messages or messages[-1]["role"] != "user":
-            continue
-        prompt = kv.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        scratch = await kv.spawn_agent(name)
-        try:
-            done = await scratch.complete(prompt, max_tokens=1)
-        finally:
-            await kv.forget(name)
-        out.append(
-            ColdReference(
-                index=record.index,
-                agent=record.agent,
-                prompt_tokens=done.timings.prompt_tokens,
-                ttft_s=done.timings.ttft_s,
-                turn_ttft_s=record.ttft_s,
-                turn_path=f"{record.path}/{record.match}",
-            )
-        )
+        if messages and messages[-1]["role"] == "user":
+            prompt = kv.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            out.append((record, prompt))
     return out
+
+
+async def _cold_references(
+    spec: ModelSpec, s: Scenario, targets: Sequence[tuple[TurnRecord, str]]
+) -> list[ColdReference]:
+    """Prefill each prompt from scratch in a session of its own: there no other cache
+    holds a prefix to share, so each is a true cold prefill."""
+    out = []
+    async with open_session(
+        spec, max_batch=1, prefill_chunk=s.prefill_chunk, attention=s.attention
+    ) as kv:
+        scratch = await kv.spawn_agent("cold-reference")
+        await scratch.complete("Hello", max_tokens=1)  # the first turn of a session warms up
+        for record, prompt in targets:
+            await kv.forget(scratch.name)
+            scratch = await kv.spawn_agent(scratch.name)
+            done = await scratch.complete(prompt, max_tokens=1)
+            out.append(
+                ColdReference(
+                    index=record.index,
+                    agent=record.agent,
+                    prompt_tokens=done.timings.prompt_tokens,
+                    ttft_s=done.timings.ttft_s,
+                    turn_ttft_s=record.ttft_s,
+                    turn_path=f"{record.path}/{record.match}",
+                    reused_tokens=done.timings.reused_tokens,
+                )
+            )
+    return out
+
+
+async def _make_context(kv: Session, text: str) -> ContextRecord:
+    started = time.perf_counter()
+    agent = await kv.context(CONTEXT_AGENT, text)
+    seconds = time.perf_counter() - started
+    state = await agent.state()
+    path = Tier.WARM if state.restored else Tier.COLD
+    return ContextRecord(tokens=state.tokens, path=path, seconds=seconds)
+
+
+async def _hot_footprint(kv: Session, names: Sequence[str]) -> tuple[int, int, int]:
+    """(hot caches, their stored bytes with shared arrays once, each counted whole)."""
+    stats = await kv.stats()
+    each = 0
+    caches = 0
+    for name in names:
+        try:
+            each += (await kv.cache_info(name)).nbytes
+        except UnknownAgent:
+            continue
+        caches += 1
+    # Between turns a hot cache is its stored ranges plus its ready (float) copy, if
+    # kept; the copies are never shared, so they come off both counts.
+    once = stats.cache_bytes - stats.ready_bytes
+    return caches, once, max(once, each - stats.ready_bytes)
+
+
+def _disk_footprint(root: Path | None, names: Sequence[str]) -> tuple[int, int, int]:
+    """(files, bytes with each hard-linked file once, every link counted) of the warm
+    caches of ``names``. Runs on a worker thread."""
+    if root is None:
+        return 0, 0, 0
+    seen: set[tuple[int, int]] = set()
+    files = once = each = 0
+    for name in names:
+        for folder, _, filenames in os.walk(agent_dir(root, name)):
+            for filename in filenames:
+                info = os.stat(os.path.join(folder, filename))
+                each += info.st_size
+                if (info.st_dev, info.st_ino) not in seen:
+                    seen.add((info.st_dev, info.st_ino))
+                    files += 1
+                    once += info.st_size
+    return files, once, each
 
 
 async def run_scenario(
@@ -376,12 +507,14 @@ async def run_scenario(
 
     ``on_event`` (a plain function) sees RunStarted, PhaseStarted, TurnStarted and
     TurnFinished as they happen. Raises ScenarioError for a model path that does not
-    exist, ModelLoadError for a model that cannot be loaded, and what a turn raises
-    (BudgetExceeded when ``budget_mb`` cannot hold one turn's working cache).
+    exist or a shared context file that cannot be read, ModelLoadError for a model that
+    cannot be loaded, and what a turn raises (BudgetExceeded when ``budget_mb`` cannot
+    hold one turn's working cache).
     """
     started_at = time.time()
     t0 = time.perf_counter()
     spec = resolve_model(scenario.model)
+    text = shared_text(scenario)
     root = scenario_cache_dir(scenario)
     disk = await anyio.to_thread.run_sync(_warm_on_disk, scenario, root)
     budget: int | None = None
@@ -401,19 +534,13 @@ async def run_scenario(
         budget_bytes=budget,
         policy=POLICIES[scenario.policy](),
         cache_dir=root,
+        share_prefixes=scenario.share_prefixes,
     ) as kv:
-        runner = _Runner(scenario, kv, on_event)
-        resumed: list[str] = []
-        resumed_tokens = 0
-        for spec_agent in scenario.agents:
-            agent = await kv.spawn_agent(spec_agent.name, system=spec_agent.system)
-            state = await agent.state()
-            if state.restored:
-                resumed.append(agent.name)
-                resumed_tokens += state.tokens
-                replies = [m["content"] for m in state.messages if m["role"] == "assistant"]
-                if replies:  # {outputs} of the first phase: what they said last time
-                    runner.outputs[agent.name] = replies[-1].strip()
+        # Without share_prefixes no shared context is made: the text is each agent's own.
+        shared = text if scenario.share_prefixes else None
+        runner = _Runner(scenario, kv, on_event, shared)
+        context = None if shared is None else await _make_context(kv, shared)
+        resumed, resumed_tokens = await runner.spawn(disk.tokens, text)
         runner.emit(
             RunStarted(
                 scenario=scenario,
@@ -427,15 +554,28 @@ async def run_scenario(
                 reset=disk.reset,
                 total_turns=runner.total,
                 agents=await runner.rows(),
+                context=context,
             )
         )
         await runner.run()
-        stats = await kv.stats()  # before the reference prefill, which demotes caches
+        stats = await kv.stats()
+        hot = await _hot_footprint(kv, runner.caches)
         records = sorted(runner.records, key=lambda r: r.index)
-        references = []
+        targets: list[tuple[TurnRecord, str]] = []
         if scenario.cold_reference and records:
-            references = await _cold_references(kv, records)
+            targets = await _reference_prompts(kv, records)
         model = kv.model
+    # Closed: every agent's last write is done.
+    files = await anyio.to_thread.run_sync(_disk_footprint, root, runner.caches)
+    references = await _cold_references(spec, scenario, targets) if targets else []
+    footprint = Footprint(
+        hot_caches=hot[0],
+        hot_bytes=hot[1],
+        hot_bytes_each=hot[2],
+        disk_files=files[0],
+        disk_bytes=files[1],
+        disk_bytes_each=files[2],
+    )
     return Results(
         scenario=scenario,
         model=model,
@@ -445,8 +585,10 @@ async def run_scenario(
         resumed=resumed,
         reset=disk.reset,
         turns=records,
-        summary=summarize(records, references),
+        summary=summarize(records, references, context),
         stats=stats,
         wall_s=time.perf_counter() - t0,
         started_at=started_at,
+        context=context,
+        footprint=footprint,
     )

@@ -176,10 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="six agents, three phases, a hot budget that forces demotions; run it twice",
-        description="Run the built-in scenario (kvactor/scenarios/demo.toml) on the default "
-        "model. A second run resumes every agent from disk; once the conversations pass "
-        "1024 tokens the next run starts fresh.",
+        help="six agents, three phases, a hot budget that forces demotions; then ten agents "
+        "over one shared document; run it twice",
+        description="Run the built-in scenarios on the default model: six agents under a hot "
+        "budget that forces demotions (kvactor/scenarios/demo.toml; a second run resumes "
+        "every agent from disk, and once the conversations pass 1024 tokens the next run "
+        "starts fresh), then ten agents over one long shared document "
+        "(kvactor/scenarios/shared_doc.toml), with what sharing its cache saved.",
     )
     demo.add_argument("--fresh", action="store_true", help="forget earlier runs' caches first")
     demo.add_argument("--model", help="a .gguf file or model directory (or 'tiny')")
@@ -188,10 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="warm tier folder, or 'none' (default: <cache dir>/scenarios/demo/<model>)",
     )
     demo.add_argument(
-        "--budget-mb", type=float, help="hot budget in MB (default: sized from the model)"
+        "--budget-mb",
+        type=float,
+        help="hot budget in MB of the first scenario (default: sized from the model)",
     )
-    demo.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    demo.add_argument("--plot", metavar="PNG", help="draw TTFT per turn (kvactor[plot])")
+    demo.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the results as JSON (the shared document's to PATH-shared.json)",
+    )
+    demo.add_argument(
+        "--plot", metavar="PNG", help="draw TTFT per turn of the first scenario (kvactor[plot])"
+    )
     demo.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     demo.set_defaults(func=_demo)
     run = sub.add_parser(

@@ -28,15 +28,26 @@ time saved against re-prefilling every prompt, and the engine's statistics. The 
     prompt = "Write {task}. Earlier: {outputs}"
     agents = ["author"]             # default: every agent, in [[agents]] order
 
+A ``[shared_context]`` (``text = "..."`` or ``file = "doc.md"``, relative to the scenario
+file) is a text every agent reads first: it is prefilled once, as the system prompt of a
+shared context, and every agent's first turn shares that cache instead of prefilling it
+(an agent's own ``system`` then opens its first prompt). An agent with ``fork =
+"author"`` starts as a fork of that agent (its conversation and cache, not copied) at the
+start of the first phase it speaks in; the source must have spoken before. Results count
+per turn the tokens shared (``TurnRecord.shared_tokens``) and in total what sharing
+saved (``Summary.sharing``, ``Results.footprint``).
+
 See ``Scenario`` for every field and ``PLACEHOLDERS`` for the template names.
 """
 
 from __future__ import annotations
 
+from ._scenario_format import CONTEXT_AGENT as CONTEXT_AGENT
 from ._scenario_format import NO_OUTPUTS as NO_OUTPUTS
 from ._scenario_format import PLACEHOLDERS as PLACEHOLDERS
 from ._scenario_format import POLICIES as POLICIES
 from ._scenario_format import AgentSpec as AgentSpec
+from ._scenario_format import ContextSpec as ContextSpec
 from ._scenario_format import PhaseSpec as PhaseSpec
 from ._scenario_format import SamplingSpec as SamplingSpec
 from ._scenario_format import Scenario as Scenario
@@ -46,15 +57,19 @@ from ._scenario_format import parse_scenario as parse_scenario
 from ._scenario_format import render as render
 from ._scenario_format import resolve_model as resolve_model
 from ._scenario_format import scenario_cache_dir as scenario_cache_dir
+from ._scenario_format import shared_text as shared_text
 from ._scenario_format import turn_prompt as turn_prompt
 from ._scenario_results import AgentRow as AgentRow
 from ._scenario_results import ColdReference as ColdReference
+from ._scenario_results import ContextRecord as ContextRecord
 from ._scenario_results import Event as Event
+from ._scenario_results import Footprint as Footprint
 from ._scenario_results import PathSummary as PathSummary
 from ._scenario_results import PhaseStarted as PhaseStarted
 from ._scenario_results import Results as Results
 from ._scenario_results import RunStarted as RunStarted
 from ._scenario_results import Savings as Savings
+from ._scenario_results import Sharing as Sharing
 from ._scenario_results import Summary as Summary
 from ._scenario_results import TurnFinished as TurnFinished
 from ._scenario_results import TurnRecord as TurnRecord
@@ -69,13 +84,17 @@ from ._scenario_run import estimate_context as estimate_context
 from ._scenario_run import run_scenario as run_scenario
 
 __all__ = (
+    "CONTEXT_AGENT",
     "NO_OUTPUTS",
     "PLACEHOLDERS",
     "POLICIES",
     "AgentRow",
     "AgentSpec",
     "ColdReference",
+    "ContextRecord",
+    "ContextSpec",
     "Event",
+    "Footprint",
     "PathSummary",
     "PhaseSpec",
     "PhaseStarted",
@@ -85,6 +104,7 @@ __all__ = (
     "Savings",
     "Scenario",
     "ScenarioError",
+    "Sharing",
     "Summary",
     "TurnFinished",
     "TurnRecord",
@@ -99,6 +119,7 @@ __all__ = (
     "resolve_model",
     "run_scenario",
     "scenario_cache_dir",
+    "shared_text",
     "summarize",
     "turn_path",
     "turn_prompt",

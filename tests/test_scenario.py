@@ -203,6 +203,20 @@ def test_the_demo_command_on_the_tiny_model(tmp_path: Path) -> None:
     assert "TTFT by path (18 turns)" in done.stdout and "demo done in" in done.stdout
     # The random model's replies are long in bytes: past resume_max_tokens in one run.
     assert "resume_max_tokens = 1024: the next run starts fresh." in done.stdout
+    # Then the shared document: every reviewer's first turn shares the context's cache.
+    assert "Shared prefixes: 10 agents review one long design document" in done.stdout
+    assert "10 agents, 3 phases, 10 turns" in done.stdout
+    assert "(6120 shared + " in done.stdout  # the document, in the byte tokenizer's tokens
+    for row in ("tokens prefilled", "time to first tokens", "hot caches (11)", "warm tier on disk"):
+        assert row in done.stdout
+    shared = load_results(tmp_path / "demo-shared.json")
+    assert shared.scenario.name == "shared-doc" and shared.budget_bytes == 240_000_000
+    assert shared.context is not None and shared.context.tokens == 6120
+    assert sum(t.shared_tokens > 0 for t in shared.turns) == 9  # the reviewers, the lead
+    assert sum(t.forked_tokens > 0 for t in shared.turns) == 1  # the skeptic
+    sharing, footprint = shared.summary.sharing, shared.footprint
+    assert sharing is not None and sharing.independent_tokens > 5 * sharing.prefilled_tokens
+    assert footprint is not None and footprint.disk_bytes_each > 5 * footprint.disk_bytes
     results = load_results(tmp_path / "demo.json")
     assert [a.name for a in results.scenario.agents] == [
         "planner",
@@ -221,7 +235,7 @@ def test_the_shipped_scenarios_are_valid() -> None:
     assert len({a.system for a in demo.agents}) == len(demo.agents)
     assert demo.hot_agents is not None  # the budget forces demotions
     shipped = sorted(p.name for p in SCENARIOS.glob("*.toml"))
-    assert shipped == ["code_review.toml", "debate.toml", "demo.toml"]
+    assert shipped == ["code_review.toml", "debate.toml", "demo.toml", "shared_doc.toml"]
     for path in SCENARIOS.glob("*.toml"):
         load_scenario(path)
 
