@@ -33,7 +33,9 @@ def _pool(kv: Any) -> Any:
     return kv.engine._cell._actor.pool  # looking inside: the engine actor's hot tier
 
 
-async def _run(share: bool, attention: kvactor.Attention, cache_dir: Path | None = None) -> list[Any]:
+async def _run(
+    share: bool, attention: kvactor.Attention, cache_dir: Path | None = None
+) -> list[Any]:
     """Three agents over DOC, two turns each: with a shared context, or independent."""
     async with kvactor.open(
         tiny, cache_dir=cache_dir, share_prefixes=share, attention=attention, ready_copies=False
