@@ -168,7 +168,7 @@ class EngineActor(ThreadActor):
                 if entry is None or entry.busy or entry.kv.tokens != tokens:
                     return False
                 kv = entry.kv.fork(self._new_kv())
-                return pool.install(new, kv.stored_bytes, lambda: kv, pin=False)
+                return pool.install(new, kv.stored_bytes, lambda: kv, pin=False, from_disk=False)
             case CacheQuery(agent):
                 entry = pool.get(agent)
                 if entry is None:

@@ -410,10 +410,19 @@ class CachePool:
         self.measure()
         self.grant_waiters()
 
-    def install(self, agent: str, nbytes: int, build: Callable[[], AgentKV], *, pin: bool) -> bool:
+    def install(
+        self,
+        agent: str,
+        nbytes: int,
+        build: Callable[[], AgentKV],
+        *,
+        pin: bool,
+        from_disk: bool = True,
+    ) -> bool:
         """Make a staged warm cache of ``nbytes`` hot (``build`` makes it); False when the
         agent is hot already (that copy is at least as new). Raises BudgetExceeded when
-        nothing was reserved for it and it does not fit."""
+        nothing was reserved for it and it does not fit. ``from_disk=False``: a cache made
+        in memory (a fork), not counted in ``installs`` (reloads from disk)."""
         reserved = self._staged.pop(agent, None)
         if agent in self._entries:
             return False
@@ -424,7 +433,7 @@ class CachePool:
         self._entries[agent] = HotEntry(
             kv, now, persisted=len(kv.tokens), pinned=pin, next_use=None if pin else now
         )
-        self.installs += 1
+        self.installs += from_disk
         self.measure()
         return True
 

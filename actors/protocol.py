@@ -293,7 +293,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     max_batch_seen: int
     demoted_warm: int
     demoted_cold: int
-    installs: int
+    installs: int  # warm caches staged from disk into the hot tier (not forks made in memory)
     warm_writes: int = 0  # turns whose new tokens were written to the warm tier
     warm_write_failures: int = 0  # turns whose warm write failed (Completion.save_error)
     ready_agents: int = 0  # hot agents keeping a ready (float) copy between turns
