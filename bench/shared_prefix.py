@@ -75,6 +75,7 @@ import kvactor  # first: it loads an optimized BLAS before mlx.core
 
 # isort: split
 import anyio
+from ttft import drop_page_cache  # bench/ is the script's folder: on sys.path
 
 TEXT = Path(__file__).with_name("data") / "fidelity.txt"
 CONTEXT = "doc"  # the shared context's name
@@ -173,21 +174,6 @@ def disk_bytes(folder: Path) -> tuple[int, int]:
             inodes[(st.st_dev, st.st_ino)] = st.st_size
             names += st.st_size
     return sum(inodes.values()), names
-
-
-def drop_page_cache(folder: Path) -> bool:
-    """Evict the folder's files from the page cache (no root needed for clean pages)."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return True
 
 
 async def run_side(shared: bool, root: Path, work: Workload, max_tokens: int) -> dict[str, Any]:
