@@ -206,14 +206,27 @@ def _set_aside(root: Path, folder: Path, agent: str, delete: bool) -> None:
     os.replace(folder, dest)
 
 
-def _remove_orphans(folder: Path, manifest: CacheManifest) -> None:
-    live = {s.file for s in (*manifest.segments, *manifest.window_segments)}
+def _orphans(folder: Path, manifest: CacheManifest | None) -> list[str]:
+    """The segment, window and temporary files in ``folder`` that ``manifest`` (None: no
+    manifest) does not name: what an interrupted write, fork or share left."""
+    live = (
+        set()
+        if manifest is None
+        else {s.file for s in (*manifest.segments, *manifest.window_segments)}
+    )
+    out = []
     for name in os.listdir(folder):
         named = SEGMENT_FILE.fullmatch(name) or WINDOW_FILE.fullmatch(name)
         ours = named or (name.startswith(".") and name.endswith(".tmp"))
         if ours and name not in live:
-            with contextlib.suppress(OSError):  # best effort: the next append retries
-                os.unlink(folder / name)
+            out.append(name)
+    return out
+
+
+def _remove_orphans(folder: Path, manifest: CacheManifest) -> None:
+    for name in _orphans(folder, manifest):
+        with contextlib.suppress(OSError):  # best effort: the next append retries
+            os.unlink(folder / name)
 
 
 def _commit(folder: Path, manifest: CacheManifest) -> WarmInfo:
@@ -405,7 +418,7 @@ class Forgotten(msgspec.Struct, frozen=True):
     kept: list[SharedFile] = []
 
 
-def _shared_files(root: str | os.PathLike[str], folder: Path) -> list[SharedFile]:
+def _shared_files(folder: Path) -> list[SharedFile]:
     """The files in ``folder`` that other agents' folders name too (hard links)."""
     linked: dict[tuple[int, int], tuple[str, int]] = {}
     for name in sorted(os.listdir(folder)):
@@ -456,7 +469,7 @@ def forget_cache(root: str | os.PathLike[str], agent: str) -> Forgotten:
         for n, folder in enumerate(folders):
             if os.path.lexists(folder):
                 if n == 0 and folder.is_dir():
-                    kept = _shared_files(root, folder)
+                    kept = _shared_files(folder)
                 freed += tree_bytes(folder, owned=True)
                 _remove(folder)
                 _fsync_dir(folder.parent)
@@ -500,18 +513,10 @@ def collect(root: str | os.PathLike[str]) -> Collected:
                 loaded = load_manifest(folder, None, agent)
             except CacheRejected:
                 continue
-            live = (
-                set()
-                if loaded is None
-                else {s.file for s in (*loaded[0].segments, *loaded[0].window_segments)}
-            )
-            for name in os.listdir(folder):
-                named = SEGMENT_FILE.fullmatch(name) or WINDOW_FILE.fullmatch(name)
-                ours = named or (name.startswith(".") and name.endswith(".tmp"))
-                if ours and name not in live:
-                    freed += tree_bytes(folder / name, owned=True)
-                    os.unlink(folder / name)
-                    removed.append(f"agents/{agent}/{name}")
+            for name in _orphans(folder, None if loaded is None else loaded[0]):
+                freed += tree_bytes(folder / name, owned=True)
+                os.unlink(folder / name)
+                removed.append(f"agents/{agent}/{name}")
             if loaded is None and not os.listdir(folder):
                 folder.rmdir()
                 removed.append(f"agents/{agent}")
