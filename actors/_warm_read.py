@@ -13,7 +13,7 @@ import math
 import os
 import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from ._safetensors import MAX_HEADER_BYTES, Expected, format_checksum, parse_seg
 from .errors import CacheRejected, InvalidAgentId, UnknownAgent
 from .protocol import check_agent_id
 
-__all__ = ("list_agents", "read_cache", "tree_bytes")
+__all__ = ("disk_footprint", "list_agents", "read_cache", "tree_bytes")
 
 _READ_ATTEMPTS = 8
 
@@ -200,6 +200,29 @@ def tree_bytes(path: Path, *, owned: bool = False) -> int:
     return sum(
         size(os.path.join(folder, name)) for folder, _, files in os.walk(path) for name in files
     )
+
+
+def disk_footprint(
+    root: str | os.PathLike[str] | None, names: Sequence[str]
+) -> tuple[int, int, int]:
+    """(files, bytes with each hard-linked file once, bytes with every name counted) of
+    the regular files in the warm caches of ``names`` (agents sharing files, forks)."""
+    if root is None:
+        return 0, 0, 0
+    seen: set[tuple[int, int]] = set()
+    files = once = each = 0
+    for name in names:
+        for folder, _, filenames in os.walk(agent_dir(root, name)):
+            for filename in filenames:
+                info = os.lstat(os.path.join(folder, filename))
+                if not stat.S_ISREG(info.st_mode):
+                    continue
+                each += info.st_size
+                if (info.st_dev, info.st_ino) not in seen:
+                    seen.add((info.st_dev, info.st_ino))
+                    files += 1
+                    once += info.st_size
+    return files, once, each
 
 
 def _refused_info(agent: str, folder: Path, reason: str) -> WarmInfo:

@@ -39,7 +39,7 @@ from ._manifest import (
     default_cache_dir,
     read_manifest,
 )
-from ._warm_read import list_agents, read_cache
+from ._warm_read import disk_footprint, list_agents, read_cache
 from ._warm_write import (
     Collected,
     Forgotten,
@@ -80,6 +80,7 @@ __all__ = (
     "append_cache",
     "collect",
     "default_cache_dir",
+    "disk_footprint",
     "forget",
     "forget_cache",
     "format_table",

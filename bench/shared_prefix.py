@@ -63,7 +63,6 @@ import argparse
 import json
 import os
 import shutil
-import stat
 import statistics
 import tempfile
 import time
@@ -76,6 +75,8 @@ import kvactor  # first: it loads an optimized BLAS before mlx.core
 # isort: split
 import anyio
 from ttft import drop_page_cache  # bench/ is the script's folder: on sys.path
+
+from kvactor.actors.store import disk_footprint
 
 TEXT = Path(__file__).with_name("data") / "fidelity.txt"
 CONTEXT = "doc"  # the shared context's name
@@ -163,19 +164,6 @@ async def timed(agent: kvactor.Agent, text: str, max_tokens: int) -> tuple[float
     return (first or time.perf_counter()) - t0, pieces.completion
 
 
-def disk_bytes(folder: Path) -> tuple[int, int]:
-    """Bytes of the regular files under ``folder``: each inode once (hard links are one
-    copy of the bytes), and every name counted (what a naive ``du`` of names says)."""
-    inodes: dict[tuple[int, int], int] = {}
-    names = 0
-    for path in folder.rglob("*"):
-        st = path.lstat()
-        if stat.S_ISREG(st.st_mode):
-            inodes[(st.st_dev, st.st_ino)] = st.st_size
-            names += st.st_size
-    return sum(inodes.values()), names
-
-
 async def run_side(shared: bool, root: Path, work: Workload, max_tokens: int) -> dict[str, Any]:
     """One side of the comparison in a session of its own on ``root``."""
     async with kvactor.open(cache_dir=root, ready_copies=False, share_prefixes=shared) as kv:
@@ -207,7 +195,7 @@ async def run_side(shared: bool, root: Path, work: Workload, max_tokens: int) ->
         nbytes = {a.name: (await kv.cache_info(a.name)).nbytes for a in agents}
         context_bytes = (await kv.cache_info(CONTEXT)).nbytes if shared else 0
         model = kv.model.name
-    disk, disk_all_names = disk_bytes(root / "agents")
+    _, disk, disk_all_names = disk_footprint(root, sorted(os.listdir(root / "agents")))
     first = [t for t in turns if t[1] == 0]
     second = [t for t in turns if t[1] == 1]
     return {

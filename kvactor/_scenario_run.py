@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import deque
@@ -42,7 +41,7 @@ from .actors import ModelInfo, Tier, Tokenizer, UnknownAgent
 from .actors import open as open_session
 from .actors.config import ModelSpec, turn_reserve_bytes
 from .actors.session import Agent, Session
-from .actors.store import agent_dir, forget, list_agents, lock_cache_dir
+from .actors.store import disk_footprint, forget, list_agents, lock_cache_dir
 from .kernels.agent_cache import cache_nbytes
 from .kernels.qcodec import KVCodec
 from .kernels.turn_cache import CacheGeometry
@@ -481,25 +480,6 @@ async def _hot_footprint(kv: Session, names: Sequence[str]) -> tuple[int, int, i
     return caches, once, max(once, each - stats.ready_bytes)
 
 
-def _disk_footprint(root: Path | None, names: Sequence[str]) -> tuple[int, int, int]:
-    """(files, bytes with each hard-linked file once, every link counted) of the warm
-    caches of ``names``. Runs on a worker thread."""
-    if root is None:
-        return 0, 0, 0
-    seen: set[tuple[int, int]] = set()
-    files = once = each = 0
-    for name in names:
-        for folder, _, filenames in os.walk(agent_dir(root, name)):
-            for filename in filenames:
-                info = os.stat(os.path.join(folder, filename))
-                each += info.st_size
-                if (info.st_dev, info.st_ino) not in seen:
-                    seen.add((info.st_dev, info.st_ino))
-                    files += 1
-                    once += info.st_size
-    return files, once, each
-
-
 async def run_scenario(
     scenario: Scenario, *, on_event: Callable[[Event], None] | None = None
 ) -> Results:
@@ -566,7 +546,7 @@ async def run_scenario(
             targets = await _reference_prompts(kv, records)
         model = kv.model
     # Closed: every agent's last write is done.
-    files = await anyio.to_thread.run_sync(_disk_footprint, root, runner.caches)
+    files = await anyio.to_thread.run_sync(disk_footprint, root, runner.caches)
     references = await _cold_references(spec, scenario, targets) if targets else []
     footprint = Footprint(
         hot_caches=hot[0],
