@@ -199,6 +199,29 @@ def _tokens_within(tokenizer: Tokenizer, tokens: list[int], chars: int) -> int:
     return len(tokens)
 
 
+def system_cut(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, str]],
+    tokens: list[int],
+    cached: str = "",
+) -> tuple[int, ...]:
+    """Where the leading system message(s) of ``messages`` end in ``tokens`` (their rendered
+    prompt), as ``Generate.cuts``: ``()`` when nothing follows them, when ``cached`` (the
+    text the agent's cache holds) holds them already, or when their tokens are not a
+    prefix of ``tokens``. A system prompt so stored on its own is shared by every agent
+    that starts with it, and computed alike by those that share it and those that do not."""
+    k = 0
+    while k < len(messages) and messages[k].get("role") == "system":
+        k += 1
+    if k == 0 or k == len(messages):
+        return ()
+    head, literal = tokenizer.render_chat(messages[:k], add_generation_prompt=False)
+    if cached.startswith(head):
+        return ()
+    ids = tokenizer.encode(head, literal=literal)
+    return (len(ids),) if 0 < len(ids) < len(tokens) and tokens[: len(ids)] == ids else ()
+
+
 #: Tries of one turn: a warm cache staged for it may be demoted again while it waits.
 _ATTEMPTS = 64
 
@@ -305,6 +328,7 @@ class AgentActor(Actor):
             # Special tokens come from the template only: markers in contents stay text.
             prompt, literal = self.tokenizer.render_chat(messages, add_generation_prompt=True)
         tokens, match = match_prefix(self.tokenizer, self.tokens, self.text, prompt, literal)
+        cuts = () if raw else system_cut(self.tokenizer, messages, tokens, self.text)
         write_ran = False  # this turn's write ran (or there is no warm tier)
         try:
             path = Tier.HOT
@@ -317,7 +341,7 @@ class AgentActor(Actor):
                 # queue. The last attempt takes whatever is hot (a re-prefill): a bound,
                 # never reached in practice, so that the loop always ends.
                 warm = self.persisted > 0 and attempt < _ATTEMPTS - 1
-                request = Generate(self.agent_id, tokens, sampling, started, warm=warm)
+                request = Generate(self.agent_id, tokens, sampling, started, warm=warm, cuts=cuts)
                 try:
                     async with self.engine.stream(request) as items:
                         async for item in items:

@@ -238,6 +238,9 @@ class EngineActor(ThreadActor):
             raise ContextOverflow(
                 f"prompt of {len(msg.tokens)} tokens does not fit the context of {limit} tokens"
             )
+        cuts = msg.cuts
+        if any(not 0 < c < len(msg.tokens) for c in cuts) or list(cuts) != sorted(set(cuts)):
+            raise ValueError("cuts must increase and lie inside the prompt")
         if msg.warm and agent not in self.pool:
             raise CacheMiss(f"agent {agent!r} is not hot: stage its warm cache first")
         sampling = msg.sampling
@@ -264,6 +267,7 @@ class EngineActor(ThreadActor):
             eos=self._eos,
             reserve=0,
             warm=msg.warm,
+            cuts=cuts,
         )
         self._reuse(request, entry)
         # In the order the agents sent them: a turn sent again after a CacheMiss (its cache
@@ -465,12 +469,16 @@ class EngineActor(ThreadActor):
             if kv.ranges and not kv.turn_cache.quantized:
                 self.pool.rates.dequantize(kv.stored_bytes, request.dequantize_s)
         kv = request.entry.kv
-        chunk = request.todo[: self.config.prefill_chunk]
+        at = len(kv.tokens)
+        size = min([self.config.prefill_chunk] + [c - at for c in request.cuts if c > at])
+        chunk = request.todo[:size]
         del request.todo[: len(chunk)]
         work = kv.activate()
         logits = self.lm.model(mx.array(chunk, dtype=mx.uint32)[None], cache=work.layers)
         request.tokens.extend(chunk)
         if request.todo:
+            if len(kv.tokens) in request.cuts:
+                kv.store_so_far()
             mx.eval(work.arrays())
             self.pool.measure()
             return True

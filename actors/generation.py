@@ -41,6 +41,7 @@ class Generation:
     prefill_end: float = 0.0
     dequantize_s: float = 0.0  # making its working copy (0 from a ready copy)
     shared: int = 0  # prompt tokens reused from another agent's stored ranges
+    cuts: tuple[int, ...] = ()  # where the prefill stores a range (Generate.cuts)
 
     @property
     def tokens(self) -> list[int]:

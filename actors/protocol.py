@@ -112,6 +112,11 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     The engine reuses the longest common prefix of ``tokens`` and what the agent's cache
     holds, trims the rest, and prefills only the difference. The reply is a stream of
     Piece items ending with one Finished.
+
+    ``cuts``: token counts, increasing, inside ``tokens``, where the prefill stores what it
+    holds as a range of its own before it goes on (the end of a system prompt): another
+    cache may share up to there, and the tokens after a cut are computed from the stored
+    values before it, whether this cache prefilled them or shared them.
     """
 
     agent: str
@@ -119,6 +124,7 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     sampling: Sampling
     sent_at: float
     warm: bool = False  # the agent has a warm copy: fail with CacheMiss instead of starting cold
+    cuts: tuple[int, ...] = ()
 
 
 class Export(msgspec.Struct, frozen=True, tag=True):

@@ -7,13 +7,13 @@ next to a bare anyio memory-object-stream round trip measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
 
 import anyio
 import msgspec
+from _results import write_json  # bench/ is the script's folder: on sys.path
 
 from kvactor.runtime import Actor, Runtime
 
@@ -101,5 +101,4 @@ if __name__ == "__main__":
         f"{result['ratio']} | {result['tell_per_s']:,} |"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)

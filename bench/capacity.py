@@ -18,8 +18,6 @@ take the last turn's range, which they keep whole).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 import kvactor  # noqa: F401 - first: loads the BLAS before mlx.core
@@ -27,6 +25,7 @@ import kvactor  # noqa: F401 - first: loads the BLAS before mlx.core
 # isort: split
 
 import mlx.core as mx
+from _results import write_json  # bench/ is the script's folder: on sys.path
 
 from kvactor.kernels.agent_cache import cache_nbytes
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec, Role
@@ -205,4 +204,4 @@ if __name__ == "__main__":
     )
     print_table(outcome)
     if args.json:
-        Path(args.json).write_text(json.dumps(outcome, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, outcome)

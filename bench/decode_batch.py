@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
 from typing import Any
 
 import anyio
+from _results import write_json  # bench/ is the script's folder: on sys.path
 
 import kvactor
 from kvactor import Attention
@@ -103,5 +103,4 @@ if __name__ == "__main__":
         q = result["attention"]["quantized"][n]
         print(f"| {n} | {v:.1f} | {v / one:.2f}x | {q:.1f} | {q / v:.2f}x |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)

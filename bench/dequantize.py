@@ -16,7 +16,6 @@ Medians of ``--rounds`` rounds that alternate the two, every array evaluated.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
@@ -25,6 +24,7 @@ import kvactor  # noqa: F401 - first: it loads an optimized BLAS before mlx.core
 
 # isort: split
 import mlx.core as mx
+from _results import write_json  # bench/ is the script's folder: on sys.path
 
 from kvactor.kernels.agent_cache import AgentKV, StoredRange
 from kvactor.kernels.qcodec import DEFAULT_CODEC
@@ -95,5 +95,4 @@ if __name__ == "__main__":
         f"  saved                              {result['saved_s'] * 1e3:7.1f} ms"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)

@@ -7,7 +7,6 @@ directly on the same model and prompt, in the same process.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
 # isort: split
 import anyio
 import mlx.core as mx
+from _results import write_json  # bench/ is the script's folder: on sys.path
 from mlx_lm.generate import generate_step
 
 from kvactor.actors.model import LoadedModel, load_model
@@ -71,5 +71,4 @@ if __name__ == "__main__":
     print(f"| mlx-lm generate_step, direct | {result['direct_tok_s']:.1f} |")
     print(f"| ratio | {result['ratio']:.3f} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)

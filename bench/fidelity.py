@@ -14,7 +14,6 @@ after another (~100 s each for 4096 tokens on 2 CPU cores: the default set takes
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import kvactor  # noqa: F401 - first: loads the BLAS before mlx.core
 
 import mlx.core as mx
 import numpy as np
+from _results import write_json  # bench/ is the script's folder: on sys.path
 
 from kvactor.actors.model import load_model
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec, Role
@@ -264,4 +264,4 @@ if __name__ == "__main__":
     outcome = main(args.model, args.tokens, chosen, args.offset)
     print_table(outcome)
     if args.json:
-        Path(args.json).write_text(json.dumps(outcome, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, outcome)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -39,6 +38,7 @@ import kvactor  # first: it loads an optimized BLAS before mlx.core
 
 # isort: split
 import httpx
+from _results import write_json  # bench/ is the script's folder: on sys.path
 from openai import OpenAI
 
 from kvactor._scenario_format import Scenario, load_scenario, turn_plan, turn_prompt
@@ -242,4 +242,4 @@ if __name__ == "__main__":
             f"(median {row['median_s']:.2f} s)"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, out)

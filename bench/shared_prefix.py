@@ -60,7 +60,6 @@ warm-up turn, the two sides, the two resumes).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -74,6 +73,7 @@ import kvactor  # first: it loads an optimized BLAS before mlx.core
 
 # isort: split
 import anyio
+from _results import write_json  # bench/ is the script's folder: on sys.path
 from ttft import drop_page_cache  # bench/ is the script's folder: on sys.path
 
 from kvactor.actors.store import disk_footprint
@@ -444,4 +444,4 @@ if __name__ == "__main__":
     out = anyio.run(main, args.agents, args.doc_tokens, args.own_tokens, args.max_tokens)
     report(out)
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, out)

@@ -26,7 +26,6 @@ tens of MB, so a 26 MB file is not read at the 256 MiB rate by any reader tried.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -38,6 +37,7 @@ import kvactor  # first: it loads an optimized BLAS before mlx.core
 
 # isort: split
 import anyio
+from _results import write_json  # bench/ is the script's folder: on sys.path
 
 from kvactor.actors.prefetch import Stage
 
@@ -279,5 +279,4 @@ if __name__ == "__main__":
             f"| {r['disk_read_gbps']:.2f} GB/s |"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(args.json, out)

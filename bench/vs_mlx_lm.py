@@ -14,7 +14,6 @@ default model's shape (30 layers, 3 KV heads, head_dim 64), in one run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -26,6 +25,7 @@ import kvactor  # noqa: F401 - first: it loads an optimized BLAS before mlx.core
 
 # isort: split
 import mlx.core as mx
+from _results import write_json  # bench/ is the script's folder: on sys.path
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from kvactor.actors.store import CacheIdentity, append_cache, read_cache
@@ -189,5 +189,4 @@ if __name__ == "__main__":
         f"= {r['extend_fraction']:.1%} of a full write ({r['full_bytes']:,} bytes)"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
+        write_json(args.json, r)

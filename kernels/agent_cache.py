@@ -286,6 +286,19 @@ class AgentKV:
         self.work = None
         return new
 
+    def store_so_far(self) -> StoredRange | None:
+        """During a turn: quantize its tokens so far into a range of their own, and let the
+        working cache read their stored values from now on, as if the turn had ended here and
+        the next one begun (a cut in a prompt: the end of a system prompt, where another
+        cache may share its ranges). Returns the new range (None when nothing was added).
+        Raises ValueError between turns."""
+        if self.work is None:
+            raise ValueError("no turn is running")
+        new = self._quantize_tail()
+        if new is not None:
+            self.work.adopt(self, new)
+        return new
+
     def _quantize_tail(self) -> StoredRange | None:
         start, stop = self.stored_tokens, len(self.tokens)
         if self.work is None or stop <= start:

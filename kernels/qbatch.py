@@ -197,6 +197,16 @@ class QuantizedBatchCache:
             self.values[row : row + 1, :, lo : self._idx],
         )
 
+    def set_tail(self, row: int, at: int, keys: mx.array, values: mx.array) -> None:
+        """Overwrite a row's tail tokens [at, at + n) with ``keys`` / ``values`` ``(1, H, n,
+        D)`` (their stored values, once quantized mid-turn). Raises ValueError past its tail."""
+        n = keys.shape[2]
+        if self.keys is None or self.values is None or at < 0 or at + n > self._tail_lengths[row]:
+            raise ValueError(f"row {row}'s tail does not hold tokens [{at}, {at + n})")
+        lo = self._idx - self._tail_lengths[row] + at
+        self.keys[row : row + 1, :, lo : lo + n] = keys.astype(self.keys.dtype)
+        self.values[row : row + 1, :, lo : lo + n] = values.astype(self.values.dtype)
+
     # -- the mlx-lm cache protocol --------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` ``(B, H, N, D)`` to every row's tail."""

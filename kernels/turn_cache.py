@@ -14,10 +14,12 @@ batch of agents decoding together. Choosing an attention mode chooses the class:
   is bound to it per model (:func:`kernels.attention.bind_attention`).
 
 Both keep the turn's new tokens in float (:meth:`TurnCache.added`), which ``AgentKV``
-quantizes into a new stored range when the turn ends. Caches are described per layer
-(:class:`CacheGeometry`): key and value widths may differ, and a layer may have a sliding
-window or no cache at all; what a class cannot run raises ``NotImplementedError`` when a
-turn starts.
+quantizes into a new stored range when the turn ends, or at a cut inside its prompt
+(``AgentKV.store_so_far``: then the cache takes those tokens' stored values,
+:meth:`TurnCache.adopt`, as if a turn had ended there and the next begun). Caches are
+described per layer (:class:`CacheGeometry`): key and value widths may differ, and a layer
+may have a sliding window or no cache at all; what a class cannot run raises
+``NotImplementedError`` when a turn starts.
 """
 
 from __future__ import annotations
@@ -142,6 +144,16 @@ def _with_room(pieces: list[mx.array], slack: int) -> mx.array:
     return mx.concatenate([*pieces, room], axis=2)
 
 
+def _stored_values(
+    kv: AgentKV, new: StoredRange, layer: int, role: Role, rotated: bool
+) -> mx.array:
+    """fp32 K or V of the tokens of ``new`` (a range of ``kv``), dequantized; ``rotated``:
+    left in the codec's stored basis."""
+    parts = new.layers[layer][1 if role == "value" else 0]
+    n = new.stop - new.start
+    return kv.codec.dequantize(parts, new.start, n, role=role, rotated=rotated)
+
+
 class TurnCache(Protocol):
     """All layers' working cache of one or more rows (agents) in running turns.
 
@@ -187,11 +199,16 @@ class TurnCache(Protocol):
 
     def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
         """Float K and V ``(1, H, stop - start, D)`` of a one-row cache's tokens
-        [start, stop), which the turn added after its ``start`` stored tokens, and whether
-        they are in the codec's stored (rotated) basis already.
+        [start, stop), which the turn added after its stored tokens, and whether they are
+        in the codec's stored (rotated) basis already.
 
         Raises RuntimeError or ValueError when the cache does not hold them as it should.
         """
+        ...
+
+    def adopt(self, kv: AgentKV, new: StoredRange) -> None:
+        """Let this one-row cache hold the stored values of ``new``'s tokens (just quantized
+        from what it holds, mid-turn) instead of their float ones."""
         ...
 
     def settle(self, kv: AgentKV, new: StoredRange | None) -> TurnCache | None:
@@ -294,6 +311,15 @@ class FloatTurnCache(_Layers):
         keys, values = cache.state[:2]
         return keys[:, :, start:stop, :], values[:, :, start:stop, :], rotated
 
+    def adopt(self, kv: AgentKV, new: StoredRange) -> None:
+        for i, layer in enumerate(self._layers):
+            if layer.keys is None or layer.values is None:
+                continue
+            rotated = isinstance(layer, RotatedBasis)
+            keys, values = (_stored_values(kv, new, i, role, rotated) for role in ("key", "value"))
+            layer.keys[:, :, new.start : new.stop, :] = keys.astype(layer.keys.dtype)
+            layer.values[:, :, new.start : new.stop, :] = values.astype(layer.values.dtype)
+
     def settle(self, kv: AgentKV, new: StoredRange | None) -> FloatTurnCache | None:
         total = kv.stored_tokens
         cut = new.start if new is not None else total
@@ -306,19 +332,14 @@ class FloatTurnCache(_Layers):
                 continue
             rotated = isinstance(layer, RotatedBasis)  # the basis the copy is in
             fresh = []
-            roles: tuple[tuple[int, Role, mx.array], ...] = (
-                (0, "key", layer.keys),
-                (1, "value", layer.values),
+            roles: tuple[tuple[Role, mx.array], ...] = (
+                ("key", layer.keys),
+                ("value", layer.values),
             )
-            for kind, role, array in roles:
+            for role, array in roles:
                 parts = [array[:, :, :cut, :]]
                 if new is not None:
-                    n = new.stop - new.start
-                    parts.append(
-                        kv.codec.dequantize(
-                            new.layers[i][kind], new.start, n, role=role, rotated=rotated
-                        )
-                    )
+                    parts.append(_stored_values(kv, new, i, role, rotated))
                 fresh.append(_with_room(parts, READY_SLACK))  # a copy: no batch buffer kept
             cache = type(layer)()
             cache.state = (fresh[0], fresh[1], total)
@@ -388,9 +409,18 @@ class QuantizedTurnCache(_Layers):
 
     def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
         cache = self._layers[layer]
-        if cache.stored_lengths() != [start] or cache.tail_lengths() != [stop - start]:
+        stored = cache.stored_lengths()
+        if len(stored) != 1 or start < stored[0] or cache.tail_lengths() != [stop - stored[0]]:
             raise ValueError("the working cache does not hold this agent's new tokens")
-        return (*cache.tail(0), False)  # the tail is in the model's basis
+        keys, values = cache.tail(0)
+        skip = start - stored[0]  # tokens of the tail stored already (AgentKV.store_so_far)
+        return keys[:, :, skip:], values[:, :, skip:], False  # the tail is in the model's basis
+
+    def adopt(self, kv: AgentKV, new: StoredRange) -> None:
+        for i, layer in enumerate(self._layers):
+            at = new.start - layer.stored_lengths()[0]
+            keys, values = (_stored_values(kv, new, i, role, False) for role in ("key", "value"))
+            layer.set_tail(0, at, keys, values)
 
     def settle(self, kv: AgentKV, new: StoredRange | None) -> None:
         return None  # the stored parts are what it reads: nothing to keep

@@ -226,6 +226,12 @@ async def test_engine_refuses_a_second_generation_for_a_busy_agent() -> None:
             with pytest.raises(ValueError, match="token ids"):
                 async for _ in engine.stream(Generate("y", [10**9], Sampling(), 0.0)):
                     pass
+            for cuts in ((0,), (3,), (2, 1), (1, 1)):  # cuts lie inside the prompt, increasing
+                with pytest.raises(ValueError, match="cuts"):
+                    async for _ in engine.stream(
+                        Generate("y", [1, 2, 3], Sampling(), 0.0, cuts=cuts)
+                    ):
+                        pass
 
 
 async def test_forget_drops_the_cache() -> None:

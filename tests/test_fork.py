@@ -77,22 +77,26 @@ async def test_on_disk_a_fork_links_the_source_files_and_outlives_it(tmp_path: P
         await kv.fork("src", "copy")
         hot = await kv.agent("copy").generate("what next?", max_tokens=6)
     agents = tmp_path / "agents"
+    # The system prompt is a segment of its own (a cut), then the first turn's.
     src_files = sorted(agents.glob("src/seg-*.safetensors"))
-    first = agents / "copy" / src_files[0].name
-    # One copy of the bytes: the fork's first segment is the source's file, linked.
-    assert os.stat(first).st_ino == os.stat(src_files[0]).st_ino
-    assert os.stat(first).st_nlink == 2
+    assert len(src_files) == 2
+    linked = [agents / "copy" / f.name for f in src_files]
+    # One copy of the bytes: the fork's first segments are the source's files, linked.
+    for mine, theirs in zip(linked, src_files, strict=True):
+        assert os.stat(mine).st_ino == os.stat(theirs).st_ino
+        assert os.stat(mine).st_nlink == 2
     manifest = json.loads((agents / "copy" / "manifest.json").read_bytes())["manifest"]
     assert manifest["agent"] == "copy" and manifest["segments"][0]["owner"] == "src"
     assert "owner" not in manifest["segments"][-1] or not manifest["segments"][-1]["owner"]
     # Forget the source: the fork still loads (in another process) and answers the same.
-    shared = first.stat().st_size
+    shared = sum(f.stat().st_size for f in linked)
     async with kvactor.open(tiny, cache_dir=tmp_path) as kv:
         owned = sum(p.stat().st_size for p in (agents / "src").iterdir()) - shared
         done = await kv.forget("src")
-        assert done.freed == owned  # the linked segment stays: not freed
-        assert [(k.file, k.users) for k in done.kept] == [(first.name, ["copy"])]
-    assert not (agents / "src").exists() and os.stat(first).st_nlink == 1
+        assert done.freed == owned  # the linked segments stay: not freed
+        assert [(k.file, k.users) for k in done.kept] == [(f.name, ["copy"]) for f in linked]
+    assert not (agents / "src").exists()
+    assert all(os.stat(f).st_nlink == 1 for f in linked)
     script = textwrap.dedent(
         f"""
         import anyio, functools, json, kvactor

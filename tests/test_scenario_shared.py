@@ -130,7 +130,9 @@ async def test_agents_share_the_context_and_answer_as_without_sharing(tmp_path: 
     assert footprint.hot_bytes_each > 1.5 * footprint.hot_bytes
     assert footprint.disk_bytes_each > 1.5 * footprint.disk_bytes
     assert alone.footprint is not None  # no context; each agent holds the text itself
-    assert alone.footprint.hot_bytes > 1.5 * footprint.hot_bytes
+    # (the fork delta shares alpha's system prompt, a range of its own, in both runs)
+    assert alone.footprint.hot_bytes > 1.4 * footprint.hot_bytes
+    assert alone.footprint.hot_bytes_each > 1.5 * footprint.hot_bytes
     assert alone.footprint.disk_bytes > 1.3 * footprint.disk_bytes
     for name in FIRST:  # each agent's folder links the context's first segment file
         linked = {os.stat(p).st_ino for p in (tmp_path / "on" / "agents" / name).iterdir()} & {

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.numpy
 
 import kvactor
 from kvactor.actors.enums import Tier
@@ -66,6 +67,52 @@ async def test_agents_over_a_shared_context_reuse_it_and_answer_as_independent_o
         assert a1.timings.prefilled_tokens + a1.timings.shared_tokens == b1.timings.prefilled_tokens
         assert a1.path == Tier.HOT and b1.path == Tier.COLD
         assert a2.timings.shared_tokens == 0  # later turns reuse the agent's own cache
+
+
+async def _stored(
+    share: bool, attention: kvactor.Attention, cache_dir: Path
+) -> dict[str, list[Any]]:
+    """The stored ranges (segment files, written byte for byte from the hot form) of a
+    context and of an agent over it (sharing it, or given its text as its system prompt)."""
+    async with kvactor.open(
+        tiny, cache_dir=cache_dir, share_prefixes=share, attention=attention
+    ) as kv:
+        await kv.context("doc", DOC)
+        if share:
+            agent = await kv.spawn_agent("a", context="doc")
+        else:
+            agent = await kv.spawn_agent("a", system=DOC)
+        await agent.generate("Which clause is about record 3?", max_tokens=5)
+        await agent.generate("And the next one?", max_tokens=5)
+    folder = cache_dir / "agents"
+    return {
+        name: [
+            safetensors.numpy.load_file(str(folder / name / f"seg-{i}.safetensors"))
+            for i in range(1, len(list((folder / name).glob("seg-*.safetensors"))) + 1)
+        ]
+        for name in ("doc", "a")
+    }
+
+
+@pytest.mark.parametrize("attention", MODES)
+async def test_a_system_prompt_is_stored_on_its_own_and_computed_as_if_shared(
+    attention: kvactor.Attention, tmp_path: Path
+) -> None:
+    # An agent that prefills the document as its system prompt stores it as a range of its
+    # own (a cut at its end), byte for byte the context's, and computes its own tokens from
+    # those stored values: byte for byte what an agent sharing the context stores.
+    shared = await _stored(True, attention, tmp_path / "shared")
+    alone = await _stored(False, attention, tmp_path / "alone")
+    doc = shared["doc"][0]
+    assert len(shared["doc"]) == 1 and len(alone["a"]) == len(shared["a"]) == 3
+    for ranges in (shared["a"], alone["a"], alone["doc"]):
+        assert ranges[0].keys() == doc.keys()
+        for name in doc:
+            assert ranges[0][name].tobytes() == doc[name].tobytes(), name
+    for mine, theirs in zip(alone["a"][1:], shared["a"][1:], strict=True):
+        assert mine.keys() == theirs.keys()
+        for name in mine:
+            assert mine[name].tobytes() == theirs[name].tobytes(), name
 
 
 async def test_shared_arrays_are_the_contexts_own_and_count_once() -> None:
