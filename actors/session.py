@@ -7,7 +7,7 @@ import os
 from collections.abc import Generator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import anyio
 import msgspec
@@ -41,6 +41,7 @@ from .protocol import (
 from .store import (
     Append,
     CacheIdentity,
+    ExpectFn,
     Forget,
     Forgotten,
     ForkCache,
@@ -53,6 +54,9 @@ from .store import (
     WarmInfo,
     collect,
 )
+
+if TYPE_CHECKING:
+    from .cluster import ClusterOpening
 
 __all__ = ("Agent", "Completion", "Session", "TextStream", "WarmTier", "open")
 
@@ -311,6 +315,9 @@ class Session:
         self._agents: dict[str, Agent] = {}
         self._contexts: dict[str, str] = {}  # shared contexts made here: name -> text
         self._closed = False
+        # With a warm tier: what its caches must match, and their segments' layout.
+        self.identity: CacheIdentity | None = None
+        self.layout: ExpectFn | None = None
 
     async def start(self) -> Session:
         """Lock ``cache_dir``, start the runtime and load the model on the engine's thread.
@@ -368,6 +375,7 @@ class Session:
         )
         geometry = CacheGeometry.from_description(identity.layer_geometry())
         expect = segment_layout(codec, geometry)
+        self.identity, self.layout = identity, expect
         # Files a killed process left unnamed (mid-write, mid-fork): we hold the lock.
         try:
             collected = await anyio.to_thread.run_sync(collect, root)
@@ -561,6 +569,18 @@ class Session:
         done: Forgotten = await self.store.ask(Forget(name))
         return done
 
+    async def release(self, name: str) -> None:
+        """Stop agent ``name``'s actor (it saves its last turn first) and drop its hot cache;
+        its warm cache stays, and ``spawn_agent(name)`` resumes it from there, here or in
+        another session (an engine host hands agents over this way). Raises
+        InvalidAgentId for an unsafe name, UnknownAgent when it is not running."""
+        check_agent_id(name)
+        agent = self.agent(name)
+        del self._agents[name]
+        self._contexts.pop(name, None)
+        await agent.ref.stop()
+        await self.engine.ask(DropCache(name))
+
     async def prefetch(self, name: str) -> None:
         """Hint that agent ``name`` runs next: its warm cache is staged into the hot tier in
         the background, if there is room, so that its next turn starts hot."""
@@ -615,6 +635,7 @@ class _Opening:
         await self._session.__aexit__(exc_type, exc, tb)
 
 
+@overload
 def open(
     model: ModelSpec = None,
     *,
@@ -631,7 +652,33 @@ def open(
     on_save_error: OnSaveError = "report",
     ready_copies: bool = True,
     share_prefixes: bool = True,
-) -> _Opening:
+    cluster: None = None,
+) -> _Opening: ...
+
+
+@overload
+def open(model: ModelSpec = None, *, cluster: str, **options: Any) -> ClusterOpening: ...
+
+
+def open(
+    model: ModelSpec = None,
+    *,
+    max_batch: int = 8,
+    prefill_chunk: int = 256,
+    weights: str = "auto",
+    mailbox_size: int = 64,
+    budget_bytes: int | None = None,
+    codec: KVCodec | None = None,
+    policy: EvictionPolicy | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    delete_rejected: bool = False,
+    attention: Attention = "auto",
+    on_save_error: OnSaveError = "report",
+    ready_copies: bool = True,
+    share_prefixes: bool = True,
+    cluster: str | None = None,
+    **cluster_options: Any,
+) -> _Opening | ClusterOpening:
     """Open a session on ``model``: None for the default model (fetched once, verified), a
     ``.gguf`` file, a local MLX / Hugging Face model directory, or a callable returning a
     LoadedModel. ``max_batch`` agents decode together; prompts are prefilled
@@ -658,7 +705,34 @@ def open(
     prompt begins with (a shared context: ``Session.context``), shared, not prefilled
     (the sharing agent attends over the stored values, as a warm resume does: see
     EngineConfig).
+    ``cluster``: the session's engines run as Ray actors over a cluster ("auto", "local",
+    an address or ``ray://host:port``), one engine host per node; the keywords then go to
+    ``kvactor.actors.cluster.open_cluster`` (``cache_dir`` required; ``hosts_per_node``,
+    ``placement``, ``ray_options``) and every host's own session. Without it Ray is never
+    imported.
     Raises ValueError for an ``on_save_error`` other than "report" or "raise"."""
+    if cluster is not None:
+        from .cluster import open_cluster
+
+        given: dict[str, Any] = {
+            "max_batch": max_batch,
+            "prefill_chunk": prefill_chunk,
+            "weights": weights,
+            "mailbox_size": mailbox_size,
+            "budget_bytes": budget_bytes,
+            "codec": codec,
+            "policy": policy,
+            "delete_rejected": delete_rejected,
+            "attention": attention,
+            "on_save_error": on_save_error,
+            "ready_copies": ready_copies,
+            "share_prefixes": share_prefixes,
+        }
+        if cache_dir is None:
+            raise ValueError("a cluster keeps each host's warm tier under cache_dir: give one")
+        return open_cluster(model, cluster=cluster, cache_dir=cache_dir, **given, **cluster_options)
+    if cluster_options:
+        raise TypeError(f"unexpected keywords {sorted(cluster_options)} (cluster options?)")
     config = EngineConfig(
         max_batch=max_batch,
         prefill_chunk=prefill_chunk,

@@ -16,6 +16,11 @@ BLAS = _ensure_blas()
 """Which BLAS MLX's CPU matmuls run on (a ``kvactor.kernels.BlasInfo``)."""
 
 # ruff: noqa: E402  (MLX, imported by everything below, must come after the BLAS)
+from .actors.cluster import ClusterSession as ClusterSession
+from .actors.cluster import HostLost as HostLost
+from .actors.cluster import MostFreeBudget as MostFreeBudget
+from .actors.cluster import PlacementPolicy as PlacementPolicy
+from .actors.cluster import open_cluster as open_cluster
 from .actors.config import Attention as Attention
 from .actors.enums import FinishReason as FinishReason
 from .actors.enums import Match as Match
@@ -69,6 +74,7 @@ __all__ = (
     "CacheMiss",
     "CacheRejected",
     "Candidate",
+    "ClusterSession",
     "Completion",
     "ContextOverflow",
     "EngineStats",
@@ -76,6 +82,7 @@ __all__ = (
     "EvictionPolicy",
     "FinishReason",
     "Forgotten",
+    "HostLost",
     "InvalidAgentId",
     "KVCodec",
     "KvactorError",
@@ -83,6 +90,8 @@ __all__ = (
     "Match",
     "ModelInfo",
     "ModelLoadError",
+    "MostFreeBudget",
+    "PlacementPolicy",
     "Sampling",
     "Session",
     "SharedFile",
@@ -95,4 +104,5 @@ __all__ = (
     "WarmInfo",
     "default_cache_dir",
     "open",
+    "open_cluster",
 )

@@ -215,7 +215,7 @@ def test_on_save_error_raise_keeps_the_answer_and_the_agent(tmp_path: Path) -> N
 
 def test_completion_says_whether_the_turn_was_saved() -> None:
     with pytest.raises(ValueError, match="on_save_error"):
-        kvactor.open(tiny(), on_save_error="ignore")  # type: ignore[arg-type]
+        kvactor.open(tiny(), on_save_error="ignore")  # type: ignore[call-overload]
 
     async def no_warm_tier() -> kvactor.Completion:
         async with kvactor.open(tiny()) as kv:

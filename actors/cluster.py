@@ -1,0 +1,590 @@
+"""More than one machine: engine hosts as Ray actors, agents placed and moved with their caches.
+
+``kvactor.open(model, cluster="auto")`` (or :func:`open_cluster`) connects to a Ray cluster,
+or starts a local one on 127.0.0.1, and starts one :class:`~kvactor.actors.host.EngineHost`
+per node (``hosts_per_node`` for more): a Ray actor that owns MLX on its node, runs a kvactor
+session there and keeps that node's warm tier under ``<cache_dir>/hosts/<host>`` on its
+local disk. The :class:`ClusterSession` it returns has the ``Session`` API (spawn, agents and
+their turns, forget, prefetch, stats) plus :meth:`ClusterSession.place` and
+:meth:`ClusterSession.rebalance`. Ray is imported here only: an application that never asks
+for a cluster never imports it.
+
+- **Placement**: a new agent goes where its ``PlacementPolicy`` says (default
+  :class:`MostFreeBudget`); forks and agents of a shared context go to their source's host;
+  an agent stays where its cache is (a session that connects again finds each agent on the
+  host whose disk holds it).
+- **Migration** (``place``): the old host releases the agent (its last turn saved) and hands
+  its committed warm files to the new host through Ray's object store (host to host, not via
+  the caller); the new host verifies them as a warm load does before it moves them into
+  place; only then does the old host forget them. A migration that fails leaves the agent
+  where it was, whole.
+- **Failures**: a host process that dies fails its pending turns at once with
+  :class:`HostLost`; Ray restarts it, and its agents resume from their warm caches on the
+  next call (the disk is the node's own), while agents on other hosts never notice.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+import anyio
+import msgspec
+
+from .config import ModelSpec
+from .errors import KvactorError, UnknownAgent
+from .host import EngineHost, HostInfo, TurnKind
+from .protocol import Sampling, check_agent_id
+from .session import Completion
+from .store import Forgotten
+
+__all__ = (
+    "ClusterAgent",
+    "ClusterSession",
+    "ClusterStats",
+    "ClusterTextStream",
+    "HostLost",
+    "Migration",
+    "MostFreeBudget",
+    "PlacementPolicy",
+    "open_cluster",
+)
+
+#: How long a call waits for a host that Ray is restarting.
+RESTART_WAIT_S = 60.0
+
+
+class HostLost(KvactorError):
+    """An engine host's process died while it served a call (its pending turns fail with
+    this). Ray restarts it; its agents resume from their warm caches on their next call."""
+
+
+class Migration(msgspec.Struct, frozen=True):
+    """An agent moved between hosts with its warm cache."""
+
+    agent: str
+    source: str
+    target: str
+    nbytes: int  # the files shipped
+    seconds: float
+
+
+class ClusterStats(msgspec.Struct, frozen=True):
+    """Every host (its node, budget, agents, engine stats) and the migrations so far."""
+
+    hosts: list[HostInfo]
+    migrations: list[Migration]
+
+
+class PlacementPolicy(Protocol):
+    """Picks the host of a new agent."""
+
+    def choose(self, agent: str, hosts: Sequence[HostInfo]) -> str:
+        """The name of one of ``hosts`` (never empty) for ``agent``."""
+        ...
+
+
+class MostFreeBudget:
+    """The host with the most hot budget left (no budget: unbounded), then the one with the
+    fewest agents, then the first by name."""
+
+    def choose(self, agent: str, hosts: Sequence[HostInfo]) -> str:
+        def load(h: HostInfo) -> int:
+            return len(set(h.agents) | set(h.warm_agents))
+
+        return min(hosts, key=lambda h: (-h.free_bytes, load(h), h.name)).name
+
+
+@dataclass
+class _Host:
+    name: str
+    handle: Any  # a Ray ActorHandle of EngineHost
+    node: str
+
+
+def _unwrap(exc: BaseException, host: str) -> BaseException:
+    """The error a caller should see for what a Ray call raised."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None), BaseException):
+        cause: BaseException = exc.cause
+        return cause
+    if isinstance(exc, RayActorError):
+        return HostLost(
+            f"engine host {host!r} died during the call ({type(exc).__name__}); Ray restarts "
+            "it, and its agents resume from their warm caches on their next call"
+        )
+    return exc
+
+
+class ClusterTextStream:
+    """A turn's text pieces as they come from the agent's host, then ``completion``: the
+    ``TextStream`` of a cluster. Leaving early cancels the turn on its host."""
+
+    def __init__(self, session: ClusterSession, host: _Host, call: tuple[Any, ...]) -> None:
+        self._session = session
+        self._host = host
+        self._call = call
+        self._gen: Any = None
+        self.completion: Completion | None = None
+
+    def __aiter__(self) -> ClusterTextStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self.completion is not None:
+            raise StopAsyncIteration
+        from ray.exceptions import ActorUnavailableError
+
+        started = self._gen is not None
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
+            if self._gen is None:
+                turn = self._host.handle.turn.options(num_returns="streaming")
+                self._gen = turn.remote(*self._call)
+            try:
+                item = await self._session._next(self._host, self._gen, raw=not started)
+                break
+            except ActorUnavailableError:
+                # The call reached a host that had died and that Ray is restarting: it
+                # never ran there. Wait until the host answers, then send it again.
+                if time.monotonic() > deadline:
+                    raise HostLost(f"engine host {self._host.name!r} did not come back") from None
+                self._gen = None
+                await self._session._call(self._host, "info")
+        if item is None:
+            raise HostLost(f"engine host {self._host.name!r} ended the turn without its result")
+        if isinstance(item, Completion):
+            self.completion = item
+            raise StopAsyncIteration
+        assert isinstance(item, str)
+        return item
+
+    async def aclose(self) -> None:
+        if self._gen is not None and self.completion is None:
+            import ray
+
+            ray.cancel(self._gen)
+            self._gen = None
+
+    async def __aenter__(self) -> ClusterTextStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class ClusterAgent:
+    """A handle on an agent of a cluster: the ``Agent`` API, served by its host."""
+
+    def __init__(self, session: ClusterSession, name: str) -> None:
+        self._session = session
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<ClusterAgent {self.name!r} on {self.host!r}>"
+
+    @property
+    def host(self) -> str:
+        """The host that serves it now."""
+        return self._session._where[self.name]
+
+    def _stream(self, kind: TurnKind, payload: Any, sampling: dict[str, Any]) -> ClusterTextStream:
+        Sampling.from_options(sampling)  # bad options fail here, before any call
+        host = self._session._host_of(self.name)
+        return ClusterTextStream(self._session, host, (self.name, kind, payload, sampling))
+
+    def stream(self, text: str, **sampling: Any) -> ClusterTextStream:
+        return self._stream("text", _text(text), sampling)
+
+    def stream_raw(self, prompt: str, **sampling: Any) -> ClusterTextStream:
+        return self._stream("raw", _text(prompt), sampling)
+
+    def stream_chat(self, messages: list[dict[str, str]], **sampling: Any) -> ClusterTextStream:
+        return self._stream("chat", messages, sampling)
+
+    async def generate(self, text: str, **sampling: Any) -> Completion:
+        return await _drain(self.stream(text, **sampling))
+
+    async def complete(self, prompt: str, **sampling: Any) -> Completion:
+        return await _drain(self.stream_raw(prompt, **sampling))
+
+    async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> Completion:
+        return await _drain(self.stream_chat(messages, **sampling))
+
+    async def history(self) -> list[dict[str, str]]:
+        history: list[dict[str, str]] = await self._session._call(
+            self._session._host_of(self.name), "history", self.name
+        )
+        return history
+
+
+def _text(text: object) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"the prompt must be a str, not {type(text).__name__}")
+    return text
+
+
+async def _drain(stream: ClusterTextStream) -> Completion:
+    async with stream as pieces:
+        async for _ in pieces:
+            pass
+    assert pieces.completion is not None
+    return pieces.completion
+
+
+class ClusterSession:
+    """Agents on several engine hosts (see the module doc). Use ``open_cluster`` or
+    ``kvactor.open(..., cluster=...)``."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: str,
+        cache_dir: str | os.PathLike[str],
+        *,
+        hosts_per_node: int = 1,
+        placement: PlacementPolicy | None = None,
+        ray_options: dict[str, Any] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        if hosts_per_node < 1:
+            raise ValueError("hosts_per_node must be >= 1")
+        self._model = model
+        self._cluster = cluster
+        self.cache_dir = Path(cache_dir)
+        self._hosts_per_node = hosts_per_node
+        self.placement: PlacementPolicy = placement or MostFreeBudget()
+        self._ray_options = dict(ray_options or {})
+        self._options = dict(options or {})
+        self._hosts: dict[str, _Host] = {}
+        self._where: dict[str, str] = {}  # agent -> host
+        self._migrations: list[Migration] = []
+        self._started_ray = False
+        self._closed = False
+
+    # -- start and stop ---------------------------------------------------------------
+    async def start(self) -> ClusterSession:
+        """Connect to Ray (or start it), start the hosts, find the agents on their disks.
+        Connecting blocks the event loop for the seconds it takes (Ray wants the main
+        thread for its signal handlers); the hosts start in the background."""
+        self._start_hosts()
+        try:
+            for info in await self.hosts():
+                for agent in info.warm_agents:
+                    self._where.setdefault(agent, info.name)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    def _start_hosts(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if not ray.is_initialized():
+            self._started_ray = _connect(self._cluster, self._ray_options)
+        nodes = sorted(
+            (n for n in ray.nodes() if n.get("Alive")), key=lambda n: str(n.get("NodeID"))
+        )
+        remote = ray.remote(EngineHost)
+        for node in nodes:
+            cpus = max(1, int(node.get("Resources", {}).get("CPU", 1)) // self._hosts_per_node)
+            for _ in range(self._hosts_per_node):
+                name = f"h{len(self._hosts)}"
+                handle = remote.options(
+                    num_cpus=cpus,
+                    max_restarts=-1,
+                    max_task_retries=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+                ).remote(
+                    name,
+                    self._model,
+                    str(self.cache_dir / "hosts" / name),
+                    self._options,
+                    str(node["NodeID"]),
+                )
+                self._hosts[name] = _Host(name, handle, str(node["NodeID"]))
+        if not self._hosts:
+            raise RuntimeError("the Ray cluster has no live node")
+
+    async def aclose(self) -> None:
+        """Close every host (each agent saves its last turn), stop them, and stop Ray if
+        this session started it. Closing twice does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        for host in self._hosts.values():
+            try:
+                await self._call(host, "close")
+            except Exception:  # a host that is gone has nothing left to save
+                pass
+            ray.kill(host.handle)
+        if self._started_ray:
+            await anyio.to_thread.run_sync(ray.shutdown)
+
+    async def __aenter__(self) -> ClusterSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- calls ------------------------------------------------------------------------
+    async def _call(self, host: _Host, method: str, *args: Any) -> Any:
+        """``host.method(*args)`` through Ray, its error as the caller should see it; waits
+        for a host that Ray is restarting."""
+        import ray
+        from ray.exceptions import ActorUnavailableError
+
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
+            ref = getattr(host.handle, method).remote(*args)
+            try:
+                return await anyio.to_thread.run_sync(ray.get, ref, abandon_on_cancel=True)
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise HostLost(f"engine host {host.name!r} did not come back") from None
+                await anyio.sleep(0.2)
+            except Exception as exc:
+                raise _unwrap(exc, host.name) from None
+
+    async def _next(self, host: _Host, gen: Any, *, raw: bool = False) -> Any:
+        """The next item of a streaming call (None at its end); ``raw`` lets Ray's
+        ActorUnavailableError through for a caller that can send the call again."""
+        import ray
+        from ray.exceptions import ActorUnavailableError
+
+        def step() -> Any:
+            try:
+                ref = next(gen)
+            except StopIteration:
+                return None
+            return ray.get(ref)
+
+        try:
+            return await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
+        except Exception as exc:
+            if raw and isinstance(exc, ActorUnavailableError):
+                raise
+            raise _unwrap(exc, host.name) from None
+
+    def _host_of(self, agent: str) -> _Host:
+        check_agent_id(agent)
+        try:
+            return self._hosts[self._where[agent]]
+        except KeyError:
+            raise UnknownAgent(f"no agent named {agent!r} on any host") from None
+
+    def _host(self, name: str) -> _Host:
+        try:
+            return self._hosts[name]
+        except KeyError:
+            raise ValueError(f"no host named {name!r} (hosts: {sorted(self._hosts)})") from None
+
+    # -- the Session API --------------------------------------------------------------
+    async def hosts(self) -> list[HostInfo]:
+        """What every host says of itself, by name."""
+        infos = []
+        for host in self._hosts.values():
+            infos.append(await self._call(host, "info"))
+        return infos
+
+    async def stats(self) -> ClusterStats:
+        return ClusterStats(hosts=await self.hosts(), migrations=list(self._migrations))
+
+    async def spawn_agent(
+        self,
+        name: str,
+        *,
+        system: str | None = None,
+        fork_of: str | None = None,
+        context: str | None = None,
+        host: str | None = None,
+    ) -> ClusterAgent:
+        """A new agent (``Session.spawn_agent``) on ``host``, or where a fork's source or a
+        shared context is, or where the placement policy says. Raises as
+        ``Session.spawn_agent`` does, and ValueError for an unknown host."""
+        check_agent_id(name)
+        if name in self._where:
+            raise ValueError(f"agent {name!r} already exists (on host {self._where[name]!r})")
+        source = fork_of if fork_of is not None else context
+        if source is not None:
+            home = self._host_of(source)
+            if host is not None and host != home.name:
+                raise ValueError(f"{source!r} is on host {home.name!r}, not {host!r}")
+            target = home
+        elif host is not None:
+            target = self._host(host)
+        else:
+            target = self._host(self.placement.choose(name, await self.hosts()))
+        await self._call(target, "spawn", name, system, fork_of, context)
+        self._where[name] = target.name
+        return ClusterAgent(self, name)
+
+    async def context(self, name: str, text: str, *, host: str | None = None) -> ClusterAgent:
+        """A shared context (``Session.context``) on ``host`` or where placement says; its
+        agents go to the same host."""
+        check_agent_id(name)
+        if name in self._where:
+            raise ValueError(f"agent {name!r} already exists")
+        target = self._host(host or self.placement.choose(name, await self.hosts()))
+        await self._call(target, "context", name, text)
+        self._where[name] = target.name
+        return ClusterAgent(self, name)
+
+    async def fork(self, source: str, name: str) -> ClusterAgent:
+        return await self.spawn_agent(name, fork_of=source)
+
+    def agent(self, name: str) -> ClusterAgent:
+        """The agent called ``name``, on whichever host; raises UnknownAgent."""
+        self._host_of(name)
+        return ClusterAgent(self, name)
+
+    @property
+    def agents(self) -> dict[str, ClusterAgent]:
+        return {name: ClusterAgent(self, name) for name in self._where}
+
+    async def forget(self, name: str) -> Forgotten:
+        """Delete every byte of the agent on its host (``Session.forget``)."""
+        host = self._host_of(name)
+        done: Forgotten = await self._call(host, "forget", name)
+        del self._where[name]
+        return done
+
+    async def prefetch(self, name: str) -> None:
+        await self._call(self._host_of(name), "prefetch", name)
+
+    async def place(self, name: str, host: str) -> Migration | None:
+        """Move agent ``name`` to ``host`` with its cache (None when it is there already).
+        Its host saves and releases it, the new host verifies and adopts its files, then
+        the old one forgets them: the last committed turn is never lost. Raises what
+        verification raises (CacheRejected: the agent stays where it was)."""
+        source = self._host_of(name)
+        target = self._host(host)
+        if source is target:
+            return None
+        import ray
+
+        began = time.perf_counter()
+        files = source.handle.export.remote(name)  # stays in the object store
+        try:
+            await anyio.to_thread.run_sync(ray.get, target.handle.adopt.remote(name, files))
+        except Exception as exc:
+            # The source keeps its files; it resumes the agent on its next call.
+            raise _unwrap(exc, target.name) from None
+        shipped: dict[str, bytes] = await anyio.to_thread.run_sync(ray.get, files)
+        self._where[name] = target.name
+        await self._call(source, "forget", name)
+        moved = Migration(
+            agent=name,
+            source=source.name,
+            target=target.name,
+            nbytes=sum(len(b) for b in shipped.values()),
+            seconds=time.perf_counter() - began,
+        )
+        self._migrations.append(moved)
+        return moved
+
+    async def rebalance(self) -> list[Migration]:
+        """Move agents from the host with the most (running or warm) to the one with the
+        fewest until they differ by at most one; the moves made."""
+        moves: list[Migration] = []
+        while True:
+            infos = await self.hosts()
+            counts = {i.name: [a for a, h in self._where.items() if h == i.name] for i in infos}
+            most = max(counts, key=lambda h: (len(counts[h]), h))
+            least = min(counts, key=lambda h: (len(counts[h]), h))
+            if len(counts[most]) - len(counts[least]) <= 1:
+                return moves
+            moved = await self.place(sorted(counts[most])[-1], least)
+            if moved is not None:
+                moves.append(moved)
+
+
+def _connect(cluster: str, options: dict[str, Any]) -> bool:
+    """Connect to the Ray cluster ``cluster`` ("auto": a running one, else a new local one;
+    "local": a new local one; else an address or ``ray://host:port``). Returns whether a
+    local cluster was started here (it listens on 127.0.0.1 and stops with the session)."""
+    import ray
+
+    local = {
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "_node_ip_address": "127.0.0.1",
+        **options,
+    }
+    if cluster == "auto":
+        try:
+            ray.init(address="auto", log_to_driver=False)
+            return False
+        except ConnectionError:
+            ray.init(**local)
+            return True
+    if cluster == "local":
+        ray.init(**local)
+        return True
+    ray.init(address=cluster, log_to_driver=False)
+    return False
+
+
+class ClusterOpening:
+    """What ``open_cluster()`` returns: await it, or use it as ``async with``."""
+
+    def __init__(self, session: ClusterSession) -> None:
+        self._session = session
+
+    def __await__(self) -> Generator[Any, None, ClusterSession]:
+        return self._session.start().__await__()
+
+    async def __aenter__(self) -> ClusterSession:
+        return await self._session.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._session.aclose()
+
+
+def open_cluster(
+    model: ModelSpec = None,
+    *,
+    cluster: str = "auto",
+    cache_dir: str | os.PathLike[str],
+    hosts_per_node: int = 1,
+    placement: PlacementPolicy | None = None,
+    ray_options: dict[str, Any] | None = None,
+    **options: Any,
+) -> ClusterOpening:
+    """A session over engine hosts on a Ray cluster (see the module doc): ``cluster`` is
+    "auto" (a running cluster, else a local one on 127.0.0.1), "local", an address, or
+    ``ray://host:port``; ``cache_dir`` the folder each host keeps its warm tier under (on
+    its own node's disk: ``<cache_dir>/hosts/<host>``); ``ray_options`` go to ``ray.init``
+    of a local cluster (``num_cpus`` ...); ``options`` to each host's ``kvactor.open``
+    (``budget_bytes``, ``max_batch`` ...). Raises ImportError without Ray (``pip install
+    'kvactor[ray]'``)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ImportError("a cluster needs Ray: pip install 'kvactor[ray]'") from None
+    if "cluster" in options:
+        raise TypeError("cluster is given once")
+    session = ClusterSession(
+        model,
+        cluster,
+        cache_dir,
+        hosts_per_node=hosts_per_node,
+        placement=placement,
+        ray_options=ray_options,
+        options=options,
+    )
+    return ClusterOpening(session)

@@ -1,0 +1,288 @@
+"""An engine host: one machine's kvactor session, driven from another process.
+
+:class:`EngineHost` owns a whole :class:`~kvactor.actors.session.Session` (engine, hot tier,
+agents, and the warm tier on the host's local disk) and answers plain method calls with
+picklable values, so that a cluster front (``kvactor.actors.cluster``) can run it as a Ray
+actor on any node. It holds no Ray code itself: the front wraps the class with
+``ray.remote``, and tests may call it in process.
+
+Agents move between hosts with their warm caches: :meth:`EngineHost.export` hands over the
+committed files of an agent it released, :meth:`EngineHost.adopt` writes them into a staging
+folder, verifies them exactly as a warm load does (manifest checksum and identity, every
+segment's checksum, header, shapes and metadata: ``read_cache``) and only then moves them
+into place. A refused cache raises CacheRejected with the reason, and nothing of it stays.
+
+The session opens on the first call, in a task of its own (so a host that Ray restarts
+after its process died opens again over the same cache folder, whose lock died with the old
+process), and agents the host does not run yet are resumed from their warm caches when a
+call names them. A host runs on asyncio (as Ray's async actors do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from ._manifest import MANIFEST, SEGMENT_FILE, WINDOW_FILE, agent_dir, contained
+from ._warm_read import read_cache
+from .config import ModelSpec
+from .errors import CacheRejected, UnknownAgent
+from .protocol import EngineStats, check_agent_id
+from .session import Agent, Completion, Session, TextStream
+from .session import open as open_session
+from .store import Forgotten
+
+__all__ = ("EngineHost", "HostInfo", "TurnKind")
+
+TurnKind = str  # "text" (a user message), "raw" (a raw prompt) or "chat" (a whole history)
+_KINDS = ("text", "raw", "chat")
+#: The most bytes one agent's files may take in a migration (a 128K-token cache of a large
+#: model is a few GB; a peer that sends more is refused before anything is written).
+MAX_MIGRATION_BYTES = 64 << 30
+
+
+class HostInfo(msgspec.Struct, frozen=True):
+    """What a host says of itself: where it runs, its hot budget and use, its agents."""
+
+    name: str
+    node: str  # the machine (Ray node id, or the host name outside Ray)
+    pid: int
+    budget_bytes: int | None
+    cache_bytes: int  # bytes its hot tier holds now
+    agents: list[str]  # running agents
+    warm_agents: list[str]  # agents with a warm cache on its disk
+    stats: EngineStats
+    migrations_in: int = 0
+    migrations_out: int = 0
+
+    @property
+    def free_bytes(self) -> float:
+        """Budget left (infinite without a budget)."""
+        if self.budget_bytes is None:
+            return float("inf")
+        return float(self.budget_bytes - self.cache_bytes)
+
+
+class EngineHost:
+    """One session on this machine: ``model`` with its warm tier in ``cache_dir`` (local
+    disk), opened with ``options`` (``kvactor.open``'s keywords)."""
+
+    def __init__(
+        self,
+        name: str,
+        model: ModelSpec,
+        cache_dir: str | os.PathLike[str],
+        options: dict[str, Any] | None = None,
+        node: str = "",
+    ) -> None:
+        self.name = name
+        self._model = model
+        self.cache_dir = Path(cache_dir)
+        self._options = dict(options or {})
+        self._node = node or os.uname().nodename
+        self._session: Session | None = None
+        self._opening = asyncio.Lock()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._in = self._out = 0
+
+    # -- the session ------------------------------------------------------------------
+    async def _open(self) -> Session:
+        """The session, opened on first use in a task of its own: it outlives the call
+        that opened it (each call of a Ray actor runs in its own task) until ``close``."""
+        async with self._opening:
+            if self._session is None:
+                ready: asyncio.Future[Session] = asyncio.get_running_loop().create_future()
+                self._stop = asyncio.Event()
+                self._task = asyncio.create_task(self._serve(ready))
+                self._session = await ready
+        return self._session
+
+    async def _serve(self, ready: asyncio.Future[Session]) -> None:
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            async with open_session(self._model, cache_dir=self.cache_dir, **self._options) as s:
+                # Staging folders of adoptions a killed process left (we hold the lock).
+                shutil.rmtree(contained(self.cache_dir, "incoming"), ignore_errors=True)
+                ready.set_result(s)
+                await self._stop.wait()
+        except BaseException as exc:
+            if ready.done():
+                raise
+            ready.set_exception(exc)
+
+    async def _agent(self, name: str) -> Agent:
+        """The running agent ``name``, resumed from its warm cache when it is not running
+        (after a restart of this host, or an adoption). Raises UnknownAgent."""
+        session = await self._open()
+        check_agent_id(name)
+        if name in session.agents:
+            return session.agent(name)
+        if not agent_dir(self.cache_dir, name).is_dir():
+            raise UnknownAgent(f"no agent named {name!r} on host {self.name!r}")
+        return await session.spawn_agent(name)
+
+    async def close(self) -> None:
+        """Close the session: every agent saves its last turn first."""
+        task, self._task = self._task, None
+        if task is not None:
+            self._stop.set()
+            await task
+        self._session = None
+
+    # -- what a front asks ------------------------------------------------------------
+    async def info(self) -> HostInfo:
+        session = await self._open()
+        stats = await session.stats()
+        warm = [w.agent for w in await session.warm_agents() if not w.rejected]
+        return HostInfo(
+            name=self.name,
+            node=self._node,
+            pid=os.getpid(),
+            budget_bytes=session.config.budget_bytes,
+            cache_bytes=stats.cache_bytes,
+            agents=sorted(session.agents),
+            warm_agents=warm,
+            stats=stats,
+            migrations_in=self._in,
+            migrations_out=self._out,
+        )
+
+    async def spawn(
+        self,
+        name: str,
+        system: str | None = None,
+        fork_of: str | None = None,
+        context: str | None = None,
+    ) -> None:
+        """A new agent here (``Session.spawn_agent``); raises as that does."""
+        session = await self._open()
+        if fork_of is not None and fork_of not in session.agents:
+            await self._agent(fork_of)  # a source on disk only: resume it first
+        await session.spawn_agent(name, system=system, fork_of=fork_of, context=context)
+
+    async def context(self, name: str, text: str) -> None:
+        await (await self._open()).context(name, text)
+
+    async def turn(
+        self, name: str, kind: TurnKind, payload: Any, sampling: dict[str, Any]
+    ) -> AsyncIterator[str | Completion]:
+        """One turn of agent ``name``: its text pieces, then its Completion. ``kind`` says
+        what ``payload`` is: "text" (a user message), "raw" (a raw prompt) or "chat" (a
+        whole conversation). Raises what ``Agent.stream`` and friends raise."""
+        if kind not in _KINDS:
+            raise ValueError(f"kind must be one of {_KINDS}, not {kind!r}")
+        agent = await self._agent(name)
+        stream: TextStream
+        if kind == "chat":
+            stream = agent.stream_chat(payload, **sampling)
+        elif kind == "raw":
+            stream = agent.stream_raw(payload, **sampling)
+        else:
+            stream = agent.stream(payload, **sampling)
+        async with stream:
+            async for piece in stream:
+                yield piece
+        assert stream.completion is not None
+        yield stream.completion
+
+    async def generate(
+        self, name: str, kind: TurnKind, payload: Any, sampling: dict[str, Any]
+    ) -> Completion:
+        """The whole turn (see ``turn``): its Completion."""
+        done: Completion | None = None
+        async for item in self.turn(name, kind, payload, sampling):
+            if isinstance(item, Completion):
+                done = item
+        assert done is not None
+        return done
+
+    async def history(self, name: str) -> list[dict[str, str]]:
+        return await (await self._agent(name)).history()
+
+    async def prefetch(self, name: str) -> None:
+        await (await self._open()).prefetch(name)
+
+    async def forget(self, name: str) -> Forgotten:
+        return await (await self._open()).forget(name)
+
+    # -- migration --------------------------------------------------------------------
+    async def export(self, name: str) -> dict[str, bytes]:
+        """Release agent ``name`` (its last turn saved, its hot cache dropped) and hand over
+        its warm cache's files, by name. It stays here until ``forget``: a migration that
+        fails on the other side loses nothing. Raises UnknownAgent when it has no warm
+        cache here."""
+        session = await self._open()
+        check_agent_id(name)
+        if name in session.agents:
+            await session.release(name)
+        folder = agent_dir(self.cache_dir, name)
+        if not (folder / MANIFEST).is_file():
+            raise UnknownAgent(f"agent {name!r} has no warm cache on host {self.name!r}")
+        files = await anyio.to_thread.run_sync(_read_files, folder)
+        self._out += 1
+        return files
+
+    async def adopt(self, name: str, files: dict[str, bytes]) -> None:
+        """Take agent ``name`` from another host: its warm cache's ``files`` are written
+        to a staging folder, verified as a warm load verifies them, then moved into place,
+        and the agent resumes from them. Raises CacheRejected (nothing kept) for files
+        that fail, ValueError when an agent of that name is here already."""
+        session = await self._open()
+        check_agent_id(name)
+        if name in session.agents or agent_dir(self.cache_dir, name).exists():
+            raise ValueError(f"agent {name!r} already exists on host {self.name!r}")
+        identity, layout = session.identity, session.layout
+        assert identity is not None and layout is not None  # a host always has a warm tier
+        staging = contained(self.cache_dir, "incoming", secrets.token_hex(8))
+        try:
+            await anyio.to_thread.run_sync(_write_files, staging, name, files)
+            # read_cache refuses with the reason: checksums, identity, shapes, metadata.
+            await anyio.to_thread.run_sync(read_cache, staging, identity, layout, name)
+            target = agent_dir(self.cache_dir, name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(agent_dir(staging, name), target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        self._in += 1
+        await session.spawn_agent(name)
+
+
+def _read_files(folder: Path) -> dict[str, bytes]:
+    """The manifest and segment files of an agent's folder, by name."""
+    out: dict[str, bytes] = {}
+    for entry in sorted(os.listdir(folder)):
+        if entry == MANIFEST or SEGMENT_FILE.fullmatch(entry) or WINDOW_FILE.fullmatch(entry):
+            out[entry] = (folder / entry).read_bytes()
+    return out
+
+
+def _write_files(root: Path, name: str, files: dict[str, bytes]) -> None:
+    """``files`` as ``<root>/agents/<name>/<file>``; refuses names that are not a manifest
+    or a segment, and more than MAX_MIGRATION_BYTES in all, before writing anything."""
+    if not isinstance(files, dict) or MANIFEST not in files:
+        raise CacheRejected("the migrated files have no manifest", str(root))
+    total = 0
+    for file, data in files.items():
+        if not isinstance(file, str) or not (
+            file == MANIFEST or SEGMENT_FILE.fullmatch(file) or WINDOW_FILE.fullmatch(file)
+        ):
+            raise CacheRejected(f"{str(file)[:80]!r} is not a cache file name", str(root))
+        if not isinstance(data, bytes):
+            raise CacheRejected(f"{file}: not bytes", str(root))
+        total += len(data)
+    if total > MAX_MIGRATION_BYTES:
+        raise CacheRejected(f"{total} bytes is more than a migration may bring", str(root))
+    folder = agent_dir(root, name)
+    folder.mkdir(parents=True)
+    for file, data in files.items():
+        with open(folder / file, "xb") as f:
+            f.write(data)

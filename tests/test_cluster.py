@@ -1,0 +1,190 @@
+"""More than one engine: hosts (``kvactor.actors.host``) in process, and as Ray actors on a
+local cluster (127.0.0.1, two hosts, tiny random models): placement, affinity, migration
+with the cache (greedy identity, hostile files refused), a host killed mid-turn. The Ray
+tests are marked ``ray`` (``-m "not ray"`` leaves them out) and run on asyncio only: each
+starts and stops its own local cluster (~10 s)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvactor
+from kvactor.actors.host import EngineHost
+from kvactor.actors.model import make_tiny_model
+
+tiny = functools.partial(make_tiny_model, 0, head_dim=64)
+other = functools.partial(make_tiny_model, 1, head_dim=64)  # other weights: another model
+GREEDY = {"max_tokens": 6}
+
+
+async def _talk(host: EngineHost, name: str, text: str) -> kvactor.Completion:
+    return await host.generate(name, "text", text, GREEDY)
+
+
+# ----------------------------------------------------------------------- hosts, in process
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # a host runs on asyncio, as Ray's async actors do
+
+
+async def test_an_agent_moves_between_hosts_with_its_cache(tmp_path: Path) -> None:
+    a = EngineHost("a", tiny, tmp_path / "a")
+    b = EngineHost("b", tiny, tmp_path / "b")
+    stay = EngineHost("stay", tiny, tmp_path / "stay")
+    try:
+        for host in (a, stay):
+            await host.spawn("x", system="You help.")
+            await _talk(host, "x", "first question")
+        files = await a.export("x")
+        assert "manifest.json" in files and any(f.startswith("seg-") for f in files)
+        await b.adopt("x", files)
+        moved = await _talk(b, "x", "second question")
+        kept = await _talk(stay, "x", "second question")
+        # Greedy identity: the moved agent resumes its warm cache (nothing re-prefilled
+        # but the new message) and answers as the agent that stayed hot.
+        assert moved.path == kvactor.Tier.WARM and kept.path == kvactor.Tier.HOT
+        assert moved.token_ids == kept.token_ids
+        assert moved.timings.reused_tokens == kept.timings.reused_tokens > 0
+        assert await b.history("x") == await stay.history("x")
+        # The source still has its files until it is told to forget them.
+        assert (tmp_path / "a" / "agents" / "x" / "manifest.json").is_file()
+        await a.forget("x")
+        assert not (tmp_path / "a" / "agents" / "x").exists()
+        info = await b.info()
+        assert info.agents == ["x"] and info.migrations_in == 1
+    finally:
+        for host in (a, b, stay):
+            await host.close()
+
+
+def _corrupt(files: dict[str, bytes]) -> dict[str, bytes]:
+    seg = sorted(f for f in files if f.startswith("seg-"))[-1]
+    data = bytearray(files[seg])
+    data[len(data) // 2] ^= 0xFF
+    return {**files, seg: bytes(data)}
+
+
+async def test_hostile_or_corrupted_files_in_transit_are_refused(tmp_path: Path) -> None:
+    a = EngineHost("a", tiny, tmp_path / "a")
+    b = EngineHost("b", tiny, tmp_path / "b")
+    foreign = EngineHost("f", other, tmp_path / "f")
+    try:
+        await a.spawn("x")
+        await _talk(a, "x", "hello")
+        files = await a.export("x")
+        await foreign.spawn("x")
+        await _talk(foreign, "x", "hello")
+        cases: list[tuple[dict[str, bytes], str]] = [
+            (_corrupt(files), "checksum"),
+            ({k: v for k, v in files.items() if k != "manifest.json"}, "no manifest"),
+            ({**files, "../../evil": b"x"}, "not a cache file name"),
+            ({**files, "seg-1.safetensors": files["manifest.json"]}, "seg-1"),
+            (await foreign.export("x"), "model"),  # another model's cache
+        ]
+        for bad, reason in cases:
+            with pytest.raises(kvactor.CacheRejected, match=reason):
+                await b.adopt("x", bad)
+            # Nothing of it stays: no agent, no staging folder.
+            assert not (tmp_path / "b" / "agents" / "x").exists()
+            assert not any((tmp_path / "b" / "incoming").iterdir())
+        with pytest.raises(kvactor.InvalidAgentId):
+            await b.adopt("../x", files)
+        # The good files still move, and the agent's name is then taken there.
+        await b.adopt("x", files)
+        with pytest.raises(ValueError, match="already exists"):
+            await b.adopt("x", files)
+        with pytest.raises(kvactor.UnknownAgent):
+            await a.export("nobody")
+    finally:
+        for host in (a, b, foreign):
+            await host.close()
+
+
+# -------------------------------------------------------------------------- Ray cluster
+def _cluster(tmp_path: Path, **options: Any) -> Any:
+    return kvactor.open(
+        tiny,
+        cluster="local",
+        cache_dir=tmp_path,
+        hosts_per_node=2,
+        ray_options={"num_cpus": 2},
+        **options,
+    )
+
+
+@pytest.mark.ray
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+async def test_placement_affinity_and_migration_on_a_local_cluster(tmp_path: Path) -> None:
+    async with _cluster(tmp_path) as kv:
+        hosts = await kv.hosts()
+        assert [h.name for h in hosts] == ["h0", "h1"] and hosts[0].pid != hosts[1].pid
+        # Placement: the host with the most free budget (none here), then the fewest agents.
+        agents = [await kv.spawn_agent(f"a{i}", system="You help.") for i in range(4)]
+        assert sorted(a.host for a in agents) == ["h0", "h0", "h1", "h1"]
+        pinned = await kv.spawn_agent("pinned", host="h1")
+        fork = await kv.spawn_agent("fork", fork_of="a0")  # with its source (affinity)
+        assert pinned.host == "h1" and fork.host == agents[0].host
+        with pytest.raises(ValueError, match="already exists"):
+            await kv.spawn_agent("a1")
+        with pytest.raises(ValueError, match="no host"):
+            await kv.spawn_agent("z", host="h9")
+        with pytest.raises(kvactor.UnknownAgent):
+            kv.agent("nobody")
+        # Migration keeps greedy identity: a0 moves after its first turn, twin stays.
+        home = agents[0].host
+        twin = await kv.spawn_agent("twin", system="You help.", host=home)
+        for agent in (agents[0], twin):
+            first = await agent.generate("first question", **GREEDY)
+            assert first.path == kvactor.Tier.COLD or first.timings.shared_tokens > 0
+        target = "h1" if home == "h0" else "h0"
+        moved = await kv.place("a0", target)
+        assert moved is not None and moved.nbytes > 0 and kv.agent("a0").host == target
+        assert await kv.place("a0", target) is None
+        after = await agents[0].generate("second question", **GREEDY)
+        stayed = await twin.generate("second question", **GREEDY)
+        assert after.path == kvactor.Tier.WARM and stayed.path == kvactor.Tier.HOT
+        assert after.token_ids == stayed.token_ids
+        # Streaming through a host, and stats that show hosts and migrations.
+        async with agents[1].stream("stream this", **GREEDY) as pieces:
+            text = "".join([p async for p in pieces])
+        assert pieces.completion is not None and text == pieces.completion.text
+        stats = await kv.stats()
+        assert [m.agent for m in stats.migrations] == ["a0"]
+        where = {a: h.name for h in stats.hosts for a in h.agents}
+        assert where["a0"] == target and where["twin"] == home
+    # Affinity across sessions: a new session finds each agent on the host whose disk has it.
+    async with _cluster(tmp_path) as kv:
+        assert kv.agent("a0").host == target
+        again = await kv.agent("a0").generate("third question", **GREEDY)
+        assert again.path == kvactor.Tier.WARM and again.timings.reused_tokens > 0
+
+
+@pytest.mark.ray
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+async def test_a_host_killed_mid_turn_fails_its_turn_and_comes_back(tmp_path: Path) -> None:
+    async with _cluster(tmp_path) as kv:
+        victim = await kv.spawn_agent("victim", host="h0")
+        bystander = await kv.spawn_agent("bystander", host="h1")
+        await victim.generate("remember this", **GREEDY)
+        before = await bystander.generate("hello", **GREEDY)
+        pid = {h.name: h.pid for h in await kv.hosts()}["h0"]
+        began = time.monotonic()
+        with pytest.raises(kvactor.HostLost, match="h0"):
+            async with victim.stream("a long answer please", max_tokens=100_000) as pieces:
+                async for _ in pieces:
+                    os.kill(pid, signal.SIGKILL)  # mid-turn: its first piece has come
+        assert time.monotonic() - began < 30  # at once, not after a timeout
+        # The other host's agent never noticed; the victim resumes from its warm cache.
+        assert (await bystander.generate("hello again", **GREEDY)).path == kvactor.Tier.HOT
+        assert before.text
+        back = await victim.generate("still there?", **GREEDY)
+        assert back.path == kvactor.Tier.WARM and back.timings.reused_tokens > 0
+        hosts = {h.name: h.pid for h in await kv.hosts()}
+        assert hosts["h0"] != pid  # Ray restarted the host process
