@@ -126,10 +126,12 @@ class ClusterTextStream:
     """A turn's text pieces as they come from the agent's host, then ``completion``: the
     ``TextStream`` of a cluster. Leaving early cancels the turn on its host."""
 
-    def __init__(self, session: ClusterSession, host: _Host, call: tuple[Any, ...]) -> None:
+    def __init__(
+        self, session: ClusterSession, host: _Host, call: tuple[Any, ...], pieces: bool = True
+    ) -> None:
         self._session = session
         self._host = host
-        self._call = call
+        self._call = (*call, pieces)
         self._gen: Any = None
         self.completion: Completion | None = None
 
@@ -194,10 +196,12 @@ class ClusterAgent:
         """The host that serves it now."""
         return self._session._where[self.name]
 
-    def _stream(self, kind: TurnKind, payload: Any, sampling: dict[str, Any]) -> ClusterTextStream:
+    def _stream(
+        self, kind: TurnKind, payload: Any, sampling: dict[str, Any], pieces: bool = True
+    ) -> ClusterTextStream:
         Sampling.from_options(sampling)  # bad options fail here, before any call
         host = self._session._host_of(self.name)
-        return ClusterTextStream(self._session, host, (self.name, kind, payload, sampling))
+        return ClusterTextStream(self._session, host, (self.name, kind, payload, sampling), pieces)
 
     def stream(self, text: str, **sampling: Any) -> ClusterTextStream:
         return self._stream("text", _text(text), sampling)
@@ -208,14 +212,15 @@ class ClusterAgent:
     def stream_chat(self, messages: list[dict[str, str]], **sampling: Any) -> ClusterTextStream:
         return self._stream("chat", messages, sampling)
 
+    # A whole turn: the host sends its Completion, not each piece (two items through Ray).
     async def generate(self, text: str, **sampling: Any) -> Completion:
-        return await _drain(self.stream(text, **sampling))
+        return await _drain(self._stream("text", _text(text), sampling, pieces=False))
 
     async def complete(self, prompt: str, **sampling: Any) -> Completion:
-        return await _drain(self.stream_raw(prompt, **sampling))
+        return await _drain(self._stream("raw", _text(prompt), sampling, pieces=False))
 
     async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> Completion:
-        return await _drain(self.stream_chat(messages, **sampling))
+        return await _drain(self._stream("chat", messages, sampling, pieces=False))
 
     async def history(self) -> list[dict[str, str]]:
         history: list[dict[str, str]] = await self._session._call(
@@ -475,18 +480,18 @@ class ClusterSession:
         began = time.perf_counter()
         files = source.handle.export.remote(name)  # stays in the object store
         try:
-            await anyio.to_thread.run_sync(ray.get, target.handle.adopt.remote(name, files))
+            adopted = target.handle.adopt.remote(name, files)
+            nbytes: int = await anyio.to_thread.run_sync(ray.get, adopted)
         except Exception as exc:
             # The source keeps its files; it resumes the agent on its next call.
             raise _unwrap(exc, target.name) from None
-        shipped: dict[str, bytes] = await anyio.to_thread.run_sync(ray.get, files)
         self._where[name] = target.name
         await self._call(source, "forget", name)
         moved = Migration(
             agent=name,
             source=source.name,
             target=target.name,
-            nbytes=sum(len(b) for b in shipped.values()),
+            nbytes=nbytes,
             seconds=time.perf_counter() - began,
         )
         self._migrations.append(moved)

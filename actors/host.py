@@ -173,11 +173,18 @@ class EngineHost:
         await (await self._open()).context(name, text)
 
     async def turn(
-        self, name: str, kind: TurnKind, payload: Any, sampling: dict[str, Any]
+        self,
+        name: str,
+        kind: TurnKind,
+        payload: Any,
+        sampling: dict[str, Any],
+        pieces: bool = True,
     ) -> AsyncIterator[str | Completion]:
         """One turn of agent ``name``: its text pieces, then its Completion. ``kind`` says
         what ``payload`` is: "text" (a user message), "raw" (a raw prompt) or "chat" (a
-        whole conversation). Raises what ``Agent.stream`` and friends raise."""
+        whole conversation). Without ``pieces``, one empty piece once the turn has begun
+        (a caller then knows that it ran), then the Completion: two items through Ray,
+        not one a token. Raises what ``Agent.stream`` and friends raise."""
         if kind not in _KINDS:
             raise ValueError(f"kind must be one of {_KINDS}, not {kind!r}")
         agent = await self._agent(name)
@@ -189,8 +196,13 @@ class EngineHost:
         else:
             stream = agent.stream(payload, **sampling)
         async with stream:
+            begun = False
             async for piece in stream:
-                yield piece
+                if pieces:
+                    yield piece
+                elif not begun:
+                    begun = True
+                    yield ""
         assert stream.completion is not None
         yield stream.completion
 
@@ -199,7 +211,7 @@ class EngineHost:
     ) -> Completion:
         """The whole turn (see ``turn``): its Completion."""
         done: Completion | None = None
-        async for item in self.turn(name, kind, payload, sampling):
+        async for item in self.turn(name, kind, payload, sampling, pieces=False):
             if isinstance(item, Completion):
                 done = item
         assert done is not None
@@ -231,11 +243,12 @@ class EngineHost:
         self._out += 1
         return files
 
-    async def adopt(self, name: str, files: dict[str, bytes]) -> None:
+    async def adopt(self, name: str, files: dict[str, bytes]) -> int:
         """Take agent ``name`` from another host: its warm cache's ``files`` are written
         to a staging folder, verified as a warm load verifies them, then moved into place,
-        and the agent resumes from them. Raises CacheRejected (nothing kept) for files
-        that fail, ValueError when an agent of that name is here already."""
+        and the agent resumes from them; returns the bytes taken. Raises CacheRejected
+        (nothing kept) for files that fail, ValueError when an agent of that name is here
+        already."""
         session = await self._open()
         check_agent_id(name)
         if name in session.agents or agent_dir(self.cache_dir, name).exists():
@@ -254,6 +267,7 @@ class EngineHost:
             shutil.rmtree(staging, ignore_errors=True)
         self._in += 1
         await session.spawn_agent(name)
+        return sum(len(data) for data in files.values())
 
 
 def _read_files(folder: Path) -> dict[str, bytes]:

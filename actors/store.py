@@ -36,6 +36,7 @@ from ._manifest import (
     SegmentEntry,
     WarmInfo,
     agent_dir,
+    contained,
     default_cache_dir,
     read_manifest,
 )
@@ -332,14 +333,22 @@ class StoreActor(Actor):
 def inspect_rows(
     root: str | os.PathLike[str] | None = None, identity: CacheIdentity | None = None
 ) -> list[dict[str, Any]]:
-    """One row per agent folder for ``kvactor inspect``: agent, tier, tokens, bytes, model
-    (fingerprint, shortened), codec, updated (unix time), status ("ok" or "rejected") and
-    reason. Given ``identity``, caches of another model or codec show as rejected.
-    Raises UnsafeCachePath when ``agents/`` is a symlink, OSError when it is unreadable."""
+    """One row per agent folder for ``kvactor inspect``: agent, host, tier, tokens, bytes,
+    model (fingerprint, shortened), codec, updated (unix time), status ("ok" or
+    "rejected") and reason. ``host`` is "" for the root's own agents; a cluster's cache
+    directory (``open(cluster=...)``) adds the agents of each engine host that ran on
+    this machine, under ``<root>/hosts/<host>``. Given ``identity``, caches of another
+    model or codec show as rejected. Raises UnsafeCachePath when ``agents/`` or
+    ``hosts/`` (or a host's folder) is a symlink, OSError when one is unreadable."""
     root = default_cache_dir() if root is None else root
+    places = [("", Path(root))]
+    hosts = contained(root, "hosts")
+    if hosts.is_dir():
+        places += [(h, contained(root, "hosts", h)) for h in sorted(os.listdir(hosts))]
     return [
         {
             "agent": info.agent,
+            "host": host,
             "tier": Tier.WARM,
             "tokens": info.tokens,
             "bytes": info.nbytes,
@@ -349,7 +358,9 @@ def inspect_rows(
             "status": "ok" if info.rejected is None else "rejected",
             "reason": info.rejected or "",
         }
-        for info in list_agents(root, identity)
+        for host, folder in places
+        if folder.is_dir()
+        for info in list_agents(folder, identity)
     ]
 
 
@@ -367,34 +378,34 @@ def printable(text: str) -> str:
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """``inspect_rows`` as an aligned text table (one line saying so when empty); names
-    from disk are escaped (``printable``)."""
+    """``inspect_rows`` as an aligned text table (one line saying so when empty), with a
+    HOST column when some row has a host; names from disk are escaped (``printable``)."""
     if not rows:
         return "no warm caches"
+    hosts = any(row.get("host") for row in rows)
     head = ("AGENT", "TIER", "TOKENS", "SIZE", "MODEL", "CODEC", "UPDATED", "STATUS")
-    lines = [head]
+    lines: list[tuple[str, ...]] = [("HOST", *head) if hosts else head]
     for row in rows:
         status = row["status"] if not row.get("reason") else f"{row['status']}: {row['reason']}"
         updated = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["updated"]))
-        lines.append(
-            (
-                printable(str(row["agent"])),
-                str(row["tier"]),
-                str(row["tokens"]),
-                _size(int(row["bytes"])),
-                printable(str(row["model"])) or "-",
-                printable(str(row["codec"])) or "-",
-                updated,
-                printable(status),
-            )
+        cells = (
+            printable(str(row["agent"])),
+            str(row["tier"]),
+            str(row["tokens"]),
+            _size(int(row["bytes"])),
+            printable(str(row["model"])) or "-",
+            printable(str(row["codec"])) or "-",
+            updated,
+            printable(status),
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
-    right = {2, 3}  # numbers
+        lines.append((printable(str(row.get("host") or "-")), *cells) if hosts else cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]) - 1)]
+    right = {3, 4} if hosts else {2, 3}  # numbers
     out = []
     for line in lines:
-        cells = [
+        padded = [
             cell.rjust(w) if i in right else cell.ljust(w)
             for i, (cell, w) in enumerate(zip(line, widths, strict=False))
         ]
-        out.append("  ".join([*cells, line[-1]]).rstrip())
+        out.append("  ".join([*padded, line[-1]]).rstrip())
     return "\n".join(out)

@@ -18,6 +18,7 @@ import pytest
 import kvactor
 from kvactor.actors.host import EngineHost
 from kvactor.actors.model import make_tiny_model
+from kvactor.actors.store import format_table, inspect_rows
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 other = functools.partial(make_tiny_model, 1, head_dim=64)  # other weights: another model
@@ -44,7 +45,7 @@ async def test_an_agent_moves_between_hosts_with_its_cache(tmp_path: Path) -> No
             await _talk(host, "x", "first question")
         files = await a.export("x")
         assert "manifest.json" in files and any(f.startswith("seg-") for f in files)
-        await b.adopt("x", files)
+        assert await b.adopt("x", files) == sum(len(data) for data in files.values())
         moved = await _talk(b, "x", "second question")
         kept = await _talk(stay, "x", "second question")
         # Greedy identity: the moved agent resumes its warm cache (nothing re-prefilled
@@ -105,6 +106,33 @@ async def test_hostile_or_corrupted_files_in_transit_are_refused(tmp_path: Path)
     finally:
         for host in (a, b, foreign):
             await host.close()
+
+
+async def test_inspect_lists_each_hosts_warm_caches(tmp_path: Path) -> None:
+    # A cluster's cache directory: each host's warm tier under hosts/<host>.
+    hosts = [EngineHost(n, tiny, tmp_path / "hosts" / n) for n in ("h0", "h1")]
+    try:
+        for i, host in enumerate(hosts):
+            await host.spawn(f"agent{i}")
+            await _talk(host, f"agent{i}", "hello")
+    finally:
+        for host in hosts:
+            await host.close()
+    rows = inspect_rows(tmp_path)
+    assert [(r["host"], r["agent"], r["status"]) for r in rows] == [
+        ("h0", "agent0", "ok"),
+        ("h1", "agent1", "ok"),
+    ]
+    table = format_table(rows).splitlines()
+    assert table[0].split()[:2] == ["HOST", "AGENT"] and table[1].split()[:2] == ["h0", "agent0"]
+    assert "HOST" not in format_table(inspect_rows(tmp_path / "hosts" / "h0"))
+    # A symlinked hosts/ could lead anywhere: refused, with the reason.
+    (tmp_path / "elsewhere").mkdir()
+    link = tmp_path / "linked"
+    link.mkdir()
+    (link / "hosts").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(kvactor.UnsafeCachePath, match="symlink"):
+        inspect_rows(link)
 
 
 # -------------------------------------------------------------------------- Ray cluster
