@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Protocol
 
 import anyio
@@ -40,7 +39,7 @@ from .config import ModelSpec
 from .errors import KvactorError, UnknownAgent
 from .host import EngineHost, HostInfo, TurnKind
 from .protocol import Sampling, check_agent_id
-from .session import Completion
+from .session import Completion, Opening
 from .store import Forgotten
 
 __all__ = (
@@ -539,27 +538,6 @@ def _connect(cluster: str, options: dict[str, Any]) -> bool:
     return False
 
 
-class ClusterOpening:
-    """What ``open_cluster()`` returns: await it, or use it as ``async with``."""
-
-    def __init__(self, session: ClusterSession) -> None:
-        self._session = session
-
-    def __await__(self) -> Generator[Any, None, ClusterSession]:
-        return self._session.start().__await__()
-
-    async def __aenter__(self) -> ClusterSession:
-        return await self._session.start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._session.aclose()
-
-
 def open_cluster(
     model: ModelSpec = None,
     *,
@@ -569,7 +547,7 @@ def open_cluster(
     placement: PlacementPolicy | None = None,
     ray_options: dict[str, Any] | None = None,
     **options: Any,
-) -> ClusterOpening:
+) -> Opening[ClusterSession]:
     """A session over engine hosts on a Ray cluster (see the module doc): ``cluster`` is
     "auto" (a running cluster, else a local one on 127.0.0.1), "local", an address, or
     ``ray://host:port``; ``cache_dir`` the folder each host keeps its warm tier under (on
@@ -592,4 +570,4 @@ def open_cluster(
         ray_options=ray_options,
         options=options,
     )
-    return ClusterOpening(session)
+    return Opening(session.start, session.__aexit__)

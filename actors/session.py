@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 import anyio
 import msgspec
@@ -56,7 +56,7 @@ from .store import (
 )
 
 if TYPE_CHECKING:
-    from .cluster import ClusterOpening
+    from .cluster import ClusterSession
 
 __all__ = ("Agent", "Completion", "Session", "TextStream", "WarmTier", "open")
 
@@ -614,17 +614,30 @@ class Session:
         return stats
 
 
-class _Opening:
-    """What ``open()`` returns: await it, or use it as ``async with``."""
+_T = TypeVar("_T")
 
-    def __init__(self, session: Session) -> None:
-        self._session = session
 
-    def __await__(self) -> Generator[Any, None, Session]:
-        return self._session.start().__await__()
+class Opening(Generic[_T]):
+    """What ``open()`` returns: await it (the started session), or use it as ``async
+    with`` (closed on the way out). ``start`` starts the session; ``close`` is its
+    ``__aexit__``."""
 
-    async def __aenter__(self) -> Session:
-        return await self._session.start()
+    def __init__(
+        self,
+        start: Callable[[], Coroutine[Any, Any, _T]],
+        close: Callable[
+            [type[BaseException] | None, BaseException | None, TracebackType | None],
+            Awaitable[object],
+        ],
+    ) -> None:
+        self._start = start
+        self._close = close
+
+    def __await__(self) -> Generator[Any, None, _T]:
+        return self._start().__await__()
+
+    async def __aenter__(self) -> _T:
+        return await self._start()
 
     async def __aexit__(
         self,
@@ -632,7 +645,7 @@ class _Opening:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._session.__aexit__(exc_type, exc, tb)
+        await self._close(exc_type, exc, tb)
 
 
 @overload
@@ -653,11 +666,11 @@ def open(
     ready_copies: bool = True,
     share_prefixes: bool = True,
     cluster: None = None,
-) -> _Opening: ...
+) -> Opening[Session]: ...
 
 
 @overload
-def open(model: ModelSpec = None, *, cluster: str, **options: Any) -> ClusterOpening: ...
+def open(model: ModelSpec = None, *, cluster: str, **options: Any) -> Opening[ClusterSession]: ...
 
 
 def open(
@@ -678,7 +691,7 @@ def open(
     share_prefixes: bool = True,
     cluster: str | None = None,
     **cluster_options: Any,
-) -> _Opening | ClusterOpening:
+) -> Opening[Session] | Opening[ClusterSession]:
     """Open a session on ``model``: None for the default model (fetched once, verified), a
     ``.gguf`` file, a local MLX / Hugging Face model directory, or a callable returning a
     LoadedModel. ``max_batch`` agents decode together; prompts are prefilled
@@ -746,4 +759,4 @@ def open(
         share_prefixes=share_prefixes,
     )
     session = Session(model, config, mailbox_size, cache_dir, delete_rejected, on_save_error)
-    return _Opening(session)
+    return Opening(session.start, session.__aexit__)

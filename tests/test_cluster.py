@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -133,6 +135,19 @@ async def test_inspect_lists_each_hosts_warm_caches(tmp_path: Path) -> None:
     (link / "hosts").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(kvactor.UnsafeCachePath, match="symlink"):
         inspect_rows(link)
+
+
+def test_an_application_without_a_cluster_never_imports_ray() -> None:
+    code = (
+        "import sys, anyio, kvactor\n"
+        "from kvactor.actors.model import make_tiny_model\n"
+        "async def main():\n"
+        "    async with kvactor.open(lambda: make_tiny_model(0, head_dim=64)) as kv:\n"
+        "        await (await kv.spawn_agent('a')).generate('hi', max_tokens=2)\n"
+        "anyio.run(main)\n"
+        "assert 'ray' not in sys.modules, 'ray imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # -------------------------------------------------------------------------- Ray cluster
