@@ -39,7 +39,7 @@ from .config import ModelSpec
 from .errors import KvactorError, UnknownAgent
 from .host import EngineHost, HostInfo, TurnKind
 from .protocol import Sampling, check_agent_id
-from .session import Completion, Opening
+from .session import Completion, Opening, drain, prompt_text
 from .store import Forgotten
 
 __all__ = (
@@ -203,43 +203,29 @@ class ClusterAgent:
         return ClusterTextStream(self._session, host, (self.name, kind, payload, sampling), pieces)
 
     def stream(self, text: str, **sampling: Any) -> ClusterTextStream:
-        return self._stream("text", _text(text), sampling)
+        return self._stream("text", prompt_text(text), sampling)
 
     def stream_raw(self, prompt: str, **sampling: Any) -> ClusterTextStream:
-        return self._stream("raw", _text(prompt), sampling)
+        return self._stream("raw", prompt_text(prompt), sampling)
 
     def stream_chat(self, messages: list[dict[str, str]], **sampling: Any) -> ClusterTextStream:
         return self._stream("chat", messages, sampling)
 
     # A whole turn: the host sends its Completion, not each piece (two items through Ray).
     async def generate(self, text: str, **sampling: Any) -> Completion:
-        return await _drain(self._stream("text", _text(text), sampling, pieces=False))
+        return await drain(self._stream("text", prompt_text(text), sampling, pieces=False))
 
     async def complete(self, prompt: str, **sampling: Any) -> Completion:
-        return await _drain(self._stream("raw", _text(prompt), sampling, pieces=False))
+        return await drain(self._stream("raw", prompt_text(prompt), sampling, pieces=False))
 
     async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> Completion:
-        return await _drain(self._stream("chat", messages, sampling, pieces=False))
+        return await drain(self._stream("chat", messages, sampling, pieces=False))
 
     async def history(self) -> list[dict[str, str]]:
         history: list[dict[str, str]] = await self._session._call(
             self._session._host_of(self.name), "history", self.name
         )
         return history
-
-
-def _text(text: object) -> str:
-    if not isinstance(text, str):
-        raise TypeError(f"the prompt must be a str, not {type(text).__name__}")
-    return text
-
-
-async def _drain(stream: ClusterTextStream) -> Completion:
-    async with stream as pieces:
-        async for _ in pieces:
-            pass
-    assert pieces.completion is not None
-    return pieces.completion
 
 
 class ClusterSession:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, overload
 
 import anyio
 import msgspec
@@ -158,13 +158,13 @@ class Agent:
     def stream(self, text: str, **sampling: Any) -> TextStream:
         """Stream the reply to the user message ``text``. Raises TypeError / ValueError for
         a prompt that is not a str or bad options."""
-        return self._stream(Turn(_text(text), Sampling.from_options(sampling)))
+        return self._stream(Turn(prompt_text(text), Sampling.from_options(sampling)))
 
     def stream_raw(self, prompt: str, **sampling: Any) -> TextStream:
         """Stream a completion of the whole raw ``prompt`` (no chat template, no history).
 
         A prompt that extends the previous one (plus what was generated) reuses the cache."""
-        return self._stream(Turn(_text(prompt), Sampling.from_options(sampling), raw=True))
+        return self._stream(Turn(prompt_text(prompt), Sampling.from_options(sampling), raw=True))
 
     def stream_chat(self, messages: list[dict[str, str]], **sampling: Any) -> TextStream:
         """Stream the reply to a whole conversation kept by the caller (``[{"role",
@@ -177,7 +177,7 @@ class Agent:
 
     async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> Completion:
         """The whole reply to a conversation kept by the caller; see ``stream_chat``."""
-        return await _drain(self.stream_chat(messages, **sampling))
+        return await drain(self.stream_chat(messages, **sampling))
 
     def _stream(self, turn: Turn) -> TextStream:
         raising = self._session.on_save_error == "raise"
@@ -185,7 +185,7 @@ class Agent:
 
     async def complete(self, prompt: str, **sampling: Any) -> Completion:
         """The completion of the raw ``prompt``; see ``stream_raw`` and ``generate``."""
-        return await _drain(self.stream_raw(prompt, **sampling))
+        return await drain(self.stream_raw(prompt, **sampling))
 
     async def generate(self, text: str, **sampling: Any) -> Completion:
         """The whole reply to ``text``.
@@ -196,7 +196,7 @@ class Agent:
         ``on_save_error="raise"``, StoreWriteError (holding the ``completion``) when the
         turn's cache could not be written to the warm tier.
         """
-        return await _drain(self.stream(text, **sampling))
+        return await drain(self.stream(text, **sampling))
 
     async def state(self) -> AgentState:
         state: AgentState = await self.ref.ask(GetState())
@@ -210,18 +210,30 @@ class Agent:
         return info
 
 
-def _text(text: object) -> str:
+def prompt_text(text: object) -> str:
+    """``text``, checked to be a str (a prompt or a message)."""
     if not isinstance(text, str):
         raise TypeError(f"the prompt must be a str, not {type(text).__name__}")
     return text
 
 
-async def _drain(stream: TextStream) -> Completion:
-    async with stream as pieces:
-        async for _ in pieces:
+class Streamed(Protocol):
+    """A turn's stream (``TextStream``, a cluster's ``ClusterTextStream``)."""
+
+    completion: Completion | None
+
+    def __aiter__(self) -> AsyncIterator[str]: ...
+    async def __aenter__(self) -> Any: ...
+    async def __aexit__(self, *exc_info: object) -> None: ...
+
+
+async def drain(stream: Streamed) -> Completion:
+    """The Completion of a turn's stream, its pieces read and dropped."""
+    async with stream:
+        async for _ in stream:
             pass
-    assert pieces.completion is not None
-    return pieces.completion
+    assert stream.completion is not None
+    return stream.completion
 
 
 class WarmTier:
@@ -473,7 +485,7 @@ class Session:
         if messages[:1] != [{"role": "system", "content": text}] or len(messages) > 1:
             raise ValueError(f"agent {name!r} exists and is not a shared context of this text")
         self._contexts[name] = text
-        await _drain(agent._stream(Turn("", Sampling(max_tokens=1), prime=True)))
+        await drain(agent._stream(Turn("", Sampling(max_tokens=1), prime=True)))
         return agent
 
     def _context_text(self, name: str) -> str:
