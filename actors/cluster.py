@@ -21,10 +21,16 @@ for a cluster never imports it.
 - **Failures**: a host process that dies fails its pending turns at once with
   :class:`HostLost`; Ray restarts it, and its agents resume from their warm caches on the
   next call (the disk is the node's own), while agents on other hosts never notice.
+- **Replicas** (``replicas=2``): after each turn the agent's new warm files go to a second
+  host (another node first), which verifies the whole replica before it swaps it in. A
+  host gone for good (Ray says it is dead, and a call to it fails so again) hands each of
+  its agents with a replica to the replica's host, which verifies and resumes it there.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -54,13 +60,21 @@ __all__ = (
     "open_cluster",
 )
 
+log = logging.getLogger("kvactor.cluster")
+
 #: How long a call waits for a host that Ray is restarting.
 RESTART_WAIT_S = 60.0
 
 
 class HostLost(KvactorError):
     """An engine host's process died while it served a call (its pending turns fail with
-    this). Ray restarts it; its agents resume from their warm caches on their next call."""
+    this). Ray restarts it; its agents resume from their warm caches on their next call.
+    A host that is gone for good (its node lost) hands its agents to the hosts that keep
+    their replicas (``replicas=2``); the message says where each went."""
+
+
+class _NoReturn(HostLost):
+    """A host stayed unavailable for RESTART_WAIT_S."""
 
 
 class Migration(msgspec.Struct, frozen=True):
@@ -74,10 +88,13 @@ class Migration(msgspec.Struct, frozen=True):
 
 
 class ClusterStats(msgspec.Struct, frozen=True):
-    """Every host (its node, budget, agents, engine stats) and the migrations so far."""
+    """Every live host (its node, budget, agents, replicas, engine stats), the migrations
+    so far, the hosts gone for good, and the replica updates that failed."""
 
     hosts: list[HostInfo]
     migrations: list[Migration]
+    lost_hosts: list[str] = []
+    replication_failures: int = 0
 
 
 class PlacementPolicy(Protocol):
@@ -161,6 +178,7 @@ class ClusterTextStream:
         if item is None:
             raise HostLost(f"engine host {self._host.name!r} ended the turn without its result")
         if isinstance(item, Completion):
+            await self._session._replicate(self._call[0])  # before the turn is reported done
             self.completion = item
             raise StopAsyncIteration
         assert isinstance(item, str)
@@ -242,9 +260,12 @@ class ClusterSession:
         placement: PlacementPolicy | None = None,
         ray_options: dict[str, Any] | None = None,
         options: dict[str, Any] | None = None,
+        replicas: int = 1,
     ) -> None:
         if hosts_per_node < 1:
             raise ValueError("hosts_per_node must be >= 1")
+        if replicas not in (1, 2):
+            raise ValueError("replicas must be 1 (each cache on its host only) or 2")
         self._model = model
         self._cluster = cluster
         self.cache_dir = Path(cache_dir)
@@ -255,6 +276,11 @@ class ClusterSession:
         self._hosts: dict[str, _Host] = {}
         self._where: dict[str, str] = {}  # agent -> host
         self._migrations: list[Migration] = []
+        self.replicas = replicas
+        self._replica: dict[str, str] = {}  # agent -> the host that keeps its replica
+        self._lost: set[str] = set()  # hosts gone for good
+        self._failover = anyio.Lock()
+        self._replication_failures = 0
         self._started_ray = False
         self._closed = False
 
@@ -265,9 +291,16 @@ class ClusterSession:
         thread for its signal handlers); the hosts start in the background."""
         self._start_hosts()
         try:
-            for info in await self.hosts():
+            if self.replicas > len(self._hosts):
+                raise ValueError(f"replicas={self.replicas} needs as many hosts")
+            infos = await self.hosts()
+            for info in infos:
                 for agent in info.warm_agents:
                     self._where.setdefault(agent, info.name)
+            for info in infos:
+                for agent in info.replicas:
+                    if self._where.get(agent, info.name) != info.name:
+                        self._replica.setdefault(agent, info.name)
         except BaseException:
             await self.aclose()
             raise
@@ -329,10 +362,19 @@ class ClusterSession:
     # -- calls ------------------------------------------------------------------------
     async def _call(self, host: _Host, method: str, *args: Any) -> Any:
         """``host.method(*args)`` through Ray, its error as the caller should see it; waits
-        for a host that Ray is restarting."""
+        for a host that Ray is restarting, and hands the agents of one gone for good to
+        their replicas' hosts."""
+        try:
+            return await self._call_raw(host, method, *args)
+        except Exception as exc:
+            raise await self._error(exc, host) from None
+
+    async def _call_raw(self, host: _Host, method: str, *args: Any) -> Any:
         import ray
         from ray.exceptions import ActorUnavailableError
 
+        if host.name in self._lost:
+            raise HostLost(f"engine host {host.name!r} is gone")
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
             ref = getattr(host.handle, method).remote(*args)
@@ -340,10 +382,43 @@ class ClusterSession:
                 return await anyio.to_thread.run_sync(ray.get, ref, abandon_on_cancel=True)
             except ActorUnavailableError:
                 if time.monotonic() > deadline:
-                    raise HostLost(f"engine host {host.name!r} did not come back") from None
+                    raise _NoReturn(f"engine host {host.name!r} did not come back") from None
                 await anyio.sleep(0.2)
-            except Exception as exc:
-                raise _unwrap(exc, host.name) from None
+
+    async def _error(self, exc: BaseException, host: _Host) -> BaseException:
+        """What a caller sees for ``exc`` from ``host``. A host that Ray says is dead for
+        good (a call to it fails so again; a host being restarted says it is unavailable)
+        or that stayed unavailable is gone: its agents go to their replicas' hosts first."""
+        from ray.exceptions import ActorDiedError
+
+        if isinstance(exc, _NoReturn) or (
+            isinstance(exc, ActorDiedError) and not await self._alive(host)
+        ):
+            moved = await self._host_gone(host)
+            return HostLost(f"engine host {host.name!r} is gone for good; {moved}")
+        return _unwrap(exc, host.name)
+
+    async def _alive(self, host: _Host) -> bool:
+        """False when ``host`` is dead for good: calls to it keep failing with Ray's
+        ActorDiedError. One that Ray restarts answers, says it is unavailable, or is slow
+        (loading its model): all alive."""
+        import ray
+        from ray.exceptions import ActorDiedError
+
+        if host.name in self._lost:
+            return False
+        for _ in range(3):  # a call can reach a host Ray has not yet seen die
+            ref = host.handle.info.remote()
+            try:
+                await anyio.to_thread.run_sync(
+                    functools.partial(ray.get, ref, timeout=5.0), abandon_on_cancel=True
+                )
+                return True
+            except ActorDiedError:
+                await anyio.sleep(0.5)
+            except Exception:
+                return True
+        return False
 
     async def _next(self, host: _Host, gen: Any, *, raw: bool = False) -> Any:
         """The next item of a streaming call (None at its end); ``raw`` lets Ray's
@@ -363,31 +438,119 @@ class ClusterSession:
         except Exception as exc:
             if raw and isinstance(exc, ActorUnavailableError):
                 raise
-            raise _unwrap(exc, host.name) from None
+            raise await self._error(exc, host) from None
 
     def _host_of(self, agent: str) -> _Host:
         check_agent_id(agent)
         try:
-            return self._hosts[self._where[agent]]
+            host = self._hosts[self._where[agent]]
         except KeyError:
             raise UnknownAgent(f"no agent named {agent!r} on any host") from None
+        if host.name in self._lost:
+            raise HostLost(
+                f"agent {agent!r} was on engine host {host.name!r}, which is gone, and had "
+                "no replica (replicas=2 keeps one on another host)"
+            )
+        return host
 
     def _host(self, name: str) -> _Host:
+        if name in self._lost:
+            raise ValueError(f"host {name!r} is gone")
         try:
             return self._hosts[name]
         except KeyError:
             raise ValueError(f"no host named {name!r} (hosts: {sorted(self._hosts)})") from None
 
+    # -- replicas and lost hosts ------------------------------------------------------
+    async def _replicate(self, agent: str) -> None:
+        """With ``replicas=2``: bring the replica of ``agent``'s warm cache on another host
+        up to date (its new files only, host to host), after each of its turns. A failure
+        is logged and counted (``stats().replication_failures``), never the turn's."""
+        if self.replicas < 2 or agent not in self._where:
+            return
+        home = self._hosts[self._where[agent]]
+        holder = self._replica.get(agent)
+        try:
+            if holder is None or holder in self._lost:
+                live = (h for h in self._hosts.values() if h.name not in self._lost)
+                others = [h for h in live if h is not home]
+                if not others:
+                    return
+                counts = {h.name: 0 for h in others}
+                for held in self._replica.values():
+                    if held in counts:
+                        counts[held] += 1
+                # Another node first (a replica on the same node survives no node loss).
+                best = min(others, key=lambda h: (h.node == home.node, counts[h.name], h.name))
+                holder = best.name
+            have = await self._call(self._hosts[holder], "replica_files", agent)
+            update = home.handle.files.remote(agent, have)  # host to host
+            await self._call(self._hosts[holder], "keep_replica", agent, update)
+            self._replica[agent] = holder
+        except Exception as exc:  # the turn is done and saved on its host
+            self._replication_failures += 1
+            log.warning("replica of agent %r on host %r not updated: %s", agent, holder, exc)
+
+    async def _drop_replica(self, agent: str) -> None:
+        holder = self._replica.pop(agent, None)
+        if holder is not None and holder not in self._lost:
+            try:
+                await self._call(self._hosts[holder], "drop_replica", agent)
+            except Exception as exc:  # a stale replica is never promoted over a live agent
+                log.warning("replica of agent %r on host %r not deleted: %s", agent, holder, exc)
+
+    async def _host_gone(self, host: _Host) -> str:
+        """Mark ``host`` gone for good; each of its agents with a replica becomes an agent
+        of the replica's host (verified as a warm load, then resumed there). Says where
+        they went."""
+        async with self._failover:
+            if host.name in self._lost:
+                return "its agents went where the first report said"
+            self._lost.add(host.name)
+            moved, stranded = [], []
+            for agent in sorted(a for a, h in self._where.items() if h == host.name):
+                holder = self._replica.pop(agent, None)
+                if holder is None or holder in self._lost:
+                    stranded.append(agent)
+                    continue
+                try:
+                    await self._call(self._hosts[holder], "promote", agent)
+                except Exception as exc:
+                    log.warning("replica of %r on %r not promoted: %s", agent, holder, exc)
+                    stranded.append(agent)
+                    continue
+                self._where[agent] = holder
+                moved.append(f"{agent} -> {holder}")
+            for agent, holder in list(self._replica.items()):
+                if holder == host.name:
+                    del self._replica[agent]  # made again on the agent's next turn
+            said = f"agents resumed from their replicas: {', '.join(moved) or 'none'}"
+            if stranded:
+                said += f"; without a replica: {', '.join(stranded)}"
+            log.warning("engine host %r is gone: %s", host.name, said)
+            return said
+
     # -- the Session API --------------------------------------------------------------
     async def hosts(self) -> list[HostInfo]:
         """What every host says of itself, by name."""
         infos = []
-        for host in self._hosts.values():
-            infos.append(await self._call(host, "info"))
+        for host in list(self._hosts.values()):
+            if host.name in self._lost:
+                continue
+            try:
+                infos.append(await self._call(host, "info"))
+            except HostLost:
+                if host.name not in self._lost:
+                    raise
         return infos
 
     async def stats(self) -> ClusterStats:
-        return ClusterStats(hosts=await self.hosts(), migrations=list(self._migrations))
+        return ClusterStats(
+            hosts=await self.hosts(),
+            migrations=list(self._migrations),
+            lost_hosts=sorted(self._lost),
+            replication_failures=self._replication_failures,
+        )
 
     async def spawn_agent(
         self,
@@ -446,6 +609,7 @@ class ClusterSession:
         host = self._host_of(name)
         done: Forgotten = await self._call(host, "forget", name)
         del self._where[name]
+        await self._drop_replica(name)
         return done
 
     async def prefetch(self, name: str) -> None:
@@ -480,6 +644,9 @@ class ClusterSession:
             seconds=time.perf_counter() - began,
         )
         self._migrations.append(moved)
+        if self._replica.get(name) == target.name:  # its replica is now its own host
+            await self._drop_replica(name)
+            await self._replicate(name)
         return moved
 
     async def rebalance(self) -> list[Migration]:
@@ -532,15 +699,18 @@ def open_cluster(
     hosts_per_node: int = 1,
     placement: PlacementPolicy | None = None,
     ray_options: dict[str, Any] | None = None,
+    replicas: int = 1,
     **options: Any,
 ) -> Opening[ClusterSession]:
     """A session over engine hosts on a Ray cluster (see the module doc): ``cluster`` is
     "auto" (a running cluster, else a local one on 127.0.0.1), "local", an address, or
     ``ray://host:port``; ``cache_dir`` the folder each host keeps its warm tier under (on
     its own node's disk: ``<cache_dir>/hosts/<host>``); ``ray_options`` go to ``ray.init``
-    of a local cluster (``num_cpus`` ...); ``options`` to each host's ``kvactor.open``
-    (``budget_bytes``, ``max_batch`` ...). Raises ImportError without Ray (``pip install
-    'kvactor[ray]'``)."""
+    of a local cluster (``num_cpus`` ...); ``replicas=2`` keeps a copy of every agent's
+    warm cache on a second host (another node where there is one), updated after each
+    turn, so that a host gone for good loses no cache; ``options`` go to each host's
+    ``kvactor.open`` (``budget_bytes``, ``max_batch`` ...). Raises ImportError without Ray
+    (``pip install 'kvactor[ray]'``)."""
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -555,5 +725,6 @@ def open_cluster(
         placement=placement,
         ray_options=ray_options,
         options=options,
+        replicas=replicas,
     )
     return Opening(session.start, session.__aexit__)

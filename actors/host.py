@@ -62,6 +62,7 @@ class HostInfo(msgspec.Struct, frozen=True):
     stats: EngineStats
     migrations_in: int = 0
     migrations_out: int = 0
+    replicas: list[str] = []  # agents of other hosts whose warm caches it keeps a copy of
 
     @property
     def free_bytes(self) -> float:
@@ -154,6 +155,7 @@ class EngineHost:
             stats=stats,
             migrations_in=self._in,
             migrations_out=self._out,
+            replicas=await anyio.to_thread.run_sync(self._replica_names),
         )
 
     async def spawn(
@@ -249,33 +251,122 @@ class EngineHost:
         and the agent resumes from them; returns the bytes taken. Raises CacheRejected
         (nothing kept) for files that fail, ValueError when an agent of that name is here
         already."""
+        session = await self._free_name(name)
+        staging = contained(self.cache_dir, "incoming", secrets.token_hex(8))
+        try:
+            await anyio.to_thread.run_sync(_write_files, staging, name, files)
+            await self._install(session, staging, name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        self._in += 1
+        return sum(len(data) for data in files.values())
+
+    async def _free_name(self, name: str) -> Session:
         session = await self._open()
         check_agent_id(name)
         if name in session.agents or agent_dir(self.cache_dir, name).exists():
             raise ValueError(f"agent {name!r} already exists on host {self.name!r}")
+        return session
+
+    async def _install(self, session: Session, root: Path, name: str) -> None:
+        """Verify ``<root>/agents/<name>`` as a warm load does (read_cache refuses with the
+        reason: checksums, identity, shapes, metadata), move it into place, resume it."""
         identity, layout = session.identity, session.layout
         assert identity is not None and layout is not None  # a host always has a warm tier
+        await anyio.to_thread.run_sync(read_cache, root, identity, layout, name)
+        target = agent_dir(self.cache_dir, name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(agent_dir(root, name), target)
+        await session.spawn_agent(name)
+
+    # -- replicas (another host's agents, kept for when that host is gone) ------------
+    def _replica_names(self) -> list[str]:
+        folder = contained(self.cache_dir, "replicas", "agents")
+        if not folder.is_dir():
+            return []
+        return sorted(e for e in os.listdir(folder) if (folder / e / MANIFEST).is_file())
+
+    async def files(
+        self, name: str, have: list[tuple[str, int]]
+    ) -> tuple[dict[str, bytes], list[str]]:
+        """Agent ``name``'s committed warm files as they are now (it keeps running): the
+        manifest and the files not in ``have`` (name, size) already, and the names of
+        those in ``have`` that it still has. Raises UnknownAgent when it has no warm cache
+        here."""
+        await self._open()
+        folder = agent_dir(self.cache_dir, name)
+        if not (folder / MANIFEST).is_file():
+            raise UnknownAgent(f"agent {name!r} has no warm cache on host {self.name!r}")
+        sent = await anyio.to_thread.run_sync(_read_files, folder, dict(have))
+        kept = [f for f, _ in have if f not in sent and (folder / f).is_file()]
+        return sent, kept
+
+    async def replica_files(self, name: str) -> list[tuple[str, int]]:
+        """The files (name, size) of the replica of agent ``name`` kept here."""
+        check_agent_id(name)
+        folder = agent_dir(contained(self.cache_dir, "replicas"), name)
+        if not folder.is_dir():
+            return []
+        return [(e.name, e.stat().st_size) for e in sorted(folder.iterdir()) if e.is_file()]
+
+    async def keep_replica(self, name: str, update: tuple[dict[str, bytes], list[str]]) -> int:
+        """Bring the replica of agent ``name`` up to date with ``update`` (what ``files``
+        returns: new files, and the replica's files to keep): together, verified as a warm
+        load verifies them, they replace the replica. Returns the bytes received. Raises
+        CacheRejected (the old replica stays) for files that fail."""
+        files, keep = update
+        session = await self._open()
+        check_agent_id(name)
+        identity, layout = session.identity, session.layout
+        assert identity is not None and layout is not None
+        replicas = contained(self.cache_dir, "replicas")
         staging = contained(self.cache_dir, "incoming", secrets.token_hex(8))
         try:
-            await anyio.to_thread.run_sync(_write_files, staging, name, files)
-            # read_cache refuses with the reason: checksums, identity, shapes, metadata.
+            await anyio.to_thread.run_sync(
+                _stage_replica, staging, name, files, agent_dir(replicas, name), keep
+            )
             await anyio.to_thread.run_sync(read_cache, staging, identity, layout, name)
-            target = agent_dir(self.cache_dir, name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(agent_dir(staging, name), target)
+            await anyio.to_thread.run_sync(_swap_in, agent_dir(staging, name), replicas, name)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        self._in += 1
-        await session.spawn_agent(name)
         return sum(len(data) for data in files.values())
 
+    async def drop_replica(self, name: str) -> None:
+        """Delete the replica of agent ``name`` kept here (nothing when there is none)."""
+        check_agent_id(name)
+        shutil.rmtree(agent_dir(contained(self.cache_dir, "replicas"), name), ignore_errors=True)
 
-def _read_files(folder: Path) -> dict[str, bytes]:
-    """The manifest and segment files of an agent's folder, by name."""
+    async def promote(self, name: str) -> None:
+        """Make the replica of agent ``name`` an agent of this host (its own host is
+        gone): verified as a warm load does, moved into place, resumed. Raises UnknownAgent
+        without a replica, CacheRejected for one that fails, ValueError when an agent of
+        that name is here already."""
+        session = await self._free_name(name)
+        replicas = contained(self.cache_dir, "replicas")
+        if not (agent_dir(replicas, name) / MANIFEST).is_file():
+            raise UnknownAgent(f"no replica of agent {name!r} on host {self.name!r}")
+        await self._install(session, replicas, name)
+        self._in += 1
+
+
+def _cache_file(name: object) -> bool:
+    return isinstance(name, str) and bool(
+        name == MANIFEST or SEGMENT_FILE.fullmatch(name) or WINDOW_FILE.fullmatch(name)
+    )
+
+
+def _read_files(folder: Path, have: dict[str, int] | None = None) -> dict[str, bytes]:
+    """The manifest and segment files of an agent's folder, by name; of the others than
+    the manifest, those not in ``have`` with the same size."""
+    have = have or {}
     out: dict[str, bytes] = {}
     for entry in sorted(os.listdir(folder)):
-        if entry == MANIFEST or SEGMENT_FILE.fullmatch(entry) or WINDOW_FILE.fullmatch(entry):
-            out[entry] = (folder / entry).read_bytes()
+        if not _cache_file(entry):
+            continue
+        path = folder / entry
+        if entry != MANIFEST and have.get(entry) == path.stat().st_size:
+            continue
+        out[entry] = path.read_bytes()
     return out
 
 
@@ -286,9 +377,7 @@ def _write_files(root: Path, name: str, files: dict[str, bytes]) -> None:
         raise CacheRejected("the migrated files have no manifest", str(root))
     total = 0
     for file, data in files.items():
-        if not isinstance(file, str) or not (
-            file == MANIFEST or SEGMENT_FILE.fullmatch(file) or WINDOW_FILE.fullmatch(file)
-        ):
+        if not _cache_file(file):
             raise CacheRejected(f"{str(file)[:80]!r} is not a cache file name", str(root))
         if not isinstance(data, bytes):
             raise CacheRejected(f"{file}: not bytes", str(root))
@@ -300,3 +389,30 @@ def _write_files(root: Path, name: str, files: dict[str, bytes]) -> None:
     for file, data in files.items():
         with open(folder / file, "xb") as f:
             f.write(data)
+
+
+def _stage_replica(
+    root: Path, name: str, files: dict[str, bytes], current: Path, keep: list[str]
+) -> None:
+    """``files`` as ``<root>/agents/<name>``, with hard links (copies where links fail)
+    to the files ``keep`` of ``current`` (the replica so far)."""
+    _write_files(root, name, files)
+    folder = agent_dir(root, name)
+    for entry in keep:
+        if _cache_file(entry) and entry not in files and (current / entry).is_file():
+            try:
+                os.link(current / entry, folder / entry)
+            except OSError:
+                shutil.copyfile(current / entry, folder / entry)
+
+
+def _swap_in(folder: Path, root: Path, name: str) -> None:
+    """``folder`` becomes ``<root>/agents/<name>``, the one there before deleted. A crash
+    between the two renames leaves no replica (the next one is sent whole), never a mix."""
+    target = agent_dir(root, name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    old = folder.parent / f".old-{name}"
+    if target.exists():
+        os.rename(target, old)
+    os.rename(folder, target)
+    shutil.rmtree(old, ignore_errors=True)

@@ -231,3 +231,50 @@ async def test_a_host_killed_mid_turn_fails_its_turn_and_comes_back(tmp_path: Pa
         assert back.path == kvactor.Tier.WARM and back.timings.reused_tokens > 0
         hosts = {h.name: h.pid for h in await kv.hosts()}
         assert hosts["h0"] != pid  # Ray restarted the host process
+        assert (await kv.stats()).lost_hosts == []  # a restarted host is not gone
+
+
+@pytest.mark.ray
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+async def test_replicas_hand_the_agents_of_a_host_gone_for_good_to_another(
+    tmp_path: Path,
+) -> None:
+    import ray
+
+    async with _cluster(tmp_path, replicas=2) as kv:
+        a = await kv.spawn_agent("a", system="You help.", host="h0")
+        gone = await kv.spawn_agent("gone", host="h0")
+        twin = await kv.spawn_agent("twin", system="You help.", host="h1")
+        b = await kv.spawn_agent("b", host="h1")
+        for question in ("first question", "second question"):  # replicas: new files only
+            for agent in (a, twin):
+                await agent.generate(question, **GREEDY)
+        await gone.generate("hello", **GREEDY)
+        await b.generate("hello", **GREEDY)
+        infos = {h.name: h for h in await kv.hosts()}
+        assert infos["h1"].replicas == ["a", "gone"] and infos["h0"].replicas == ["b", "twin"]
+        await kv.forget("gone")  # its replica goes too
+        assert {h.name: h for h in await kv.hosts()}["h1"].replicas == ["a"]
+        history = await a.history()
+        # h0's node is lost: Ray does not bring the host back. The next call finds it gone
+        # (a clear error, saying where its agents went), and a is h1's agent from then on.
+        ray.kill(kv._hosts["h0"].handle, no_restart=True)
+        with pytest.raises(kvactor.HostLost, match=r"gone for good.*a -> h1"):
+            await a.generate("third question", **GREEDY)
+        stats = await kv.stats()
+        assert stats.lost_hosts == ["h0"] and [h.name for h in stats.hosts] == ["h1"]
+        assert stats.replication_failures == 0
+        assert a.host == "h1" and await a.history() == history
+        after = await a.generate("third question", **GREEDY)
+        kept = await twin.generate("third question", **GREEDY)
+        # Greedy identity: the replica resumes warm, exactly as the twin answers hot.
+        assert after.path == kvactor.Tier.WARM and after.timings.reused_tokens > 0
+        assert after.token_ids == kept.token_ids
+        assert (await b.generate("hello again", **GREEDY)).path == kvactor.Tier.HOT
+        with pytest.raises(ValueError, match="gone"):
+            await kv.spawn_agent("late", host="h0")
+
+
+def test_replicas_are_one_or_two(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="replicas"):
+        kvactor.open(tiny, cluster="local", cache_dir=tmp_path, replicas=3)
