@@ -29,6 +29,10 @@ cluster. Greedy throughout.
   in-process one, less one (target <= 0.10). ``stream_overhead``: the same of streamed
   turns (every text piece one item through Ray), alternating with those.
   ``overhead_identical``: both sides generated the same tokens, turn for turn.
+- ``replica_turn_s``: the wall times of three turns (the first: the ``--context`` prompt,
+  8 tokens; then two of 16 tokens) of an agent on ``h0``, without (``"1"``) and with
+  (``"2"``, a third cluster, ``replicas=2``) a replica kept on ``h1``: each turn's new warm
+  files sent, verified there and swapped in before the turn returns.
 
     python bench/cluster.py [--agents 16] [--tokens 64] [--runs 3] [--context 4096]
         [--json PATH]
@@ -118,6 +122,19 @@ async def migration(kv: Any, document: str) -> dict[str, Any]:
     }
 
 
+async def turn_walls(kv: Any, document: str) -> list[float]:
+    """Wall times of three turns of a new agent with ``document`` as its system prompt on
+    ``h0``: the first (its whole cache new), then two short ones."""
+    agent = await kv.spawn_agent("copied", system=document, host="h0")
+    walls = []
+    for text, tokens in (("Summarize it in a sentence.", 8), ("One detail?", 16), ("Another?", 16)):
+        began = time.perf_counter()
+        await agent.generate(text, max_tokens=tokens)
+        walls.append(time.perf_counter() - began)
+    await kv.forget("copied")
+    return walls
+
+
 async def overhead(kv: Any, local: Any, turns: int, tokens: int) -> dict[str, Any]:
     remote = await kv.spawn_agent("over", system=SYSTEM, host="h0")
     here = await local.spawn_agent("over", system=SYSTEM)
@@ -156,7 +173,7 @@ def cluster(root: Path, hosts_per_node: int, options: dict[str, Any]) -> Any:
     each host its share of the CPUs (and sets its OMP_NUM_THREADS, which OpenBLAS obeys)."""
     return kvactor.open(
         cluster="local",
-        cache_dir=root / f"cluster-{hosts_per_node}",
+        cache_dir=root / f"cluster-{hosts_per_node}-{options.get('replicas', 1)}",
         hosts_per_node=hosts_per_node,
         ray_options={"num_cpus": 2},
         **options,
@@ -183,6 +200,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             document = local.tokenizer.decode(ids[: args.context - 40])  # with the template
         # Two hosts of one CPU each (two one-core nodes): all agents on one, or on both.
         async with cluster(root, 2, options) as kv:
+            plain = await turn_walls(kv, document)
             rates: dict[str, list[float]] = {"1": [], "2": []}
             counts: dict[str, list[int]] = {"1": [], "2": []}
             for run in range(args.runs):
@@ -197,6 +215,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     )
             moved = await migration(kv, document)
             print(f"migrated {moved['migrate_bytes'] / 1e6:.1f} MB in {moved['migrate_s']:.2f} s")
+        async with cluster(root, 2, {**options, "replicas": 2}) as kv:
+            copied = await turn_walls(kv, document)
+            print(f"turns with a replica: {copied} s, without: {plain} s", flush=True)
     return {
         "tok_s": {n: statistics.median(r) for n, r in rates.items()},
         "tok_s_runs": rates,
@@ -204,6 +225,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "tok_s_one_host_both_cpus": statistics.median(whole),
         **moved,
         **over,
+        "replica_turn_s": {"1": plain, "2": copied},
         "agents": args.agents,
         "tokens": args.tokens,
         "max_batch": args.max_batch,
@@ -231,6 +253,11 @@ def report(out: dict[str, Any]) -> None:
     print(f"| its next turn, warm on the new host (TTFT) | {out['warm_reload_s'] * 1e3:.0f} ms |")
     print(f"| the same turn of a twin kept hot (TTFT) | {out['hot_s'] * 1e3:.0f} ms |")
     print(f"| migration keeps greedy output | {out['migration_identical']} |")
+    one, two = out["replica_turn_s"]["1"], out["replica_turn_s"]["2"]
+    print(
+        f"| turns of a {out['context_tokens']}-token agent, replicas=1 / replicas=2 "
+        f"| {' '.join(f'{a * 1e3:.0f}/{b * 1e3:.0f}' for a, b in zip(one, two, strict=True))} ms |"
+    )
     print(
         f"| turn of {out['overhead_tokens']} tokens: host / in-process "
         f"| {out['host_turn_s'] * 1e3:.0f} / {out['local_turn_s'] * 1e3:.0f} ms "
