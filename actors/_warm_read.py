@@ -13,7 +13,7 @@ import math
 import os
 import shutil
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from ._safetensors import MAX_HEADER_BYTES, Expected, format_checksum, parse_seg
 from .errors import CacheRejected, InvalidAgentId, UnknownAgent
 from .protocol import check_agent_id
 
-__all__ = ("disk_footprint", "list_agents", "read_cache", "tree_bytes")
+__all__ = ("disk_footprint", "list_agents", "read_cache", "tree_bytes", "verify_cache")
 
 _READ_ATTEMPTS = 8
 
@@ -111,14 +111,14 @@ def _read_segment(
     return parsed.tensors
 
 
-def _read_segments(
+def _planned(
     folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
-) -> Loaded:
+) -> Iterator[tuple[bool, SegmentEntry, Path, Callable[[int, int], Expected]]]:
+    """Each segment file the manifest names (the window segments last, ``True``), its
+    path, and the tensors expected of it for a range of tokens."""
     geometry = identity.layer_geometry()
-    out: list[list[dict[str, np.ndarray[Any, Any]]]] = []
     for entries, window in ((manifest.segments, False), (manifest.window_segments, True)):
         keep = segment_holds(geometry, window)
-        read = []
         for entry in entries:
             path = folder / entry.file
 
@@ -127,15 +127,59 @@ def _read_segments(
             ) -> Expected:
                 return {k: v for k, v in _expect(expect, start, stop, path).items() if keep(k)}
 
-            tensors = _read_segment(
-                path, entry, layout(entry.start, entry.stop), identity, manifest.agent
-            )
-            if entry.use < entry.stop - entry.start:
-                tensors = _prefix(tensors, layout(entry.start, entry.start + entry.use))
-            read.append(tensors)
-        out.append(read)
+            yield window, entry, path, layout
+
+
+def _read_segments(
+    folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
+) -> Loaded:
+    out: tuple[list[dict[str, np.ndarray[Any, Any]]], ...] = ([], [])
+    for window, entry, path, layout in _planned(folder, manifest, identity, expect):
+        tensors = _read_segment(
+            path, entry, layout(entry.start, entry.stop), identity, manifest.agent
+        )
+        if entry.use < entry.stop - entry.start:
+            tensors = _prefix(tensors, layout(entry.start, entry.start + entry.use))
+        out[window].append(tensors)
     nbytes = sum(s.nbytes for s in (*manifest.segments, *manifest.window_segments))
     return Loaded(manifest, out[0], nbytes, windows=out[1])
+
+
+def verify_cache(
+    root: str | os.PathLike[str],
+    identity: CacheIdentity,
+    expect: ExpectFn,
+    agent: str,
+    *,
+    trusted: Mapping[str, SegmentEntry] | None = None,
+) -> CacheManifest:
+    """``read_cache``'s checks of the agent's warm cache, its arrays not kept; its
+    manifest. A file of ``trusted`` (verified before, as the manifest entry given there:
+    a segment kept unchanged, files are never rewritten) is read only when the manifest
+    now says another checksum or size of it; else it must still be a regular file of
+    its size. Raises as ``read_cache`` does (without setting anything aside)."""
+    folder = agent_dir(root, agent)
+    loaded = load_manifest(folder, identity, agent)
+    if loaded is None:
+        raise UnknownAgent(f"agent {agent!r} has no warm cache under {root}")
+    manifest = loaded[0]
+    known = trusted or {}
+    for _, entry, path, layout in _planned(folder, manifest, identity, expect):
+        before = known.get(entry.file)
+        same = before is not None and (before.checksum, before.nbytes) == (
+            entry.checksum,
+            entry.nbytes,
+        )
+        if same:
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                raise CacheRejected(f"{entry.file}: missing", str(path)) from None
+            if not stat.S_ISREG(info.st_mode) or info.st_size != entry.nbytes:
+                raise CacheRejected(f"{entry.file}: not the file the manifest names", str(path))
+            continue
+        _read_segment(path, entry, layout(entry.start, entry.stop), identity, manifest.agent)
+    return manifest
 
 
 def read_cache(

@@ -21,6 +21,7 @@ call names them. A host runs on asyncio (as Ray's async actors do).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import secrets
 import shutil
@@ -31,8 +32,17 @@ from typing import Any
 import anyio
 import msgspec
 
-from ._manifest import MANIFEST, SEGMENT_FILE, WINDOW_FILE, agent_dir, contained
-from ._warm_read import read_cache
+from ._manifest import (
+    MANIFEST,
+    SEGMENT_FILE,
+    WINDOW_FILE,
+    CacheIdentity,
+    SegmentEntry,
+    agent_dir,
+    contained,
+    read_manifest,
+)
+from ._warm_read import read_cache, verify_cache
 from .config import ModelSpec
 from .errors import CacheRejected, UnknownAgent
 from .protocol import EngineStats, check_agent_id
@@ -321,11 +331,21 @@ class EngineHost:
         assert identity is not None and layout is not None
         replicas = contained(self.cache_dir, "replicas")
         staging = contained(self.cache_dir, "incoming", secrets.token_hex(8))
+        current = agent_dir(replicas, name)
         try:
+            # What the replica so far was verified as: its kept files need no second read.
+            verified = await anyio.to_thread.run_sync(_entries, replicas, identity, name)
+            await anyio.to_thread.run_sync(_stage_replica, staging, name, files, current, keep)
             await anyio.to_thread.run_sync(
-                _stage_replica, staging, name, files, agent_dir(replicas, name), keep
+                functools.partial(
+                    verify_cache,
+                    staging,
+                    identity,
+                    layout,
+                    name,
+                    trusted={f: e for f, e in verified.items() if f in keep and f not in files},
+                )
             )
-            await anyio.to_thread.run_sync(read_cache, staging, identity, layout, name)
             await anyio.to_thread.run_sync(_swap_in, agent_dir(staging, name), replicas, name)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -416,3 +436,15 @@ def _swap_in(folder: Path, root: Path, name: str) -> None:
         os.rename(target, old)
     os.rename(folder, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _entries(root: Path, identity: CacheIdentity, name: str) -> dict[str, SegmentEntry]:
+    """The segment entries of agent ``name``'s manifest under ``root`` by file (none when it
+    has none or its manifest fails its checks)."""
+    try:
+        manifest = read_manifest(root, identity, name)
+    except CacheRejected:
+        return {}
+    if manifest is None:
+        return {}
+    return {e.file: e for e in (*manifest.segments, *manifest.window_segments)}

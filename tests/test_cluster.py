@@ -110,6 +110,44 @@ async def test_hostile_or_corrupted_files_in_transit_are_refused(tmp_path: Path)
             await host.close()
 
 
+async def test_a_replica_takes_the_new_files_verified_and_resumes_as_its_source(
+    tmp_path: Path,
+) -> None:
+    a = EngineHost("a", tiny, tmp_path / "a")
+    b = EngineHost("b", tiny, tmp_path / "b")
+    source = tmp_path / "a" / "agents" / "x"
+    replica = tmp_path / "b" / "replicas" / "agents" / "x"
+    try:
+        await a.spawn("x", system="You help.")
+        await _talk(a, "x", "first question")
+        assert await b.replica_files("x") == []
+        await b.keep_replica("x", await a.files("x", []))
+        await _talk(a, "x", "second question")
+        have = await b.replica_files("x")
+        sent, kept = await a.files("x", have)
+        # Only the manifest and the new segment travel; the others stay where they are.
+        assert kept and "manifest.json" in sent and not set(sent) & set(kept)
+        with pytest.raises(kvactor.CacheRejected, match="checksum"):
+            await b.keep_replica("x", (_corrupt(sent), kept))
+        assert await b.replica_files("x") == have  # the replica so far stays whole
+        await b.keep_replica("x", (sent, kept))
+        files = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+        assert {p.name: p.read_bytes() for p in replica.iterdir()} == files
+        assert (await b.info()).replicas == ["x"]
+        # Its host gone, the replica becomes an agent of b: verified, then resumed warm,
+        # answering as the source does.
+        await b.promote("x")
+        assert (await b.info()).replicas == [] and (await b.info()).warm_agents == ["x"]
+        moved = await _talk(b, "x", "third question")
+        kept_turn = await _talk(a, "x", "third question")
+        assert moved.path == kvactor.Tier.WARM and moved.token_ids == kept_turn.token_ids
+        with pytest.raises(kvactor.UnknownAgent):
+            await b.promote("nobody")
+    finally:
+        for host in (a, b):
+            await host.close()
+
+
 async def test_inspect_lists_each_hosts_warm_caches(tmp_path: Path) -> None:
     # A cluster's cache directory: each host's warm tier under hosts/<host>.
     hosts = [EngineHost(n, tiny, tmp_path / "hosts" / n) for n in ("h0", "h1")]
