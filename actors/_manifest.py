@@ -170,6 +170,11 @@ class CacheManifest(msgspec.Struct, frozen=True, kw_only=True):
     def layer_geometry(self) -> list[list[int]]:
         return self.geometry or uniform_geometry(self.n_layers, self.n_kv_heads, self.head_dim)
 
+    @property
+    def all_segments(self) -> tuple[SegmentEntry, ...]:
+        """Every file entry: the segments, then the window segments."""
+        return (*self.segments, *self.window_segments)
+
 
 class _Versioned(msgspec.Struct):
     format_version: int
@@ -442,8 +447,7 @@ def warm_info(manifest: CacheManifest, manifest_bytes: int) -> WarmInfo:
     return WarmInfo(
         agent=manifest.agent,
         tokens=manifest.n_tokens,
-        nbytes=manifest_bytes
-        + sum(s.nbytes for s in (*manifest.segments, *manifest.window_segments)),
+        nbytes=manifest_bytes + sum(s.nbytes for s in manifest.all_segments),
         segments=len(manifest.segments),
         updated=manifest.updated,
         model_fingerprint=manifest.model_fingerprint,

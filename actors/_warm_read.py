@@ -141,7 +141,7 @@ def _read_segments(
         if entry.use < entry.stop - entry.start:
             tensors = _prefix(tensors, layout(entry.start, entry.start + entry.use))
         out[window].append(tensors)
-    nbytes = sum(s.nbytes for s in (*manifest.segments, *manifest.window_segments))
+    nbytes = sum(s.nbytes for s in manifest.all_segments)
     return Loaded(manifest, out[0], nbytes, windows=out[1])
 
 
@@ -310,7 +310,7 @@ def list_agents(
             if loaded is None:
                 raise CacheRejected("no manifest.json (an interrupted first write?)")
             manifest, size = loaded
-            for s in (*manifest.segments, *manifest.window_segments):
+            for s in manifest.all_segments:
                 try:
                     info = os.lstat(folder / s.file)
                 except OSError as exc:

@@ -209,11 +209,7 @@ def _set_aside(root: Path, folder: Path, agent: str, delete: bool) -> None:
 def _orphans(folder: Path, manifest: CacheManifest | None) -> list[str]:
     """The segment, window and temporary files in ``folder`` that ``manifest`` (None: no
     manifest) does not name: what an interrupted write, fork or share left."""
-    live = (
-        set()
-        if manifest is None
-        else {s.file for s in (*manifest.segments, *manifest.window_segments)}
-    )
+    live = set() if manifest is None else {s.file for s in manifest.all_segments}
     out = []
     for name in os.listdir(folder):
         named = SEGMENT_FILE.fullmatch(name) or WINDOW_FILE.fullmatch(name)
@@ -647,7 +643,7 @@ def _link_into(src: Path, dst: Path, manifest: CacheManifest, doing: str) -> War
         dst.mkdir(parents=True, exist_ok=True)
         if fresh:
             _fsync_dir(dst.parent)
-        for entry in (*manifest.segments, *manifest.window_segments):
+        for entry in manifest.all_segments:
             tmp = dst / f".{entry.file}.{secrets.token_hex(4)}.tmp"
             _link_or_copy(src / entry.file, tmp)
             os.replace(tmp, dst / entry.file)

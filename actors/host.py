@@ -447,4 +447,4 @@ def _entries(root: Path, identity: CacheIdentity, name: str) -> dict[str, Segmen
         return {}
     if manifest is None:
         return {}
-    return {e.file: e for e in (*manifest.segments, *manifest.window_segments)}
+    return {e.file: e for e in manifest.all_segments}
