@@ -22,7 +22,8 @@ for a cluster never imports it.
   :class:`HostLost`; Ray restarts it, and its agents resume from their warm caches on the
   next call (the disk is the node's own), while agents on other hosts never notice.
 - **Replicas** (``replicas=2``): after each turn the agent's new warm files go to a second
-  host (another node first), which verifies the whole replica before it swaps it in. A
+  host (another node first), which verifies them as a warm load does (kept segments whose
+  manifest entry is unchanged are only checked to be there) before it swaps the replica in. A
   host gone for good (Ray says it is dead, and a call to it fails so again) hands each of
   its agents with a replica to the replica's host, which verifies and resumes it there.
 """

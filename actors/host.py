@@ -308,7 +308,7 @@ class EngineHost:
         if not (folder / MANIFEST).is_file():
             raise UnknownAgent(f"agent {name!r} has no warm cache on host {self.name!r}")
         sent = await anyio.to_thread.run_sync(_read_files, folder, dict(have))
-        kept = [f for f, _ in have if f not in sent and (folder / f).is_file()]
+        kept = [f for f, _ in have if _cache_file(f) and f not in sent and (folder / f).is_file()]
         return sent, kept
 
     async def replica_files(self, name: str) -> list[tuple[str, int]]:
