@@ -13,6 +13,7 @@ import msgspec
 from mlx_lm.models.cache import KVCache
 
 from ..kernels.agent_cache import AgentKV, StoredRange, segment_layout
+from ..kernels.memory import keep_freed_buffers
 from ..kernels.qcodec import DEFAULT_CODEC
 from ..kernels.sampling import sample_rows
 from ..kernels.turn_cache import READY_SLACK, FloatTurnCache, TurnCache
@@ -99,6 +100,7 @@ class EngineActor(ThreadActor):
     # -- lifecycle --------------------------------------------------------------------
     def on_start(self) -> None:
         spec = self._spec
+        keep_freed_buffers()  # turns reuse freed pages instead of faulting in fresh ones
         self.lm = spec() if callable(spec) else load_model(spec, weights=self.config.weights)
         _settle_random_state()
         self._eos = frozenset(self.lm.tokenizer.eos_token_ids)

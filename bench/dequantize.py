@@ -6,9 +6,12 @@ values 3-bit, group 64, Hadamard rotation, 4 sinks at 8 bits), 4096 tokens in on
 - ``model_basis``: ``rotated=False``, the values rotated back (the working copy before the
   rotated basis);
 - ``rotated_basis``: ``rotated=True``, left in the stored basis (what ``FloatTurnCache``
-  reads now that attention rotates queries and outputs instead).
+  reads now that attention rotates queries and outputs instead);
+- ``rotated_basis_mlx_default_cache``: the same with MLX's own limit on the freed buffers
+  its allocator keeps (32 MiB on CPU) instead of the engine's (``kernels.memory``): every
+  array then lands on fresh pages.
 
-Medians of ``--rounds`` rounds that alternate the two, every array evaluated.
+Medians of ``--rounds`` rounds that alternate the three, every array evaluated.
 
     python bench/dequantize.py [--tokens 4096] [--rounds 7] [--json PATH]
 """
@@ -27,6 +30,7 @@ import mlx.core as mx
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
 from kvactor.kernels.agent_cache import AgentKV, StoredRange
+from kvactor.kernels.memory import keep_freed_buffers
 from kvactor.kernels.qcodec import DEFAULT_CODEC
 from kvactor.kernels.turn_cache import CacheGeometry
 
@@ -60,23 +64,36 @@ def dequantize_all(kv: AgentKV, rotated: bool) -> float:
 
 def main(n: int, rounds: int) -> dict[str, Any]:
     kv = stored(n)
-    times: dict[str, list[float]] = {"model_basis": [], "rotated_basis": []}
-    dequantize_all(kv, False)  # warm up both paths
-    dequantize_all(kv, True)
+    mlx_limit = mx.set_cache_limit(0)  # what MLX keeps by default (nothing set it yet)
+    mx.set_cache_limit(mlx_limit)
+    engine_limit = keep_freed_buffers()
+    limits = {"engine": engine_limit, "mlx_default_cache": mlx_limit}
+    variants = [
+        ("model_basis", False, "engine"),
+        ("rotated_basis", True, "engine"),
+        ("rotated_basis_mlx_default_cache", True, "mlx_default_cache"),
+    ]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    for _, rotated, _ in variants:  # warm up every path
+        dequantize_all(kv, rotated)
     for r in range(rounds):
-        order = (False, True) if r % 2 == 0 else (True, False)
-        for rotated in order:
-            times["rotated_basis" if rotated else "model_basis"].append(dequantize_all(kv, rotated))
+        for name, rotated, limit in variants if r % 2 == 0 else variants[::-1]:
+            mx.set_cache_limit(limits[limit])
+            times[name].append(dequantize_all(kv, rotated))
+    mx.set_cache_limit(engine_limit)
     out: dict[str, Any] = {
         "tokens": n,
         "layers": LAYERS,
         "codec": DEFAULT_CODEC.name,
         "stored_bytes": kv.stored_bytes,
         "rounds": rounds,
+        "engine_cache_limit_bytes": limits["engine"],
+        "mlx_default_cache_limit_bytes": limits["mlx_default_cache"],
     }
     for name, values in times.items():
         out[f"{name}_s"] = statistics.median(values)
     out["saved_s"] = out["model_basis_s"] - out["rotated_basis_s"]
+    out["freed_buffers_speedup"] = out["rotated_basis_mlx_default_cache_s"] / out["rotated_basis_s"]
     return out
 
 
@@ -92,7 +109,12 @@ if __name__ == "__main__":
         f"{result['stored_bytes'] / 1e6:.1f} MB stored), median of {result['rounds']}:\n"
         f"  dequantize into the model's basis  {result['model_basis_s'] * 1e3:7.1f} ms\n"
         f"  dequantize, left rotated           {result['rotated_basis_s'] * 1e3:7.1f} ms\n"
-        f"  saved                              {result['saved_s'] * 1e3:7.1f} ms"
+        f"  saved                              {result['saved_s'] * 1e3:7.1f} ms\n"
+        f"  left rotated, MLX's default cache  "
+        f"{result['rotated_basis_mlx_default_cache_s'] * 1e3:7.1f} ms "
+        f"({result['mlx_default_cache_limit_bytes'] >> 20} MiB of freed buffers kept, "
+        f"the engine keeps {result['engine_cache_limit_bytes'] >> 20} MiB: "
+        f"{result['freed_buffers_speedup']:.2f}x)"
     )
     if args.json:
         write_json(args.json, result)

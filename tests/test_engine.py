@@ -301,3 +301,21 @@ async def test_a_turn_larger_than_the_whole_budget_is_refused() -> None:
         agent = await session.spawn_agent("big")
         with pytest.raises(kvactor.BudgetExceeded, match="hot budget"):
             await agent.generate("hello", max_tokens=100)
+
+
+async def test_the_engine_lets_mlx_keep_freed_buffers_for_reuse() -> None:
+    import mlx.core as mx
+
+    from kvactor.kernels.memory import FREED_BUFFER_BYTES, keep_freed_buffers
+
+    before = mx.set_cache_limit(32 << 20)  # MLX's own default on CPU
+    try:
+        async with kvactor.open(tiny()) as session:
+            await (await session.spawn_agent("a")).generate("hi", max_tokens=2)
+            # What the engine set at its start: up to 1 GiB, never above 1/8 of memory.
+            in_force = mx.set_cache_limit(32 << 20)
+            assert 32 << 20 < in_force <= FREED_BUFFER_BYTES
+        mx.set_cache_limit(4 * FREED_BUFFER_BYTES)
+        assert keep_freed_buffers() == 4 * FREED_BUFFER_BYTES  # a higher limit is kept
+    finally:
+        mx.set_cache_limit(before)

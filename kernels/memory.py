@@ -1,0 +1,37 @@
+"""How many freed bytes MLX's allocator keeps for reuse.
+
+On CPU, MLX keeps at most 32 MiB of freed buffers by default; every larger array is then
+fresh memory from the OS, and writing it page-faults. A turn's float working copy (~200 MB
+for the default model at 4K tokens), the dequantize's intermediates and the batch's
+activations are all larger, so each turn paid for its pages again: writing 188 MB of fp32
+into fresh pages costs ~2.3x writing it into reused ones here (``bench/dequantize.py``
+measures the two limits side by side). Metal's default limit is its memory limit, far
+above ours, so the engine only ever raises the limit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+__all__ = ("FREED_BUFFER_BYTES", "keep_freed_buffers")
+
+FREED_BUFFER_BYTES = 1 << 30
+"""What the engine asks MLX to keep (capped at an eighth of the machine's memory)."""
+
+
+def keep_freed_buffers(limit: int = FREED_BUFFER_BYTES) -> int:
+    """Let MLX's allocator keep up to ``limit`` bytes of freed buffers (at most an eighth of
+    physical memory), never lowering a higher limit already set. Returns the limit now in
+    force. Process-wide: every engine of the process shares the allocator."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = 8 * limit
+    want = min(limit, physical // 8)
+    before = mx.set_cache_limit(want)
+    if before > want:
+        mx.set_cache_limit(before)
+        return before
+    return want
