@@ -126,6 +126,11 @@ def _size(text: str) -> int:
     return int(value * units[unit])
 
 
+# The stored forms `kvactor serve --codec` offers: DEFAULT_CODEC, else KVCodec(bits=...) (MLX
+# is not imported to parse arguments).
+_CODECS: dict[str, int | None] = {"default": None, "q8": 8, "fp16": 16}
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         import anyio
@@ -139,6 +144,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     cache_dir = None if args.no_cache_dir else (args.cache_dir or default_cache_dir())
     options = {"cache_dir": cache_dir, "attention": args.attention}
+    bits = _CODECS[args.codec]
+    if bits is not None:
+        from .kernels.qcodec import KVCodec
+
+        options["codec"] = KVCodec(bits=bits)
     if args.budget is not None:
         options["budget_bytes"] = args.budget
     elif args.budget_mb is not None:
@@ -236,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0: a free port")
     serve.add_argument("--attention", choices=["auto", "quantized", "dequantized"], default="auto")
+    serve.add_argument(
+        "--codec",
+        choices=list(_CODECS),
+        default="default",
+        help="how caches are stored: default (keys 5-bit, values 3-bit), q8 (8-bit), "
+        "fp16 (16-bit floats, 3.6x the bytes: closest to an unquantized cache)",
+    )
     serve.add_argument("--model-id", help="the id clients name (default: the model's name)")
     serve.add_argument("--max-pending", type=int, default=64, help="requests in flight before 429s")
     serve.set_defaults(func=_serve)

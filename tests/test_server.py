@@ -410,8 +410,9 @@ def test_kvactor_serve_answers_and_stops_on_sigterm_with_caches_committed(
     import subprocess
     import sys
 
+    serve = ["serve", "--port", "0", "--cache-dir", str(tmp_path), "--codec", "fp16"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvactor", "serve", "--port", "0", "--cache-dir", str(tmp_path)],
+        [sys.executable, "-m", "kvactor", *serve],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -445,6 +446,7 @@ def test_kvactor_serve_answers_and_stops_on_sigterm_with_caches_committed(
             proc.stderr.close()
     manifest = json.loads((tmp_path / "agents" / "cli" / "manifest.json").read_bytes())
     assert manifest["manifest"]["n_tokens"] > 0
+    assert '"bits":16' in json.dumps(manifest, separators=(",", ":"))  # --codec fp16
 
 
 def test_serve_takes_a_budget_in_bytes_or_with_a_unit() -> None:
