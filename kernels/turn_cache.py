@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -142,6 +142,28 @@ def _with_room(pieces: list[mx.array], slack: int) -> mx.array:
     last = pieces[-1]
     room = mx.zeros((*last.shape[:2], slack, last.shape[3]), last.dtype)
     return mx.concatenate([*pieces, room], axis=2)
+
+
+def _batch_of_one(row: KVCache) -> BatchKVCache:
+    """A batch of the one row ``row`` over the row's own K/V buffers, room included
+    (mlx-lm's ``merge`` copies them into a new, full buffer, which the batch's first step
+    then copies again to grow). The row must not be used after this."""
+    batch = type(row).merge([type(row)()])  # empty, of the class that keeps the basis
+    if row.keys is not None:
+        n = row.offset
+        batch.state = (row.keys, row.values, mx.array([n]), mx.array([0]), n)
+    return batch
+
+
+def _row_of(batch: BatchKVCache, row: int) -> KVCache:
+    """Row ``row`` of ``batch`` alone. The only row of a batch without padding keeps the
+    batch's buffers, room included (the batch must not be used after this); a row of a
+    larger batch is copied out, so that it keeps no other row's memory alive."""
+    if batch.keys is None or batch.keys.shape[0] != 1 or batch.left_padding.item() != 0:
+        return cast(KVCache, batch.extract(row))
+    one = RotatedKVCache() if isinstance(batch, RotatedBasis) else KVCache()
+    one.state = (batch.keys, batch.values, batch._idx)
+    return one
 
 
 def _stored_values(
@@ -276,9 +298,8 @@ class FloatTurnCache(_Layers):
         bind_attention(model, RotatedBasis)
 
     def _batched(self) -> list[BatchKVCache]:
-        # KVCache.merge is BatchKVCache.merge, RotatedKVCache's keeps the basis.
         return [
-            layer if isinstance(layer, BatchKVCache) else type(layer).merge([layer])
+            layer if isinstance(layer, BatchKVCache) else _batch_of_one(layer)
             for layer in self._layers
         ]
 
@@ -301,7 +322,7 @@ class FloatTurnCache(_Layers):
             layer.filter(mx.array(rows))
 
     def extract(self, row: int) -> FloatTurnCache:
-        return FloatTurnCache([layer.extract(row) for layer in self._batched()])
+        return FloatTurnCache([_row_of(layer, row) for layer in self._batched()])
 
     def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
         cache = self._layers[layer]
@@ -337,10 +358,16 @@ class FloatTurnCache(_Layers):
                 ("value", layer.values),
             )
             for role, array in roles:
-                parts = [array[:, :, :cut, :]]
-                if new is not None:
-                    parts.append(_stored_values(kv, new, i, role, rotated))
-                fresh.append(_with_room(parts, READY_SLACK))  # a copy: no batch buffer kept
+                stored = None if new is None else _stored_values(kv, new, i, role, rotated)
+                if array.shape[2] > total:
+                    # Room after its tokens: the row's own buffer (a batch's is never kept
+                    # with room: _row_of), the stored values written in place.
+                    if stored is not None:
+                        array[:, :, cut:total, :] = stored.astype(array.dtype)
+                    fresh.append(array)
+                else:  # full: a copy with room for the next turn's first tokens
+                    parts = [array[:, :, :cut, :]] + ([] if stored is None else [stored])
+                    fresh.append(_with_room(parts, READY_SLACK))
             cache = type(layer)()
             cache.state = (fresh[0], fresh[1], total)
             layers.append(cache)
