@@ -266,9 +266,16 @@ class _Layers:
 class FloatTurnCache(_Layers):
     """Dequantized attention: a float copy of the stored tokens, made once per turn. A row
     is a list of mlx-lm KVCache, a batch a list of BatchKVCache (their subclasses in the
-    Hadamard basis when the codec rotates: ``kernels.rotated``)."""
+    Hadamard basis when the codec rotates: ``kernels.rotated``).
+
+    A turn's K/V stay in one buffer from its start to its ready copy when the turn runs
+    alone (a batch of one row, see ``_batch_of_one`` / ``_row_of``, and ``settle`` in
+    place): no whole-cache copy at the batch's door or the turn's end."""
 
     quantized: ClassVar[bool] = False
+    keeps_buffers: ClassVar[bool] = True
+    """False: copy as mlx-lm's ``merge`` / ``extract`` do and settle into a new copy (what
+    ``bench/turn_buffers.py`` measures against); the arrays' values are the same."""
 
     @classmethod
     def start(cls, kv: AgentKV) -> FloatTurnCache:
@@ -298,10 +305,8 @@ class FloatTurnCache(_Layers):
         bind_attention(model, RotatedBasis)
 
     def _batched(self) -> list[BatchKVCache]:
-        return [
-            layer if isinstance(layer, BatchKVCache) else _batch_of_one(layer)
-            for layer in self._layers
-        ]
+        join = _batch_of_one if self.keeps_buffers else (lambda row: type(row).merge([row]))
+        return [layer if isinstance(layer, BatchKVCache) else join(layer) for layer in self._layers]
 
     def batch(self) -> FloatTurnCache:
         return FloatTurnCache(self._batched())
@@ -322,6 +327,8 @@ class FloatTurnCache(_Layers):
             layer.filter(mx.array(rows))
 
     def extract(self, row: int) -> FloatTurnCache:
+        if not self.keeps_buffers:
+            return FloatTurnCache([layer.extract(row) for layer in self._batched()])
         return FloatTurnCache([_row_of(layer, row) for layer in self._batched()])
 
     def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
@@ -359,7 +366,7 @@ class FloatTurnCache(_Layers):
             )
             for role, array in roles:
                 stored = None if new is None else _stored_values(kv, new, i, role, rotated)
-                if array.shape[2] > total:
+                if array.shape[2] > total and self.keeps_buffers:
                     # Room after its tokens: the row's own buffer (a batch's is never kept
                     # with room: _row_of), the stored values written in place.
                     if stored is not None:

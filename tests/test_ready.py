@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import mlx.core as mx
@@ -53,6 +53,52 @@ def test_a_ready_copy_holds_exactly_the_dequantized_stored_cache() -> None:
     kv.trim(20)  # a prompt that diverged: the ready copy is cut with the stored ranges
     assert kv.ready is not None and kv.ready.layers[0].offset == 20
     assert kv.drop_ready() > 0 and kv.ready is None and kv.stored_tokens == 20
+
+
+def _address(a: mx.array) -> int:
+    """Where an array's buffer lies (an in-place write keeps it, a copy does not)."""
+    return int(np.asarray(memoryview(cast(Any, a))).__array_interface__["data"][0])
+
+
+def test_a_lone_turn_keeps_its_buffers_from_its_start_to_its_ready_copy() -> None:
+    # A turn from a ready copy, its prompt prefilled alone, then decoded in a batch of one
+    # and leaving it, as the engine runs it: the K/V buffers are the same from the start
+    # to the next ready copy (no merge, grow, extract or settle copy), and hold exactly
+    # what dequantizing the stored cache gives.
+    lm = make_tiny_model(0, head_dim=64)
+    FloatTurnCache.prepare(lm.model)
+    kv = AgentKV(DEFAULT_CODEC, lm.geometry)
+    for n in (40, 5):
+        work = kv.activate()
+        start = [
+            (_address(layer.keys), _address(layer.values))
+            for layer in work.layers
+            if layer.keys is not None  # the first turn starts with no buffers
+        ]
+        ids = [7 + (len(kv.tokens) + i) % 50 for i in range(n)]
+        logits = lm.model(mx.array([ids]), cache=work.layers)
+        kv.tokens.extend(ids)
+        batch, kv.work = work.batch(), None  # the engine's hand-over to the decode batch
+        del work
+        for _ in range(4):
+            token = cast(int, mx.argmax(logits[0, -1]).item())
+            logits = lm.model(mx.array([[token]]), cache=batch.layers)
+            kv.tokens.append(token)
+            mx.eval(logits)
+        kv.work = batch.extract(0)
+        del batch
+        kv.deactivate(keep_ready=True)
+        assert kv.ready is not None
+        kept = [(_address(layer.keys), _address(layer.values)) for layer in kv.ready.layers]
+        if start:
+            assert kept == start
+        fresh = FloatTurnCache.start(kv)
+        for mine, theirs in zip(kv.ready.layers, fresh.layers, strict=True):
+            assert mine.offset == theirs.offset == len(kv.tokens)
+            for a, b in zip(mine.state[:2], theirs.state[:2], strict=True):
+                np.testing.assert_array_equal(
+                    np.array(a[:, :, : mine.offset]), np.array(b[:, :, : theirs.offset])
+                )
 
 
 async def conversation(**options: Any) -> tuple[list[list[int]], kvactor.EngineStats]:
