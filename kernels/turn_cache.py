@@ -367,8 +367,8 @@ class FloatTurnCache(_Layers):
             for role, array in roles:
                 stored = None if new is None else _stored_values(kv, new, i, role, rotated)
                 if array.shape[2] > total and self.keeps_buffers:
-                    # Room after its tokens: the row's own buffer (a batch's is never kept
-                    # with room: _row_of), the stored values written in place.
+                    # Room after its tokens: buffers of this row alone (a row leaves a
+                    # larger batch as a full copy: _row_of); the stored values go in place.
                     if stored is not None:
                         array[:, :, cut:total, :] = stored.astype(array.dtype)
                     fresh.append(array)
