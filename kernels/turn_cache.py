@@ -176,6 +176,32 @@ def _stored_values(
     return kv.codec.dequantize(parts, new.start, n, role=role, rotated=rotated)
 
 
+def _stored_values_of_layers(
+    kv: AgentKV, new: StoredRange, rotated: bool
+) -> list[tuple[mx.array, mx.array]]:
+    """``_stored_values`` of keys and values for every layer, with one dequantize per role
+    when every layer's parts have the same shapes (stacked along the first axis, then
+    split): a turn's end dequantizes its few new tokens, where sixty small calls cost more
+    than the work. The values are the same either way (the codec works token by token)."""
+    n = new.stop - new.start
+    roles: list[list[mx.array]] = []
+    for j, role in enumerate(("key", "value")):
+        parts = [layer[j] for layer in new.layers]
+        first = parts[0]
+        if len(parts) > 1 and all(
+            p.keys() == first.keys() and all(p[k].shape == first[k].shape for k in first)
+            for p in parts
+        ):
+            stacked = {k: mx.concatenate([p[k] for p in parts], axis=0) for k in first}
+            x = kv.codec.dequantize(stacked, new.start, n, role=cast(Role, role), rotated=rotated)
+            roles.append([x[i : i + 1] for i in range(len(parts))])
+        else:
+            roles.append(
+                [_stored_values(kv, new, i, cast(Role, role), rotated) for i in range(len(parts))]
+            )
+    return list(zip(roles[0], roles[1], strict=True))
+
+
 class TurnCache(Protocol):
     """All layers' working cache of one or more rows (agents) in running turns.
 
@@ -351,10 +377,17 @@ class FloatTurnCache(_Layers):
     def settle(self, kv: AgentKV, new: StoredRange | None) -> FloatTurnCache | None:
         total = kv.stored_tokens
         cut = new.start if new is not None else total
+        if not all(isinstance(layer, KVCache) and layer.offset == total for layer in self._layers):
+            return None  # not one row over every stored token: start afresh next time
+        bases = {isinstance(layer, RotatedBasis) for layer in self._layers}
+        filled = all(layer.keys is not None for layer in self._layers)
+        values = (
+            _stored_values_of_layers(kv, new, bases.pop())
+            if new is not None and filled and len(bases) == 1
+            else None
+        )
         layers = []
         for i, layer in enumerate(self._layers):
-            if not isinstance(layer, KVCache) or layer.offset != total:
-                return None  # not one row over every stored token: start afresh next time
             if layer.keys is None or layer.values is None:
                 layers.append(type(layer)())
                 continue
@@ -364,8 +397,13 @@ class FloatTurnCache(_Layers):
                 ("key", layer.keys),
                 ("value", layer.values),
             )
-            for role, array in roles:
-                stored = None if new is None else _stored_values(kv, new, i, role, rotated)
+            for j, (role, array) in enumerate(roles):
+                if new is None:
+                    stored = None
+                elif values is not None:
+                    stored = values[i][j]
+                else:
+                    stored = _stored_values(kv, new, i, role, rotated)
                 if array.shape[2] > total and self.keeps_buffers:
                     # Room after its tokens: buffers of this row alone (a row leaves a
                     # larger batch as a full copy: _row_of); the stored values go in place.
