@@ -176,30 +176,40 @@ def _stored_values(
     return kv.codec.dequantize(parts, new.start, n, role=role, rotated=rotated)
 
 
-def _stored_values_of_layers(
-    kv: AgentKV, new: StoredRange, rotated: bool
-) -> list[tuple[mx.array, mx.array]]:
-    """``_stored_values`` of keys and values for every layer, with one dequantize per role
-    when every layer's parts have the same shapes (stacked along the first axis, then
-    split): a turn's end dequantizes its few new tokens, where sixty small calls cost more
-    than the work. The values are the same either way (the codec works token by token)."""
+def _new_values(
+    layers: Sequence[KVCache], kv: AgentKV, new: StoredRange
+) -> list[tuple[mx.array, mx.array] | None]:
+    """``_stored_values`` of keys and values of ``new``'s tokens for each of ``layers`` (one
+    row each), in the basis that layer works in; None for a layer that holds nothing. When
+    the layers are alike (all filled, one basis, parts of the same shapes) each role is
+    dequantized once for all of them, stacked along the first axis, then split: a turn's
+    new tokens are few, and sixty small calls cost more than the work. The values are the
+    same either way (the codec works token by token)."""
     n = new.stop - new.start
-    roles: list[list[mx.array]] = []
-    for j, role in enumerate(("key", "value")):
+    filled = [layer.keys is not None and layer.values is not None for layer in layers]
+    bases = [isinstance(layer, RotatedBasis) for layer in layers]
+    out: list[list[mx.array | None]] = [[], []]
+    for j, role in enumerate(cast(tuple[Role, Role], ("key", "value"))):
         parts = [layer[j] for layer in new.layers]
         first = parts[0]
-        if len(parts) > 1 and all(
-            p.keys() == first.keys() and all(p[k].shape == first[k].shape for k in first)
-            for p in parts
+        if (
+            len(parts) > 1
+            and all(filled)
+            and len(set(bases)) == 1
+            and all(
+                p.keys() == first.keys() and all(p[k].shape == first[k].shape for k in first)
+                for p in parts
+            )
         ):
             stacked = {k: mx.concatenate([p[k] for p in parts], axis=0) for k in first}
-            x = kv.codec.dequantize(stacked, new.start, n, role=cast(Role, role), rotated=rotated)
-            roles.append([x[i : i + 1] for i in range(len(parts))])
+            x = kv.codec.dequantize(stacked, new.start, n, role=role, rotated=bases[0])
+            out[j] = [x[i : i + 1] for i in range(len(parts))]
         else:
-            roles.append(
-                [_stored_values(kv, new, i, cast(Role, role), rotated) for i in range(len(parts))]
-            )
-    return list(zip(roles[0], roles[1], strict=True))
+            out[j] = [
+                _stored_values(kv, new, i, role, bases[i]) if filled[i] else None
+                for i in range(len(parts))
+            ]
+    return [None if k is None or v is None else (k, v) for k, v in zip(*out, strict=True)]
 
 
 class TurnCache(Protocol):
@@ -366,11 +376,10 @@ class FloatTurnCache(_Layers):
         return keys[:, :, start:stop, :], values[:, :, start:stop, :], rotated
 
     def adopt(self, kv: AgentKV, new: StoredRange) -> None:
-        for i, layer in enumerate(self._layers):
-            if layer.keys is None or layer.values is None:
+        for layer, stored in zip(self._layers, _new_values(self._layers, kv, new), strict=True):
+            if stored is None:
                 continue
-            rotated = isinstance(layer, RotatedBasis)
-            keys, values = (_stored_values(kv, new, i, role, rotated) for role in ("key", "value"))
+            keys, values = stored
             layer.keys[:, :, new.start : new.stop, :] = keys.astype(layer.keys.dtype)
             layer.values[:, :, new.start : new.stop, :] = values.astype(layer.values.dtype)
 
@@ -379,31 +388,15 @@ class FloatTurnCache(_Layers):
         cut = new.start if new is not None else total
         if not all(isinstance(layer, KVCache) and layer.offset == total for layer in self._layers):
             return None  # not one row over every stored token: start afresh next time
-        bases = {isinstance(layer, RotatedBasis) for layer in self._layers}
-        filled = all(layer.keys is not None for layer in self._layers)
-        values = (
-            _stored_values_of_layers(kv, new, bases.pop())
-            if new is not None and filled and len(bases) == 1
-            else None
-        )
+        values = [None] * len(self._layers) if new is None else _new_values(self._layers, kv, new)
         layers = []
-        for i, layer in enumerate(self._layers):
+        for layer, pair in zip(self._layers, values, strict=True):
             if layer.keys is None or layer.values is None:
                 layers.append(type(layer)())
                 continue
-            rotated = isinstance(layer, RotatedBasis)  # the basis the copy is in
             fresh = []
-            roles: tuple[tuple[Role, mx.array], ...] = (
-                ("key", layer.keys),
-                ("value", layer.values),
-            )
-            for j, (role, array) in enumerate(roles):
-                if new is None:
-                    stored = None
-                elif values is not None:
-                    stored = values[i][j]
-                else:
-                    stored = _stored_values(kv, new, i, role, rotated)
+            for j, array in enumerate((layer.keys, layer.values)):
+                stored = None if pair is None else pair[j]
                 if array.shape[2] > total and self.keeps_buffers:
                     # Room after its tokens: buffers of this row alone (a row leaves a
                     # larger batch as a full copy: _row_of); the stored values go in place.
