@@ -57,6 +57,7 @@ __all__ = (
     "fork_cache",
     "forget",
     "forget_cache",
+    "link_or_copy",
     "share_cache",
 )
 
@@ -522,7 +523,7 @@ def collect(root: str | os.PathLike[str]) -> Collected:
 
 
 # ------------------------------------------------------------------------------ fork
-def _link_or_copy(src: Path, dst: Path) -> None:
+def link_or_copy(src: Path, dst: Path) -> None:
     """``dst`` holding ``src``'s bytes: a hard link (no copy, the same file), else a copy
     (another file system, no link support), made durable."""
     try:
@@ -645,7 +646,7 @@ def _link_into(src: Path, dst: Path, manifest: CacheManifest, doing: str) -> War
             _fsync_dir(dst.parent)
         for entry in manifest.all_segments:
             tmp = dst / f".{entry.file}.{secrets.token_hex(4)}.tmp"
-            _link_or_copy(src / entry.file, tmp)
+            link_or_copy(src / entry.file, tmp)
             os.replace(tmp, dst / entry.file)
         _fsync_dir(dst)
         return _commit(dst, manifest)

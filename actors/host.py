@@ -43,6 +43,7 @@ from ._manifest import (
     read_manifest,
 )
 from ._warm_read import read_cache, verify_cache
+from ._warm_write import link_or_copy
 from .config import ModelSpec
 from .errors import CacheRejected, UnknownAgent
 from .protocol import EngineStats, check_agent_id
@@ -420,10 +421,7 @@ def _stage_replica(
     folder = agent_dir(root, name)
     for entry in keep:
         if _cache_file(entry) and entry not in files and (current / entry).is_file():
-            try:
-                os.link(current / entry, folder / entry)
-            except OSError:
-                shutil.copyfile(current / entry, folder / entry)
+            link_or_copy(current / entry, folder / entry)
 
 
 def _swap_in(folder: Path, root: Path, name: str) -> None:
