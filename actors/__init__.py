@@ -36,10 +36,10 @@ from .model import default_model_path as default_model_path
 from .model import fetch_default_model as fetch_default_model
 from .model import load_model as load_model
 from .model import make_tiny_model as make_tiny_model
+from .policy import Candidate as Candidate
+from .policy import EvictionPolicy as EvictionPolicy
+from .policy import LRUPolicy as LRUPolicy
 from .pool import CachePool as CachePool
-from .pool import Candidate as Candidate
-from .pool import EvictionPolicy as EvictionPolicy
-from .pool import LRUPolicy as LRUPolicy
 from .protocol import CacheInfo as CacheInfo
 from .protocol import EngineStats as EngineStats
 from .protocol import ModelInfo as ModelInfo

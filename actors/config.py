@@ -9,10 +9,11 @@ from typing import Literal, get_args
 
 import mlx.core as mx
 
+from ..kernels.geometry import CacheGeometry
 from ..kernels.qcodec import KVCodec
-from ..kernels.turn_cache import CacheGeometry, FloatTurnCache, QuantizedTurnCache
+from ..kernels.turn_cache import FloatTurnCache, QuantizedTurnCache
 from .model import LoadedModel
-from .pool import EvictionPolicy, LRUPolicy
+from .policy import EvictionPolicy, LRUPolicy
 
 __all__ = ("Attention", "EngineConfig", "ModelSpec", "turn_reserve_bytes")
 

@@ -10,22 +10,21 @@ from typing import Any, cast
 
 import mlx.core as mx
 import msgspec
-from mlx_lm.models.cache import KVCache
 
 from ..kernels.agent_cache import AgentKV, StoredRange, segment_layout
 from ..kernels.memory import keep_freed_buffers
 from ..kernels.qcodec import DEFAULT_CODEC
 from ..kernels.sampling import sample_rows
-from ..kernels.turn_cache import READY_SLACK, FloatTurnCache, TurnCache
 from ..runtime import ThreadActor
+from ._batch import DecodeBatch
 from .config import EngineConfig, ModelSpec, turn_reserve_bytes
 from .enums import Room, Tier
-from .errors import BudgetExceeded, CacheMiss, ContextOverflow, EngineStopped, UnknownAgent
+from .errors import BudgetExceeded, CacheMiss, ContextOverflow, EngineStopped
 from .generation import Generation
+from .hot_entry import HotEntry
 from .model import LoadedModel, load_model
-from .pool import CachePool, HotEntry
+from .pool import CachePool
 from .protocol import (
-    CacheInfo,
     CacheQuery,
     DropCache,
     EngineMessage,
@@ -52,23 +51,17 @@ def _settle_random_state() -> None:
     mx.eval(list(cast(Any, mx.random.state)))
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class EngineActor(ThreadActor):
     """Owns the model and every MLX array, on its own OS thread.
 
     ``Generate`` requests are queued; ``on_idle`` alternates one prefill chunk of the oldest
-    prefilling request with one batched decode step of every decoding agent, so long prompts
-    never starve decodes and new agents join the batch while others decode. Each agent's
-    cache stays in the engine between turns, quantized; a turn reads it through a working
-    cache of the attention mode's class (``EngineConfig.attention``). The CachePool keeps
-    every byte of it, and of staged and exported caches, within one budget.
+    prefilling request with one batched decode step of every decoding agent (pipelined:
+    ``DecodeBatch``), so long prompts never starve decodes and new agents join the batch
+    while others decode. Each agent's cache stays in the engine between turns, quantized; a
+    turn reads it through a working cache of the attention mode's class
+    (``EngineConfig.attention``). The CachePool owns every hot cache and keeps every byte of
+    it, and of staged and exported caches, within one budget; the engine runs turns on
+    them through the pool's methods.
     """
 
     def __init__(self, model: ModelSpec = None, config: EngineConfig | None = None) -> None:
@@ -77,25 +70,12 @@ class EngineActor(ThreadActor):
         self.codec = self.config.codec or DEFAULT_CODEC
         self.turn_cache = self.config.turn_cache()
         self.lm: LoadedModel
-        self.pool = CachePool(
-            self.config.budget_bytes,
-            self.config.policy,
-            persistent=self.config.persistent,
-            make_kv=self._new_kv,
-            batch_bytes=lambda: self._batch_cache.nbytes if self._batch_cache else 0,
-        )
+        self.pool: CachePool
+        self.batch: DecodeBatch
         self._prefilling: deque[Generation] = deque()
         self._ready: deque[Generation] = deque()  # prefilled, waiting for a batch slot
-        self._batch: list[Generation] = []
-        self._batch_cache: TurnCache | None = None
-        self._steps = 0
-        self._generated = 0
-        self._max_batch_seen = 0
+        self._generated = 0  # first tokens, sampled at the end of a prefill
         self._ready_turns = 0
-        self._shared_turns = 0
-        self._shared_tokens = 0
-        # Ready copies built ahead of a turn (agent, entry, layers so far), oldest first.
-        self._readying: deque[tuple[str, HotEntry, list[KVCache]]] = deque()
 
     # -- lifecycle --------------------------------------------------------------------
     def on_start(self) -> None:
@@ -103,6 +83,17 @@ class EngineActor(ThreadActor):
         keep_freed_buffers()  # turns reuse freed pages instead of faulting in fresh ones
         self.lm = spec() if callable(spec) else load_model(spec, weights=self.config.weights)
         _settle_random_state()
+        config = self.config
+        self.pool = CachePool(
+            config.budget_bytes,
+            config.policy,
+            persistent=config.persistent,
+            codec=self.codec,
+            geometry=self.lm.geometry,
+            turn_cache=self.turn_cache,
+            ready_copies=config.ready_copies,
+        )
+        self.batch = DecodeBatch(self.lm.model)
         self._eos = frozenset(self.lm.tokenizer.eos_token_ids)
         # The ids a turn may hold (the GGUF loader checks the embedding has a row for each);
         # ModelInfo says it, so that the warm tier refuses a cache of other ids.
@@ -114,23 +105,20 @@ class EngineActor(ThreadActor):
     def on_stop(self) -> None:
         # MLX arrays made on this thread must die before it exits: MLX aborts the process
         # when such an array outlives its thread (seen with mlx 0.32 on CPU).
-        for request in (*self._prefilling, *self._ready, *self._batch):
+        batch = self.__dict__.get("batch")
+        rows = batch.clear() if batch is not None else []
+        for request in (*self._prefilling, *self._ready, *rows):
             request.reply.fail(EngineStopped("the engine stopped before this generation ended"))
         self._prefilling.clear()
         self._ready.clear()
-        self._readying.clear()
-        self._batch.clear()
-        self._batch_cache = None
-        for entry in self.pool.entries():
-            entry.kv.work = entry.kv.ready = None
+        if "pool" in self.__dict__:
+            self.pool.close()
         self.__dict__.pop("pool", None)
+        self.__dict__.pop("batch", None)
         self.__dict__.pop("lm", None)
         gc.collect()
         _settle_random_state()
         mx.synchronize()
-
-    def _new_kv(self) -> AgentKV:
-        return AgentKV(self.codec, self.lm.geometry, turn_cache=self.turn_cache)
 
     # -- messages ---------------------------------------------------------------------
     def receive(self, message: EngineMessage) -> Any:
@@ -155,8 +143,8 @@ class EngineActor(ThreadActor):
                 installed = pool.install(
                     agent, nbytes, lambda: self._staged(tokens, ranges), pin=pin
                 )
-                if installed and not pin and self.config.ready_copies:
-                    self._ready_ahead(agent)  # a hint: make the turn to come start ready
+                if installed and not pin:
+                    pool.ready_ahead(agent)  # a hint: make the turn to come start ready
                 return installed
             case Release(agent):
                 return pool.release(agent)
@@ -165,23 +153,9 @@ class EngineActor(ThreadActor):
             case DropCache(agent):
                 return pool.drop(agent)
             case Fork(source, new, tokens):
-                entry = pool.get(check_agent_id(source))
-                check_agent_id(new)
-                if entry is None or entry.busy or entry.kv.tokens != tokens:
-                    return False
-                kv = entry.kv.fork(self._new_kv())
-                return pool.install(new, kv.stored_bytes, lambda: kv, pin=False, from_disk=False)
+                return pool.fork(check_agent_id(source), check_agent_id(new), tokens)
             case CacheQuery(agent):
-                entry = pool.get(agent)
-                if entry is None:
-                    raise UnknownAgent(f"agent {agent!r} has no hot cache")
-                return CacheInfo(
-                    agent=agent,
-                    tokens=len(entry.kv.tokens),
-                    nbytes=entry.kv.nbytes,
-                    busy=entry.busy,
-                    persisted=entry.persisted,
-                )
+                return pool.info(agent)
             case StatsQuery():
                 return self._stats()
         raise TypeError(f"the engine does not handle {type(message).__name__}")
@@ -200,7 +174,7 @@ class EngineActor(ThreadActor):
         )
 
     def _stats(self) -> EngineStats:
-        pool = self.pool
+        pool, batch = self.pool, self.batch
         pool.measure()
         return EngineStats(
             agents_cached=len(pool),
@@ -208,19 +182,19 @@ class EngineActor(ThreadActor):
             budget_bytes=pool.limit,
             peak_bytes=pool.peak,
             prefilling=len(self._prefilling),
-            decoding=len(self._batch),
+            decoding=len(batch),
             waiting=len(self._ready),
-            steps=self._steps,
-            generated_tokens=self._generated,
-            max_batch_seen=self._max_batch_seen,
+            steps=batch.steps,
+            generated_tokens=self._generated + batch.generated,
+            max_batch_seen=batch.max_seen,
             demoted_warm=pool.demotions[Tier.WARM],
             demoted_cold=pool.demotions[Tier.COLD],
-            ready_agents=sum(e.kv.ready is not None for e in pool.entries()),
-            ready_bytes=sum(e.kv.ready_bytes for e in pool.entries()),
-            dropped_ready=pool.ready_drops,
+            ready_agents=pool.ready_agents,
+            ready_bytes=pool.ready_bytes,
+            dropped_ready=pool.ready.drops,
             ready_turns=self._ready_turns,
-            shared_turns=self._shared_turns,
-            shared_tokens=self._shared_tokens,
+            shared_turns=pool.shared_turns,
+            shared_tokens=pool.shared_tokens,
             installs=pool.installs,
             warm_writes=pool.writes,
             warm_write_failures=pool.write_failures,
@@ -284,19 +258,13 @@ class EngineActor(ThreadActor):
         self._prefilling.insert(at, request)
 
     def _reuse(self, request: Generation, entry: HotEntry) -> None:
-        """Base the request on ``entry``: reuse the longest common prefix of its tokens (the
-        last prompt token is always fed again so that its logits are there to sample from)
-        and size the working cache the rest needs."""
-        kv = entry.kv
+        """Base the request on ``entry`` (what of its cache, or of another's, the prompt
+        reuses: ``CachePool.base``) and size the working cache the rest needs."""
         prompt = request.prompt
-        keep = kv.reusable(min(_common_prefix(kv.tokens, prompt), len(prompt) - 1))
-        kv.trim(keep)
-        entry.persisted = min(entry.persisted, keep)
-        if entry.shared_from is not None and keep < entry.shared_from[1]:
-            entry.shared_from = None  # cut below what it shared: its write is its own
-        request.shared = 0
-        if keep == 0 and self.config.share_prefixes:
-            keep = request.shared = self._share_prefix(request.agent, entry, prompt)
+        keep, request.shared = self.pool.base(
+            request.agent, entry, prompt, share=self.config.share_prefixes
+        )
+        kv = entry.kv
         quantized = self.turn_cache.quantized
         request.entry = entry
         request.todo = list(prompt[keep:])
@@ -307,40 +275,9 @@ class EngineActor(ThreadActor):
             stored_bytes=kv.stored_bytes if quantized else None,
         )
 
-    def _share_prefix(self, agent: str, entry: HotEntry, prompt: list[int]) -> int:
-        """Base ``entry`` (empty) on the longest run of another hot cache's stored ranges
-        that ``prompt`` begins with, token for token (the last prompt token stays to be
-        fed): the arrays are shared, not copied. Returns the tokens it reuses (0: none)."""
-        limit = len(prompt) - 1
-        best: tuple[int, str, AgentKV, int] | None = None
-        for name, other in self.pool.items():
-            if name == agent or not other.kv.ranges or other.kv.tokens[:1] != prompt[:1]:
-                continue
-            bounds = other.kv.boundaries()
-            for count in range(len(bounds), 0, -1):
-                stop = bounds[count - 1]
-                if best is not None and stop <= best[0]:
-                    break
-                if stop <= limit and other.kv.tokens[:stop] == prompt[:stop]:
-                    best = (stop, name, other.kv, count)
-                    break
-        if best is None:
-            return 0
-        stop, source, source_kv, count = best
-        kv = entry.kv
-        source_kv.share_into(kv, count)
-        if kv.reusable(stop) != stop:  # a sliding window no longer held there
-            kv.trim(0)
-            return 0
-        entry.shared_from = (source, stop)
-        self._shared_turns += 1
-        self._shared_tokens += stop
-        self.pool.measure()
-        return stop
-
     def _staged(self, tokens: list[int], ranges: list[tuple[int, int, dict[str, Any]]]) -> AgentKV:
         """A staged warm cache (host arrays) as a hot one (one copy into MLX)."""
-        kv = self._new_kv()
+        kv = self.pool.new_kv()
         kv.tokens = list(tokens)
         geometry = self.lm.geometry
         sliding = geometry.sliding
@@ -367,66 +304,37 @@ class EngineActor(ThreadActor):
         progressed = False
         if self._prefilling:
             progressed = self._prefill_step(self._prefilling[0])
-        while self._ready and len(self._batch) < self.config.max_batch:
-            self._join_batch(self._ready.popleft())
-        if self._batch:
-            self._decode_step()
+        batch = self.batch
+        while self._ready and len(batch) < self.config.max_batch:
+            batch.join(self._ready.popleft())
+        if len(batch):
+            done = batch.step()
+            self.pool.batch_bytes(batch.nbytes)  # before the rows that left count again
+            for request in done:
+                self._park(request, finished=True)
             progressed = True
-        building = self._build_ready_step()  # one layer at a time, between steps
+        building = self.pool.build_ready_step()  # one layer at a time, between steps
         # Waiting only for memory (writes to disk to finish): sleep until a message comes.
-        return building or (progressed and bool(self._prefilling or self._ready or self._batch))
-
-    def _ready_ahead(self, agent: str) -> None:
-        """Queue building an idle agent's ready copy (dequantized attention only)."""
-        entry = self.pool.get(agent)
-        if entry is None or self.turn_cache.quantized or entry.kv.ready is not None:
-            return
-        kv = entry.kv
-        nbytes = (kv.stored_tokens + READY_SLACK) * kv.geometry.fp32_bytes_per_token()
-        if self.pool.reserve_ready(agent, nbytes):
-            self._readying.append((agent, entry, []))
-
-    def _build_ready_step(self) -> bool:
-        """Dequantize one layer of the oldest ready copy being built; True while any is."""
-        while self._readying:
-            agent, entry, layers = self._readying[0]
-            kv = entry.kv
-            if (
-                self.pool.get(agent) is not entry
-                or entry.busy
-                or kv.work is not None
-                or kv.ready is not None
-            ):
-                self._readying.popleft()  # gone, or its turn came first: it dequantizes
-                self.pool.ready_done(agent)
-                continue
-            layers.append(FloatTurnCache.row_layer(kv, len(layers), READY_SLACK))
-            mx.eval([a for a in layers[-1].state if isinstance(a, mx.array)])
-            if len(layers) == kv.geometry.n_layers:
-                self._readying.popleft()
-                kv.ready = FloatTurnCache(layers)
-                self.pool.ready_done(agent)
-            return True
-        return False
+        return building or (progressed and bool(self._prefilling or self._ready or len(batch)))
 
     def _drop_cancelled(self) -> None:
         for queue in (self._prefilling, self._ready):
             for request in [r for r in queue if r.reply.cancelled]:
                 queue.remove(request)
                 self._park(request)
-        gone = [i for i, r in enumerate(self._batch) if r.reply.cancelled]
+        batch = self.batch
+        gone = [i for i, r in enumerate(batch.rows) if r.reply.cancelled]
         if gone:
-            self._leave_batch(gone, finished=False)
+            left = batch.leave(gone)
+            self.pool.batch_bytes(batch.nbytes)
+            for request in left:
+                self._park(request)
 
     def _park(self, request: Generation, *, finished: bool = False) -> None:
-        """The turn is over: store the new tokens quantized, drop the working copy.
-        ``finished``: it ended normally, so its agent writes the new tokens next."""
-        keep = self.config.ready_copies and self.pool.get(request.agent) is request.entry
-        request.entry.kv.deactivate(keep_ready=keep)
-        kv = request.entry.kv
-        # Without a warm tier nothing is ever written: every range may go.
-        kv.slide(request.entry.persisted if self.pool.persistent else len(kv.tokens))
-        self.pool.end_turn(request.agent, request.entry, write_due=finished)
+        """The turn is over: its new tokens stored quantized, its working copy dropped or
+        kept ready (``CachePool.end_turn``). ``finished``: it ended normally, so its agent
+        writes the new tokens next."""
+        self.pool.end_turn(request.agent, request.entry, finished=finished)
 
     def _start(self, request: Generation) -> bool | None:
         """Make room for the head request's working cache: True when it may start, False to
@@ -480,7 +388,7 @@ class EngineActor(ThreadActor):
         request.tokens.extend(chunk)
         if request.todo:
             if len(kv.tokens) in request.cuts:
-                kv.store_so_far()
+                self.pool.store_so_far(request.agent, request.entry)
             mx.eval(work.arrays())
             self.pool.measure()
             return True
@@ -502,54 +410,3 @@ class EngineActor(ThreadActor):
         else:
             self._park(request, finished=True)
         return True
-
-    def _join_batch(self, request: Generation) -> None:
-        kv = request.entry.kv
-        assert kv.work is not None
-        if self._batch_cache is None:
-            self._batch_cache = kv.work.batch()
-        else:
-            self._batch_cache.extend(kv.work)
-        kv.work = None  # the batch cache holds it now
-        self._batch.append(request)
-        self._max_batch_seen = max(self._max_batch_seen, len(self._batch))
-
-    def _leave_batch(self, rows: list[int], *, finished: bool) -> None:
-        batch = self._batch_cache
-        assert batch is not None
-        for i in rows:
-            self._batch[i].entry.kv.work = batch.extract(i)
-        keep = [i for i in range(len(self._batch)) if i not in set(rows)]
-        leaving = [self._batch[i] for i in rows]
-        self._batch = [self._batch[i] for i in keep]
-        if keep:
-            batch.filter(keep)
-        else:
-            self._batch_cache = None
-        for request in leaving:
-            self._park(request, finished=finished)
-
-    def _decode_step(self) -> None:
-        assert self._batch_cache is not None
-        batch = self._batch
-        inputs = mx.array([[r.generated[-1]] for r in batch], dtype=mx.uint32)
-        logits = self.lm.model(inputs, cache=self._batch_cache.layers)[:, -1, :]
-        picks = cast(
-            list[int],
-            sample_rows(
-                logits,
-                [r.sampling.temperature for r in batch],
-                [r.sampling.top_p for r in batch],
-                [r.next_key() for r in batch],
-            ).tolist(),
-        )
-        self._steps += 1
-        self._generated += len(picks)
-        self.pool.measure()
-        done = []
-        for i, (request, token) in enumerate(zip(batch, picks, strict=True)):
-            request.tokens.append(request.generated[-1])
-            if not request.emit(token):
-                done.append(i)
-        if done:
-            self._leave_batch(done, finished=True)

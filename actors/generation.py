@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..runtime import Reply
 from .enums import FinishReason
-from .pool import HotEntry
+from .hot_entry import HotEntry
 from .protocol import Finished, Piece, Sampling, Timings
 
 __all__ = ("Generation",)
@@ -51,7 +51,7 @@ class Generation:
     @property
     def active(self) -> bool:
         """Its working cache exists (room was granted)."""
-        return self.entry.turn_reserve is not None
+        return self.entry.running
 
     def next_key(self) -> mx.array | None:
         if self.key is None:

@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from ..kernels.turn_cache import CacheGeometry, LayerGeometry
+from ..kernels.geometry import CacheGeometry, LayerGeometry
 from . import _gguf
 from ._fetch import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
 from ._fetch import default_model_path as default_model_path

@@ -12,125 +12,35 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 from ..kernels.agent_cache import AgentKV
-from ..runtime import Reply
-from .enums import Room, Tier
-from .errors import AgentBusy, BudgetExceeded, UnknownAgent
-from .protocol import Exported
+from ..kernels.geometry import CacheGeometry
+from ..kernels.qcodec import KVCodec
+from ..kernels.turn_cache import FloatTurnCache, TurnCache
+from ._pool_io import Waiter, WarmTraffic
+from ._prefix_index import PrefixIndex
+from .enums import Tier
+from .errors import AgentBusy, UnknownAgent
+from .hot_entry import HotEntry, common_prefix
+from .policy import Candidate, EvictionPolicy, Rates
+from .protocol import CacheInfo
+from .ready import ReadyCopies
 
-__all__ = ("CachePool", "Candidate", "EvictionPolicy", "HotEntry", "LRUPolicy", "Rates")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """An idle hot cache that could be demoted, with what a policy may weigh."""
-
-    agent: str
-    nbytes: int
-    tokens: int
-    last_used: float  # time.monotonic() of its last turn or install
-    hits: int  # turns that found it hot
-    clean: bool  # its warm copy is complete: demoting it loses nothing
-    demote_to: Tier  # WARM (a file to reload) or COLD (only text: re-prefill)
-    reload_s: float  # estimated cost of bringing it back (from measured rates)
-    next_use: float | None = None  # time.monotonic() of a hint that it runs soon
-    tier: Tier = Tier.HOT
-    waiting: bool = False  # its turn is queued, or it was staged for one: a reload comes soon
+__all__ = ("CachePool",)
 
 
-class EvictionPolicy(Protocol):
-    """Chooses which idle agents to demote."""
-
-    def victims(self, candidates: Sequence[Candidate], need: int) -> list[str]:
-        """Agents to demote, in order, until ``need`` bytes are freed (fewer if impossible)."""
-        ...
-
-
-class LRUPolicy:
-    """Least recently used first; caches whose turn is waiting last, and caches already safe
-    on disk before unpersisted ones."""
-
-    def victims(self, candidates: Sequence[Candidate], need: int) -> list[str]:
-        chosen: list[str] = []
-        freed = 0
-        for c in sorted(candidates, key=lambda c: (c.waiting, not c.clean, c.last_used)):
-            if freed >= need:
-                break
-            chosen.append(c.agent)
-            freed += c.nbytes
-        return chosen
-
-
-@dataclass
-class Rates:
-    """Measured rates for reload estimates: moving averages, seeded with this machine
-    class's typical figures until something is measured."""
-
-    disk_bytes_s: float = 1.0e9  # reading and verifying a warm cache
-    dequantize_bytes_s: float = 5.0e7  # stored bytes made into a float working copy
-    prefill_tokens_s: float = 100.0
-    weight: float = 0.3
-
-    def _mix(self, old: float, amount: float, seconds: float) -> float:
-        if amount <= 0 or seconds <= 0:
-            return old
-        return (1 - self.weight) * old + self.weight * (amount / seconds)
-
-    def disk(self, nbytes: int, seconds: float) -> None:
-        self.disk_bytes_s = self._mix(self.disk_bytes_s, nbytes, seconds)
-
-    def dequantize(self, nbytes: int, seconds: float) -> None:
-        self.dequantize_bytes_s = self._mix(self.dequantize_bytes_s, nbytes, seconds)
-
-    def prefill(self, tokens: int, seconds: float) -> None:
-        self.prefill_tokens_s = self._mix(self.prefill_tokens_s, tokens, seconds)
-
-
-@dataclass
-class HotEntry:
-    """An agent's hot cache and its bookkeeping."""
-
-    kv: AgentKV
-    last_used: float = 0.0
-    persisted: int = 0  # tokens known to be safe in the warm tier
-    busy: bool = False  # a turn of it is queued or running
-    pinned: bool = False  # staged for a turn about to start: demoted last
-    hits: int = 0
-    next_use: float | None = None
-    turn_reserve: int | None = None  # while its turn's working cache exists: its maximum
-    write_due: bool = False  # its turn ended: the agent is about to export the new tokens
-    # Its first ranges are another agent's (source, tokens) shared at a turn's start, and
-    # nothing of it is on disk yet: its first write may link that agent's segments.
-    shared_from: tuple[str, int] | None = None
-
-    @property
-    def waiting(self) -> bool:
-        """A turn of it is queued, or it was staged for one: a reload would come soon."""
-        return self.busy or self.pinned
-
-    @property
-    def clean(self) -> bool:
-        return self.persisted >= len(self.kv.tokens)
-
-
-@dataclass
-class _Waiter:
-    agent: str
-    nbytes: int
-    reply: Reply
-
-
-class CachePool:
+class CachePool(WarmTraffic):
     """The hot tier's byte budget and residents.
 
     ``limit``: the budget (None: unbounded). ``persistent``: a warm tier exists, so only
     caches complete on disk may be demoted (to warm); without one, demotion drops a cache to
-    cold. ``make_kv`` makes an empty cache for a new agent; ``batch_bytes`` says what the
-    engine's running batch holds (working caches that left their agents' entries).
+    cold. New agents' caches are of ``codec``, ``geometry`` and the attention mode's
+    ``turn_cache``; ``ready_copies``: keep float copies between turns (:class:`ReadyCopies`).
+
+    The engine runs turns on the entries' caches through the methods here (claim, base,
+    start, store a cut, end) and reports its running batch's bytes; the pool is the only
+    writer of its entries, of what is shared between them, and of its index of stored-range
+    boundaries (the shared-prefix search).
     """
 
     def __init__(
@@ -139,29 +49,33 @@ class CachePool:
         policy: EvictionPolicy,
         *,
         persistent: bool,
-        make_kv: Callable[[], AgentKV],
-        batch_bytes: Callable[[], int],
+        codec: KVCodec,
+        geometry: CacheGeometry,
+        turn_cache: type[TurnCache] = FloatTurnCache,
+        ready_copies: bool = True,
     ) -> None:
         self.limit = limit
         self.policy = policy
         self.persistent = persistent
-        self._make_kv = make_kv
-        self._batch_bytes = batch_bytes
+        self._codec, self._geometry, self._turn_cache = codec, geometry, turn_cache
+        self.ready = ReadyCopies(turn_cache, enabled=ready_copies)
         self.rates = Rates()
         self.used = 0
         self.peak = 0
         self.demotions = {Tier.WARM: 0, Tier.COLD: 0}
-        self.ready_drops = 0  # ready copies dropped for room (float -> quantized)
         self.installs = 0
         self.writes = 0  # warm writes that succeeded
         self.write_failures = 0
+        self.shared_turns = 0  # turns based on another cache's stored ranges
+        self.shared_tokens = 0  # the tokens they reused so
         self._entries: dict[str, HotEntry] = {}
+        self._index = PrefixIndex()  # where the entries' stored ranges end
         self._staged: dict[str, int] = {}  # agent -> bytes reserved for a staging warm cache
-        self._readying: dict[str, int] = {}  # agent -> bytes of a ready copy being built
         self._pins: dict[int, tuple[str, int]] = {}  # export id -> (agent, bytes) being written
         self._exports = 0
-        self._turns: set[str] = set()  # agents with a turn queued or running
-        self._waiters: deque[_Waiter] = deque()
+        self._turns: set[str] = set()  # agents with a turn queued or running: "busy"
+        self._waiters: deque[Waiter] = deque()
+        self._batch_bytes = 0  # the engine's running batch (working caches out of entries)
 
     # -- residents --------------------------------------------------------------------
     def get(self, agent: str) -> HotEntry | None:
@@ -176,8 +90,35 @@ class CachePool:
     def entries(self) -> list[HotEntry]:
         return list(self._entries.values())
 
-    def items(self) -> list[tuple[str, HotEntry]]:
-        return list(self._entries.items())
+    def busy(self, agent: str) -> bool:
+        """A turn of ``agent`` is queued or running (whether or not its cache is hot)."""
+        return agent in self._turns
+
+    def info(self, agent: str) -> CacheInfo:
+        """What ``agent``'s hot cache holds. Raises UnknownAgent when it has none."""
+        entry = self._entries.get(agent)
+        if entry is None:
+            raise UnknownAgent(f"agent {agent!r} has no hot cache")
+        return CacheInfo(
+            agent=agent,
+            tokens=len(entry.kv.tokens),
+            nbytes=entry.kv.nbytes,
+            busy=self.busy(agent),
+            persisted=entry.persisted,
+        )
+
+    def new_kv(self) -> AgentKV:
+        """An empty cache of this pool's codec, geometry and attention mode."""
+        return AgentKV(self._codec, self._geometry, turn_cache=self._turn_cache)
+
+    def _add(self, agent: str, entry: HotEntry) -> HotEntry:
+        self._entries[agent] = entry
+        self._index.update(agent, entry.kv.tokens, entry.kv.boundaries())
+        return entry
+
+    def _remove(self, agent: str) -> HotEntry | None:
+        self._index.remove(agent)
+        return self._entries.pop(agent, None)
 
     def claim(self, agent: str) -> HotEntry:
         """The agent's entry (a new empty one if it has none), marked busy for a turn that
@@ -193,7 +134,7 @@ class CachePool:
 
     def adopt(self, agent: str) -> HotEntry:
         """For a queued turn whose cache was demoted while it waited: the agent's entry now
-        (staged again meanwhile) or a new empty one, marked busy."""
+        (staged again meanwhile) or a new empty one."""
         return self._queue(agent, hit=False)
 
     def _queue(self, agent: str, *, hit: bool) -> HotEntry:
@@ -201,13 +142,12 @@ class CachePool:
         turn found it hot."""
         entry = self._entries.get(agent)
         if entry is None:
-            entry = self._entries[agent] = HotEntry(self._make_kv())
+            entry = self._add(agent, HotEntry(self.new_kv()))
         elif hit:
-            entry.hits += 1
-        entry.busy = True
-        entry.pinned = False
-        entry.write_due = False
-        entry.next_use = entry.last_used = time.monotonic()  # soon: its turn is queued
+            entry._hits += 1
+        entry._pinned = False
+        entry._write_due = False
+        entry._next_use = entry._last_used = time.monotonic()  # soon: its turn is queued
         return entry
 
     def drop(self, agent: str) -> bool:
@@ -216,16 +156,30 @@ class CachePool:
         if agent in self._turns:
             raise AgentBusy(f"agent {agent!r} is generating; cancel it first")
         self._staged.pop(agent, None)
-        dropped = self._entries.pop(agent, None) is not None
+        dropped = self._remove(agent) is not None
         self.measure()
         return dropped
 
+    def close(self) -> None:
+        """Drop every cache and build (the engine stops: its MLX arrays must go first)."""
+        self.ready.clear()
+        for entry in self._entries.values():
+            entry.kv.clear_working()
+        self._entries.clear()
+        self._index = PrefixIndex()
+
     # -- accounting -------------------------------------------------------------------
+    def batch_bytes(self, nbytes: int) -> None:
+        """The engine's running batch holds ``nbytes`` now (working caches that left their
+        agents' entries); measures."""
+        self._batch_bytes = nbytes
+        self.measure()
+
     def measure(self) -> int:
         """Bytes in use now (and the peak so far). A stored array that several caches hold
         (forks share their source's) counts once."""
         seen: set[int] = set()
-        used = self._batch_bytes()
+        used = self._batch_bytes
         for e in self._entries.values():
             used += e.kv.work_bytes + e.kv.ready_bytes
             if not e.kv.shared:  # the common case, per decode step: no set of ids
@@ -236,7 +190,7 @@ class CachePool:
                     seen.add(id(a))
                     used += a.nbytes
         used += sum(n for _, n in self._pins.values()) + sum(self._staged.values())
-        used += sum(self._readying.values())
+        used += self.ready.reserved
         self.used = used
         self.peak = max(self.peak, used)
         return used
@@ -245,9 +199,22 @@ class CachePool:
         """Bytes in use, counting running turns' working caches at their reserved maximum
         (the reserve covers the batch's padding and the merge copy)."""
         used = self.measure()
-        working = sum(e.kv.work_bytes for e in self._entries.values()) + self._batch_bytes()
-        reserved = sum(e.turn_reserve or 0 for e in self._entries.values())
+        working = sum(e.kv.work_bytes for e in self._entries.values()) + self._batch_bytes
+        reserved = sum(e._turn_reserve or 0 for e in self._entries.values())
         return used - working + max(working, reserved)
+
+    @property
+    def ready_agents(self) -> int:
+        """Hot agents keeping a ready copy."""
+        return sum(e.kv.ready is not None for e in self._entries.values())
+
+    @property
+    def ready_bytes(self) -> int:
+        return sum(e.kv.ready_bytes for e in self._entries.values())
+
+    def _waiting(self, agent: str, entry: HotEntry) -> bool:
+        """A turn of it is queued, or it was staged for one: a reload would come soon."""
+        return agent in self._turns or entry._pinned
 
     def _candidates(self, exclude: HotEntry | None = None) -> list[Candidate]:
         """Every cache that may be demoted now: all but running turns' (and ``exclude``),
@@ -260,7 +227,7 @@ class CachePool:
                     holders[id(a)] = holders.get(id(a), 0) + 1
         out = []
         for agent, e in self._entries.items():
-            if e is exclude or e.turn_reserve is not None or e.write_due or agent in writing:
+            if e is exclude or e.running or e._write_due or agent in writing:
                 continue
             # What demoting it frees: arrays another cache holds too stay.
             own = (
@@ -283,13 +250,13 @@ class CachePool:
                     agent=agent,
                     nbytes=nbytes,
                     tokens=len(e.kv.tokens),
-                    last_used=e.last_used,
-                    hits=e.hits,
+                    last_used=e._last_used,
+                    hits=e._hits,
                     clean=e.clean,
                     demote_to=Tier.WARM if warm else Tier.COLD,
                     reload_s=reload_s,
-                    next_use=e.next_use,
-                    waiting=e.waiting,
+                    next_use=e._next_use,
+                    waiting=self._waiting(agent, e),
                 )
             )
         return out
@@ -311,29 +278,27 @@ class CachePool:
         # the stored form stays, so bringing one back costs a dequantize, not a reload.
         ready = sorted(
             (
-                e
-                for e in self._entries.values()
+                (self._waiting(agent, e), e._last_used, agent)
+                for agent, e in self._entries.items()
                 if e.kv.ready is not None
                 and e is not exclude
-                and e.turn_reserve is None
-                and (turn or not e.waiting)
+                and not e.running
+                and (turn or not self._waiting(agent, e))
             ),
-            key=lambda e: (e.waiting, e.last_used),
         )
-        demotable = {id(self._entries[c.agent]) for c in candidates}
-        spare = sum(e.kv.ready_bytes for e in ready if id(e) not in demotable)
+        demotable = {c.agent for c in candidates}
+        spare = sum(self._entries[a].kv.ready_bytes for *_, a in ready if a not in demotable)
         if spare + sum(c.nbytes for c in candidates) < missing:
             return False
-        for e in ready:
+        for *_, agent in ready:
             if missing <= 0:
                 break
-            missing -= e.kv.drop_ready()
-            self.ready_drops += 1
+            missing -= self.ready.drop(self._entries[agent].kv)
         if missing > 0:
             candidates = [c for c in self._candidates(exclude) if turn or not c.waiting]
             tiers = {c.agent: c.demote_to for c in candidates}
             for agent in self.policy.victims(candidates, missing):
-                del self._entries[agent]
+                self._remove(agent)
                 self.demotions[tiers[agent]] += 1
         return self.committed() + need <= self.limit
 
@@ -343,154 +308,127 @@ class CachePool:
         fit now never will."""
         others = (e for e in self._entries.values() if e is not exclude)
         return not (
-            any(e.turn_reserve is not None or e.write_due for e in others)
+            any(e.running or e._write_due for e in others)
             or self._pins
             or self._staged
-            or self._readying
+            or self.ready.building
         )
 
     # -- turns ------------------------------------------------------------------------
+    def base(
+        self, agent: str, entry: HotEntry, prompt: list[int], *, share: bool
+    ) -> tuple[int, int]:
+        """Base a queued turn of ``prompt`` on ``entry``: keep the longest common prefix of
+        its tokens that a turn can resume at (the last prompt token is always fed again, so
+        that its logits are there to sample from) and forget the rest; with ``share`` and
+        nothing of its own kept, take another hot cache's stored ranges that ``prompt``
+        begins with (:meth:`_share`). Returns ``(kept, shared)`` tokens (shared <= kept)."""
+        kv = entry.kv
+        keep = kv.reusable(min(common_prefix(kv.tokens, prompt), len(prompt) - 1))
+        kv.trim(keep)
+        entry._persisted = min(entry._persisted, keep)
+        if entry._shared_from is not None and keep < entry._shared_from[1]:
+            entry._shared_from = None  # cut below what it shared: its write is its own
+        shared = 0
+        if keep == 0 and share:
+            keep = shared = self._share(agent, entry, prompt)
+        self._index.update(agent, kv.tokens, kv.boundaries())
+        return keep, shared
+
+    def _share(self, agent: str, entry: HotEntry, prompt: list[int]) -> int:
+        """Base ``entry`` (empty) on the longest run of another hot cache's stored ranges
+        that ``prompt`` begins with, token for token (the last prompt token stays to be
+        fed): the arrays are shared, not copied. Returns the tokens it reuses (0: none)."""
+
+        def holds(other: str, stop: int, count: int) -> bool:
+            kv = self._entries[other].kv
+            bounds = kv.boundaries()
+            return (
+                len(bounds) >= count
+                and bounds[count - 1] == stop
+                and (kv.tokens[:stop] == prompt[:stop])
+            )
+
+        order = {name: i for i, name in enumerate(self._entries)}
+        found = self._index.longest(prompt, len(prompt) - 1, agent, holds, order.__getitem__)
+        if found is None:
+            return 0
+        stop, source, count = found
+        kv = entry.kv
+        self._entries[source].kv.share_into(kv, count)
+        if kv.reusable(stop) != stop:  # a sliding window no longer held there
+            kv.trim(0)
+            return 0
+        entry._shared_from = (source, stop)
+        self.shared_turns += 1
+        self.shared_tokens += stop
+        self.measure()
+        return stop
+
     def start_turn(self, entry: HotEntry, reserve: int) -> bool:
         """Room for a turn's working cache of up to ``reserve`` bytes besides the entry's
         stored cache; False to wait (or, when ``stuck``, to refuse)."""
         # Its own ready copy becomes its working copy, which the reserve covers.
         if not self.make_room(max(reserve - entry.kv.ready_bytes, 0), exclude=entry, turn=True):
             return False
-        entry.turn_reserve = reserve
+        entry._turn_reserve = reserve
         return True
 
-    def end_turn(self, agent: str, entry: HotEntry, *, write_due: bool = False) -> None:
-        """The agent's turn is over (its working cache is gone): free its reserve, grant
-        waiters. ``write_due``: it finished and the agent will export its new tokens next."""
+    def store_so_far(self, agent: str, entry: HotEntry) -> None:
+        """During ``entry``'s turn: store its tokens so far as a range of their own (a cut:
+        ``AgentKV.store_so_far``), where other caches may share them from now on."""
+        entry.kv.store_so_far()
+        if self._entries.get(agent) is entry:
+            self._index.update(agent, entry.kv.tokens, entry.kv.boundaries())
+
+    def end_turn(self, agent: str, entry: HotEntry, *, finished: bool = False) -> None:
+        """The agent's turn is over: its new tokens quantized into a range, its working
+        cache dropped or kept as its ready copy, its reserve freed; waiters granted.
+        ``finished``: it ended normally, so the agent writes the new tokens next."""
+        hot = self._entries.get(agent) is entry
+        kv = entry.kv
+        self.ready.keep(kv, hot=hot)
+        # Without a warm tier nothing is ever written: every range may go.
+        kv.slide(entry._persisted if self.persistent else len(kv.tokens))
+        if hot:
+            self._index.update(agent, kv.tokens, kv.boundaries())
         self._turns.discard(agent)
-        entry.turn_reserve = None
-        entry.busy = False
-        entry.next_use = None
-        entry.last_used = time.monotonic()
-        entry.write_due = write_due and self.persistent and not entry.clean
+        entry._turn_reserve = None
+        entry._next_use = None
+        entry._last_used = time.monotonic()
+        entry._write_due = finished and self.persistent and not entry.clean
         self.measure()
         self.grant_waiters()
 
-    # -- staging warm caches ----------------------------------------------------------
-    def reserve(self, agent: str, nbytes: int) -> Room:
-        """Room for staging ``nbytes`` of the agent's warm cache, now or not at all."""
-        entry = self._entries.get(agent)
-        if entry is not None:
-            if not entry.busy:
-                entry.next_use = time.monotonic()
-            return Room.HOT
-        if agent in self._staged:
-            return Room.RESERVED
-        if self.limit is not None and nbytes > self.limit:
-            return Room.TOO_BIG
-        if not self.make_room(nbytes):
-            return Room.NO_ROOM
-        self._staged[agent] = nbytes
-        self.measure()
-        return Room.RESERVED
-
-    def wait_for_room(self, agent: str, nbytes: int, reply: Reply) -> None:
-        """Answer ``reply`` with a Room once running turns or writes have made room."""
-        self._waiters.append(_Waiter(agent, nbytes, reply))
-
-    def grant_waiters(self) -> None:
-        while self._waiters:
-            w = self._waiters[0]
-            if w.reply.cancelled:
-                self._waiters.popleft()
-                continue
-            if w.agent not in self._entries and not self.make_room(w.nbytes):
-                return
-            self._waiters.popleft()
-            w.reply.resolve(self.reserve(w.agent, w.nbytes))
-
-    def release(self, agent: str) -> None:
-        """Give back the reservation of a staging that failed."""
-        self._staged.pop(agent, None)
-        self.measure()
-        self.grant_waiters()
-
-    def install(
-        self,
-        agent: str,
-        nbytes: int,
-        build: Callable[[], AgentKV],
-        *,
-        pin: bool,
-        from_disk: bool = True,
-    ) -> bool:
-        """Make a staged warm cache of ``nbytes`` hot (``build`` makes it); False when the
-        agent is hot already (that copy is at least as new). Raises BudgetExceeded when
-        nothing was reserved for it and it does not fit. ``from_disk=False``: a cache made
-        in memory (a fork), not counted in ``installs`` (reloads from disk)."""
-        reserved = self._staged.pop(agent, None)
-        if agent in self._entries:
+    def fork(self, source: str, new: str, tokens: list[int]) -> bool:
+        """``new`` hot with ``source``'s stored ranges, shared, when ``source`` is hot, idle
+        and holds exactly ``tokens``; False otherwise (``new`` stages from disk instead).
+        Raises BudgetExceeded when it does not fit."""
+        entry = self._entries.get(source)
+        if entry is None or self.busy(source) or entry.kv.tokens != tokens:
             return False
-        if reserved is None and not self.make_room(nbytes):
-            raise BudgetExceeded(f"no room in the hot tier for agent {agent!r}")
-        kv = build()
-        now = time.monotonic()
-        self._entries[agent] = HotEntry(
-            kv, now, persisted=len(kv.tokens), pinned=pin, next_use=None if pin else now
-        )
-        self.installs += from_disk
-        self.measure()
-        return True
+        kv = entry.kv.fork(self.new_kv())
+        return self.install(new, kv.stored_bytes, lambda: kv, pin=False, from_disk=False)
 
     # -- ready copies built ahead of a turn ------------------------------------------
-    def reserve_ready(self, agent: str, nbytes: int) -> bool:
-        """Room for building the agent's ready copy of up to ``nbytes``, if it is free now:
-        a copy built ahead of need never demotes anyone."""
-        if self.limit is not None and self.committed() + nbytes > self.limit:
-            return False
-        self._readying[agent] = nbytes
-        self.measure()
-        return True
-
-    def ready_done(self, agent: str) -> None:
-        """The build ended (the copy is the entry's now, or was given up)."""
-        self._readying.pop(agent, None)
-        self.measure()
-
-    # -- writing to the warm tier -----------------------------------------------------
-    def export(self, agent: str) -> Exported:
-        """Host views of an idle agent's stored ranges past what is persisted, pinned in
-        the budget until :meth:`written` names the export. Raises UnknownAgent / AgentBusy."""
+    def ready_ahead(self, agent: str) -> None:
+        """Build an idle hot agent's ready copy between engine steps, in room that is free
+        now (a copy built ahead of need never demotes anyone): its turn to come starts
+        without dequantizing."""
         entry = self._entries.get(agent)
-        if entry is None:
-            raise UnknownAgent(f"agent {agent!r} has no hot cache to export")
-        if entry.busy:
-            raise AgentBusy(f"agent {agent!r} is generating")
-        ranges = entry.kv.ranges_from(entry.persisted)
-        self._exports += 1
-        self._pins[self._exports] = (agent, sum(r.nbytes for r in ranges))
-        entry.write_due = False
-        shared = entry.shared_from if entry.persisted == 0 else None
-        return Exported(
-            export_id=self._exports,
-            persisted=entry.persisted,
-            tokens=list(entry.kv.tokens),
-            ranges=[(r.start, r.stop, r.to_numpy()) for r in ranges],
-            shared_from=shared[0] if shared else "",
-            shared_upto=shared[1] if shared else 0,
+        if entry is None or self.busy(agent):
+            return
+        free = None if self.limit is None else self.limit - self.committed()
+        if self.ready.want(agent, entry.kv, free):
+            self.measure()
+
+    def build_ready_step(self) -> bool:
+        """One layer of the oldest ready copy being built; True while any is."""
+        building = self.ready.step(
+            lambda agent, kv: (
+                (e := self._entries.get(agent)) is not None and e.kv is kv and not self.busy(agent)
+            )
         )
-
-    def written(self, agent: str, export_id: int, upto: int, *, failed: bool = False) -> None:
-        """The store made an export durable up to ``upto`` tokens (``failed``: not the
-        rest): unpin it. After a failure the cache stays unclean, and, with no write on its
-        way, a candidate to go cold; a later write that succeeds saves the rest. Export id
-        0 says a turn's write will not come (its agent left before it)."""
-        if self._pins.pop(export_id, None) is not None:  # id 0: "no write is coming"
-            if failed:
-                self.write_failures += 1
-            else:
-                self.writes += 1
-        entry = self._entries.get(agent)
-        if entry is not None:
-            entry.write_due = False  # whatever came of it, no write is on its way now
-            if upto <= len(entry.kv.tokens):
-                entry.persisted = max(entry.persisted, upto)
-            if entry.persisted:
-                entry.shared_from = None  # its warm copy exists: later writes append
-        self.measure()
-        self.grant_waiters()
+        if building:
+            self.measure()
+        return building

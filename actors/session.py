@@ -13,8 +13,8 @@ import anyio
 import msgspec
 
 from ..kernels.agent_cache import segment_layout
+from ..kernels.geometry import CacheGeometry
 from ..kernels.qcodec import DEFAULT_CODEC, KVCodec
-from ..kernels.turn_cache import CacheGeometry
 from ..runtime import ActorRef, ReplyStream, Runtime
 from ._dirlock import CacheDirLock, lock_cache_dir
 from ._tokenizer import Tokenizer
@@ -23,7 +23,7 @@ from .config import Attention, EngineConfig, ModelSpec
 from .engine import EngineActor
 from .enums import FinishReason, Match, Tier
 from .errors import CacheRejected, StoreWriteError, UnknownAgent, UnsafeCachePath
-from .pool import EvictionPolicy, LRUPolicy
+from .policy import EvictionPolicy, LRUPolicy
 from .prefetch import Prefetch, PrefetchActor, Stage, StageResult
 from .protocol import (
     CacheInfo,

@@ -28,8 +28,8 @@ import mlx.core as mx
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
 from kvactor.kernels.agent_cache import cache_nbytes
+from kvactor.kernels.geometry import CacheGeometry, LayerGeometry
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec, Role
-from kvactor.kernels.turn_cache import CacheGeometry, LayerGeometry
 
 __all__ = ("CODECS", "main", "measured_nbytes")
 

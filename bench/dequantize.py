@@ -30,9 +30,9 @@ import mlx.core as mx
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
 from kvactor.kernels.agent_cache import AgentKV, StoredRange
+from kvactor.kernels.geometry import CacheGeometry
 from kvactor.kernels.memory import keep_freed_buffers
 from kvactor.kernels.qcodec import DEFAULT_CODEC
-from kvactor.kernels.turn_cache import CacheGeometry
 
 LAYERS, HEADS, DIM = 30, 3, 64
 

@@ -30,8 +30,9 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from kvactor.actors.store import CacheIdentity, append_cache, read_cache
 from kvactor.kernels.agent_cache import AgentKV, StoredRange, segment_layout
+from kvactor.kernels.geometry import CacheGeometry
 from kvactor.kernels.qcodec import DEFAULT_CODEC
-from kvactor.kernels.turn_cache import CacheGeometry, FloatTurnCache
+from kvactor.kernels.turn_cache import FloatTurnCache
 
 LAYERS, HEADS, DIM = 30, 3, 64
 

@@ -29,8 +29,9 @@ import mlx.core as mx
 import numpy as np
 
 from ._qmath import affine
+from .geometry import CacheGeometry
 from .qcodec import KVCodec, Role
-from .turn_cache import CacheGeometry, FloatTurnCache, TurnCache
+from .turn_cache import FloatTurnCache, TurnCache
 
 __all__ = ("AgentKV", "StoredRange", "cache_nbytes", "segment_layout")
 
@@ -236,6 +237,30 @@ class AgentKV:
         freed = self.ready_bytes
         self.ready = None
         return freed
+
+    def set_ready(self, copy: TurnCache) -> None:
+        """Keep ``copy`` (built from the stored ranges, ``TurnCache.ready_steps``) as the
+        ready copy. Raises ValueError during a turn."""
+        if self.work is not None:
+            raise ValueError("a cache in its turn has its working copy")
+        self.ready = copy
+
+    def clear_working(self) -> None:
+        """Drop the working and ready copies (their MLX arrays must not outlive the engine
+        thread that made them); the stored ranges stay."""
+        self.work = self.ready = None
+
+    def lend_work(self) -> TurnCache:
+        """The working cache, handed to a batch that holds it until :meth:`take_work`.
+        Raises ValueError between turns."""
+        work, self.work = self.work, None
+        if work is None:
+            raise ValueError("no turn is running")
+        return work
+
+    def take_work(self, work: TurnCache) -> None:
+        """Take back the working cache (this cache's row, out of a batch)."""
+        self.work = work
 
     def dequantize(
         self, layer: int, role: Role, *, rotated: bool = False, room: int = 0

@@ -8,7 +8,7 @@ model* gets a subclass whose ``__call__`` is the same code with that one name bo
 router: a cache of a bound class goes to ``cache.attend``, any other cache to mlx-lm's
 function. One model may be bound to several classes (both attention modes). Modules, other
 models and other caches are untouched. This relies on the calling convention above, checked
-for the mlx-lm versions pyproject pins.
+for the mlx-lm versions pyproject pins (``kernels.mlx_lm_compat``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from typing import Any, Protocol, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from .mlx_lm_compat import SDPA_NAME, SDPA_PARAMETERS
+
 __all__ = ("Attends", "bind_attention")
 
-_NAME = "scaled_dot_product_attention"
+_NAME = SDPA_NAME
 _BOUND = "_kvactor_attends"  # on a bound subclass: the list of cache classes it routes
-_PARAMETERS = ("cache", "scale", "mask", "sinks")  # after queries, keys, values
+_PARAMETERS = SDPA_PARAMETERS
 
 
 class Attends(Protocol):

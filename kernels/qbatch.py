@@ -207,6 +207,15 @@ class QuantizedBatchCache:
         self.keys[row : row + 1, :, lo : lo + n] = keys.astype(self.keys.dtype)
         self.values[row : row + 1, :, lo : lo + n] = values.astype(self.values.dtype)
 
+    def unfeed(self, n: int) -> None:
+        """Forget the last ``n`` tokens appended to every row's tail (a pipelined step ran
+        past a turn's end). Raises ValueError when a row's tail is shorter."""
+        if n > min(self._tail_lengths, default=0):
+            raise ValueError(f"a row's tail holds fewer than {n} tokens")
+        self._idx -= n
+        self._tail_lengths = [t - n for t in self._tail_lengths]
+        self.offset = self.offset - n
+
     # -- the mlx-lm cache protocol --------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` ``(B, H, N, D)`` to every row's tail."""

@@ -24,8 +24,7 @@ may have a sliding window or no cache at all; what a class cannot run raises
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import mlx.core as mx
@@ -33,6 +32,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .attention import bind_attention
+from .mlx_lm_compat import batch_of_one, row_of
 from .qbatch import Kernel, QuantizedBatchCache
 from .qcodec import Role, concat_parts
 from .rotated import RotatedBasis, RotatedKVCache, works_rotated
@@ -40,100 +40,17 @@ from .rotated import RotatedBasis, RotatedKVCache, works_rotated
 if TYPE_CHECKING:
     from .agent_cache import AgentKV, StoredRange
 
-#: Tokens of room a ready copy keeps past its last one, so that the next turn appends in
-#: place instead of copying the whole cache to grow it (mlx-lm grows KVCache by 256).
-READY_SLACK = 256
+#: Tokens of room a float working or ready copy keeps past its last one, so that the next
+#: tokens are written in place instead of copying the whole cache to grow it (mlx-lm grows
+#: KVCache by 256).
+_ROOM = 256
 
 __all__ = (
-    "CacheGeometry",
     "FloatTurnCache",
-    "LayerGeometry",
     "QuantizedTurnCache",
     "TurnCache",
     "turn_cache_class",
 )
-
-
-@dataclass(frozen=True)
-class LayerGeometry:
-    """One layer's cache: ``n_kv_heads`` heads of keys ``key_dim`` wide and values
-    ``value_dim`` wide; ``window`` tokens kept (None: all of them)."""
-
-    n_kv_heads: int
-    key_dim: int
-    value_dim: int
-    window: int | None = None
-
-    def dim(self, role: Role) -> int:
-        return self.key_dim if role == "key" else self.value_dim
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    """Every layer's cache geometry, in order; ``None`` for a layer that keeps no cache."""
-
-    layers: tuple[LayerGeometry | None, ...]
-
-    @classmethod
-    def uniform(cls, n_layers: int, n_kv_heads: int, head_dim: int) -> CacheGeometry:
-        """``n_layers`` alike full-attention layers with keys and values ``head_dim`` wide."""
-        return cls((LayerGeometry(n_kv_heads, head_dim, head_dim),) * n_layers)
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.layers)
-
-    def describe(self) -> list[list[int]]:
-        """Per layer ``[n_kv_heads, key_dim, value_dim, window]`` (window 0: none; ``[]`` for
-        a layer without a cache): what a stored cache records and is checked against."""
-        return [
-            [] if g is None else [g.n_kv_heads, g.key_dim, g.value_dim, g.window or 0]
-            for g in self.layers
-        ]
-
-    @classmethod
-    def from_description(cls, layers: list[list[int]]) -> CacheGeometry:
-        """The geometry :meth:`describe` gave ``layers``. Raises ValueError for anything else."""
-        out: list[LayerGeometry | None] = []
-        for entry in layers:
-            if not entry:
-                out.append(None)
-                continue
-            if len(entry) != 4 or not all(isinstance(x, int) and x >= 0 for x in entry):
-                raise ValueError(f"bad layer geometry {entry!r}")
-            heads, key_dim, value_dim, window = entry
-            if min(heads, key_dim, value_dim) <= 0:
-                raise ValueError(f"bad layer geometry {entry!r}")
-            out.append(LayerGeometry(heads, key_dim, value_dim, window or None))
-        if not out:
-            raise ValueError("a geometry has at least one layer")
-        return cls(tuple(out))
-
-    def layer(self, i: int) -> LayerGeometry:
-        """Layer ``i``'s geometry; raises NotImplementedError for a layer without a cache
-        (not supported by the stored form yet). A sliding-window layer keeps only its
-        window's ranges (``AgentKV.slide``) and is attended through the model's mask."""
-        g = self.layers[i]
-        if g is None:
-            raise NotImplementedError(f"layer {i} keeps no KV cache: not supported yet")
-        return g
-
-    @property
-    def window(self) -> int | None:
-        """The widest sliding window of any layer (None: every layer attends to all)."""
-        windows = [g.window for g in self.layers if g is not None and g.window is not None]
-        return max(windows) if windows else None
-
-    @property
-    def sliding(self) -> frozenset[int]:
-        """The layers that attend through a sliding window."""
-        return frozenset(
-            i for i, g in enumerate(self.layers) if g is not None and g.window is not None
-        )
-
-    def fp32_bytes_per_token(self) -> int:
-        """Bytes of one token's fp32 K and V over every layer."""
-        return sum(4 * g.n_kv_heads * (g.key_dim + g.value_dim) for g in self.layers if g)
 
 
 def _with_room(pieces: list[mx.array], slack: int) -> mx.array:
@@ -142,28 +59,6 @@ def _with_room(pieces: list[mx.array], slack: int) -> mx.array:
     last = pieces[-1]
     room = mx.zeros((*last.shape[:2], slack, last.shape[3]), last.dtype)
     return mx.concatenate([*pieces, room], axis=2)
-
-
-def _batch_of_one(row: KVCache) -> BatchKVCache:
-    """A batch of the one row ``row`` over the row's own K/V buffers, room included
-    (mlx-lm's ``merge`` copies them into a new, full buffer, which the batch's first step
-    then copies again to grow). The row must not be used after this."""
-    batch = type(row).merge([type(row)()])  # empty, of the class that keeps the basis
-    if row.keys is not None:
-        n = row.offset
-        batch.state = (row.keys, row.values, mx.array([n]), mx.array([0]), n)
-    return batch
-
-
-def _row_of(batch: BatchKVCache, row: int) -> KVCache:
-    """Row ``row`` of ``batch`` alone. The only row of a batch without padding keeps the
-    batch's buffers, room included (the batch must not be used after this); a row of a
-    larger batch is copied out, so that it keeps no other row's memory alive."""
-    if batch.keys is None or batch.keys.shape[0] != 1 or batch.left_padding.item() != 0:
-        return cast(KVCache, batch.extract(row))
-    one = RotatedKVCache() if isinstance(batch, RotatedBasis) else KVCache()
-    one.state = (batch.keys, batch.values, batch._idx)
-    return one
 
 
 def _stored_values(
@@ -221,6 +116,7 @@ class TurnCache(Protocol):
     """
 
     quantized: ClassVar[bool]  # whether attention reads the stored (quantized) parts
+    keeps_ready: ClassVar[bool]  # whether a copy is kept between turns (``settle``)
 
     @classmethod
     def start(cls, kv: AgentKV) -> TurnCache:
@@ -230,6 +126,18 @@ class TurnCache(Protocol):
     @classmethod
     def prepare(cls, model: nn.Module) -> None:
         """Ready ``model`` to run over caches of this class (once per model)."""
+        ...
+
+    @classmethod
+    def ready_nbytes(cls, kv: AgentKV) -> int:
+        """Bytes of a ready copy of ``kv`` built ahead of a turn (``ready_steps``)."""
+        ...
+
+    @classmethod
+    def ready_steps(cls, kv: AgentKV) -> Iterator[TurnCache | None]:
+        """Build ``kv``'s ready copy (what ``start`` makes) in steps of one layer each,
+        evaluated: None after each layer but the last, then the copy. Raises
+        NotImplementedError when the class keeps no copy between turns."""
         ...
 
     @property
@@ -279,6 +187,11 @@ class TurnCache(Protocol):
         """Forget a ready copy's tokens from ``keep`` on."""
         ...
 
+    def unfeed(self, n: int) -> None:
+        """Forget the last ``n`` tokens fed to every row (a pipelined decode step ran past
+        the end of a turn)."""
+        ...
+
     def arrays(self) -> list[mx.array]:
         """Every array, for ``mx.eval``."""
         ...
@@ -305,10 +218,11 @@ class FloatTurnCache(_Layers):
     Hadamard basis when the codec rotates: ``kernels.rotated``).
 
     A turn's K/V stay in one buffer from its start to its ready copy when the turn runs
-    alone (a batch of one row, see ``_batch_of_one`` / ``_row_of``, and ``settle`` in
+    alone (a batch of one row, see ``batch_of_one`` / ``row_of``, and ``settle`` in
     place): no whole-cache copy at the batch's door or the turn's end."""
 
     quantized: ClassVar[bool] = False
+    keeps_ready: ClassVar[bool] = True
     keeps_buffers: ClassVar[bool] = True
     """False: copy as mlx-lm's ``merge`` / ``extract`` do and settle into a new copy (what
     ``bench/turn_buffers.py`` measures against); the arrays' values are the same."""
@@ -317,7 +231,7 @@ class FloatTurnCache(_Layers):
     def start(cls, kv: AgentKV) -> FloatTurnCache:
         # With room for the turn's first tokens: the first step writes in place instead of
         # growing (copying) every layer, as KVCache would by the same 256 tokens.
-        out = cls([cls.row_layer(kv, i, READY_SLACK) for i in range(kv.geometry.n_layers)])
+        out = cls([cls.row_layer(kv, i, _ROOM) for i in range(kv.geometry.n_layers)])
         if kv.ranges:
             mx.eval(out.arrays())
         return out
@@ -340,8 +254,22 @@ class FloatTurnCache(_Layers):
         # Plain float caches go to the model's own attention, rotated ones through the basis.
         bind_attention(model, RotatedBasis)
 
+    @classmethod
+    def ready_nbytes(cls, kv: AgentKV) -> int:
+        return (kv.stored_tokens + _ROOM) * kv.geometry.fp32_bytes_per_token()
+
+    @classmethod
+    def ready_steps(cls, kv: AgentKV) -> Iterator[FloatTurnCache | None]:
+        layers: list[KVCache] = []
+        for i in range(kv.geometry.n_layers):
+            layers.append(cls.row_layer(kv, i, _ROOM))
+            mx.eval([a for a in layers[-1].state if isinstance(a, mx.array)])
+            if len(layers) < kv.geometry.n_layers:
+                yield None
+        yield cls(layers)
+
     def _batched(self) -> list[BatchKVCache]:
-        join = _batch_of_one if self.keeps_buffers else (lambda row: type(row).merge([row]))
+        join = batch_of_one if self.keeps_buffers else (lambda row: type(row).merge([row]))
         return [layer if isinstance(layer, BatchKVCache) else join(layer) for layer in self._layers]
 
     def batch(self) -> FloatTurnCache:
@@ -365,7 +293,7 @@ class FloatTurnCache(_Layers):
     def extract(self, row: int) -> FloatTurnCache:
         if not self.keeps_buffers:
             return FloatTurnCache([layer.extract(row) for layer in self._batched()])
-        return FloatTurnCache([_row_of(layer, row) for layer in self._batched()])
+        return FloatTurnCache([row_of(layer, row) for layer in self._batched()])
 
     def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
         cache = self._layers[layer]
@@ -399,13 +327,13 @@ class FloatTurnCache(_Layers):
                 stored = None if pair is None else pair[j]
                 if array.shape[2] > total and self.keeps_buffers:
                     # Room after its tokens: buffers of this row alone (a row leaves a
-                    # larger batch as a full copy: _row_of); the stored values go in place.
+                    # larger batch as a full copy: row_of); the stored values go in place.
                     if stored is not None:
                         array[:, :, cut:total, :] = stored.astype(array.dtype)
                     fresh.append(array)
                 else:  # full: a copy with room for the next turn's first tokens
                     parts = [array[:, :, :cut, :]] + ([] if stored is None else [stored])
-                    fresh.append(_with_room(parts, READY_SLACK))
+                    fresh.append(_with_room(parts, _ROOM))
             cache = type(layer)()
             cache.state = (fresh[0], fresh[1], total)
             layers.append(cache)
@@ -417,6 +345,10 @@ class FloatTurnCache(_Layers):
         for layer in self._layers:
             layer.trim(max(layer.offset - keep, 0))
 
+    def unfeed(self, n: int) -> None:
+        for layer in self._layers:
+            layer.trim(n)
+
     def arrays(self) -> list[mx.array]:
         return [a for layer in self._layers for a in layer.state if isinstance(a, mx.array)]
 
@@ -426,6 +358,7 @@ class QuantizedTurnCache(_Layers):
     (a QuantizedBatchCache per layer)."""
 
     quantized: ClassVar[bool] = True
+    keeps_ready: ClassVar[bool] = False
     kernel: ClassVar[Kernel] = "auto"
     _layers: list[QuantizedBatchCache]
 
@@ -449,6 +382,14 @@ class QuantizedTurnCache(_Layers):
     @classmethod
     def prepare(cls, model: nn.Module) -> None:
         bind_attention(model, QuantizedBatchCache)
+
+    @classmethod
+    def ready_nbytes(cls, kv: AgentKV) -> int:
+        return 0
+
+    @classmethod
+    def ready_steps(cls, kv: AgentKV) -> Iterator[QuantizedTurnCache | None]:
+        raise NotImplementedError("a quantized working cache is never kept between turns")
 
     @classmethod
     def with_kernel(cls, kernel: Kernel) -> type[QuantizedTurnCache]:
@@ -492,6 +433,10 @@ class QuantizedTurnCache(_Layers):
 
     def trim(self, keep: int) -> None:
         raise NotImplementedError("a quantized working cache is never kept between turns")
+
+    def unfeed(self, n: int) -> None:
+        for layer in self._layers:
+            layer.unfeed(n)
 
     def arrays(self) -> list[mx.array]:
         return [a for layer in self._layers for a in layer.state]

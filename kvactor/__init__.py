@@ -38,9 +38,9 @@ from .actors.errors import ModelLoadError as ModelLoadError
 from .actors.errors import StoreWriteError as StoreWriteError
 from .actors.errors import UnknownAgent as UnknownAgent
 from .actors.errors import UnsafeCachePath as UnsafeCachePath
-from .actors.pool import Candidate as Candidate
-from .actors.pool import EvictionPolicy as EvictionPolicy
-from .actors.pool import LRUPolicy as LRUPolicy
+from .actors.policy import Candidate as Candidate
+from .actors.policy import EvictionPolicy as EvictionPolicy
+from .actors.policy import LRUPolicy as LRUPolicy
 from .actors.protocol import CacheInfo as CacheInfo
 from .actors.protocol import EngineStats as EngineStats
 from .actors.protocol import ModelInfo as ModelInfo

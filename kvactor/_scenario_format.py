@@ -15,7 +15,7 @@ import msgspec
 from .actors import make_tiny_model
 from .actors.config import Attention, ModelSpec
 from .actors.errors import InvalidAgentId
-from .actors.pool import EvictionPolicy, LRUPolicy
+from .actors.policy import EvictionPolicy, LRUPolicy
 from .actors.protocol import check_agent_id
 from .actors.store import default_cache_dir
 

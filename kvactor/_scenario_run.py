@@ -43,8 +43,8 @@ from .actors.config import ModelSpec, turn_reserve_bytes
 from .actors.session import Agent, Session
 from .actors.store import disk_footprint, forget, list_agents, lock_cache_dir
 from .kernels.agent_cache import cache_nbytes
+from .kernels.geometry import CacheGeometry
 from .kernels.qcodec import KVCodec
-from .kernels.turn_cache import CacheGeometry
 
 if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10
     from exceptiongroup import BaseExceptionGroup

@@ -17,6 +17,7 @@ from kvactor import (
     Session,
     UnknownAgent,
 )
+from kvactor.actors._batch import DecodeBatch
 from kvactor.actors.enums import FinishReason
 from kvactor.actors.model import make_tiny_model
 from kvactor.actors.protocol import Generate, Sampling
@@ -319,3 +320,40 @@ async def test_the_engine_lets_mlx_keep_freed_buffers_for_reuse() -> None:
         assert keep_freed_buffers() == 4 * FREED_BUFFER_BYTES  # a higher limit is kept
     finally:
         mx.set_cache_limit(before)
+
+
+@ATTENTION
+async def test_pipelined_decode_gives_the_tokens_and_caches_of_an_unpipelined_one(
+    attention: Attention, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows leave a pipelined batch at different steps (token budgets, a stop string, EOS
+    from sampling): each leaves its cache as an unpipelined run does, so the next turns
+    EXTEND it alike and the ready copies are kept alike."""
+    options: list[dict[str, Any]] = [{"max_tokens": 3 + 2 * i} for i in range(len(PROMPTS) - 2)] + [
+        {"max_tokens": 12, "stop": ["e"]},
+        {"max_tokens": 9, "temperature": 0.8, "seed": 7},
+    ]
+
+    async def run() -> tuple[list[list[int]], list[int], kvactor.EngineStats]:
+        async with kvactor.open(tiny(), max_batch=8, attention=attention) as session:
+            agents = [await session.spawn_agent(f"a{i}") for i in range(len(PROMPTS))]
+            out: list[list[int]] = [[] for _ in range(2 * len(PROMPTS))]
+
+            async def turns(i: int) -> None:
+                for t, text in enumerate((PROMPTS[i], "and then?")):
+                    done = await agents[i].generate(text, **options[i])
+                    out[2 * i + t] = done.token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(PROMPTS)):
+                    tg.start_soon(turns, i)
+            cached = [(await a.cache_info()).tokens for a in agents]
+            return out, cached, await session.stats()
+
+    pipelined = await run()
+    monkeypatch.setattr(DecodeBatch, "pipelined", False)
+    plain = await run()
+    assert pipelined[0] == plain[0] and pipelined[1] == plain[1]
+    assert pipelined[2].max_batch_seen > 1  # rows really decoded together
+    assert pipelined[2].ready_turns == plain[2].ready_turns
+    assert pipelined[2].generated_tokens == plain[2].generated_tokens

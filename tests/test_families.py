@@ -26,8 +26,8 @@ from kvactor.actors.enums import Match, StageOutcome, Tier
 from kvactor.actors.model import TINY_FAMILIES, make_tiny_model, probe_geometry
 from kvactor.actors.prefetch import Stage
 from kvactor.kernels.agent_cache import cache_nbytes
+from kvactor.kernels.geometry import LayerGeometry
 from kvactor.kernels.qcodec import DEFAULT_CODEC
-from kvactor.kernels.turn_cache import LayerGeometry
 
 FAMILIES = sorted(TINY_FAMILIES)
 ATTENTION = pytest.mark.parametrize("attention", ["dequantized", "quantized"])

@@ -35,8 +35,9 @@ def new_pool(
         limit,
         policy or LRUPolicy(),
         persistent=persistent,
-        make_kv=lambda: AgentKV(DEFAULT_CODEC, lm.geometry),
-        batch_bytes=lambda: 0,
+        codec=DEFAULT_CODEC,
+        geometry=lm.geometry,
+        ready_copies=False,
     )
 
 
@@ -47,8 +48,7 @@ def turn(pool: CachePool, lm: LoadedModel, agent: str, n: int, *, persist: bool)
     work = kv.activate()
     lm.model(mx.array([[7 + i % 50 for i in range(n)]]), cache=work.layers)
     kv.tokens.extend(7 + i % 50 for i in range(n))
-    kv.deactivate()
-    pool.end_turn(agent, entry, write_due=True)  # the agent writes the new tokens next
+    pool.end_turn(agent, entry, finished=True)  # the agent writes the new tokens next
     if persist:
         exported = pool.export(agent)
         pool.written(agent, exported.export_id, len(exported.tokens))
@@ -149,7 +149,7 @@ def test_a_queued_turn_never_holds_room_the_turn_ahead_of_it_needs(lm: LoadedMod
     head.kv.deactivate()
     pool.end_turn("head", head)
     again = pool.adopt("queued")  # what its turn starts from now: an empty cache
-    assert again is not queued and again.busy and len(again.kv.tokens) == 0
+    assert again is not queued and pool.busy("queued") and len(again.kv.tokens) == 0
 
 
 def test_a_cache_no_write_will_save_may_go_cold_but_one_being_written_waits(

@@ -547,7 +547,7 @@ def test_dequantize_with_room_joins_ranges_bit_for_bit(rotated: bool) -> None:
     # AgentKV.dequantize joins the integer codes of every range (sinks in the first) and the
     # room before one scale pass: the same bits as dequantizing each range and joining floats.
     from kvactor.kernels.agent_cache import AgentKV, StoredRange
-    from kvactor.kernels.turn_cache import CacheGeometry
+    from kvactor.kernels.geometry import CacheGeometry
 
     codec = KVCodec(bits=3, key_bits=5, rotate=True, sink_tokens=4)
     x = with_outliers(20)
