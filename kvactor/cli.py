@@ -154,20 +154,12 @@ def _serve(args: argparse.Namespace) -> int:
     elif args.budget_mb is not None:
         options["budget_bytes"] = int(args.budget_mb * 1e6)
 
-    def ready(port: int) -> None:
-        where = f"cache {cache_dir}" if cache_dir else "no warm tier"
-        print(
-            f"kvactor serving on http://{args.host}:{port}/v1 ({where}); Ctrl-C stops",
-            file=sys.stderr,
-        )
-
     try:
         anyio.run(
             lambda: serve(
                 args.model,
                 host=args.host,
                 port=args.port,
-                ready=ready,
                 model_id=args.model_id,
                 max_pending=args.max_pending,
                 **options,

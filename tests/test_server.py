@@ -532,3 +532,66 @@ async def test_one_agent_takes_concurrent_requests_in_turn_and_anonymous_ones_ar
             names.append((await http.post(chat, json=body)).json()["kvactor"]["agent"])
         assert len(set(names)) == 3
         assert names[0] not in kv.agents and names[2] in kv.agents
+
+
+def test_the_server_package_exports_its_names_once() -> None:
+    import kvactor.server as server
+
+    assert isinstance(server.__all__, tuple) and len(set(server.__all__)) == len(server.__all__)
+    for name in server.__all__:
+        assert callable(getattr(server, name)), name
+
+
+def test_the_start_line_is_text_or_one_json_object(tmp_path: Path) -> None:
+    import os
+    import re
+
+    from kvactor.server._serve import start_line
+
+    text = start_line("127.0.0.1", 8123, "m", tmp_path)
+    assert text == f"kvactor serving on http://127.0.0.1:8123/v1 (cache {tmp_path}); Ctrl-C stops"
+    assert re.search(r"http://127\.0\.0\.1:(\d+)/v1", text)  # what scripts look for
+    assert "no warm tier" in start_line("::1", 1, "m", None)
+    line = start_line("127.0.0.1", 8123, "m", tmp_path, as_json=True)
+    assert "\n" not in line
+    assert json.loads(line) == {
+        "event": "serving",
+        "url": "http://127.0.0.1:8123/v1",
+        "host": "127.0.0.1",
+        "port": 8123,
+        "model": "m",
+        "cache_dir": str(tmp_path),
+        "pid": os.getpid(),
+    }
+    assert json.loads(start_line("127.0.0.1", 1, "m", None, as_json=True))["cache_dir"] is None
+
+
+async def test_serve_prints_a_json_start_line_answers_and_stops_on_sigterm(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import os
+    import signal
+
+    from kvactor.server import serve
+
+    listening = anyio.Event()
+    ports: list[int] = []
+
+    def ready(port: int) -> None:
+        ports.append(port)
+        listening.set()
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                functools.partial(serve, tiny, port=0, ready=ready, model_id="t", json_start=True)
+            )
+            await listening.wait()
+            async with httpx.AsyncClient() as http:
+                health = (await http.get(f"http://127.0.0.1:{ports[0]}/health")).json()
+            assert health == {"status": "ok", "model": "t", "in_flight": 0}
+            os.kill(os.getpid(), signal.SIGTERM)  # serve's own handler: a graceful stop
+    lines = capsys.readouterr().err.splitlines()
+    start = json.loads(lines[0])
+    assert start["event"] == "serving" and start["port"] == ports[0] and start["model"] == "t"
+    assert start["url"] == f"http://127.0.0.1:{ports[0]}/v1" and start["cache_dir"] is None

@@ -1,0 +1,46 @@
+"""``kvactor serve``: an OpenAI- and Anthropic-compatible HTTP server where every
+conversation is an agent.
+
+The app is a function of an open :class:`~kvactor.Session` (:func:`create_app`), so an
+asyncio application can mount it beside its own routes; :func:`serve` opens a session and
+runs the app under uvicorn (the ``kvactor[server]`` extra: Starlette, uvicorn,
+prometheus-client).
+
+A request names its agent with the ``X-Agent-Id`` header, else OpenAI's ``user`` field,
+else Anthropic's ``metadata.user_id``. Each id is one agent actor with its own cache (hot,
+warm, cold as in the Python API); clients resend the whole conversation, and prefix
+matching turns it into an EXTEND of what the cache holds. A request without an id goes to
+the anonymous agent whose last conversation is the longest prefix of this one (a new one
+when none is), so plain clients benefit too; at most ``max_anonymous`` of them are kept.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``POST /v1/messages`` (Anthropic), ``GET /health``, ``GET /v1/agents``,
+``DELETE /v1/agents/{id}``, ``POST /v1/agents/{id}/prefetch``, ``GET /metrics``
+(Prometheus text). Errors come in each API's own shape: 400 for malformed JSON, unknown
+fields, bad values and hostile agent ids, 404 for an unknown model or agent, 413 for a
+body over ``max_body_bytes`` or a prompt over the model's context, 429 (with
+``Retry-After``) when ``max_pending`` requests are already in flight. A client that
+disconnects mid-stream cancels its turn, which frees its batch slot.
+
+The modules, one concept each: ``_app`` (the app, its routes, the one error handler),
+``_openai`` and ``_anthropic`` (the two APIs), ``_agents`` and ``_status`` (agent routes,
+health, metrics), ``_turn`` (running a turn whole or streamed), ``_admission`` (requests in
+flight), ``_routing`` (which agent answers), ``_request`` (body checks), ``_errors``,
+``_metrics``, ``_state`` (what the routes share), ``_serve`` (uvicorn, signals).
+"""
+
+from __future__ import annotations
+
+try:
+    import prometheus_client  # noqa: F401
+    import starlette  # noqa: F401
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError(
+        "kvactor's server needs its extra: pip install 'kvactor[server]' "
+        f"(Starlette, uvicorn, prometheus-client): {exc}"
+    ) from exc
+
+from ._app import create_app as create_app
+from ._serve import serve as serve
+
+__all__ = ("create_app", "serve")

@@ -1,0 +1,117 @@
+"""The server's Prometheus metrics: declared once (the tables below), made in a private
+registry per app so that two apps (or two tests) never share a count."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..actors import Completion, Session, Tier
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+# kvactor_<name>: a field of ``Session.stats()``, read when /metrics is asked.
+_ENGINE_GAUGES = (
+    ("cache_bytes", "Hot-tier bytes in use"),
+    ("budget_bytes", "Hot-tier budget (0: none)"),
+    ("peak_bytes", "Hot-tier peak bytes"),
+    ("agents_cached", "Agents with a hot cache"),
+    ("ready_agents", "Hot agents keeping a float copy"),
+    ("demoted_warm", "Caches demoted to the warm tier"),
+    ("demoted_cold", "Caches dropped (no warm copy)"),
+    ("installs", "Caches reloaded from the warm tier"),
+    ("warm_writes", "Turns written to the warm tier"),
+    ("warm_write_failures", "Turns whose warm write failed"),
+    ("max_batch_seen", "The largest decode batch so far"),
+    ("decoding", "Agents decoding now"),
+    ("waiting", "Turns waiting to start"),
+)
+
+# kvactor_warm_tier_<name>: a field of ``Session.warm_stats()``.
+_WARM_GAUGES = (
+    ("reads", "Warm caches read and verified"),
+    ("bytes_read", "Bytes the warm tier read"),
+    ("read_s", "Seconds the warm tier spent reading and verifying"),
+    ("writes", "Appends to warm caches"),
+    ("bytes_written", "Tensor bytes the warm tier wrote"),
+    ("write_s", "Seconds the warm tier spent writing (fsyncs included)"),
+    ("rejected", "Warm caches refused when read (their agents went cold)"),
+)
+
+
+class Metrics:
+    """One app's metrics: turns (counted by :meth:`turn`), HTTP requests and the requests
+    in flight (counted by the app), the engine's and warm tier's figures (read by
+    :meth:`render`)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram(
+            "kvactor_ttft_seconds",
+            "Time to first token of a turn, by path",
+            ["path"],
+            registry=r,
+            buckets=_TTFT_BUCKETS,
+        )
+        self.ttft_part = Histogram(
+            "kvactor_ttft_part_seconds",
+            "Where a turn's time to first token went: queue (waiting), load (reading its "
+            "warm cache), dequantize (making the working copy) and prefill",
+            ["part"],
+            registry=r,
+            buckets=_TTFT_BUCKETS,
+        )
+        self.turns = Counter(
+            "kvactor_turns", "Turns by the tier their cache came from", ["path"], registry=r
+        )
+        self.prompt_tokens = Counter("kvactor_prompt_tokens", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter(
+            "kvactor_cached_tokens", "Prompt tokens reused from a cache", registry=r
+        )
+        self.generated_tokens = Counter("kvactor_generated_tokens", "Generated tokens", registry=r)
+        self.requests = Counter(
+            "kvactor_http_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.in_flight = Gauge("kvactor_requests_in_flight", "Requests being answered", registry=r)
+        self.engine = {
+            name: Gauge(f"kvactor_{name}", help_, registry=r) for name, help_ in _ENGINE_GAUGES
+        }
+        self.warm = {
+            name: Gauge(f"kvactor_warm_tier_{name}", help_, registry=r)
+            for name, help_ in _WARM_GAUGES
+        }
+        self.warm_rate = Gauge(
+            "kvactor_warm_tier_bytes_per_second",
+            "The warm tier's read and write rates (bytes over their own time)",
+            ["direction"],
+            registry=r,
+        )
+
+    def turn(self, done: Completion, prefetched: bool = False) -> None:
+        """Count a finished turn; ``prefetched``: a prefetch had staged its cache (a hot
+        turn then counts under path ``prefetched``)."""
+        t = done.timings
+        path = "prefetched" if prefetched and done.path == Tier.HOT else str(done.path)
+        self.ttft.labels(path).observe(t.ttft_s)
+        self.ttft_part.labels("queue").observe(t.queue_s - t.load_s)
+        self.ttft_part.labels("load").observe(t.load_s)
+        self.ttft_part.labels("dequantize").observe(t.dequantize_s)
+        self.ttft_part.labels("prefill").observe(t.prefill_s - t.dequantize_s)
+        self.turns.labels(path).inc()
+        self.prompt_tokens.inc(t.prompt_tokens)
+        self.cached_tokens.inc(t.reused_tokens)
+        self.generated_tokens.inc(t.generated_tokens)
+
+    async def render(self, session: Session) -> bytes:
+        """The Prometheus text of every metric, the session's figures read now."""
+        stats = await session.stats()
+        for name, gauge in self.engine.items():
+            gauge.set(getattr(stats, name, 0) or 0)
+        io = await session.warm_stats()
+        for name, gauge in self.warm.items():
+            gauge.set(getattr(io, name))
+        self.warm_rate.labels("read").set(io.bytes_read / io.read_s if io.read_s else 0)
+        self.warm_rate.labels("write").set(io.bytes_written / io.write_s if io.write_s else 0)
+        return generate_latest(self.registry)
