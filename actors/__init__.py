@@ -36,20 +36,20 @@ from .model import default_model_path as default_model_path
 from .model import fetch_default_model as fetch_default_model
 from .model import load_model as load_model
 from .model import make_tiny_model as make_tiny_model
+from .opening import open as open
 from .policy import Candidate as Candidate
 from .policy import EvictionPolicy as EvictionPolicy
 from .policy import LRUPolicy as LRUPolicy
 from .pool import CachePool as CachePool
 from .protocol import CacheInfo as CacheInfo
+from .protocol import Completion as Completion
 from .protocol import EngineStats as EngineStats
 from .protocol import ModelInfo as ModelInfo
 from .protocol import Sampling as Sampling
 from .protocol import Timings as Timings
 from .session import Agent as Agent
-from .session import Completion as Completion
 from .session import Session as Session
 from .session import TextStream as TextStream
-from .session import open as open
 from .store import WarmInfo as WarmInfo
 from .store import default_cache_dir as default_cache_dir
 

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -27,71 +28,30 @@ import msgspec
 
 from ..runtime import Actor, ActorDeadError, ActorRef
 from ._tokenizer import Tokenizer
-from .enums import FinishReason, Match, Tier
+from .enums import Match, Tier
 from .errors import CacheMiss, StoreWriteError
-from .protocol import Export, Finished, Generate, Piece, Sampling, Timings, Written
-
-__all__ = (
-    "AgentActor",
-    "AgentState",
-    "GetState",
-    "Snapshot",
-    "Turn",
-    "TurnDone",
-    "check_history",
-    "match_prefix",
+from .protocol import (
+    AgentMessage,
+    AgentSnapshot,
+    AgentState,
+    Completion,
+    EngineMessage,
+    Export,
+    Exported,
+    Finished,
+    Generate,
+    GetState,
+    Piece,
+    Sampling,
+    Snapshot,
+    Turn,
+    Written,
 )
+from .warm_tier import WarmTier
+
+__all__ = ("AgentActor", "check_history", "match_prefix")
 
 log = logging.getLogger("kvactor.agent")
-
-
-class Turn(msgspec.Struct, frozen=True, tag=True):
-    """A user message (``raw=False``) or a whole raw prompt (``raw=True``); or, with
-    ``history``, the whole conversation as the caller keeps it (an HTTP client resending
-    every message: ``text`` is unused), which replaces the agent's. ``prime``: no message;
-    the cache is filled with the conversation as it is (its system prompt: a shared
-    context), one token sampled and dropped. The reply streams text pieces, then one
-    TurnDone."""
-
-    text: str
-    sampling: Sampling
-    raw: bool = False
-    history: list[dict[str, str]] | None = None
-    prime: bool = False  # fill the cache with the conversation so far (a shared context)
-
-
-class GetState(msgspec.Struct, frozen=True, tag=True):
-    pass
-
-
-class Snapshot(msgspec.Struct, frozen=True, tag=True):
-    """The agent between turns: its cached tokens, their text and its conversation
-    (answers a ``(tokens, text, messages)`` tuple; what a fork starts from)."""
-
-
-class AgentState(msgspec.Struct, frozen=True):
-    agent: str
-    messages: list[dict[str, str]]
-    tokens: int
-    persisted: int
-    restored: bool
-    turns: int
-
-
-class TurnDone(msgspec.Struct, frozen=True):
-    """A finished turn, with how its cache was found: ``path`` is the tier it came from
-    (COLD: nothing reused; WARM: reloaded from disk for this turn; HOT) and ``match`` how
-    the prompt compared with it; ``saved``: its cache is in the warm tier, ``save_error``:
-    why not, when writing it failed."""
-
-    text: str
-    reason: FinishReason
-    token_ids: list[int]
-    timings: Timings
-    path: Tier
-    match: Match
-    saved: bool = False
-    save_error: str | None = None
 
 
 ROLES = frozenset({"system", "user", "assistant"})
@@ -226,11 +186,32 @@ def system_cut(
 _ATTEMPTS = 64
 
 
+class _Prompt(msgspec.Struct, frozen=True):
+    """A turn's prompt as the engine gets it: the conversation it answers, its tokens (the
+    cached ones it reuses first), how they matched the cache, and where its system prompt
+    ends (``Generate.cuts``)."""
+
+    messages: list[dict[str, str]]
+    tokens: list[int]
+    match: Match
+    cuts: tuple[int, ...]
+
+
+@dataclass
+class _Outcome:
+    """What running a turn on the engine came to: its Finished record, the tier its cache
+    came from, and the seconds spent loading it from disk."""
+
+    finished: Finished | None = None
+    path: Tier = Tier.HOT
+    load_s: float = 0.0
+
+
 class AgentActor(Actor):
     """Keeps an agent's conversation and the exact tokens its engine cache holds.
 
-    With a warm tier (``store``), the new tokens of every turn are written to disk at its
-    end, before its TurnDone (which says whether that worked); a new process restores the
+    With a warm tier, the new tokens of every turn are written to disk at its end, before
+    its Completion (which says whether that worked); a new process restores the
     conversation from there, and the first turn stages the warm cache into the engine
     instead of re-prefilling. Turns of one agent run one at a time, in order.
     """
@@ -238,18 +219,18 @@ class AgentActor(Actor):
     def __init__(
         self,
         agent_id: str,
-        engine: ActorRef[Any],
+        engine: ActorRef[EngineMessage],
         tokenizer: Tokenizer,
         system: str | None,
-        warm: Any | None = None,
-        start: tuple[list[int], str, list[dict[str, str]]] | None = None,
+        warm: WarmTier | None = None,
+        start: AgentSnapshot | None = None,
         context: str | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.context = context  # the shared context its system prompt is, if any
         self.engine = engine
         self.tokenizer = tokenizer
-        self.warm = warm  # the warm tier (actors.session.WarmTier), or None
+        self.warm = warm
         self.system = system
         self.messages: list[dict[str, str]] = []
         if system:
@@ -260,7 +241,11 @@ class AgentActor(Actor):
         self.restored = False
         self.turns = 0
         if start is not None:  # a fork without a warm tier: its source's state, as it was
-            self.tokens, self.text, self.messages = start
+            self._take(start)
+
+    def _take(self, state: AgentSnapshot) -> None:
+        self.tokens, self.text = list(state.tokens), state.text
+        self.messages = [dict(m) for m in state.messages]
 
     async def on_start(self) -> None:
         if self.warm is None or self.tokens:
@@ -268,15 +253,14 @@ class AgentActor(Actor):
         saved = await self.warm.restore(self.agent_id)
         if saved is None:
             return
-        tokens, text, messages = saved
-        if self.system and messages[:1] != [{"role": "system", "content": self.system}]:
+        if self.system and saved.messages[:1] != [{"role": "system", "content": self.system}]:
             log.warning("agent %r: system prompt changed; not resuming its warm cache", self.name)
             return
-        self.tokens, self.text, self.messages = tokens, text, messages
-        self.persisted = len(tokens)
+        self._take(saved)
+        self.persisted = len(saved.tokens)
         self.restored = True
 
-    async def receive(self, message: Turn | GetState | Snapshot) -> Any:
+    async def receive(self, message: AgentMessage) -> Any:
         match message:
             case Turn(text, sampling, raw, history) if history is not None:
                 return self._turn(text, sampling, raw, check_history(history))
@@ -287,7 +271,7 @@ class AgentActor(Actor):
                     raise ValueError("the prompt is empty")
                 return self._turn(text, sampling, raw)
             case Snapshot():
-                return list(self.tokens), self.text, [dict(m) for m in self.messages]
+                return AgentSnapshot(list(self.tokens), self.text, [dict(m) for m in self.messages])
             case GetState():
                 return AgentState(
                     agent=self.agent_id,
@@ -299,6 +283,29 @@ class AgentActor(Actor):
                 )
         raise TypeError(f"an agent does not handle {type(message).__name__}")
 
+    def _prompt(
+        self, text: str, raw: bool, history: list[dict[str, str]] | None, prime: bool
+    ) -> _Prompt:
+        """Render the turn's prompt and match it against what the cache holds."""
+        literal: Sequence[tuple[int, int]] = ()
+        render = self.tokenizer.render_chat
+        if prime:  # the conversation as it is: a shared context's system prompt
+            messages = self.messages
+            prompt, literal = render(messages, add_generation_prompt=False)
+        elif history is not None:  # the caller's conversation replaces ours
+            messages = history
+            prompt, literal = render(messages, add_generation_prompt=True)
+        elif raw:  # the caller's text as it is, special tokens included (an explicit opt-in)
+            messages = self.messages
+            prompt = text
+        else:
+            messages = [*self.messages, {"role": "user", "content": text}]
+            # Special tokens come from the template only: markers in contents stay text.
+            prompt, literal = render(messages, add_generation_prompt=True)
+        tokens, match = match_prefix(self.tokenizer, self.tokens, self.text, prompt, literal)
+        cuts = () if raw else system_cut(self.tokenizer, messages, tokens, self.text)
+        return _Prompt(messages, tokens, match, cuts)
+
     async def _turn(
         self,
         text: str,
@@ -307,66 +314,23 @@ class AgentActor(Actor):
         history: list[dict[str, str]] | None = None,
         *,
         prime: bool = False,
-    ) -> AsyncIterator[str | TurnDone]:
-        literal: Sequence[tuple[int, int]] = ()
+    ) -> AsyncIterator[str | Completion]:
         if self.context is not None and not self.tokens and self.warm is not None:
             # Its shared context hot, if it fits: the engine shares what is hot.
             with contextlib.suppress(Exception):
                 await self.warm.hot(self.context)
         if prime:
-            messages = self.messages
-            prompt, literal = self.tokenizer.render_chat(messages, add_generation_prompt=False)
             sampling = msgspec.structs.replace(sampling, max_tokens=1)
-        elif history is not None:  # the caller's conversation replaces ours
-            messages = history
-            prompt, literal = self.tokenizer.render_chat(messages, add_generation_prompt=True)
-        elif raw:  # the caller's text as it is, special tokens included (an explicit opt-in)
-            messages = self.messages
-            prompt = text
-        else:
-            messages = [*self.messages, {"role": "user", "content": text}]
-            # Special tokens come from the template only: markers in contents stay text.
-            prompt, literal = self.tokenizer.render_chat(messages, add_generation_prompt=True)
-        tokens, match = match_prefix(self.tokenizer, self.tokens, self.text, prompt, literal)
-        cuts = () if raw else system_cut(self.tokenizer, messages, tokens, self.text)
+        prompt = self._prompt(text, raw, history, prime)
         write_ran = False  # this turn's write ran (or there is no warm tier)
+        outcome = _Outcome()
         try:
-            path = Tier.HOT
-            finished: Finished | None = None
-            started = time.perf_counter()  # a reload on the way counts in the turn's TTFT
-            load_s = 0.0
-            for attempt in range(_ATTEMPTS):
-                # A cache demoted while its turn waited (for room, behind other turns)
-                # is staged again and the turn sent again: it keeps its place in the
-                # queue. The last attempt takes whatever is hot (a re-prefill): a bound,
-                # never reached in practice, so that the loop always ends.
-                warm = self.persisted > 0 and attempt < _ATTEMPTS - 1
-                request = Generate(self.agent_id, tokens, sampling, started, warm=warm, cuts=cuts)
-                try:
-                    async with self.engine.stream(request) as items:
-                        async for item in items:
-                            if isinstance(item, Piece):
-                                if item.text:
-                                    yield item.text
-                            elif isinstance(item, Finished):
-                                finished = item
-                    break
-                except CacheMiss:
-                    if self.warm is None:
-                        raise
-                    path = Tier.WARM
-                    staging = time.perf_counter()
-                    staged = await self.warm.stage(self.agent_id)
-                    load_s += time.perf_counter() - staging
-                    if not staged:
-                        self.persisted = 0  # unreadable or refused: start cold
-                        path = Tier.COLD
-            if finished is None:
-                raise RuntimeError("the engine ended a generation without saying why")
-            if finished.timings.reused_tokens == 0:
-                path = Tier.COLD
+            async for piece in self._generate(prompt, sampling, outcome):
+                yield piece
+            finished = outcome.finished
+            assert finished is not None
             if not raw and not prime:
-                self.messages = [*messages, {"role": "assistant", "content": finished.text}]
+                self.messages = [*prompt.messages, {"role": "assistant", "content": finished.text}]
             self.tokens = finished.cache_tokens
             self.text = self.tokenizer.decode(self.tokens)
             self.turns += 1
@@ -385,16 +349,56 @@ class AgentActor(Actor):
                 # turn, it expects a write that will not come. Tell it so.
                 with anyio.CancelScope(shield=True), contextlib.suppress(ActorDeadError):
                     await self.engine.tell(Written(self.agent_id, 0, 0))
-        yield TurnDone(
+        yield Completion(
             text=finished.text,
-            reason=finished.reason,
+            finish_reason=finished.reason,
             token_ids=finished.token_ids,
-            timings=msgspec.structs.replace(finished.timings, load_s=load_s),
-            path=path,
-            match=match,
+            timings=msgspec.structs.replace(finished.timings, load_s=outcome.load_s),
+            path=outcome.path,
+            match=prompt.match,
             saved=self.warm is not None and error is None,
             save_error=error,
         )
+
+    async def _generate(
+        self, prompt: _Prompt, sampling: Sampling, outcome: _Outcome
+    ) -> AsyncIterator[str]:
+        """Run the turn on the engine, its text pieces as they come; ``outcome`` gets the
+        Finished record, the tier the cache came from and the seconds spent loading it.
+
+        A cache demoted while its turn waited (for room, behind other turns) is staged
+        again and the turn sent again: it keeps its place in the queue. The last attempt
+        takes whatever is hot (a re-prefill): a bound, never reached in practice, so that
+        the loop always ends."""
+        started = time.perf_counter()  # a reload on the way counts in the turn's TTFT
+        for attempt in range(_ATTEMPTS):
+            warm = self.persisted > 0 and attempt < _ATTEMPTS - 1
+            request = Generate(
+                self.agent_id, prompt.tokens, sampling, started, warm=warm, cuts=prompt.cuts
+            )
+            try:
+                async with self.engine.stream(request) as items:
+                    async for item in items:
+                        if isinstance(item, Piece):
+                            if item.text:
+                                yield item.text
+                        elif isinstance(item, Finished):
+                            outcome.finished = item
+                break
+            except CacheMiss:
+                if self.warm is None:
+                    raise
+                outcome.path = Tier.WARM
+                staging = time.perf_counter()
+                staged = await self.warm.stage(self.agent_id)
+                outcome.load_s += time.perf_counter() - staging
+                if not staged:
+                    self.persisted = 0  # unreadable or refused: start cold
+                    outcome.path = Tier.COLD
+        if outcome.finished is None:
+            raise RuntimeError("the engine ended a generation without saying why")
+        if outcome.finished.timings.reused_tokens == 0:
+            outcome.path = Tier.COLD
 
     async def _persist(self) -> str | None:
         """Append what the warm tier lacks of this agent's cache; returns why that failed
@@ -402,45 +406,50 @@ class AgentActor(Actor):
         next write starts there again and repairs the warm copy."""
         assert self.warm is not None
         try:
-            exported = await self.engine.ask(Export(self.agent_id))
+            exported: Exported = await self.engine.ask(Export(self.agent_id))
         except Exception as exc:
             return self._save_failed(exc)
-        upto = exported.persisted
         error = None
         try:
-            if exported.shared_upto and upto == 0:
-                # Its first tokens are another agent's segments: link them, write the rest.
-                shared = exported.tokens[: exported.shared_upto]
-                if await self.warm.share(
-                    self.agent_id,
-                    exported.shared_from,
-                    tokens=shared,
-                    text=self.tokenizer.decode(shared),
-                    messages=self.messages,
-                ):
-                    upto = exported.shared_upto
-            for start, stop, tensors in exported.ranges:
-                if stop <= upto:
-                    continue  # linked
-                await self.warm.append(
-                    self.agent_id,
-                    start,
-                    tensors,
-                    tokens=exported.tokens[:stop],
-                    text=self.tokenizer.decode(exported.tokens[:stop]),
-                    messages=self.messages,
-                )
-                upto = stop
+            await self._write(self.warm, exported)
         except Exception as exc:
             error = self._save_failed(exc)
         finally:
-            self.persisted = upto
+            upto = self.persisted
             written = Written(self.agent_id, exported.export_id, upto, failed=error is not None)
             await self.engine.tell(written)
         return error
 
+    async def _write(self, warm: WarmTier, exported: Exported) -> None:
+        """Write ``exported``, linking its shared prefix where it has one; ``persisted``
+        follows what is on disk after each step (a write that fails midway keeps it)."""
+        upto = self.persisted = exported.persisted
+        if exported.shared_upto and upto == 0:
+            # Its first tokens are another agent's segments: link them, write the rest.
+            shared = exported.tokens[: exported.shared_upto]
+            if await warm.share(
+                self.agent_id,
+                exported.shared_from,
+                tokens=shared,
+                text=self.tokenizer.decode(shared),
+                messages=self.messages,
+            ):
+                upto = self.persisted = exported.shared_upto
+        for start, stop, tensors in exported.ranges:
+            if stop <= upto:
+                continue  # linked
+            await warm.append(
+                self.agent_id,
+                start,
+                tensors,
+                tokens=exported.tokens[:stop],
+                text=self.tokenizer.decode(exported.tokens[:stop]),
+                messages=self.messages,
+            )
+            upto = self.persisted = stop
+
     def _save_failed(self, exc: Exception) -> str:
-        # The caller hears of it (TurnDone.save_error); a traceback only for the unexpected.
+        # The caller hears of it (Completion.save_error); a traceback only for the unexpected.
         unexpected = not isinstance(exc, StoreWriteError)
         log.warning("agent %r: warm cache not written: %s", self.agent_id, exc, exc_info=unexpected)
         return f"{type(exc).__name__}: {exc}"

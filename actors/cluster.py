@@ -30,224 +30,30 @@ for a cluster never imports it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
-import msgspec
 
+from ._host_calls import Host, HostCalls, unwrap
+from .cluster_agent import ClusterAgent
 from .config import ModelSpec
-from .errors import KvactorError, UnknownAgent
-from .host import EngineHost, HostInfo, TurnKind
-from .protocol import Sampling, check_agent_id
-from .session import Completion, Opening, drain, prompt_text
+from .errors import HostLost
+from .host import EngineHost, HostInfo
+from .opening import Opening
+from .placement import ClusterStats, Migration, MostFreeBudget, PlacementPolicy
+from .protocol import check_agent_id
 from .store import Forgotten
 
-__all__ = (
-    "ClusterAgent",
-    "ClusterSession",
-    "ClusterStats",
-    "ClusterTextStream",
-    "HostLost",
-    "Migration",
-    "MostFreeBudget",
-    "PlacementPolicy",
-    "open_cluster",
-)
+__all__ = ("ClusterSession", "open_cluster")
 
 log = logging.getLogger("kvactor.cluster")
 
-#: How long a call waits for a host that Ray is restarting.
-RESTART_WAIT_S = 60.0
 
-
-class HostLost(KvactorError):
-    """An engine host's process died while it served a call (its pending turns fail with
-    this). Ray restarts it; its agents resume from their warm caches on their next call.
-    A host that is gone for good (its node lost) hands its agents to the hosts that keep
-    their replicas (``replicas=2``); the message says where each went."""
-
-
-class _NoReturn(HostLost):
-    """A host stayed unavailable for RESTART_WAIT_S."""
-
-
-class Migration(msgspec.Struct, frozen=True):
-    """An agent moved between hosts with its warm cache."""
-
-    agent: str
-    source: str
-    target: str
-    nbytes: int  # the files shipped
-    seconds: float
-
-
-class ClusterStats(msgspec.Struct, frozen=True):
-    """Every live host (its node, budget, agents, replicas, engine stats), the migrations
-    so far, the hosts gone for good, and the replica updates that failed."""
-
-    hosts: list[HostInfo]
-    migrations: list[Migration]
-    lost_hosts: list[str] = []
-    replication_failures: int = 0
-
-
-class PlacementPolicy(Protocol):
-    """Picks the host of a new agent."""
-
-    def choose(self, agent: str, hosts: Sequence[HostInfo]) -> str:
-        """The name of one of ``hosts`` (never empty) for ``agent``."""
-        ...
-
-
-class MostFreeBudget:
-    """The host with the most hot budget left (no budget: unbounded), then the one with the
-    fewest agents, then the first by name."""
-
-    def choose(self, agent: str, hosts: Sequence[HostInfo]) -> str:
-        def load(h: HostInfo) -> int:
-            return len(set(h.agents) | set(h.warm_agents))
-
-        return min(hosts, key=lambda h: (-h.free_bytes, load(h), h.name)).name
-
-
-@dataclass
-class _Host:
-    name: str
-    handle: Any  # a Ray ActorHandle of EngineHost
-    node: str
-
-
-def _unwrap(exc: BaseException, host: str) -> BaseException:
-    """The error a caller should see for what a Ray call raised."""
-    from ray.exceptions import RayActorError, RayTaskError
-
-    if isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None), BaseException):
-        cause: BaseException = exc.cause
-        return cause
-    if isinstance(exc, RayActorError):
-        return HostLost(
-            f"engine host {host!r} died during the call ({type(exc).__name__}); Ray restarts "
-            "it, and its agents resume from their warm caches on their next call"
-        )
-    return exc
-
-
-class ClusterTextStream:
-    """A turn's text pieces as they come from the agent's host, then ``completion``: the
-    ``TextStream`` of a cluster. Leaving early cancels the turn on its host."""
-
-    def __init__(
-        self, session: ClusterSession, host: _Host, call: tuple[Any, ...], pieces: bool = True
-    ) -> None:
-        self._session = session
-        self._host = host
-        self._call = (*call, pieces)
-        self._gen: Any = None
-        self.completion: Completion | None = None
-
-    def __aiter__(self) -> ClusterTextStream:
-        return self
-
-    async def __anext__(self) -> str:
-        if self.completion is not None:
-            raise StopAsyncIteration
-        from ray.exceptions import ActorUnavailableError
-
-        started = self._gen is not None
-        deadline = time.monotonic() + RESTART_WAIT_S
-        while True:
-            if self._gen is None:
-                turn = self._host.handle.turn.options(num_returns="streaming")
-                self._gen = turn.remote(*self._call)
-            try:
-                item = await self._session._next(self._host, self._gen, raw=not started)
-                break
-            except ActorUnavailableError:
-                # The call reached a host that had died and that Ray is restarting: it
-                # never ran there. Wait until the host answers, then send it again.
-                if time.monotonic() > deadline:
-                    raise HostLost(f"engine host {self._host.name!r} did not come back") from None
-                self._gen = None
-                await self._session._call(self._host, "info")
-        if item is None:
-            raise HostLost(f"engine host {self._host.name!r} ended the turn without its result")
-        if isinstance(item, Completion):
-            await self._session._replicate(self._call[0])  # before the turn is reported done
-            self.completion = item
-            raise StopAsyncIteration
-        assert isinstance(item, str)
-        return item
-
-    async def aclose(self) -> None:
-        if self._gen is not None and self.completion is None:
-            import ray
-
-            ray.cancel(self._gen)
-            self._gen = None
-
-    async def __aenter__(self) -> ClusterTextStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-
-class ClusterAgent:
-    """A handle on an agent of a cluster: the ``Agent`` API, served by its host."""
-
-    def __init__(self, session: ClusterSession, name: str) -> None:
-        self._session = session
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"<ClusterAgent {self.name!r} on {self.host!r}>"
-
-    @property
-    def host(self) -> str:
-        """The host that serves it now."""
-        return self._session._where[self.name]
-
-    def _stream(
-        self, kind: TurnKind, payload: Any, sampling: dict[str, Any], pieces: bool = True
-    ) -> ClusterTextStream:
-        Sampling.from_options(sampling)  # bad options fail here, before any call
-        host = self._session._host_of(self.name)
-        return ClusterTextStream(self._session, host, (self.name, kind, payload, sampling), pieces)
-
-    def stream(self, text: str, **sampling: Any) -> ClusterTextStream:
-        return self._stream("text", prompt_text(text), sampling)
-
-    def stream_raw(self, prompt: str, **sampling: Any) -> ClusterTextStream:
-        return self._stream("raw", prompt_text(prompt), sampling)
-
-    def stream_chat(self, messages: list[dict[str, str]], **sampling: Any) -> ClusterTextStream:
-        return self._stream("chat", messages, sampling)
-
-    # A whole turn: the host sends its Completion, not each piece (two items through Ray).
-    async def generate(self, text: str, **sampling: Any) -> Completion:
-        return await drain(self._stream("text", prompt_text(text), sampling, pieces=False))
-
-    async def complete(self, prompt: str, **sampling: Any) -> Completion:
-        return await drain(self._stream("raw", prompt_text(prompt), sampling, pieces=False))
-
-    async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> Completion:
-        return await drain(self._stream("chat", messages, sampling, pieces=False))
-
-    async def history(self) -> list[dict[str, str]]:
-        history: list[dict[str, str]] = await self._session._call(
-            self._session._host_of(self.name), "history", self.name
-        )
-        return history
-
-
-class ClusterSession:
+class ClusterSession(HostCalls):
     """Agents on several engine hosts (see the module doc). Use ``open_cluster`` or
     ``kvactor.open(..., cluster=...)``."""
 
@@ -274,7 +80,7 @@ class ClusterSession:
         self.placement: PlacementPolicy = placement or MostFreeBudget()
         self._ray_options = dict(ray_options or {})
         self._options = dict(options or {})
-        self._hosts: dict[str, _Host] = {}
+        self._hosts: dict[str, Host] = {}
         self._where: dict[str, str] = {}  # agent -> host
         self._migrations: list[Migration] = []
         self.replicas = replicas
@@ -333,7 +139,7 @@ class ClusterSession:
                     self._options,
                     str(node["NodeID"]),
                 )
-                self._hosts[name] = _Host(name, handle, str(node["NodeID"]))
+                self._hosts[name] = Host(name, handle, str(node["NodeID"]))
         if not self._hosts:
             raise RuntimeError("the Ray cluster has no live node")
 
@@ -359,108 +165,6 @@ class ClusterSession:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-    # -- calls ------------------------------------------------------------------------
-    async def _call(self, host: _Host, method: str, *args: Any) -> Any:
-        """``host.method(*args)`` through Ray, its error as the caller should see it; waits
-        for a host that Ray is restarting, and hands the agents of one gone for good to
-        their replicas' hosts."""
-        try:
-            return await self._call_raw(host, method, *args)
-        except Exception as exc:
-            raise await self._error(exc, host) from None
-
-    async def _call_raw(self, host: _Host, method: str, *args: Any) -> Any:
-        import ray
-        from ray.exceptions import ActorUnavailableError
-
-        if host.name in self._lost:
-            raise HostLost(f"engine host {host.name!r} is gone")
-        deadline = time.monotonic() + RESTART_WAIT_S
-        while True:
-            ref = getattr(host.handle, method).remote(*args)
-            try:
-                return await anyio.to_thread.run_sync(ray.get, ref, abandon_on_cancel=True)
-            except ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    raise _NoReturn(f"engine host {host.name!r} did not come back") from None
-                await anyio.sleep(0.2)
-
-    async def _error(self, exc: BaseException, host: _Host) -> BaseException:
-        """What a caller sees for ``exc`` from ``host``. A host that Ray says is dead for
-        good (a call to it fails so again; a host being restarted says it is unavailable)
-        or that stayed unavailable is gone: its agents go to their replicas' hosts first."""
-        from ray.exceptions import ActorDiedError
-
-        if isinstance(exc, _NoReturn) or (
-            isinstance(exc, ActorDiedError) and not await self._alive(host)
-        ):
-            moved = await self._host_gone(host)
-            return HostLost(f"engine host {host.name!r} is gone for good; {moved}")
-        return _unwrap(exc, host.name)
-
-    async def _alive(self, host: _Host) -> bool:
-        """False when ``host`` is dead for good: calls to it keep failing with Ray's
-        ActorDiedError. One that Ray restarts answers, says it is unavailable, or is slow
-        (loading its model): all alive."""
-        import ray
-        from ray.exceptions import ActorDiedError
-
-        if host.name in self._lost:
-            return False
-        for _ in range(3):  # a call can reach a host Ray has not yet seen die
-            ref = host.handle.info.remote()
-            try:
-                await anyio.to_thread.run_sync(
-                    functools.partial(ray.get, ref, timeout=5.0), abandon_on_cancel=True
-                )
-                return True
-            except ActorDiedError:
-                await anyio.sleep(0.5)
-            except Exception:
-                return True
-        return False
-
-    async def _next(self, host: _Host, gen: Any, *, raw: bool = False) -> Any:
-        """The next item of a streaming call (None at its end); ``raw`` lets Ray's
-        ActorUnavailableError through for a caller that can send the call again."""
-        import ray
-        from ray.exceptions import ActorUnavailableError
-
-        def step() -> Any:
-            try:
-                ref = next(gen)
-            except StopIteration:
-                return None
-            return ray.get(ref)
-
-        try:
-            return await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
-        except Exception as exc:
-            if raw and isinstance(exc, ActorUnavailableError):
-                raise
-            raise await self._error(exc, host) from None
-
-    def _host_of(self, agent: str) -> _Host:
-        check_agent_id(agent)
-        try:
-            host = self._hosts[self._where[agent]]
-        except KeyError:
-            raise UnknownAgent(f"no agent named {agent!r} on any host") from None
-        if host.name in self._lost:
-            raise HostLost(
-                f"agent {agent!r} was on engine host {host.name!r}, which is gone, and had "
-                "no replica (replicas=2 keeps one on another host)"
-            )
-        return host
-
-    def _host(self, name: str) -> _Host:
-        if name in self._lost:
-            raise ValueError(f"host {name!r} is gone")
-        try:
-            return self._hosts[name]
-        except KeyError:
-            raise ValueError(f"no host named {name!r} (hosts: {sorted(self._hosts)})") from None
 
     # -- replicas and lost hosts ------------------------------------------------------
     async def _replicate(self, agent: str) -> None:
@@ -500,7 +204,7 @@ class ClusterSession:
             except Exception as exc:  # a stale replica is never promoted over a live agent
                 log.warning("replica of agent %r on host %r not deleted: %s", agent, holder, exc)
 
-    async def _host_gone(self, host: _Host) -> str:
+    async def _host_gone(self, host: Host) -> str:
         """Mark ``host`` gone for good; each of its agents with a replica becomes an agent
         of the replica's host (verified as a warm load, then resumed there). Says where
         they went."""
@@ -634,7 +338,7 @@ class ClusterSession:
             nbytes: int = await anyio.to_thread.run_sync(ray.get, adopted)
         except Exception as exc:
             # The source keeps its files; it resumes the agent on its next call.
-            raise _unwrap(exc, target.name) from None
+            raise unwrap(exc, target.name) from None
         self._where[name] = target.name
         await self._call(source, "forget", name)
         moved = Migration(

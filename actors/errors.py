@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ..runtime import KvactorError
 
 if TYPE_CHECKING:
-    from .session import Completion
+    from .protocol import Completion
 
 __all__ = (
     "AgentBusy",
@@ -92,3 +92,10 @@ class ModelLoadError(KvactorError):
 
 class ModelExportError(KvactorError):
     """A model directory export was refused (the folder holds other files) or failed."""
+
+
+class HostLost(KvactorError):
+    """An engine host's process died while it served a call (its pending turns fail with
+    this). Ray restarts it; its agents resume from their warm caches on their next call.
+    A host that is gone for good (its node lost) hands its agents to the hosts that keep
+    their replicas (``replicas=2``); the message says where each went."""

@@ -44,17 +44,16 @@ from ._manifest import (
 )
 from ._warm_read import read_cache, verify_cache
 from ._warm_write import link_or_copy
+from .api import TURN_KINDS, TurnKind
 from .config import ModelSpec
 from .errors import CacheRejected, UnknownAgent
-from .protocol import EngineStats, check_agent_id
-from .session import Agent, Completion, Session, TextStream
-from .session import open as open_session
+from .opening import open as open_session
+from .protocol import Completion, EngineStats, check_agent_id
+from .session import Agent, Session
 from .store import Forgotten
 
-__all__ = ("EngineHost", "HostInfo", "TurnKind")
+__all__ = ("EngineHost", "HostInfo")
 
-TurnKind = str  # "text" (a user message), "raw" (a raw prompt) or "chat" (a whole history)
-_KINDS = ("text", "raw", "chat")
 #: The most bytes one agent's files may take in a migration (a 128K-token cache of a large
 #: model is a few GB; a peer that sends more is refused before anything is written).
 MAX_MIGRATION_BYTES = 64 << 30
@@ -198,16 +197,9 @@ class EngineHost:
         whole conversation). Without ``pieces``, one empty piece once the turn has begun
         (a caller then knows that it ran), then the Completion: two items through Ray,
         not one a token. Raises what ``Agent.stream`` and friends raise."""
-        if kind not in _KINDS:
-            raise ValueError(f"kind must be one of {_KINDS}, not {kind!r}")
-        agent = await self._agent(name)
-        stream: TextStream
-        if kind == "chat":
-            stream = agent.stream_chat(payload, **sampling)
-        elif kind == "raw":
-            stream = agent.stream_raw(payload, **sampling)
-        else:
-            stream = agent.stream(payload, **sampling)
+        if kind not in TURN_KINDS:
+            raise ValueError(f"kind must be one of {TURN_KINDS}, not {kind!r}")
+        stream = (await self._agent(name)).turn_stream(kind, payload, **sampling)
         async with stream:
             begun = False
             async for piece in stream:

@@ -12,10 +12,10 @@ import msgspec
 from ..runtime import Actor, ActorRef
 from .enums import Room, StageOutcome
 from .errors import CacheRejected, UnknownAgent
-from .protocol import Install, Release, Reserve
-from .store import CacheManifest, Load, Loaded, Manifest
+from .protocol import EngineMessage, Install, Release, Reserve
+from .store import CacheManifest, Load, Loaded, Manifest, StoreMessage
 
-__all__ = ("Prefetch", "PrefetchActor", "Stage", "StageResult")
+__all__ = ("Prefetch", "PrefetchActor", "PrefetchMessage", "Stage", "StageResult")
 
 log = logging.getLogger("kvactor.prefetch")
 
@@ -37,6 +37,9 @@ class Prefetch(msgspec.Struct, frozen=True, tag=True):
     """A hint (tell): the agent probably runs next; stage its warm cache if there is room."""
 
     agent: str
+
+
+PrefetchMessage = Stage | Prefetch
 
 
 class StageResult(msgspec.Struct, frozen=True):
@@ -62,7 +65,7 @@ class PrefetchActor(Actor):
     always count. A cache the store refuses is the store's to handle: it says why in
     ListAgents and sets the cache aside (or deletes it, with ``delete_rejected``)."""
 
-    def __init__(self, engine: ActorRef[Any], store: ActorRef[Any]) -> None:
+    def __init__(self, engine: ActorRef[EngineMessage], store: ActorRef[StoreMessage]) -> None:
         self.engine = engine
         self.store = store
         self.staged = 0

@@ -1,4 +1,5 @@
-"""Messages between agents and the engine: plain msgspec Structs, tagged unions."""
+"""Messages between the actors (sessions, agents, the engine) and the records they answer
+with: plain msgspec Structs, tagged unions."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ from typing import Any
 
 import msgspec
 
-from .enums import FinishReason
+from .enums import FinishReason, Match, Tier
 from .errors import InvalidAgentId
 
 __all__ = (
     "AGENT_ID_MAX",
     "SEED_LIMIT",
+    "AgentMessage",
+    "AgentSnapshot",
+    "AgentState",
     "CacheInfo",
+    "Completion",
     "CacheQuery",
     "DropCache",
     "EngineMessage",
@@ -24,14 +29,17 @@ __all__ = (
     "Finished",
     "Generate",
     "GetModelInfo",
+    "GetState",
     "Install",
     "ModelInfo",
     "Piece",
     "Release",
     "Reserve",
     "Sampling",
+    "Snapshot",
     "StatsQuery",
     "Timings",
+    "Turn",
     "Written",
     "check_agent_id",
 )
@@ -308,3 +316,70 @@ class EngineStats(msgspec.Struct, frozen=True):
     ready_turns: int = 0  # turns that started from a ready copy (nothing dequantized)
     shared_turns: int = 0  # turns that reused another agent's stored ranges (share_prefixes)
     shared_tokens: int = 0  # the tokens those turns reused instead of prefilling them
+
+
+# -- an agent actor's messages ---------------------------------------------------------
+
+
+class Turn(msgspec.Struct, frozen=True, tag=True):
+    """A user message (``raw=False``) or a whole raw prompt (``raw=True``); or, with
+    ``history``, the whole conversation as the caller keeps it (an HTTP client resending
+    every message: ``text`` is unused), which replaces the agent's. ``prime``: no message;
+    the cache is filled with the conversation as it is (its system prompt: a shared
+    context), one token sampled and dropped. The reply streams text pieces, then one
+    Completion."""
+
+    text: str
+    sampling: Sampling
+    raw: bool = False
+    history: list[dict[str, str]] | None = None
+    prime: bool = False  # fill the cache with the conversation so far (a shared context)
+
+
+class GetState(msgspec.Struct, frozen=True, tag=True):
+    """Answers an AgentState."""
+
+
+class Snapshot(msgspec.Struct, frozen=True, tag=True):
+    """Answers the agent's AgentSnapshot between turns (what a fork starts from)."""
+
+
+AgentMessage = Turn | GetState | Snapshot
+
+
+class AgentState(msgspec.Struct, frozen=True):
+    agent: str
+    messages: list[dict[str, str]]
+    tokens: int
+    persisted: int
+    restored: bool
+    turns: int
+
+
+class AgentSnapshot(msgspec.Struct, frozen=True):
+    """An agent between turns: the exact tokens its cache holds, the text they spell and
+    its conversation (what it resumes from, on disk or as a fork's start)."""
+
+    tokens: list[int]
+    text: str
+    messages: list[dict[str, str]]
+
+
+class Completion(msgspec.Struct, frozen=True):
+    """One finished turn: the text, why it stopped, its timings, and how the cache was
+    found: ``path`` the tier it came from (cold: nothing reused; warm: reloaded from disk
+    for this turn; hot), ``match`` how the prompt compared with what it held.
+
+    ``saved``: the turn's cache is in the warm tier (always False without ``cache_dir``);
+    ``save_error``: why it is not, when writing it failed (disk full, I/O error). The
+    conversation goes on either way, and the next write that succeeds saves what this one
+    missed."""
+
+    text: str
+    finish_reason: FinishReason
+    token_ids: list[int]
+    timings: Timings
+    path: Tier
+    match: Match
+    saved: bool = False
+    save_error: str | None = None

@@ -1,102 +1,70 @@
-"""The public API: ``kvactor.open()`` → a Session that spawns agents on one engine."""
+"""A session in this process: one engine actor, the warm tier's actors, and agent actors;
+``kvactor.open()`` (``actors/opening.py``) makes one."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, overload
+from typing import Any, Literal
 
 import anyio
-import msgspec
 
 from ..kernels.agent_cache import segment_layout
 from ..kernels.geometry import CacheGeometry
-from ..kernels.qcodec import DEFAULT_CODEC, KVCodec
+from ..kernels.qcodec import DEFAULT_CODEC
 from ..runtime import ActorRef, ReplyStream, Runtime
 from ._dirlock import CacheDirLock, lock_cache_dir
 from ._tokenizer import Tokenizer
-from .agent import AgentActor, AgentState, GetState, Snapshot, Turn, TurnDone, check_history
-from .config import Attention, EngineConfig, ModelSpec
+from .agent import AgentActor, check_history
+from .api import AgentTurns, TurnKind, drain
+from .config import EngineConfig, ModelSpec
 from .engine import EngineActor
-from .enums import FinishReason, Match, Tier
-from .errors import CacheRejected, StoreWriteError, UnknownAgent, UnsafeCachePath
-from .policy import EvictionPolicy, LRUPolicy
-from .prefetch import Prefetch, PrefetchActor, Stage, StageResult
+from .errors import StoreWriteError, UnknownAgent, UnsafeCachePath
+from .prefetch import Prefetch, PrefetchActor, PrefetchMessage
 from .protocol import (
+    AgentMessage,
+    AgentSnapshot,
+    AgentState,
     CacheInfo,
     CacheQuery,
+    Completion,
     DropCache,
+    EngineMessage,
     EngineStats,
     Fork,
     GetModelInfo,
+    GetState,
     ModelInfo,
     Sampling,
+    Snapshot,
     StatsQuery,
-    Timings,
+    Turn,
     check_agent_id,
 )
 from .store import (
-    Append,
     CacheIdentity,
     ExpectFn,
     Forget,
     Forgotten,
     ForkCache,
     ListAgents,
-    Manifest,
-    ShareCache,
     StoreActor,
+    StoreMessage,
     StoreStats,
     StoreStatsQuery,
     WarmInfo,
     collect,
 )
+from .warm_tier import ActorWarmTier
 
-if TYPE_CHECKING:
-    from .cluster import ClusterSession
-
-__all__ = ("Agent", "Completion", "Session", "TextStream", "WarmTier", "open")
+__all__ = ("Agent", "OnSaveError", "Session", "TextStream")
 
 log = logging.getLogger("kvactor.session")
 
 OnSaveError = Literal["report", "raise"]
 _ON_SAVE_ERROR = ("report", "raise")
-
-
-class Completion(msgspec.Struct, frozen=True):
-    """One finished turn: the text, why it stopped, its timings, and how the cache was
-    found: ``path`` the tier it came from (cold: nothing reused), ``match`` how the prompt
-    compared with what it held.
-
-    ``saved``: the turn's cache is in the warm tier (always False without ``cache_dir``);
-    ``save_error``: why it is not, when writing it failed (disk full, I/O error). The
-    conversation goes on either way, and the next write that succeeds saves what this one
-    missed."""
-
-    text: str
-    finish_reason: FinishReason
-    token_ids: list[int]
-    timings: Timings
-    path: Tier
-    match: Match
-    saved: bool = False
-    save_error: str | None = None
-
-
-def _completion(done: TurnDone) -> Completion:
-    return Completion(
-        done.text,
-        done.reason,
-        done.token_ids,
-        done.timings,
-        done.path,
-        done.match,
-        saved=done.saved,
-        save_error=done.save_error,
-    )
 
 
 class TextStream:
@@ -121,13 +89,13 @@ class TextStream:
         if self.completion is not None:
             raise StopAsyncIteration
         item = await self._inner.__anext__()
-        if isinstance(item, TurnDone):
-            self.completion = _completion(item)
+        if isinstance(item, Completion):
+            self.completion = item
             if self._raise and item.save_error is not None:
                 error = StoreWriteError(
                     f"the turn completed but its cache was not saved: {item.save_error}"
                 )
-                error.completion = self.completion
+                error.completion = item
                 raise error
             raise StopAsyncIteration
         assert isinstance(item, str)
@@ -144,10 +112,11 @@ class TextStream:
         await self.aclose()
 
 
-class Agent:
-    """A handle on one agent actor: multi-turn generation with a cache kept between turns."""
+class Agent(AgentTurns):
+    """A handle on one agent actor: multi-turn generation with a cache kept between turns
+    (the turn methods: :class:`~kvactor.actors.api.AgentTurns`)."""
 
-    def __init__(self, session: Session, name: str, ref: ActorRef[Any]) -> None:
+    def __init__(self, session: Session, name: str, ref: ActorRef[AgentMessage]) -> None:
         self._session = session
         self.name = name
         self.ref = ref
@@ -155,48 +124,19 @@ class Agent:
     def __repr__(self) -> str:
         return f"<Agent {self.name!r}>"
 
-    def stream(self, text: str, **sampling: Any) -> TextStream:
-        """Stream the reply to the user message ``text``. Raises TypeError / ValueError for
-        a prompt that is not a str or bad options."""
-        return self._stream(Turn(prompt_text(text), Sampling.from_options(sampling)))
-
-    def stream_raw(self, prompt: str, **sampling: Any) -> TextStream:
-        """Stream a completion of the whole raw ``prompt`` (no chat template, no history).
-
-        A prompt that extends the previous one (plus what was generated) reuses the cache."""
-        return self._stream(Turn(prompt_text(prompt), Sampling.from_options(sampling), raw=True))
-
-    def stream_chat(self, messages: list[dict[str, str]], **sampling: Any) -> TextStream:
-        """Stream the reply to a whole conversation kept by the caller (``[{"role",
-        "content"}, ...]``, ending with the user's message), as an HTTP client resends it
-        every turn: it replaces the agent's history, and whatever of it the cache already
-        spells is reused (prefix matching: a resent history plus a new message is an
-        EXTEND). Raises ValueError / TypeError for a malformed conversation or options."""
-        history = check_history(messages)
-        return self._stream(Turn("", Sampling.from_options(sampling), history=history))
-
-    async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> Completion:
-        """The whole reply to a conversation kept by the caller; see ``stream_chat``."""
-        return await drain(self.stream_chat(messages, **sampling))
+    def _turn_stream(
+        self, kind: TurnKind, payload: Any, sampling: dict[str, Any], *, pieces: bool
+    ) -> TextStream:
+        options = Sampling.from_options(sampling)
+        if kind == "chat":
+            turn = Turn("", options, history=check_history(payload))
+        else:
+            turn = Turn(payload, options, raw=kind == "raw")
+        return self._stream(turn)
 
     def _stream(self, turn: Turn) -> TextStream:
         raising = self._session.on_save_error == "raise"
         return TextStream(self.ref.stream(turn), raise_on_save_error=raising)
-
-    async def complete(self, prompt: str, **sampling: Any) -> Completion:
-        """The completion of the raw ``prompt``; see ``stream_raw`` and ``generate``."""
-        return await drain(self.stream_raw(prompt, **sampling))
-
-    async def generate(self, text: str, **sampling: Any) -> Completion:
-        """The whole reply to ``text``.
-
-        Sampling options: max_tokens, temperature (0 = greedy), top_p, seed, stop.
-        Raises TypeError for an unknown option, ValueError for an empty prompt or a bad
-        value, ContextOverflow when the prompt does not fit the model; with
-        ``on_save_error="raise"``, StoreWriteError (holding the ``completion``) when the
-        turn's cache could not be written to the warm tier.
-        """
-        return await drain(self.stream(text, **sampling))
 
     async def state(self) -> AgentState:
         state: AgentState = await self.ref.ask(GetState())
@@ -208,89 +148,6 @@ class Agent:
     async def cache_info(self) -> CacheInfo:
         info: CacheInfo = await self._session.engine.ask(CacheQuery(self.name))
         return info
-
-
-def prompt_text(text: object) -> str:
-    """``text``, checked to be a str (a prompt or a message)."""
-    if not isinstance(text, str):
-        raise TypeError(f"the prompt must be a str, not {type(text).__name__}")
-    return text
-
-
-class Streamed(Protocol):
-    """A turn's stream (``TextStream``, a cluster's ``ClusterTextStream``)."""
-
-    completion: Completion | None
-
-    def __aiter__(self) -> AsyncIterator[str]: ...
-    async def __aenter__(self) -> Any: ...
-    async def __aexit__(self, *exc_info: object) -> None: ...
-
-
-async def drain(stream: Streamed) -> Completion:
-    """The Completion of a turn's stream, its pieces read and dropped."""
-    async with stream:
-        async for _ in stream:
-            pass
-    assert stream.completion is not None
-    return stream.completion
-
-
-class WarmTier:
-    """The warm tier as an agent sees it: restore its conversation, stage its cache into the
-    engine, append the new tokens of a turn. Backed by the store and prefetch actors."""
-
-    def __init__(self, store: ActorRef[Any], prefetch: ActorRef[Any]) -> None:
-        self.store = store
-        self.prefetch = prefetch
-
-    async def restore(self, agent: str) -> tuple[list[int], str, list[dict[str, str]]] | None:
-        try:
-            manifest = await self.store.ask(Manifest(agent))
-        except CacheRejected as exc:
-            log.warning("agent %r starts cold: %s", agent, exc)
-            return None
-        if manifest is None:
-            return None
-        return list(manifest.token_ids), manifest.text, [dict(m) for m in manifest.messages]
-
-    async def stage(self, agent: str) -> bool:
-        result: StageResult = await self.prefetch.ask(Stage(agent), timeout=None)
-        if not result.staged:
-            why = f"{result.outcome}: {result.detail}" if result.detail else result.outcome
-            log.warning("agent %r: warm cache not staged (%s): starting cold", agent, why)
-        return result.staged
-
-    async def append(
-        self,
-        agent: str,
-        start: int,
-        tensors: dict[str, Any],
-        *,
-        tokens: list[int],
-        text: str,
-        messages: list[dict[str, str]],
-    ) -> None:
-        await self.store.ask(Append(agent, start, tensors, tokens, text, messages), timeout=120)
-
-    async def share(
-        self,
-        agent: str,
-        source: str,
-        *,
-        tokens: list[int],
-        text: str,
-        messages: list[dict[str, str]],
-    ) -> bool:
-        """Give ``agent`` (nothing on disk yet) a warm cache of ``tokens`` linked from
-        ``source``'s segments; False when that cannot be done (write them instead)."""
-        info = await self.store.ask(ShareCache(source, agent, tokens, text, messages), timeout=120)
-        return info is not None
-
-    async def hot(self, agent: str) -> None:
-        """Stage ``agent``'s warm cache into the hot tier if it is not hot and there is
-        room (a shared context an agent is about to reuse); never waits for room."""
-        await self.prefetch.ask(Prefetch(agent), timeout=None)
 
 
 class Session:
@@ -318,10 +175,10 @@ class Session:
         self.on_save_error = on_save_error
         self._lock: CacheDirLock | None = None
         self.runtime = Runtime(mailbox_size=mailbox_size)
-        self.engine: ActorRef[Any]
-        self.store: ActorRef[Any] | None = None
-        self.prefetcher: ActorRef[Any] | None = None
-        self.warm: WarmTier | None = None
+        self.engine: ActorRef[EngineMessage]
+        self.store: ActorRef[StoreMessage] | None = None
+        self.prefetcher: ActorRef[PrefetchMessage] | None = None
+        self.warm: ActorWarmTier | None = None
         self.model: ModelInfo
         self.tokenizer: Tokenizer
         self._agents: dict[str, Agent] = {}
@@ -401,7 +258,7 @@ class Session:
         self.prefetcher = await self.runtime.spawn(
             PrefetchActor, self.engine, self.store, name="prefetch"
         )
-        self.warm = WarmTier(self.store, self.prefetcher)
+        self.warm = ActorWarmTier(self.store, self.prefetcher)
 
     async def aclose(self) -> None:
         """Stop every agent (each first saves its last turn), then the engine. Closing a
@@ -511,6 +368,7 @@ class Session:
         if name in self._agents:
             raise ValueError(f"agent {name!r} already exists")
         running = self._agents.get(source)
+        start: AgentSnapshot | None
         if running is not None:
             start = await running.ref.ask(Snapshot())
         elif self.warm is not None:
@@ -525,14 +383,14 @@ class Session:
             forked = await store.ask(ForkCache(source, name))
             on_disk = None if forked is None else await warm.restore(name)  # what it resumes
         # Hot too when the source is, with exactly those tokens (else it stages from disk).
-        await self.engine.ask(Fork(source, name, list((on_disk or start)[0])))
+        await self.engine.ask(Fork(source, name, list((on_disk or start).tokens)))
         return await self._start_agent(name, None, None if on_disk else start)
 
     async def _start_agent(
         self,
         name: str,
         system: str | None,
-        start: tuple[list[int], str, list[dict[str, str]]] | None = None,
+        start: AgentSnapshot | None = None,
         *,
         context: str | None = None,
     ) -> Agent:
@@ -624,151 +482,3 @@ class Session:
             return StoreStats()
         stats: StoreStats = await self.store.ask(StoreStatsQuery())
         return stats
-
-
-_T = TypeVar("_T")
-
-
-class Opening(Generic[_T]):
-    """What ``open()`` returns: await it (the started session), or use it as ``async
-    with`` (closed on the way out). ``start`` starts the session; ``close`` is its
-    ``__aexit__``."""
-
-    def __init__(
-        self,
-        start: Callable[[], Coroutine[Any, Any, _T]],
-        close: Callable[
-            [type[BaseException] | None, BaseException | None, TracebackType | None],
-            Awaitable[object],
-        ],
-    ) -> None:
-        self._start = start
-        self._close = close
-
-    def __await__(self) -> Generator[Any, None, _T]:
-        return self._start().__await__()
-
-    async def __aenter__(self) -> _T:
-        return await self._start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._close(exc_type, exc, tb)
-
-
-@overload
-def open(
-    model: ModelSpec = None,
-    *,
-    max_batch: int = 8,
-    prefill_chunk: int = 256,
-    weights: str = "auto",
-    mailbox_size: int = 64,
-    budget_bytes: int | None = None,
-    codec: KVCodec | None = None,
-    policy: EvictionPolicy | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    delete_rejected: bool = False,
-    attention: Attention = "auto",
-    on_save_error: OnSaveError = "report",
-    ready_copies: bool = True,
-    share_prefixes: bool = True,
-    cluster: None = None,
-) -> Opening[Session]: ...
-
-
-@overload
-def open(model: ModelSpec = None, *, cluster: str, **options: Any) -> Opening[ClusterSession]: ...
-
-
-def open(
-    model: ModelSpec = None,
-    *,
-    max_batch: int = 8,
-    prefill_chunk: int = 256,
-    weights: str = "auto",
-    mailbox_size: int = 64,
-    budget_bytes: int | None = None,
-    codec: KVCodec | None = None,
-    policy: EvictionPolicy | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    delete_rejected: bool = False,
-    attention: Attention = "auto",
-    on_save_error: OnSaveError = "report",
-    ready_copies: bool = True,
-    share_prefixes: bool = True,
-    cluster: str | None = None,
-    **cluster_options: Any,
-) -> Opening[Session] | Opening[ClusterSession]:
-    """Open a session on ``model``: None for the default model (fetched once, verified), a
-    ``.gguf`` file, a local MLX / Hugging Face model directory, or a callable returning a
-    LoadedModel. ``max_batch`` agents decode together; prompts are prefilled
-    ``prefill_chunk`` tokens at a time between decode steps.
-
-    ``cache_dir`` turns on the warm tier there (``kvactor.default_cache_dir()`` is the
-    usual place): every turn's new tokens are written to disk, demoted agents reload from
-    there, and agents of a new session resume from it. The session holds the directory's
-    lock: ``open`` raises CacheDirLocked when another session (of any process) has it.
-    A turn whose write fails says so in its Completion (``saved``, ``save_error``); with
-    ``on_save_error="raise"`` it raises StoreWriteError instead, holding the Completion.
-    ``budget_bytes`` bounds the hot
-    tier; ``codec`` picks how caches are stored (default ``DEFAULT_CODEC``: keys 5-bit, values
-    3-bit in groups of 64, Hadamard-rotated, 4 sink tokens at 8 bits);
-    ``policy`` picks whom to demote (default LRU). ``delete_rejected`` deletes warm caches
-    that are refused (another model, corrupt) instead of setting them aside.
-    ``attention``: ``"quantized"`` runs attention and batches over the stored quantized
-    caches, ``"dequantized"`` over a float copy made at each turn's start; ``"auto"``
-    (default) picks quantized on a GPU and dequantized on the CPU (see EngineConfig).
-    ``ready_copies`` (dequantized attention): hot agents keep their float copy between
-    turns while the budget has room, so their next turn starts at once (dropped first when
-    room is needed; answers are the same either way). ``share_prefixes``: a turn that
-    reuses nothing of its own cache reuses the stored ranges of another hot cache its
-    prompt begins with (a shared context: ``Session.context``), shared, not prefilled
-    (the sharing agent attends over the stored values, as a warm resume does: see
-    EngineConfig).
-    ``cluster``: the session's engines run as Ray actors over a cluster ("auto", "local",
-    an address or ``ray://host:port``), one engine host per node; the keywords then go to
-    ``kvactor.actors.cluster.open_cluster`` (``cache_dir`` required; ``hosts_per_node``,
-    ``placement``, ``ray_options``) and every host's own session. Without it Ray is never
-    imported.
-    Raises ValueError for an ``on_save_error`` other than "report" or "raise"."""
-    if cluster is not None:
-        from .cluster import open_cluster
-
-        given: dict[str, Any] = {
-            "max_batch": max_batch,
-            "prefill_chunk": prefill_chunk,
-            "weights": weights,
-            "mailbox_size": mailbox_size,
-            "budget_bytes": budget_bytes,
-            "codec": codec,
-            "policy": policy,
-            "delete_rejected": delete_rejected,
-            "attention": attention,
-            "on_save_error": on_save_error,
-            "ready_copies": ready_copies,
-            "share_prefixes": share_prefixes,
-        }
-        if cache_dir is None:
-            raise ValueError("a cluster keeps each host's warm tier under cache_dir: give one")
-        return open_cluster(model, cluster=cluster, cache_dir=cache_dir, **given, **cluster_options)
-    if cluster_options:
-        raise TypeError(f"unexpected keywords {sorted(cluster_options)} (cluster options?)")
-    config = EngineConfig(
-        max_batch=max_batch,
-        prefill_chunk=prefill_chunk,
-        weights=weights,
-        codec=codec,
-        budget_bytes=budget_bytes,
-        persistent=cache_dir is not None,
-        policy=policy or LRUPolicy(),
-        attention=attention,
-        ready_copies=ready_copies,
-        share_prefixes=share_prefixes,
-    )
-    session = Session(model, config, mailbox_size, cache_dir, delete_rejected, on_save_error)
-    return Opening(session.start, session.__aexit__)

@@ -16,10 +16,10 @@ BLAS = _ensure_blas()
 """Which BLAS MLX's CPU matmuls run on (a ``kvactor.kernels.BlasInfo``)."""
 
 # ruff: noqa: E402  (MLX, imported by everything below, must come after the BLAS)
+from .actors.api import AgentAPI as AgentAPI
+from .actors.api import SessionAPI as SessionAPI
+from .actors.api import TurnStream as TurnStream
 from .actors.cluster import ClusterSession as ClusterSession
-from .actors.cluster import HostLost as HostLost
-from .actors.cluster import MostFreeBudget as MostFreeBudget
-from .actors.cluster import PlacementPolicy as PlacementPolicy
 from .actors.cluster import open_cluster as open_cluster
 from .actors.config import Attention as Attention
 from .actors.enums import FinishReason as FinishReason
@@ -32,25 +32,28 @@ from .actors.errors import CacheMiss as CacheMiss
 from .actors.errors import CacheRejected as CacheRejected
 from .actors.errors import ContextOverflow as ContextOverflow
 from .actors.errors import EngineStopped as EngineStopped
+from .actors.errors import HostLost as HostLost
 from .actors.errors import InvalidAgentId as InvalidAgentId
 from .actors.errors import KvactorError as KvactorError
 from .actors.errors import ModelLoadError as ModelLoadError
 from .actors.errors import StoreWriteError as StoreWriteError
 from .actors.errors import UnknownAgent as UnknownAgent
 from .actors.errors import UnsafeCachePath as UnsafeCachePath
+from .actors.opening import open as open
+from .actors.placement import MostFreeBudget as MostFreeBudget
+from .actors.placement import PlacementPolicy as PlacementPolicy
 from .actors.policy import Candidate as Candidate
 from .actors.policy import EvictionPolicy as EvictionPolicy
 from .actors.policy import LRUPolicy as LRUPolicy
 from .actors.protocol import CacheInfo as CacheInfo
+from .actors.protocol import Completion as Completion
 from .actors.protocol import EngineStats as EngineStats
 from .actors.protocol import ModelInfo as ModelInfo
 from .actors.protocol import Sampling as Sampling
 from .actors.protocol import Timings as Timings
 from .actors.session import Agent as Agent
-from .actors.session import Completion as Completion
 from .actors.session import Session as Session
 from .actors.session import TextStream as TextStream
-from .actors.session import open as open
 from .actors.store import Forgotten as Forgotten
 from .actors.store import SharedFile as SharedFile
 from .actors.store import WarmInfo as WarmInfo
@@ -65,6 +68,7 @@ __all__ = (
     "DEFAULT_CODEC",
     "ActorDeadError",
     "Agent",
+    "AgentAPI",
     "AgentBusy",
     "AskTimeout",
     "Attention",
@@ -94,11 +98,13 @@ __all__ = (
     "PlacementPolicy",
     "Sampling",
     "Session",
+    "SessionAPI",
     "SharedFile",
     "StoreWriteError",
     "TextStream",
     "Tier",
     "Timings",
+    "TurnStream",
     "UnknownAgent",
     "UnsafeCachePath",
     "WarmInfo",

@@ -58,3 +58,23 @@ def test_enums_print_compare_and_serialize_as_their_values() -> None:
             assert json.loads(msgspec.json.encode(member)) == member.value
             assert msgspec.json.decode(msgspec.json.encode(member), type=enum) is member
     assert StageOutcome.STAGED.hot and StageOutcome.HOT.hot and not StageOutcome.NO_ROOM.hot
+
+
+def _sessions_implement_one_api(
+    local: kvactor.Session,
+    cluster: kvactor.ClusterSession,
+    agent: kvactor.Agent,
+    remote: kvactor.actors.cluster_agent.ClusterAgent,
+) -> tuple[kvactor.SessionAPI, kvactor.SessionAPI, kvactor.AgentAPI, kvactor.AgentAPI]:
+    """Checked by mypy (tools/typecheck.py): both sessions and both agents have the API."""
+    return local, cluster, agent, remote
+
+
+def test_in_process_and_cluster_agents_share_their_turn_methods() -> None:
+    from kvactor.actors.api import AgentTurns
+    from kvactor.actors.cluster_agent import ClusterAgent
+
+    for cls in (kvactor.Agent, ClusterAgent):
+        assert issubclass(cls, AgentTurns)
+        for name in ("stream", "stream_raw", "stream_chat", "generate", "complete", "chat"):
+            assert getattr(cls, name) is getattr(AgentTurns, name)  # written once

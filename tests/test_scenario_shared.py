@@ -79,7 +79,7 @@ async def held_tokens(root: Path, names: list[str]) -> dict[str, list[int]]:
         for name in names:
             saved = await kv.warm.restore(name)
             assert saved is not None, name
-            held[name] = saved[0]
+            held[name] = saved.tokens
         return held
 
 

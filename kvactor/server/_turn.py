@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..actors import Agent, Completion, TextStream
+from ..actors import Agent, Completion
+from ..actors.api import TurnStream
 from ._routing import Conversation
 from ._state import ServerState, server_state
 
@@ -29,7 +30,7 @@ class Ask:
     conversation: Conversation
     options: dict[str, Any]
 
-    def start(self, agent: Agent) -> TextStream:
+    def start(self, agent: Agent) -> TurnStream:
         """The turn's text stream on ``agent`` (not started). Raises TypeError /
         ValueError for bad options."""
         if isinstance(self.conversation, str):
@@ -48,7 +49,7 @@ class StreamedTurn:
     Completion once the pieces ran out (``finished``)."""
 
     def __init__(
-        self, agent: Agent, stream: TextStream, first: str | None, on_done: Callable[[], None]
+        self, agent: Agent, stream: TurnStream, first: str | None, on_done: Callable[[], None]
     ) -> None:
         self.agent = agent
         self._stream = stream
