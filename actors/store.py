@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,6 @@ from ._manifest import (
     SegmentEntry,
     WarmInfo,
     agent_dir,
-    contained,
     default_cache_dir,
     read_manifest,
 )
@@ -52,7 +50,6 @@ from ._warm_write import (
     fork_cache,
     share_cache,
 )
-from .enums import Tier
 from .errors import CacheRejected
 from .protocol import check_agent_id
 
@@ -84,8 +81,6 @@ __all__ = (
     "disk_footprint",
     "forget",
     "forget_cache",
-    "format_table",
-    "inspect_rows",
     "list_agents",
     "lock_cache_dir",
     "read_cache",
@@ -327,85 +322,3 @@ class StoreActor(Actor):
         self._refused.pop(agent, None)
         done: Forgotten = await anyio.to_thread.run_sync(forget_cache, self.root, agent)
         return done
-
-
-# -------------------------------------------------------------------------------- CLI
-def inspect_rows(
-    root: str | os.PathLike[str] | None = None, identity: CacheIdentity | None = None
-) -> list[dict[str, Any]]:
-    """One row per agent folder for ``kvactor inspect``: agent, host, tier, tokens, bytes,
-    model (fingerprint, shortened), codec, updated (unix time), status ("ok" or
-    "rejected") and reason. ``host`` is "" for the root's own agents; a cluster's cache
-    directory (``open(cluster=...)``) adds the agents of each engine host that ran on
-    this machine, under ``<root>/hosts/<host>``. Given ``identity``, caches of another
-    model or codec show as rejected. Raises UnsafeCachePath when ``agents/`` or
-    ``hosts/`` (or a host's folder) is a symlink, OSError when one is unreadable."""
-    root = default_cache_dir() if root is None else root
-    places = [("", Path(root))]
-    hosts = contained(root, "hosts")
-    if hosts.is_dir():
-        places += [(h, contained(root, "hosts", h)) for h in sorted(os.listdir(hosts))]
-    return [
-        {
-            "agent": info.agent,
-            "host": host,
-            "tier": Tier.WARM,
-            "tokens": info.tokens,
-            "bytes": info.nbytes,
-            "model": info.model_fingerprint[:12],
-            "codec": ",".join(f"{k}={v}" for k, v in sorted(info.codec.items())),
-            "updated": info.updated,
-            "status": "ok" if info.rejected is None else "rejected",
-            "reason": info.rejected or "",
-        }
-        for host, folder in places
-        if folder.is_dir()
-        for info in list_agents(folder, identity)
-    ]
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
-
-
-def printable(text: str) -> str:
-    """``text`` safe for a terminal line: control characters (escape sequences, newlines)
-    and other unprintable ones are shown as Python escapes, never passed through."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """``inspect_rows`` as an aligned text table (one line saying so when empty), with a
-    HOST column when some row has a host; names from disk are escaped (``printable``)."""
-    if not rows:
-        return "no warm caches"
-    hosts = any(row.get("host") for row in rows)
-    head = ("AGENT", "TIER", "TOKENS", "SIZE", "MODEL", "CODEC", "UPDATED", "STATUS")
-    lines: list[tuple[str, ...]] = [("HOST", *head) if hosts else head]
-    for row in rows:
-        status = row["status"] if not row.get("reason") else f"{row['status']}: {row['reason']}"
-        updated = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["updated"]))
-        cells = (
-            printable(str(row["agent"])),
-            str(row["tier"]),
-            str(row["tokens"]),
-            _size(int(row["bytes"])),
-            printable(str(row["model"])) or "-",
-            printable(str(row["codec"])) or "-",
-            updated,
-            printable(status),
-        )
-        lines.append((printable(str(row.get("host") or "-")), *cells) if hosts else cells)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]) - 1)]
-    right = {3, 4} if hosts else {2, 3}  # numbers
-    out = []
-    for line in lines:
-        padded = [
-            cell.rjust(w) if i in right else cell.ljust(w)
-            for i, (cell, w) in enumerate(zip(line, widths, strict=False))
-        ]
-        out.append("  ".join([*padded, line[-1]]).rstrip())
-    return "\n".join(out)

@@ -1,367 +1,63 @@
-"""``kvactor demo`` and ``kvactor run``: run a scenario with a live view, then summarize.
+"""``kvactor demo`` and ``kvactor run``: run a scenario with a live view (``_scenario_view``),
+then summarize it, and say how to see and delete the warm caches it left.
 
-The live view prints one line per turn and a table of every agent's tier; on a terminal
-the table is redrawn in place after each turn, elsewhere (CI logs, pipes) it is printed
-once per phase. The summary gives TTFT by path, the time saved against re-prefilling,
-the engine's demotions and reloads, and (with a shared context or forks) what sharing
-saved against agents that each prefill their own prompts.
+``--json`` alone prints a JSON summary on stdout instead (the live view goes to stderr);
+``--json PATH`` writes the whole results to PATH.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import importlib.util
+import json
+import os
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import anyio
 import msgspec
 
-from ._scenario_results import SHARED
+from ._inspect import remember_model
+from ._scenario_shipped import resolve_scenario, shipped_scenario
+from ._scenario_view import WIDTH, LiveView, format_summary
+from ._text import command, printable
 from .actors import BudgetExceeded, KvactorError, ModelLoadError, Tier, TurnPath
+from .actors.store import default_cache_dir, list_agents
 from .scenario import (
-    AgentRow,
-    Event,
-    PhaseStarted,
+    CONTEXT_AGENT,
     Results,
-    RunStarted,
     Scenario,
     ScenarioError,
-    TurnFinished,
-    TurnRecord,
-    TurnStarted,
     cold_model,
-    load_scenario,
     run_scenario,
     turn_path,
     write_results,
 )
 
-__all__ = ("LiveView", "format_summary", "next_run", "plot_ttft", "run_demo", "run_file")
+__all__ = (
+    "LiveView",
+    "cache_commands",
+    "demo_scenario",
+    "format_summary",
+    "json_summary",
+    "next_run",
+    "plot_ttft",
+    "run_demo",
+    "run_file",
+)
 
-WIDTH = 92  # summary paragraphs wrap here
+STDOUT = "-"  # --json alone (or --json -): the summary as JSON on stdout
+
+
 PATH_COLOURS = {
     TurnPath.COLD: "#1f77b4",
     TurnPath.WARM: "#ff7f0e",
     TurnPath.PREFETCHED: "#9467bd",
     TurnPath.HOT: "#2ca02c",
 }
-
-
-# ----------------------------------------------------------------------------- tables
-def size(nbytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def table(head: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
-    """Aligned columns; the columns in ``right`` (numbers) align right."""
-    lines = [list(head), *[list(r) for r in rows]]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return [
-        "  ".join(
-            cell.rjust(w) if i in right else cell.ljust(w)
-            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
-        ).rstrip()
-        for line in lines
-    ]
-
-
-def agent_table(rows: Sequence[AgentRow]) -> list[str]:
-    body = [
-        (
-            r.agent,
-            r.tier,
-            str(r.tokens),
-            size(r.nbytes) if r.nbytes else "-",
-            str(r.turns),
-            f"{r.last_path}/{r.last_match}" if r.last_path else "-",
-            f"{r.last_ttft_s:.2f} s" if r.last_ttft_s is not None else "-",
-        )
-        for r in rows
-    ]
-    head = ("agent", "tier", "tokens", "cache", "turns", "last path", "last TTFT")
-    return table(head, body, {2, 3, 4, 6})
-
-
-def turn_line(record: TurnRecord, total: int) -> str:
-    width = len(str(total))
-    own = record.reused_tokens - record.shared_tokens - record.forked_tokens
-    parts = []
-    if record.shared_tokens:
-        parts.append(f"{record.shared_tokens} shared")
-    if record.forked_tokens:
-        parts.append(f"{record.forked_tokens} forked")
-    if own or not parts:
-        parts.append(f"{own} reused")
-    reused = " + ".join([*parts, f"{record.prefilled_tokens} new"])
-    return (
-        f"  [{record.index + 1:>{width}}/{total}] {record.agent:<10} "
-        f"{turn_path(record):<10} {record.match:<7} TTFT {record.ttft_s:6.2f} s  "
-        f"prompt {record.prompt_tokens} ({reused})  "
-        f"-> {record.generated_tokens} tokens at {record.decode_tok_s:.1f} tok/s"
-    )
-
-
-def format_summary(results: Results) -> list[str]:
-    """The end-of-run report: TTFT by path, time saved, engine statistics."""
-    summary, stats = results.summary, results.stats
-    rows = [
-        (
-            p.label,
-            str(p.turns),
-            f"{p.mean_ttft_s:.2f} s",
-            f"{p.median_ttft_s:.2f} s",
-            f"{p.mean_queue_s * 1000:.0f} ms",
-            f"{p.mean_prompt_tokens:.0f}",
-            f"{p.mean_reused_tokens:.0f}",
-            f"{p.est_cold_ttft_s:.2f} s",
-        )
-        for p in summary.paths
-    ]
-    head = ("path", "turns", "mean TTFT", "median", "queue", "prompt tok", "reused", "if cold")
-    out = [f"TTFT by path ({len(results.turns)} turns):", *table(head, rows, set(range(1, 8)))]
-    legend = (
-        "cold: nothing reused; warm: reloaded from disk for the turn; prefetched: staged from "
-        "disk while the previous turn decoded; hot: still in memory; extend: the non-cold turns "
-        "whose prompt extended the cached one. queue: before the prefill (a reload from disk "
-        "included). if cold: the estimated TTFT had the whole prompt been prefilled."
-    )
-    if any(p.label == SHARED for p in summary.paths):
-        legend += " shared: the turns that shared another agent's cache (the shared context)."
-    out += textwrap.wrap(legend, WIDTH, initial_indent="  ", subsequent_indent="  ")
-    paragraphs = []
-    for ref in summary.references[:1]:  # the longest turn
-        turn = results.turns[ref.index]
-        queued = f" ({turn.queue_s:.2f} s of it queued)" if turn.queue_s >= 0.05 else ""
-        paragraphs.append(
-            f"cold reference (measured): {ref.agent}'s prompt of turn {ref.index + 1}, "
-            f"{ref.prompt_tokens} tokens, "
-            f"prefilled from scratch took {ref.ttft_s:.2f} s; with its cache ({turn.path}/"
-            f"{turn.match}, {turn.reused_tokens} tokens reused) that turn took "
-            f"{ref.turn_ttft_s:.2f} s{queued}: "
-            f"{ref.ttft_s / max(ref.turn_ttft_s, 1e-9):.1f}x faster."
-        )
-    saving = summary.savings
-    if saving is not None:
-        paragraphs.append(
-            f"time to first token over all turns: {saving.actual_ttft_s:.1f} s measured, "
-            f"{saving.est_cold_ttft_s:.1f} s estimated had every prompt been prefilled from "
-            f"scratch: {saving.saved_s:.1f} s saved ({saving.saved_fraction:.0%}). Estimate: "
-            f"{saving.method}; queueing left out."
-        )
-    budget = f" of a {size(stats.budget_bytes)} budget" if stats.budget_bytes else " (no budget)"
-    paragraphs.append(
-        f"engine: {stats.ready_turns} turns started from a ready float copy, "
-        f"{stats.dropped_ready} ready copies dropped for room; "
-        f"{stats.demoted_warm} demotions to warm, {stats.demoted_cold} to cold, "
-        f"{stats.installs} reloads from disk; hot-tier peak {size(stats.peak_bytes)}{budget}; "
-        f"{stats.generated_tokens} tokens generated; wall time {results.wall_s:.1f} s."
-    )
-    if stats.warm_write_failures:
-        paragraphs.append(
-            f"warm tier: {stats.warm_write_failures} of "
-            f"{stats.warm_writes + stats.warm_write_failures} writes failed (see the log): "
-            "those turns were not saved until a later write of the same agent succeeded."
-        )
-    if summary.sharing is not None:
-        paragraphs.append(sharing_paragraph(results))
-    for paragraph in paragraphs:
-        out += ["", *textwrap.wrap(paragraph, WIDTH, subsequent_indent="  ")]
-    if summary.sharing is not None:
-        out += sharing_table(results)
-    return out
-
-
-def sharing_paragraph(results: Results) -> str:
-    """What was shared: the context, the turns that shared it, the forks."""
-    sharing = results.summary.sharing
-    assert sharing is not None
-    said = []
-    context = results.context
-    if context is not None:
-        made = (
-            f"prefilled once in {context.seconds:.1f} s"
-            if context.path is Tier.COLD
-            else f"resumed from disk in {context.seconds:.1f} s"
-        )
-        said.append(f"the shared context ({context.tokens} tokens) was {made}")
-    if sharing.shared_turns:
-        said.append(
-            f"{_count(sharing.shared_turns, 'turn')} shared {sharing.shared_tokens} tokens of "
-            "its cache instead of prefilling them"
-        )
-    elif context is not None:
-        said.append("no turn shared its cache (share_prefixes = false?)")
-    if sharing.forked_turns:
-        said.append(
-            f"{_count(sharing.forked_turns, 'fork')} took over {sharing.forked_tokens} tokens "
-            "of a source's cache"
-        )
-    return (
-        f"shared prefixes: {'; '.join(said)}. Against agents that each prefill their own "
-        "prompts (no shared context, no forks):"
-    )
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def sharing_table(results: Results) -> list[str]:
-    """Tokens prefilled, time to first tokens and bytes: as run, and as independent
-    agents would have needed (estimated time; bytes as if nothing were shared)."""
-    sharing = results.summary.sharing
-    assert sharing is not None
-    ratio = sharing.independent_tokens / max(sharing.prefilled_tokens, 1)
-    rows = [
-        (
-            "tokens prefilled",
-            f"{sharing.prefilled_tokens:,}",
-            f"{sharing.independent_tokens:,}",
-            f"{ratio:.1f}x",
-        )
-    ]
-    if sharing.independent_ttft_s is not None:
-        rows.append(
-            (
-                "time to first tokens",
-                f"{sharing.ttft_s:.1f} s",
-                f"{sharing.independent_ttft_s:.1f} s",
-                f"{sharing.independent_ttft_s / max(sharing.ttft_s, 1e-9):.1f}x",
-            )
-        )
-    footprint = results.footprint
-    if footprint is not None:
-        rows.append(
-            (
-                f"hot caches ({footprint.hot_caches})",
-                size(footprint.hot_bytes),
-                size(footprint.hot_bytes_each),
-                f"{footprint.hot_bytes_each / max(footprint.hot_bytes, 1):.1f}x",
-            )
-        )
-        if footprint.disk_files:
-            rows.append(
-                (
-                    "warm tier on disk",
-                    size(footprint.disk_bytes),
-                    size(footprint.disk_bytes_each),
-                    f"{footprint.disk_bytes_each / max(footprint.disk_bytes, 1):.1f}x",
-                )
-            )
-    lines = table(("", "shared", "independent", ""), rows, {1, 2, 3})
-    notes = (
-        "time to first tokens: the turns' TTFT plus making the shared context; for "
-        "independent agents each sharing or forked turn is estimated as a cold prefill of "
-        "its whole prompt. hot caches: their stored bytes at the end, shared arrays once; "
-        "independent: each cache whole. disk: hard-linked files once; independent: each "
-        "link as a copy."
-    )
-    return [*lines, *textwrap.wrap(notes, WIDTH, initial_indent="  ", subsequent_indent="  ")]
-
-
-# -------------------------------------------------------------------------- live view
-class LiveView:
-    """Prints a run as it happens. On a terminal the agent table is redrawn in place
-    after every turn; otherwise it is printed after each phase."""
-
-    def __init__(self, out: IO[str] | None = None, *, redraw: bool | None = None) -> None:
-        self.out = out or sys.stdout
-        self.redraw = self.out.isatty() if redraw is None else redraw
-        self.live = 0  # lines of the live block on screen
-        self.phases: list[str] = []
-        self.phase_sizes: list[int] = []
-        self.done_in_phase = 0
-        self.table: list[str] = []
-
-    def write(self, lines: Sequence[str], live: Sequence[str] = ()) -> None:
-        """Print ``lines`` for good, then (on a terminal) the live block under them."""
-        if self.live:
-            self.out.write(f"\x1b[{self.live}F\x1b[J")  # up to the block's start, clear
-        for line in lines:
-            self.out.write(line + "\n")
-        self.live = 0
-        if self.redraw:
-            for line in live:
-                self.out.write(line + "\n")
-            self.live = len(live)
-        self.out.flush()
-
-    def __call__(self, event: Event) -> None:
-        match event:
-            case RunStarted():
-                self.started(event)
-            case PhaseStarted(index=index, name=name, agents=agents):
-                self.done_in_phase = 0
-                self.write([f"phase {index + 1}/{len(self.phases)} {name}: {', '.join(agents)}"])
-            case TurnStarted(agent=agent, index=index, total=total):
-                if self.redraw:
-                    self.write([], [*self.table, f"  ... {agent}'s turn ({index + 1}/{total})"])
-            case TurnFinished(record=record, total=total, agents=rows):
-                self.done_in_phase += 1
-                table_lines = self.table = agent_table(rows)
-                end_of_phase = self.done_in_phase == self.phase_sizes[record.phase_index]
-                if self.redraw:
-                    self.write([turn_line(record, total)], table_lines)
-                    if end_of_phase:
-                        self.write(table_lines)  # keep the phase's final state
-                else:
-                    self.write([turn_line(record, total), *(table_lines if end_of_phase else [])])
-
-    def started(self, event: RunStarted) -> None:
-        s = event.scenario
-        self.phases = [p.name for p in s.phases]
-        every = len(s.agents)
-        self.phase_sizes = [len(p.agents) if p.agents else every for p in s.phases]
-        lines = [
-            f"scenario {s.name!r}: {every} agents, {len(s.phases)} phases, "
-            f"{event.total_turns} turns; model {event.model.name} "
-            f"({event.model.n_layers} layers)",
-            f"hot budget: {size(event.budget_bytes) if event.budget_bytes else 'none'}"
-            f" ({event.budget_note})",
-            f"warm tier: {event.cache_dir or 'none (demoted caches are lost)'}",
-        ]
-        context = event.context
-        if context is not None:
-            how = "prefilled" if context.path is Tier.COLD else "resumed from disk"
-            lines.append(
-                f"shared context: {context.tokens} tokens, {how} in {context.seconds:.1f} s: "
-                "every agent's system prompt, shared"
-            )
-        elif s.shared_context is not None:
-            lines.append(
-                "shared context: not shared (share_prefixes = false): every agent's system "
-                "prompt, prefilled by each"
-            )
-        if event.reset is not None:
-            lines.append(
-                f"found warm caches for {len(event.found_warm)} agents, but {event.reset}: "
-                "forgot them, starting cold"
-            )
-        elif event.resumed:
-            lines.append(
-                f"found warm caches for {len(event.resumed)} agents from a previous run "
-                f"({event.resumed_tokens} tokens): resuming from disk"
-            )
-        elif event.found_warm:
-            lines.append(
-                f"found warm caches for {len(event.found_warm)} agents that cannot be resumed "
-                "(another model or codec, or a changed system prompt): starting cold"
-            )
-        elif event.cache_dir is not None:
-            lines.append("no warm caches from a previous run: starting cold")
-        self.table = agent_table(event.agents)
-        self.write([*lines, ""], self.table)
-        if not self.redraw:
-            self.write(self.table)
 
 
 # ------------------------------------------------------------------------------- plot
@@ -413,16 +109,94 @@ def _plot_available() -> bool:
 
 
 # -------------------------------------------------------------------------------- CLI
+class Caches(msgspec.Struct, frozen=True, kw_only=True):
+    """The warm caches a run left: where, whose, and the commands that show and delete
+    them (quoted for a shell)."""
+
+    dir: str
+    agents: list[str]
+    inspect: str
+    forget: str
+
+
+def cache_commands(results: Results) -> Caches | None:
+    """The run's agents (the shared context included) that have a warm cache in its cache
+    directory, with the ``kvactor inspect`` / ``kvactor forget`` commands for them; None
+    without a warm tier or caches. Touches files."""
+    if results.cache_dir is None:
+        return None
+    folder = os.path.abspath(results.cache_dir)
+    names = [a.name for a in results.scenario.agents]
+    if results.context is not None:
+        names.append(CONTEXT_AGENT)
+    try:
+        on_disk = {w.agent for w in list_agents(folder) if w.rejected is None}
+    except (KvactorError, OSError):
+        return None
+    agents = [name for name in names if name in on_disk]
+    if not agents:
+        return None
+    return Caches(
+        dir=folder,
+        agents=agents,
+        inspect=command("kvactor", "inspect", folder),
+        forget=command("kvactor", "forget", *agents, "--dir", folder),
+    )
+
+
+def closing_lines(caches: Caches | None) -> list[str]:
+    """Where the run's warm caches are and the commands to paste."""
+    if caches is None:
+        return []
+    n = len(caches.agents)
+    return [
+        f"warm caches: {n} agent{'s' if n != 1 else ''} in {printable(caches.dir)}",
+        f"  see them:    {printable(caches.inspect)}",
+        f"  delete them: {printable(caches.forget)}",
+    ]
+
+
+def json_summary(
+    results: Results, caches: Caches | None, *, results_file: str | None, fresh: bool = False
+) -> dict[str, Any]:
+    """What ``--json`` prints for one run: the scenario, model, cache directory, the
+    summary and engine statistics, and the cache commands."""
+    return {
+        "scenario": results.scenario.name,
+        "model": {"name": results.model.name, "fingerprint": results.model.fingerprint},
+        "cache_dir": os.path.abspath(results.cache_dir) if results.cache_dir else None,
+        "results_file": results_file,
+        "turns": len(results.turns),
+        "wall_s": results.wall_s,
+        "budget_bytes": results.budget_bytes,
+        "resumed": results.resumed,
+        "reset": results.reset,
+        "summary": msgspec.to_builtins(results.summary),
+        "stats": msgspec.to_builtins(results.stats),
+        "next_run": next_run(results, fresh=fresh),
+        "caches": msgspec.to_builtins(caches) if caches is not None else None,
+    }
+
+
+class _Done(msgspec.Struct, frozen=True, kw_only=True):
+    results: Results
+    caches: Caches | None
+    results_file: str | None
+
+
 def _execute(
-    scenario: Scenario, args: argparse.Namespace, json_path: str | None, plot_path: str | None
-) -> int:
+    scenario: Scenario,
+    args: argparse.Namespace,
+    json_path: str | None,
+    plot_path: str | None,
+    out: IO[str],
+) -> _Done | int:
+    """Run ``scenario`` with a live view on ``out``, then print its summary there; the
+    exit code when it failed."""
     if plot_path and not _plot_available():
-        print(
-            "kvactor: --plot needs matplotlib: pip install 'kvactor[plot]'",
-            file=sys.stderr,
-        )
+        print("kvactor: --plot needs matplotlib: pip install 'kvactor[plot]'", file=sys.stderr)
         return 2
-    view = LiveView()
+    view = LiveView(out)
     try:
         results = anyio.run(lambda: run_scenario(scenario, on_event=view), backend=args.backend)
     except (ScenarioError, ModelLoadError) as exc:
@@ -436,13 +210,15 @@ def _execute(
         return 1
     fresh = bool(getattr(args, "fresh", False))
     view.write(["", *format_summary(results), "", next_run(results, fresh=fresh)])
+    if results.cache_dir is not None:
+        remember_model(results.cache_dir, results.model.fingerprint, results.model.name)
     if json_path:
         write_results(results, json_path)
-        print(f"results: {json_path}")
+        print(f"results: {json_path}", file=out)
     if plot_path:
         plot_ttft(results, plot_path)
-        print(f"plot: {plot_path}")
-    return 0
+        print(f"plot: {plot_path}", file=out)
+    return _Done(results=results, caches=cache_commands(results), results_file=json_path)
 
 
 def next_run(results: Results, *, fresh: bool = False) -> str:
@@ -475,13 +251,8 @@ def _overrides(scenario: Scenario, args: argparse.Namespace) -> Scenario:
     return msgspec.structs.replace(scenario, **changes) if changes else scenario
 
 
-def shipped_scenario(name: str) -> Scenario:
-    """A scenario of ``kvactor/scenarios/`` by name (``demo``, ``shared_doc``...)."""
-    return load_scenario(Path(__file__).parent / "scenarios" / f"{name}.toml")
-
-
 def demo_scenario() -> Scenario:
-    """The first scenario of ``kvactor demo`` (``kvactor/scenarios/demo.toml``)."""
+    """The first scenario of ``kvactor demo`` (the shipped ``demo.toml``)."""
     return shipped_scenario("demo")
 
 
@@ -491,6 +262,10 @@ def shared_json_path(json_path: str) -> str:
     return str(path.with_name(f"{path.stem}-shared{path.suffix or '.json'}"))
 
 
+def _print_json(document: dict[str, Any]) -> None:
+    print(json.dumps(document, indent=2, default=str))
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """``kvactor demo``: the built-in six-agent scenario, then many agents over one shared
     document (``shared_doc.toml``), on the default model. ``--budget-mb`` and ``--plot``
@@ -498,34 +273,65 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.budget_mb is not None and args.budget_mb <= 0:
         print("kvactor demo: --budget-mb must be > 0", file=sys.stderr)
         return 2
+    as_json = args.json == STDOUT
+    out = sys.stderr if as_json else sys.stdout
+    json_path = None if as_json else args.json
     started = time.perf_counter()
-    code = _execute(_overrides(demo_scenario(), args), args, args.json, args.plot)
-    if code != 0:
-        return code
+    first = _execute(_overrides(demo_scenario(), args), args, json_path, args.plot, out)
+    if isinstance(first, int):
+        return first
     # Its own budget; resume = false already, so --fresh changes nothing there.
     rest = argparse.Namespace(**{**vars(args), "budget_mb": None, "fresh": False})
     shared = _overrides(shipped_scenario("shared_doc"), rest)
     intro = (
         f"Shared prefixes: {len(shared.agents)} agents review one long design document "
-        "(kvactor/scenarios/shared_doc.md), each from its own angle. The document is every "
-        "agent's system prompt, prefilled once as a shared context: each agent's first "
-        "turn shares that cache (one copy in memory, hard links on disk) instead of "
-        "prefilling the document again."
+        "(shared_doc.md, kvactor scenarios show shared_doc.md prints it), each from its own "
+        "angle. The document is every agent's system prompt, prefilled once as a shared "
+        "context: each agent's first turn shares that cache (one copy in memory, hard links "
+        "on disk) instead of prefilling the document again."
     )
-    print("", *textwrap.wrap(intro, WIDTH), "", sep="\n")
-    json_path = shared_json_path(args.json) if args.json else None
-    code = _execute(shared, rest, json_path, None)
-    if code == 0:
-        print(f"demo done in {time.perf_counter() - started:.0f} s")
-    return code
+    print("", *textwrap.wrap(intro, WIDTH), "", sep="\n", file=out)
+    second = _execute(shared, rest, shared_json_path(json_path) if json_path else None, None, out)
+    if isinstance(second, int):
+        return second
+    wall = time.perf_counter() - started
+    print(f"demo done in {wall:.0f} s", file=out)
+    lines = [line for done in (first, second) for line in closing_lines(done.caches)]
+    folders = [Path(done.caches.dir) for done in (first, second) if done.caches is not None]
+    if folders and all(f.is_relative_to(default_cache_dir()) for f in folders):
+        lines.append("every cache directory under the default root: kvactor inspect")
+    if lines:
+        print("", *lines, sep="\n", file=out)
+    if as_json:
+        fresh = bool(args.fresh)
+        runs = [
+            json_summary(first.results, first.caches, results_file=first.results_file, fresh=fresh),
+            json_summary(second.results, second.caches, results_file=second.results_file),
+        ]
+        _print_json({"runs": runs, "wall_s": wall})
+    return 0
 
 
 def run_file(args: argparse.Namespace) -> int:
-    """``kvactor run SCENARIO.toml``: exit code 2 with a clear message for a bad file."""
+    """``kvactor run SCENARIO``: a scenario file, or a shipped scenario by name; exit code
+    2 with a clear message for a bad file or an unknown name."""
     try:
-        scenario = _overrides(load_scenario(args.scenario), args)
+        scenario = _overrides(resolve_scenario(args.scenario), args)
     except ScenarioError as exc:
         print(f"kvactor run: {exc}", file=sys.stderr)
         return 2
-    json_path = args.json or f"{scenario.name}-results.json"
-    return _execute(scenario, args, json_path, args.plot)
+    as_json = args.json == STDOUT
+    out = sys.stderr if as_json else sys.stdout
+    json_path = args.json if args.json and not as_json else f"{scenario.name}-results.json"
+    done = _execute(scenario, args, json_path, args.plot, out)
+    if isinstance(done, int):
+        return done
+    lines = closing_lines(done.caches)
+    if lines:
+        print("", *lines, sep="\n", file=out)
+    if as_json:
+        summary = json_summary(
+            done.results, done.caches, results_file=json_path, fresh=bool(args.fresh)
+        )
+        _print_json(summary)
+    return 0

@@ -1,4 +1,5 @@
-"""Running a scenario on one session: the turns, the live tiers, the cold references."""
+"""Running a scenario on one session: the warm caches found, the turns, the live tiers;
+the estimates before (``_scenario_estimate``) and the measures after (``_scenario_measure``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from ._scenario_estimate import estimate_budget
 from ._scenario_format import (
     CONTEXT_AGENT,
     POLICIES,
@@ -23,10 +25,9 @@ from ._scenario_format import (
     turn_plan,
     turn_prompt,
 )
+from ._scenario_measure import cold_references, hot_footprint, make_context, reference_prompts
 from ._scenario_results import (
     AgentRow,
-    ColdReference,
-    ContextRecord,
     Event,
     Footprint,
     PhaseStarted,
@@ -37,103 +38,15 @@ from ._scenario_results import (
     TurnStarted,
     summarize,
 )
-from .actors import ModelInfo, Tier, Tokenizer, UnknownAgent
+from .actors import Tier, UnknownAgent
 from .actors import open as open_session
-from .actors.config import ModelSpec, turn_reserve_bytes
 from .actors.session import Agent, Session
 from .actors.store import disk_footprint, forget, list_agents, lock_cache_dir
-from .kernels.agent_cache import cache_nbytes
-from .kernels.geometry import CacheGeometry
-from .kernels.qcodec import KVCodec
 
 if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ("estimate_budget", "estimate_context", "run_scenario")
-
-
-# ---------------------------------------------------------------------- estimates
-def _codec_bytes_per_token(info: ModelInfo) -> float:
-    """Stored (quantized) bytes one token costs, all layers (sink tokens at higher precision
-    are left out: the count starts past them)."""
-    codec = KVCodec.from_description(info.codec)
-    n = 1024
-    return cache_nbytes(codec, _geometry(info), n, start=codec.sink_tokens) / n
-
-
-def _geometry(info: ModelInfo) -> CacheGeometry:
-    if info.geometry:
-        return CacheGeometry.from_description(info.geometry)
-    return CacheGeometry.uniform(info.n_layers, info.n_kv_heads, info.head_dim)
-
-
-def estimate_context(s: Scenario, tokenizer: Tokenizer, start_tokens: Mapping[str, int]) -> int:
-    """The most tokens (prompt + reply) any turn of the run may need: the conversations
-    are rendered with every reply ``max_tokens`` long, on top of the ``start_tokens``
-    that resumed agents already hold. A small margin covers quoted replies that tokenize
-    into more tokens than were generated."""
-    unit = " a"  # one token per repeat in BPE vocabularies; a byte tokenizer counts bytes
-    per_unit = len(tokenizer.encode(unit * 64)) / 64
-
-    def reply(max_tokens: int) -> str:
-        return unit * max(1, int(max_tokens / per_unit))
-
-    def count(messages: list[dict[str, str]], add_generation_prompt: bool) -> int:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return len(tokenizer.encode(text))
-
-    context = shared_text(s)
-    head: dict[str, list[dict[str, str]]] = {}
-    for a in s.agents:
-        system = context if context is not None else a.system
-        head[a.name] = [{"role": "system", "content": system}] if system else []
-    forks = {a.name: a.fork for a in s.agents if a.fork is not None and a.name not in start_tokens}
-    conversations = {name: list(messages) for name, messages in head.items() if name not in forks}
-    offset = {
-        name: max(0, tokens - (count(head[name], False) if head[name] else 0))
-        for name, tokens in start_tokens.items()
-    }
-    # A resumed run quotes what the agents said at the end of the previous one.
-    said = {name: reply(s.sampling.max_tokens) for name in start_tokens}
-    longest = 0
-    for _, phase, names in turn_plan(s):
-        max_tokens = phase.max_tokens or s.sampling.max_tokens
-        snapshot = dict(said)
-        for name in names:  # a fork starts as its source's conversation at the phase start
-            source = forks.get(name)
-            if source is not None and name not in conversations:
-                conversations[name] = list(conversations[source])
-                offset[name] = offset.get(source, 0)
-        for name in names:
-            messages = conversations[name]
-            first = name not in start_tokens and name not in forks and len(messages) <= 1
-            prompt = turn_prompt(s, phase, name, snapshot, first=first)
-            messages.append({"role": "user", "content": prompt})
-            need = offset.get(name, 0) + count(messages, True) + max_tokens
-            longest = max(longest, need)
-            said[name] = reply(max_tokens)
-            messages.append({"role": "assistant", "content": said[name]})
-    return int(longest * 1.02) + 8
-
-
-def estimate_budget(
-    s: Scenario, info: ModelInfo, tokenizer: Tokenizer, start_tokens: Mapping[str, int]
-) -> tuple[int, str]:
-    """The hot budget for ``s.hot_agents``: room for ``concurrency`` running turns at the
-    longest context of the run (``estimate_context``; the engine reserves twice a float
-    working copy of prompt + max_tokens, rounded up to 256 tokens, plus the stored
-    cache) and for ``hot_agents`` idle agents' quantized caches of that length."""
-    assert s.hot_agents is not None
-    longest = estimate_context(s, tokenizer, start_tokens)
-    reserve = turn_reserve_bytes(_geometry(info), longest)
-    cached = longest * _codec_bytes_per_token(info)
-    budget = int(s.concurrency * (reserve + cached) + s.hot_agents * cached)
-    note = (
-        f"hot_agents = {s.hot_agents:g}: {s.concurrency} running turn(s) of <= {longest} "
-        f"tokens ({reserve / 1e6:.1f} MB working copy each) + {s.hot_agents:g} idle "
-        f"cache(s) of <= {cached / 1e6:.1f} MB"
-    )
-    return budget, note
+__all__ = ("run_scenario",)
 
 
 class _Outcome(msgspec.Struct, kw_only=True):
@@ -403,83 +316,6 @@ class _Runner:
         self.emit(TurnFinished(record=record, total=self.total, agents=await self.rows()))
 
 
-async def _reference_prompts(
-    kv: Session, records: Sequence[TurnRecord]
-) -> list[tuple[TurnRecord, str]]:
-    """The turns to prefill again from scratch: the longest and (when the run had no cold
-    turn to compare with) the shortest, each with its whole prompt."""
-    targets = [max(records, key=lambda r: (r.prompt_tokens, r.index))]
-    if all(r.path is not Tier.COLD for r in records):
-        shortest = min(records, key=lambda r: (r.prompt_tokens, r.index))
-        if shortest.prompt_tokens <= 0.75 * targets[0].prompt_tokens:
-            targets.append(shortest)
-    out = []
-    for record in targets:
-        # The record's prompt is the agent's history up to that turn's user message.
-        history = await kv.agent(record.agent).history()
-        later = sum(1 for r in records if r.agent == record.agent and r.index > record.index)
-        messages = history[: len(history) - 2 * later - 1]
-        if messages and messages[-1]["role"] == "user":
-            prompt = kv.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            out.append((record, prompt))
-    return out
-
-
-async def _cold_references(
-    spec: ModelSpec, s: Scenario, targets: Sequence[tuple[TurnRecord, str]]
-) -> list[ColdReference]:
-    """Prefill each prompt from scratch in a session of its own: there no other cache
-    holds a prefix to share, so each is a true cold prefill."""
-    out = []
-    async with open_session(
-        spec, max_batch=1, prefill_chunk=s.prefill_chunk, attention=s.attention
-    ) as kv:
-        scratch = await kv.spawn_agent("cold-reference")
-        await scratch.complete("Hello", max_tokens=1)  # the first turn of a session warms up
-        for record, prompt in targets:
-            await kv.forget(scratch.name)
-            scratch = await kv.spawn_agent(scratch.name)
-            done = await scratch.complete(prompt, max_tokens=1)
-            out.append(
-                ColdReference(
-                    index=record.index,
-                    agent=record.agent,
-                    prompt_tokens=done.timings.prompt_tokens,
-                    ttft_s=done.timings.ttft_s,
-                    turn_ttft_s=record.ttft_s,
-                    turn_path=f"{record.path}/{record.match}",
-                    reused_tokens=done.timings.reused_tokens,
-                )
-            )
-    return out
-
-
-async def _make_context(kv: Session, text: str) -> ContextRecord:
-    started = time.perf_counter()
-    agent = await kv.context(CONTEXT_AGENT, text)
-    seconds = time.perf_counter() - started
-    state = await agent.state()
-    path = Tier.WARM if state.restored else Tier.COLD
-    return ContextRecord(tokens=state.tokens, path=path, seconds=seconds)
-
-
-async def _hot_footprint(kv: Session, names: Sequence[str]) -> tuple[int, int, int]:
-    """(hot caches, their stored bytes with shared arrays once, each counted whole)."""
-    stats = await kv.stats()
-    each = 0
-    caches = 0
-    for name in names:
-        try:
-            each += (await kv.cache_info(name)).nbytes
-        except UnknownAgent:
-            continue
-        caches += 1
-    # Between turns a hot cache is its stored ranges plus its ready (float) copy, if
-    # kept; the copies are never shared, so they come off both counts.
-    once = stats.cache_bytes - stats.ready_bytes
-    return caches, once, max(once, each - stats.ready_bytes)
-
-
 async def run_scenario(
     scenario: Scenario, *, on_event: Callable[[Event], None] | None = None
 ) -> Results:
@@ -519,7 +355,7 @@ async def run_scenario(
         # Without share_prefixes no shared context is made: the text is each agent's own.
         shared = text if scenario.share_prefixes else None
         runner = _Runner(scenario, kv, on_event, shared)
-        context = None if shared is None else await _make_context(kv, shared)
+        context = None if shared is None else await make_context(kv, shared)
         resumed, resumed_tokens = await runner.spawn(disk.tokens, text)
         runner.emit(
             RunStarted(
@@ -539,15 +375,15 @@ async def run_scenario(
         )
         await runner.run()
         stats = await kv.stats()
-        hot = await _hot_footprint(kv, runner.caches)
+        hot = await hot_footprint(kv, runner.caches)
         records = sorted(runner.records, key=lambda r: r.index)
         targets: list[tuple[TurnRecord, str]] = []
         if scenario.cold_reference and records:
-            targets = await _reference_prompts(kv, records)
+            targets = await reference_prompts(kv, records)
         model = kv.model
     # Closed: every agent's last write is done.
     files = await anyio.to_thread.run_sync(disk_footprint, root, runner.caches)
-    references = await _cold_references(spec, scenario, targets) if targets else []
+    references = await cold_references(spec, scenario, targets) if targets else []
     footprint = Footprint(
         hot_caches=hot[0],
         hot_bytes=hot[1],

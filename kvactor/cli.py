@@ -1,13 +1,24 @@
-"""The ``kvactor`` command line."""
+"""The kvactor command line: the parser, and the commands that need no module of their own
+(``demo`` and ``run``: ``_demo``; ``inspect``: ``_inspect``; ``scenarios``:
+``_scenario_shipped``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ("main",)
+__all__ = ("build_parser", "main")
+
+DESCRIPTION = (
+    "kvactor runs many LLM agents on one machine and keeps each agent's KV cache (its "
+    "attention state) instead of recomputing it: in memory (hot), in files on disk (warm), "
+    "or as text only (cold: prefilled again).\n\n"
+    "Start with kvactor demo, then kvactor inspect to see the caches it left on disk."
+)
+CACHE_ROOT = "$KVACTOR_CACHE_DIR, else ~/.cache/kvactor/agents-cache"
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -20,6 +31,18 @@ def _run(args: argparse.Namespace) -> int:
     from ._demo import run_file
 
     return run_file(args)
+
+
+def _scenarios(args: argparse.Namespace) -> int:
+    from ._scenario_shipped import run_scenarios
+
+    return run_scenarios(args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from ._inspect import run_inspect
+
+    return run_inspect(args)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -47,19 +70,6 @@ def _fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inspect(args: argparse.Namespace) -> int:
-    from .actors.errors import KvactorError
-    from .actors.store import format_table, inspect_rows
-
-    try:
-        rows = inspect_rows(args.dir)
-    except (KvactorError, OSError) as exc:  # agents/ a symlink, unreadable...
-        print(f"kvactor inspect: {exc}", file=sys.stderr)
-        return 2
-    print(format_table(rows))
-    return 0
-
-
 def _forget(args: argparse.Namespace) -> int:
     import os
 
@@ -68,26 +78,32 @@ def _forget(args: argparse.Namespace) -> int:
     from .actors.store import Forgotten, default_cache_dir, forget_cache, lock_cache_dir
 
     root = args.dir or default_cache_dir()
+    agents = list(dict.fromkeys(args.agents))
     try:
-        check_agent_id(args.agent)
-        done = Forgotten(agent=args.agent)
+        for agent in agents:
+            check_agent_id(agent)
+        done = {agent: Forgotten(agent=agent) for agent in agents}
         if os.path.isdir(root):  # else nothing to forget: do not create it to lock it
             with lock_cache_dir(root):
-                done = forget_cache(root, args.agent)
+                for agent in agents:
+                    done[agent] = forget_cache(root, agent)
     except InvalidAgentId as exc:
         print(f"kvactor forget: {exc}", file=sys.stderr)
         return 2
     except CacheDirLocked as exc:
         print(f"kvactor forget: {exc}", file=sys.stderr)
         return 3
-    if not done.freed and not done.kept:
-        print(f"no warm cache for {args.agent!r} under {root}", file=sys.stderr)
-        return 1
-    print(f"forgot {args.agent!r}: {done.freed} bytes deleted from {root}")
-    for kept in done.kept:
-        users = ", ".join(kept.users) or "another name"
-        print(f"  kept {kept.file} ({kept.nbytes} bytes): still used by {users}")
-    return 0
+    code = 0
+    for agent, gone in done.items():
+        if not gone.freed and not gone.kept:
+            print(f"no warm cache for {agent!r} under {root}", file=sys.stderr)
+            code = 1
+            continue
+        print(f"forgot {agent!r}: {gone.freed} bytes deleted from {root}")
+        for kept in gone.kept:
+            users = ", ".join(kept.users) or "another name"
+            print(f"  kept {kept.file} ({kept.nbytes} bytes): still used by {users}")
+    return code
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -162,6 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
                 port=args.port,
                 model_id=args.model_id,
                 max_pending=args.max_pending,
+                json_start=args.json,
                 **options,
             )
         )
@@ -173,63 +190,135 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvactor", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
+# ----------------------------------------------------------------------------- parser
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvactor")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
+def _wrap(text: str) -> str:
+    return "\n\n".join(textwrap.fill(p, 80) for p in text.split("\n\n"))
+
+
+def _command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    *,
+    help: str,
+    description: str,
+    example: str,
+) -> argparse.ArgumentParser:
+    """A subcommand whose help is ``description`` in plain paragraphs and ends with one
+    example."""
+    return sub.add_parser(
+        name,
+        help=help,
+        description=_wrap(description),
+        epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def _json_option(parser: argparse.ArgumentParser, path_means: str) -> None:
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help=f"alone: print a JSON summary on stdout (the live view goes to stderr); "
+        f"with PATH: {path_means}",
+    )
+
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    demo = _command(
+        sub,
         "demo",
-        help="six agents, three phases, a hot budget that forces demotions; then ten agents "
-        "over one shared document; run it twice",
-        description="Run the built-in scenarios on the default model: six agents under a hot "
-        "budget that forces demotions (kvactor/scenarios/demo.toml; a second run resumes "
-        "every agent from disk, and once the conversations pass 1024 tokens the next run "
-        "starts fresh), then ten agents over one long shared document "
-        "(kvactor/scenarios/shared_doc.toml), with what sharing its cache saved.",
+        help="run the built-in demo: six agents under a tight memory budget, then ten "
+        "agents sharing one long document",
+        description="Run two shipped scenarios on the default model. First six agents of "
+        "a small team work in three phases under a memory budget that pushes their caches "
+        "out to disk and back (kvactor scenarios show demo). Run it again: the new process "
+        "resumes every agent from disk; once the conversations pass 1024 tokens the next "
+        "run starts fresh. Then ten agents review one long document that is every agent's "
+        "system prompt: it is prefilled once and every agent shares that cache "
+        "(kvactor scenarios show shared_doc).\n\n"
+        "It ends with the commands that show and delete the caches it made.",
+        example="kvactor demo",
     )
     demo.add_argument("--fresh", action="store_true", help="forget earlier runs' caches first")
-    demo.add_argument("--model", help="a .gguf file or model directory (or 'tiny')")
+    demo.add_argument("--model", help="a .gguf file or model directory (or tiny)")
     demo.add_argument(
         "--cache-dir",
-        help="warm tier folder, or 'none' (default: <cache dir>/scenarios/demo/<model>)",
+        help="warm tier folder, or none (default: <cache root>/scenarios/<scenario>/<model>)",
     )
     demo.add_argument(
         "--budget-mb",
         type=float,
         help="hot budget in MB of the first scenario (default: sized from the model)",
     )
-    demo.add_argument(
-        "--json",
-        metavar="PATH",
-        help="write the results as JSON (the shared document's to PATH-shared.json)",
-    )
+    _json_option(demo, "write the full results there (the shared document's to PATH-shared.json)")
     demo.add_argument(
         "--plot", metavar="PNG", help="draw TTFT per turn of the first scenario (kvactor[plot])"
     )
     demo.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     demo.set_defaults(func=_demo)
-    run = sub.add_parser(
+
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    run = _command(
+        sub,
         "run",
-        help="run a scenario file (agents, phases, budget...) and write JSON results",
-        description="Run SCENARIO.toml (see kvactor/scenarios/ for examples) and write its "
-        "results as JSON. A bad file exits with code 2 and names the field.",
+        help="run a scenario (agents, phases, budget): a shipped one by name or a TOML file",
+        description="Run SCENARIO, the name of a shipped scenario (kvactor scenarios lists "
+        "them) or a TOML file, and write its results as JSON (default: ./NAME-results.json). "
+        "A bad file exits with code 2 and names the field. To write your own, start from a "
+        "shipped one: kvactor scenarios show demo > mine.toml.\n\n"
+        "It ends with the commands that show and delete the caches it made.",
+        example="kvactor run code_review --json",
     )
-    run.add_argument("scenario", metavar="SCENARIO.toml")
-    run.add_argument("--json", metavar="PATH", help="results file (default: ./<name>-results.json)")
+    run.add_argument("scenario", metavar="SCENARIO", help="a shipped scenario's name or a file")
+    _json_option(run, "write the full results there (default: ./NAME-results.json)")
     run.add_argument("--plot", metavar="PNG", help="draw TTFT per turn (kvactor[plot])")
     run.add_argument("--fresh", action="store_true", help="forget earlier runs' caches first")
-    run.add_argument("--model", help="override the scenario's model (a path, or 'tiny')")
+    run.add_argument("--model", help="override the scenario's model (a path, or tiny)")
     run.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     run.set_defaults(func=_run)
-    serve = sub.add_parser(
+
+
+def _add_scenarios(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    scenarios = _command(
+        sub,
+        "scenarios",
+        help="list the shipped scenarios; show NAME prints one to start your own from",
+        description="List the scenarios that come with kvactor, one line each. "
+        "kvactor scenarios show NAME prints one (or a document one reads, such as "
+        "shared_doc.md) to copy into a file of your own; kvactor run NAME runs it.",
+        example="kvactor scenarios show demo > mine.toml",
+    )
+    actions = scenarios.add_subparsers(dest="action", metavar="show NAME")
+    show = actions.add_parser("show", help="print a shipped scenario's file")
+    show.add_argument("name", metavar="NAME")
+    scenarios.set_defaults(func=_scenarios, action=None)
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = _command(
+        sub,
         "serve",
-        help="OpenAI- and Anthropic-compatible HTTP server; every conversation is an agent",
+        help="an OpenAI- and Anthropic-compatible HTTP server; every conversation is an agent",
         description="Serve /v1/chat/completions, /v1/completions, /v1/messages, /v1/models, "
-        "/v1/agents, /metrics and /health (needs the kvactor[server] extra). A request "
-        "names its agent with the X-Agent-Id header (else OpenAI's user, else Anthropic's "
-        "metadata.user_id).",
+        "/v1/agents, /metrics and /health (needs the kvactor[server] extra). A request names "
+        "its agent with the X-Agent-Id header (else OpenAI's user field, else Anthropic's "
+        "metadata.user_id): each agent keeps its cache between requests.",
+        example="kvactor serve --port 8000 --budget 512M",
     )
     serve.add_argument("model", nargs="?", help="model path (default: the default model)")
-    serve.add_argument("--cache-dir", type=Path, help="warm tier (default: the user cache)")
+    serve.add_argument("--cache-dir", type=Path, help=f"warm tier folder (default: {CACHE_ROOT})")
     serve.add_argument("--no-cache-dir", action="store_true", help="no warm tier")
     serve.add_argument(
         "--budget", type=_size, help="hot budget in bytes, or with K, M, G (default: none)"
@@ -247,15 +336,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--model-id", help="the id clients name (default: the model's name)")
     serve.add_argument("--max-pending", type=int, default=64, help="requests in flight before 429s")
+    serve.add_argument(
+        "--json", action="store_true", help="print a JSON line on stdout once it listens"
+    )
     serve.set_defaults(func=_serve)
-    fetch = sub.add_parser(
+
+
+def _add_fetch_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    fetch = _command(
+        sub,
         "fetch-model",
         help="download and verify the default model now (else on first use)",
         description="Download and verify the default model (a GGUF file) and print its path. "
-        "With --mlx-dir, also write it as an mlx-lm model directory (config.json, float32 "
+        "With --mlx-dir, also write it as an mlx-lm model folder (config.json, float32 "
         "model.safetensors, tokenizer files) for tools that load only such folders "
         "(mlx_lm.load, mlx-lm's server), and print that path too. Exits with 1 when the "
         "export is refused or fails.",
+        example="kvactor fetch-model --mlx-dir ./smollm2",
     )
     fetch.add_argument(
         "--mlx-dir",
@@ -270,31 +367,62 @@ def build_parser() -> argparse.ArgumentParser:
         "(its other files are left alone)",
     )
     fetch.set_defaults(func=_fetch_model)
-    inspect = sub.add_parser("inspect", help="list the warm caches: agents, tokens, bytes, model")
+
+
+def _add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    inspect = _command(
+        sub,
+        "inspect",
+        help="list the warm caches on disk: agents, tokens, size, model, codec, age",
+        description="Without DIR, find every cache directory under the default root "
+        f"({CACHE_ROOT}), the scenarios' folders included, and show one table per "
+        "directory. With DIR, show that directory's caches.",
+        example="kvactor inspect",
+    )
+    inspect.add_argument("dir", nargs="?", metavar="DIR", help="one cache directory")
+    inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
     inspect.add_argument(
-        "dir",
-        nargs="?",
-        help="cache directory (default: $KVACTOR_CACHE_DIR or ~/.cache/kvactor/agents-cache)",
+        "--verbose", action="store_true", help="whole fingerprints and codec descriptions"
     )
     inspect.set_defaults(func=_inspect)
-    forget = sub.add_parser(
+    forget = _command(
+        sub,
         "forget",
-        help="delete every byte of one agent's warm cache",
-        description="Delete every byte of one agent's warm cache. Exits with 1 when it has "
-        "none, 2 for a bad agent id, 3 while a session uses the cache directory.",
+        help="delete every byte of some agents' warm caches",
+        description="Delete every byte of each named agent's warm cache (files it shares "
+        "with another agent's cache stay until that one goes too). Exits with 1 when one "
+        "has none, 2 for a bad agent id, 3 while a session uses the cache directory.",
+        example="kvactor forget planner coder --dir ./warm",
     )
-    forget.add_argument("agent")
-    forget.add_argument("--dir", help="cache directory (default as for inspect)")
+    forget.add_argument("agents", nargs="+", metavar="AGENT")
+    forget.add_argument("--dir", help=f"cache directory (default: {CACHE_ROOT})")
     forget.set_defaults(func=_forget)
-    gc = sub.add_parser(
+    gc = _command(
+        sub,
         "gc",
-        help="remove cache files no manifest names (left by killed processes)",
+        help="remove cache files no agent uses (left by killed processes)",
         description="Remove the segment and temporary files that no agent's manifest names "
         "(a process killed mid-write, mid-fork or mid-share leaves them; a session also does "
-        "this when it opens). Idempotent. Exits with 3 while a session uses the directory.",
+        "this when it opens). Safe to run again. Exits with 3 while a session uses the "
+        "directory.",
+        example="kvactor gc --dir ./warm",
     )
-    gc.add_argument("--dir", help="cache directory (default as for inspect)")
+    gc.add_argument("--dir", help=f"cache directory (default: {CACHE_ROOT})")
     gc.set_defaults(func=_gc)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvactor",
+        description=_wrap(DESCRIPTION),
+        epilog="example:\n  kvactor demo",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvactor {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_demo, _add_run, _add_scenarios, _add_serve, _add_fetch_model):
+        add(sub)
+    _add_cache_commands(sub)
     return parser
 
 
@@ -305,6 +433,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (kvactor inspect | head): no traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ See ``Scenario`` for every field and ``PLACEHOLDERS`` for the template names.
 
 from __future__ import annotations
 
+from ._scenario_estimate import estimate_budget as estimate_budget
+from ._scenario_estimate import estimate_context as estimate_context
 from ._scenario_format import CONTEXT_AGENT as CONTEXT_AGENT
 from ._scenario_format import NO_OUTPUTS as NO_OUTPUTS
 from ._scenario_format import PLACEHOLDERS as PLACEHOLDERS
@@ -79,8 +81,6 @@ from ._scenario_results import load_results as load_results
 from ._scenario_results import summarize as summarize
 from ._scenario_results import turn_path as turn_path
 from ._scenario_results import write_results as write_results
-from ._scenario_run import estimate_budget as estimate_budget
-from ._scenario_run import estimate_context as estimate_context
 from ._scenario_run import run_scenario as run_scenario
 
 __all__ = (

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 import kvactor
+from kvactor._inspect import format_table, inspect_rows
 from kvactor.actors.host import EngineHost
 from kvactor.actors.model import make_tiny_model
-from kvactor.actors.store import format_table, inspect_rows
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 other = functools.partial(make_tiny_model, 1, head_dim=64)  # other weights: another model

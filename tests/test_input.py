@@ -13,8 +13,9 @@ import anyio
 import pytest
 
 import kvactor
+from kvactor._inspect import format_table
 from kvactor.actors.model import make_tiny_model
-from kvactor.actors.store import Manifest, format_table
+from kvactor.actors.store import Manifest
 
 
 def tiny() -> Any:

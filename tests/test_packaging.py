@@ -136,13 +136,17 @@ def test_wheel_installs_and_imports(wheel: Path, tmp_path: Path) -> None:
     probe = (
         "import json, sys, importlib.resources, kvactor\n"
         "demo = importlib.resources.files('kvactor').joinpath('scenarios/demo.toml')\n"
+        "from kvactor._scenario_shipped import shipped_names, shipped_scenario\n"
+        "shipped = {n: shipped_scenario(n).name for n in shipped_names()}\n"  # kvactor scenarios
         "files = {n: m.__file__ for n, m in sys.modules.items() if n.startswith('kvactor')}\n"
-        "print(json.dumps({'open': callable(kvactor.open), 'demo': str(demo), 'files': files}))"
+        "print(json.dumps({'open': callable(kvactor.open), 'demo': str(demo), 'files': files,\n"
+        "                  'shipped': shipped}))"
     )
     done = _run([sys.executable, "-c", probe], cwd=tmp_path, PYTHONPATH=str(target))
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])
     assert found["open"]
+    assert found["shipped"]["shared_doc"] == "shared-doc"  # its document read beside it
     assert Path(found["demo"]).is_file()
     assert Path(found["files"]["kvactor.runtime"]) == target / "kvactor/runtime/__init__.py"
     assert {"kvactor.actors.engine", "kvactor.kernels.qcodec"} <= set(found["files"])

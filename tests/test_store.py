@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from kvactor._inspect import format_table, inspect_rows
 from kvactor.actors import _warm_write
 from kvactor.actors import store as store_module
 from kvactor.actors.enums import Tier
@@ -35,8 +36,6 @@ from kvactor.actors.store import (
     append_cache,
     default_cache_dir,
     forget,
-    format_table,
-    inspect_rows,
     list_agents,
     read_cache,
     read_manifest,

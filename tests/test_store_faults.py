@@ -20,9 +20,10 @@ import pytest
 
 import kvactor
 from kvactor import InvalidAgentId, UnsafeCachePath
+from kvactor._inspect import inspect_rows
 from kvactor.actors.enums import Tier
 from kvactor.actors.model import make_tiny_model, tiny_byte_tokenizer
-from kvactor.actors.store import forget, inspect_rows
+from kvactor.actors.store import forget
 from kvactor.cli import main as cli
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
