@@ -1,7 +1,9 @@
-"""Decode tokens/s of one agent through the actors vs mlx-lm's generate_step called
-directly on the same model and prompt, in the same process.
+"""Decode tokens/s through the actors vs mlx-lm's generate_step called directly on the same
+model and prompt, in the same process; and the engine's pipelined decode (step n+1 built
+and launched before step n's tokens are read) vs reading each step first, at batch 1 and
+batch 8. Rounds alternate the variants against drift; each figure is its best round.
 
-    python bench/engine_overhead.py [--model PATH] [--tokens 64] [--json PATH]
+    python bench/engine_overhead.py [--model PATH] [--tokens 48] [--rounds 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import mlx.core as mx
 from _results import write_json  # bench/ is the script's folder: on sys.path
 from mlx_lm.generate import generate_step
 
+from kvactor.actors._batch import DecodeBatch
 from kvactor.actors.model import LoadedModel, load_model
 
 PROMPT = "Write a long story about a lighthouse keeper and the storm."
+BATCH = 8
 
 
 def direct_tok_s(lm: LoadedModel, tokens: list[int], n: int) -> float:
@@ -34,27 +38,58 @@ def direct_tok_s(lm: LoadedModel, tokens: list[int], n: int) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-async def actor_tok_s(session: kvactor.Session, n: int, i: int) -> float:
-    agent = await session.spawn_agent(f"bench-{i}")
-    stamps = []
-    async for _ in agent.stream(PROMPT, max_tokens=n):
-        stamps.append(time.perf_counter())
-    await session.forget(agent.name)
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+async def actor_tok_s(session: kvactor.Session, n: int, tag: str, agents: int = 1) -> float:
+    """Tokens/s of ``agents`` agents decoding together, from the first token any of them
+    got to the last one (every agent streams ``n`` tokens of its own prompt)."""
+    names = [await session.spawn_agent(f"bench-{tag}-{i}") for i in range(agents)]
+    stamps: list[float] = []
+
+    async def one(i: int) -> None:
+        async for _ in names[i].stream(f"{PROMPT} Chapter {i + 1}.", max_tokens=n):
+            stamps.append(time.perf_counter())
+
+    async with anyio.create_task_group() as tg:
+        for i in range(agents):
+            tg.start_soon(one, i)
+    for agent in names:
+        await session.forget(agent.name)
+    # The first token of each agent comes from its prefill, not a decode step.
+    return (len(stamps) - agents) / (max(stamps) - min(stamps))
 
 
 async def main(model: str | None, n: int, rounds: int) -> dict[str, Any]:
     lm = load_model(model)  # the direct side's own copy, on this thread
-    async with kvactor.open(model) as session:
+    runs: dict[str, list[float]] = {
+        k: [] for k in ("direct", "pipelined", "unpipelined", "b8_pipelined", "b8_unpipelined")
+    }
+    async with kvactor.open(model, max_batch=BATCH) as session:
         tokens = session.tokenizer.encode(
             session.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
         )
-        actor, direct = [], []
-        for i in range(rounds):  # alternate the two against drift
-            direct.append(direct_tok_s(lm, tokens, n))  # blocks the loop: nothing else runs
-            actor.append(await actor_tok_s(session, n, i))
-    a, d = max(actor), max(direct)
-    return {"actor_tok_s": round(a, 2), "direct_tok_s": round(d, 2), "ratio": round(a / d, 3)}
+        await actor_tok_s(session, 4, "warmup")
+        for r in range(rounds):  # alternate the variants against drift
+            runs["direct"].append(direct_tok_s(lm, tokens, n))  # blocks the loop: alone
+            for pipelined in (True, False):
+                DecodeBatch.pipelined = pipelined
+                key = "pipelined" if pipelined else "unpipelined"
+                runs[key].append(await actor_tok_s(session, n, f"{key}{r}"))
+                runs[f"b8_{key}"].append(await actor_tok_s(session, n, f"b8{key}{r}", BATCH))
+        DecodeBatch.pipelined = True
+    best = {k: max(v) for k, v in runs.items()}
+    return {
+        "actor_tok_s": round(best["pipelined"], 2),
+        "direct_tok_s": round(best["direct"], 2),
+        "ratio": round(best["pipelined"] / best["direct"], 3),
+        "unpipelined_tok_s": round(best["unpipelined"], 2),
+        "ratio_unpipelined": round(best["unpipelined"] / best["direct"], 3),
+        "pipeline_gain_b1": round(best["pipelined"] / best["unpipelined"], 3),
+        "b8_pipelined_tok_s": round(best["b8_pipelined"], 2),
+        "b8_unpipelined_tok_s": round(best["b8_unpipelined"], 2),
+        "pipeline_gain_b8": round(best["b8_pipelined"] / best["b8_unpipelined"], 3),
+        "tokens": n,
+        "rounds": rounds,
+        "runs": {k: [round(x, 2) for x in v] for k, v in runs.items()},
+    }
 
 
 if __name__ == "__main__":
@@ -65,10 +100,22 @@ if __name__ == "__main__":
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     result = anyio.run(main, args.model, args.tokens, args.rounds)
-    print("| path | decode tok/s |")
-    print("|---|---:|")
-    print(f"| kvactor agent → engine actor | {result['actor_tok_s']:.1f} |")
-    print(f"| mlx-lm generate_step, direct | {result['direct_tok_s']:.1f} |")
-    print(f"| ratio | {result['ratio']:.3f} |")
+    print("| path | decode tok/s | vs direct |")
+    print("|---|---:|---:|")
+    print(f"| mlx-lm generate_step, direct | {result['direct_tok_s']:.1f} | 1.000 |")
+    print(
+        f"| kvactor, pipelined decode (default) | {result['actor_tok_s']:.1f} "
+        f"| {result['ratio']:.3f} |"
+    )
+    print(
+        f"| kvactor, each step read before the next | {result['unpipelined_tok_s']:.1f} "
+        f"| {result['ratio_unpipelined']:.3f} |"
+    )
+    print(f"| batch {BATCH}, pipelined | {result['b8_pipelined_tok_s']:.1f} | |")
+    print(f"| batch {BATCH}, each step read first | {result['b8_unpipelined_tok_s']:.1f} | |")
+    print(
+        f"pipelined / unpipelined: batch 1 {result['pipeline_gain_b1']:.3f}, "
+        f"batch {BATCH} {result['pipeline_gain_b8']:.3f}"
+    )
     if args.json:
         write_json(args.json, result)

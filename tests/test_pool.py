@@ -175,3 +175,31 @@ def test_a_cache_no_write_will_save_may_go_cold_but_one_being_written_waits(
     # the waiting turn neither hangs nor fails.
     assert pool.start_turn(entry, 1000)
     assert "a" not in pool and pool.demotions[Tier.COLD] == 1
+
+
+def test_the_prefix_index_finds_the_longest_boundary_and_checks_every_hit() -> None:
+    from kvactor.actors._prefix_index import PrefixIndex
+
+    index = PrefixIndex()
+    caches = {"a": [1, 2, 3, 4, 5, 6], "b": [1, 2, 3, 9, 9]}
+    index.update("a", caches["a"], [2, 4, 6])
+    index.update("b", caches["b"], [3, 5])
+
+    def holds(agent: str, stop: int, count: int) -> bool:
+        return caches[agent][:stop] == prompt[:stop]
+
+    order = ["a", "b"].index
+    prompt = [1, 2, 3, 4, 5, 7, 8]
+    assert index.longest(prompt, len(prompt) - 1, "me", holds, order) == (4, "a", 2)
+    assert index.longest(prompt, 3, "me", holds, order) == (3, "b", 1)  # the limit
+    assert index.longest(prompt, 6, "a", holds, order) == (3, "b", 1)  # not its own
+    # A trim keeps the boundaries below it; a hit that the cache does not hold is refused.
+    caches["a"] = [1, 2, 7]
+    index.update("a", caches["a"], [2])
+    assert index.longest(prompt, 6, "me", holds, order) == (3, "b", 1)
+    assert index.longest(prompt, 6, "me", lambda *_: False, order) is None
+    index.remove("b")
+    assert index.longest(prompt, 6, "me", holds, order) == (2, "a", 1)
+    index.remove("a")
+    assert index.longest(prompt, 6, "me", holds, order) is None
+    assert not index._stops and not index._at and not index._of  # nothing left behind
