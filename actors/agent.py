@@ -29,7 +29,7 @@ import msgspec
 from ..runtime import Actor, ActorDeadError, ActorRef
 from ._tokenizer import Tokenizer
 from .enums import Match, Tier
-from .errors import CacheMiss, StoreWriteError
+from .errors import CacheMiss, ContextOverflow, StoreWriteError
 from .protocol import (
     AgentMessage,
     AgentSnapshot,
@@ -49,7 +49,7 @@ from .protocol import (
 )
 from .warm_tier import WarmTier
 
-__all__ = ("AgentActor", "check_history", "match_prefix")
+__all__ = ("AgentActor", "AgentEnv", "check_history", "match_prefix", "prompt_chars_limit")
 
 log = logging.getLogger("kvactor.agent")
 
@@ -197,6 +197,25 @@ class _Prompt(msgspec.Struct, frozen=True):
     cuts: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class AgentEnv:
+    """What every agent actor of a session shares: the engine, the tokenizer, the warm
+    tier (None: none), and the longest prompt, in characters, that could fit the model's
+    context (``prompt_chars_limit``): one past it is refused before it is tokenized."""
+
+    engine: ActorRef[EngineMessage]
+    tokenizer: Tokenizer
+    warm: WarmTier | None
+    max_prompt_chars: int
+
+
+def prompt_chars_limit(tokenizer: Tokenizer, context_length: int) -> int:
+    """Characters past which no prompt fits ``context_length`` tokens: no token spells
+    more characters than the longest one in the vocabulary."""
+    longest = max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size))
+    return context_length * max(longest, 1)
+
+
 @dataclass
 class _Outcome:
     """What running a turn on the engine came to: its Finished record, the tier its cache
@@ -219,18 +238,19 @@ class AgentActor(Actor):
     def __init__(
         self,
         agent_id: str,
-        engine: ActorRef[EngineMessage],
-        tokenizer: Tokenizer,
+        env: AgentEnv,
         system: str | None,
-        warm: WarmTier | None = None,
         start: AgentSnapshot | None = None,
         context: str | None = None,
+        scope: str = "",
     ) -> None:
         self.agent_id = agent_id
+        self.scope = scope  # whose cached prefixes it may share (Generate.scope)
         self.context = context  # the shared context its system prompt is, if any
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.warm = warm
+        self.engine = env.engine
+        self.tokenizer = env.tokenizer
+        self.warm = env.warm
+        self._max_chars = env.max_prompt_chars
         self.system = system
         self.messages: list[dict[str, str]] = []
         if system:
@@ -283,10 +303,22 @@ class AgentActor(Actor):
                 )
         raise TypeError(f"an agent does not handle {type(message).__name__}")
 
+    def _check_length(self, text: str, raw: bool, history: list[dict[str, str]] | None) -> None:
+        """Raises ContextOverflow for a turn whose text alone could not fit the context (at
+        once, before the prompt is rendered or tokenized)."""
+        messages = [] if raw else history if history is not None else self.messages
+        chars = len(text) + sum(len(m["content"]) for m in messages)
+        if chars > self._max_chars:
+            raise ContextOverflow(
+                f"the prompt has {chars} characters: more than any prompt that fits the "
+                f"model's context can have ({self._max_chars})"
+            )
+
     def _prompt(
         self, text: str, raw: bool, history: list[dict[str, str]] | None, prime: bool
     ) -> _Prompt:
-        """Render the turn's prompt and match it against what the cache holds."""
+        """Render the turn's prompt and match it against what the cache holds (on a worker
+        thread: a long prompt takes a while, and the event loop serves others meanwhile)."""
         literal: Sequence[tuple[int, int]] = ()
         render = self.tokenizer.render_chat
         if prime:  # the conversation as it is: a shared context's system prompt
@@ -321,7 +353,8 @@ class AgentActor(Actor):
                 await self.warm.hot(self.context)
         if prime:
             sampling = msgspec.structs.replace(sampling, max_tokens=1)
-        prompt = self._prompt(text, raw, history, prime)
+        self._check_length(text, raw, history)
+        prompt = await anyio.to_thread.run_sync(self._prompt, text, raw, history, prime)
         write_ran = False  # this turn's write ran (or there is no warm tier)
         outcome = _Outcome()
         try:
@@ -374,7 +407,13 @@ class AgentActor(Actor):
         for attempt in range(_ATTEMPTS):
             warm = self.persisted > 0 and attempt < _ATTEMPTS - 1
             request = Generate(
-                self.agent_id, prompt.tokens, sampling, started, warm=warm, cuts=prompt.cuts
+                self.agent_id,
+                prompt.tokens,
+                sampling,
+                started,
+                warm=warm,
+                cuts=prompt.cuts,
+                scope=self.scope,
             )
             try:
                 async with self.engine.stream(request) as items:

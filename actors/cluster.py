@@ -264,6 +264,7 @@ class ClusterSession(HostCalls):
         system: str | None = None,
         fork_of: str | None = None,
         context: str | None = None,
+        scope: str | None = None,
         host: str | None = None,
     ) -> ClusterAgent:
         """A new agent (``Session.spawn_agent``) on ``host``, or where a fork's source or a
@@ -282,23 +283,25 @@ class ClusterSession(HostCalls):
             target = self._host(host)
         else:
             target = self._host(self.placement.choose(name, await self.hosts()))
-        await self._call(target, "spawn", name, system, fork_of, context)
+        await self._call(target, "spawn", name, system, fork_of, context, scope)
         self._where[name] = target.name
         return ClusterAgent(self, name)
 
-    async def context(self, name: str, text: str, *, host: str | None = None) -> ClusterAgent:
+    async def context(
+        self, name: str, text: str, *, scope: str = "", host: str | None = None
+    ) -> ClusterAgent:
         """A shared context (``Session.context``) on ``host`` or where placement says; its
         agents go to the same host."""
         check_agent_id(name)
         if name in self._where:
             raise ValueError(f"agent {name!r} already exists")
         target = self._host(host or self.placement.choose(name, await self.hosts()))
-        await self._call(target, "context", name, text)
+        await self._call(target, "context", name, text, scope)
         self._where[name] = target.name
         return ClusterAgent(self, name)
 
-    async def fork(self, source: str, name: str) -> ClusterAgent:
-        return await self.spawn_agent(name, fork_of=source)
+    async def fork(self, source: str, name: str, *, scope: str | None = None) -> ClusterAgent:
+        return await self.spawn_agent(name, fork_of=source, scope=scope)
 
     def agent(self, name: str) -> ClusterAgent:
         """The agent called ``name``, on whichever host; raises UnknownAgent."""

@@ -228,7 +228,7 @@ class EngineActor(ThreadActor):
             seed = sampling.seed if sampling.seed is not None else time.time_ns() % (1 << 63)
             key = mx.random.key(seed)
         self._drop_cancelled()  # a cancelled turn of this agent ends before the new one
-        entry = self.pool.claim(agent)  # the first change of state
+        entry = self.pool.claim(agent, msg.scope)  # the first change of state
         request = Generation(
             agent=agent,
             prompt=list(msg.tokens),

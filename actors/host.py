@@ -174,15 +174,18 @@ class EngineHost:
         system: str | None = None,
         fork_of: str | None = None,
         context: str | None = None,
+        scope: str | None = None,
     ) -> None:
         """A new agent here (``Session.spawn_agent``); raises as that does."""
         session = await self._open()
         if fork_of is not None and fork_of not in session.agents:
             await self._agent(fork_of)  # a source on disk only: resume it first
-        await session.spawn_agent(name, system=system, fork_of=fork_of, context=context)
+        await session.spawn_agent(
+            name, system=system, fork_of=fork_of, context=context, scope=scope
+        )
 
-    async def context(self, name: str, text: str) -> None:
-        await (await self._open()).context(name, text)
+    async def context(self, name: str, text: str, scope: str = "") -> None:
+        await (await self._open()).context(name, text, scope=scope)
 
     async def turn(
         self,

@@ -69,7 +69,10 @@ class CachePool(WarmTraffic):
         self.shared_turns = 0  # turns based on another cache's stored ranges
         self.shared_tokens = 0  # the tokens they reused so
         self._entries: dict[str, HotEntry] = {}
-        self._index = PrefixIndex()  # where the entries' stored ranges end
+        # Where the entries' stored ranges end, one index per sharing scope: a turn shares
+        # only the ranges of agents of its own scope.
+        self._indexes: dict[str, PrefixIndex] = {}
+        self._scopes: dict[str, str] = {}  # agent -> its scope (its turns say it; else "")
         self._staged: dict[str, int] = {}  # agent -> bytes reserved for a staging warm cache
         self._pins: dict[int, tuple[str, int]] = {}  # export id -> (agent, bytes) being written
         self._exports = 0
@@ -111,24 +114,42 @@ class CachePool(WarmTraffic):
         """An empty cache of this pool's codec, geometry and attention mode."""
         return AgentKV(self._codec, self._geometry, turn_cache=self._turn_cache)
 
+    def _index(self, agent: str) -> PrefixIndex:
+        scope = self._scopes.get(agent, "")
+        index = self._indexes.get(scope)
+        if index is None:
+            index = self._indexes[scope] = PrefixIndex()
+        return index
+
+    def _reindex(self, agent: str, entry: HotEntry) -> None:
+        self._index(agent).update(agent, entry.kv.tokens, entry.kv.boundaries())
+
     def _add(self, agent: str, entry: HotEntry) -> HotEntry:
         self._entries[agent] = entry
-        self._index.update(agent, entry.kv.tokens, entry.kv.boundaries())
+        self._reindex(agent, entry)
         return entry
 
     def _remove(self, agent: str) -> HotEntry | None:
-        self._index.remove(agent)
+        self._index(agent).remove(agent)
         return self._entries.pop(agent, None)
 
-    def claim(self, agent: str) -> HotEntry:
+    def claim(self, agent: str, scope: str = "") -> HotEntry:
         """The agent's entry (a new empty one if it has none), marked busy for a turn that
-        is queued now. Raises AgentBusy when a turn of it is queued or running.
+        is queued now; ``scope``: the agents whose stored ranges it may share (and that may
+        share its). Raises AgentBusy when a turn of it is queued or running.
 
         A queued turn's cache stays a demotion candidate (demoted last) until the turn
         starts: a turn that fits alone must never wait on caches of turns queued behind it.
         """
         if agent in self._turns:
             raise AgentBusy(f"agent {agent!r} already has a generation in flight")
+        if self._scopes.get(agent, "") != scope:
+            entry = self._entries.get(agent)
+            if entry is not None:
+                self._index(agent).remove(agent)
+            self._scopes[agent] = scope
+            if entry is not None:
+                self._reindex(agent, entry)
         self._turns.add(agent)
         return self._queue(agent, hit=True)
 
@@ -157,6 +178,7 @@ class CachePool(WarmTraffic):
             raise AgentBusy(f"agent {agent!r} is generating; cancel it first")
         self._staged.pop(agent, None)
         dropped = self._remove(agent) is not None
+        self._scopes.pop(agent, None)
         self.measure()
         return dropped
 
@@ -166,7 +188,7 @@ class CachePool(WarmTraffic):
         for entry in self._entries.values():
             entry.kv.clear_working()
         self._entries.clear()
-        self._index = PrefixIndex()
+        self._indexes.clear()
 
     # -- accounting -------------------------------------------------------------------
     def batch_bytes(self, nbytes: int) -> None:
@@ -332,7 +354,7 @@ class CachePool(WarmTraffic):
         shared = 0
         if keep == 0 and share:
             keep = shared = self._share(agent, entry, prompt)
-        self._index.update(agent, kv.tokens, kv.boundaries())
+        self._reindex(agent, entry)
         return keep, shared
 
     def _share(self, agent: str, entry: HotEntry, prompt: list[int]) -> int:
@@ -350,7 +372,7 @@ class CachePool(WarmTraffic):
             )
 
         order = {name: i for i, name in enumerate(self._entries)}
-        found = self._index.longest(prompt, len(prompt) - 1, agent, holds, order.__getitem__)
+        found = self._index(agent).longest(prompt, len(prompt) - 1, agent, holds, order.__getitem__)
         if found is None:
             return 0
         stop, source, count = found
@@ -379,7 +401,7 @@ class CachePool(WarmTraffic):
         ``AgentKV.store_so_far``), where other caches may share them from now on."""
         entry.kv.store_so_far()
         if self._entries.get(agent) is entry:
-            self._index.update(agent, entry.kv.tokens, entry.kv.boundaries())
+            self._reindex(agent, entry)
 
     def end_turn(self, agent: str, entry: HotEntry, *, finished: bool = False) -> None:
         """The agent's turn is over: its new tokens quantized into a range, its working
@@ -391,7 +413,7 @@ class CachePool(WarmTraffic):
         # Without a warm tier nothing is ever written: every range may go.
         kv.slide(entry._persisted if self.persistent else len(kv.tokens))
         if hot:
-            self._index.update(agent, kv.tokens, kv.boundaries())
+            self._reindex(agent, entry)
         self._turns.discard(agent)
         entry._turn_reserve = None
         entry._next_use = None

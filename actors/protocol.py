@@ -133,6 +133,9 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     sent_at: float
     warm: bool = False  # the agent has a warm copy: fail with CacheMiss instead of starting cold
     cuts: tuple[int, ...] = ()
+    # Its cache shares stored ranges only with caches of agents of the same scope (a
+    # tenant of a server): what one scope caches is never visible to another.
+    scope: str = ""
 
 
 class Export(msgspec.Struct, frozen=True, tag=True):

@@ -17,7 +17,7 @@ from ..kernels.qcodec import DEFAULT_CODEC
 from ..runtime import ActorRef, ReplyStream, Runtime
 from ._dirlock import CacheDirLock, lock_cache_dir
 from ._tokenizer import Tokenizer
-from .agent import AgentActor, check_history
+from .agent import AgentActor, AgentEnv, check_history, prompt_chars_limit
 from .api import AgentTurns, TurnKind, drain
 from .config import EngineConfig, ModelSpec
 from .engine import EngineActor
@@ -65,6 +65,15 @@ log = logging.getLogger("kvactor.session")
 
 OnSaveError = Literal["report", "raise"]
 _ON_SAVE_ERROR = ("report", "raise")
+
+
+def _scope(scope: object) -> str:
+    """``scope``, checked: a str of at most 256 characters. Raises TypeError / ValueError."""
+    if not isinstance(scope, str):
+        raise TypeError(f"scope must be a str, not {type(scope).__name__}")
+    if len(scope) > 256:
+        raise ValueError("scope must have at most 256 characters")
+    return scope
 
 
 class TextStream:
@@ -181,8 +190,10 @@ class Session:
         self.warm: ActorWarmTier | None = None
         self.model: ModelInfo
         self.tokenizer: Tokenizer
+        self._env: AgentEnv  # what every agent actor shares (set at start)
         self._agents: dict[str, Agent] = {}
         self._contexts: dict[str, str] = {}  # shared contexts made here: name -> text
+        self._scopes: dict[str, str] = {}  # running agents' sharing scopes (spawn_agent)
         self._closed = False
         # With a warm tier: what its caches must match, and their segments' layout.
         self.identity: CacheIdentity | None = None
@@ -207,6 +218,8 @@ class Session:
             self.model, self.tokenizer = await self.engine.ask(GetModelInfo())
             if self.cache_dir is not None:
                 await self._start_warm_tier(self.cache_dir)
+            limit = prompt_chars_limit(self.tokenizer, self.model.context_length)
+            self._env = AgentEnv(self.engine, self.tokenizer, self.warm, limit)
         except BaseException as exc:
             self._closed = True
             await self._close(type(exc), exc, exc.__traceback__)
@@ -287,6 +300,7 @@ class Session:
         system: str | None = None,
         fork_of: str | None = None,
         context: str | None = None,
+        scope: str | None = None,
     ) -> Agent:
         """A new agent called ``name`` (letters, digits, '.', '_', '-'); ``fork_of``: one
         that starts where that agent is (``fork``); ``context``: one whose system prompt
@@ -294,25 +308,39 @@ class Session:
         the context's cache instead of prefilling it. Give at most one of ``system``,
         ``fork_of`` and ``context``.
 
-        Raises InvalidAgentId for an unsafe name, ValueError when it already exists or
-        for more than one of those, TypeError when ``system`` is not a str, UnknownAgent
-        for a ``context`` this session has not made; with ``fork_of``, what ``fork``
-        raises.
+        ``scope``: the agents whose cached prefixes it shares (``share_prefixes``): only
+        those of the same scope, so that what one scope (a tenant) caches never shows in
+        another's turns. Default: its context's or fork source's scope, else ``""``.
+
+        Raises InvalidAgentId for an unsafe name, ValueError when it already exists, for
+        more than one of those, or for a scope other than its context's or source's,
+        TypeError when ``system`` or ``scope`` is not a str, UnknownAgent for a
+        ``context`` this session has not made; with ``fork_of``, what ``fork`` raises.
         """
         if sum(x is not None for x in (system, fork_of, context)) > 1:
             raise ValueError("give at most one of system, fork_of and context")
         if fork_of is not None:
-            return await self.fork(fork_of, name)
+            return await self.fork(fork_of, name, scope=scope)
         check_agent_id(name)
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str or None, not {type(system).__name__}")
         if context is not None:
             system = self._context_text(context)
+            scope = self._same_scope(context, scope)
         if name in self._agents:
             raise ValueError(f"agent {name!r} already exists")
-        return await self._start_agent(name, system, context=context)
+        scope = _scope("" if scope is None else scope)
+        return await self._start_agent(name, system, context=context, scope=scope)
 
-    async def context(self, name: str, text: str) -> Agent:
+    def _same_scope(self, source: str, scope: str | None) -> str:
+        """The scope of an agent made from ``source``: ``source``'s. Raises ValueError
+        for another one."""
+        known = self._scopes.get(source, "")
+        if scope is not None and _scope(scope) != known:
+            raise ValueError(f"{source!r} is of scope {known!r}, not {scope!r}")
+        return known
+
+    async def context(self, name: str, text: str, *, scope: str = "") -> Agent:
         """A shared context called ``name``: an agent whose cache holds ``text`` as a
         system prompt (as the chat template renders it) and nothing else, prefilled once
         now (resumed from the warm tier when it is there). Agents spawned with
@@ -323,9 +351,10 @@ class Session:
         agent: the agents that share it keep what they use.
 
         Calling it again with the same text returns the context (its cache made hot
-        again if it was demoted). Raises InvalidAgentId for an unsafe name, ValueError
-        for an empty text or a name that is an agent with another system prompt, TypeError
-        when ``text`` is not a str.
+        again if it was demoted). Only agents of its ``scope`` share it (``spawn_agent``).
+        Raises InvalidAgentId for an unsafe name, ValueError for an empty text or a name
+        that is an agent with another system prompt or scope, TypeError when ``text`` is
+        not a str.
         """
         check_agent_id(name)
         if not isinstance(text, str):
@@ -337,7 +366,9 @@ class Session:
             raise ValueError(f"shared context {name!r} exists with another text")
         agent = self._agents.get(name)
         if agent is None:
-            agent = await self._start_agent(name, text)
+            agent = await self._start_agent(name, text, scope=_scope(scope))
+        elif self._scopes.get(name, "") != _scope(scope):
+            raise ValueError(f"agent {name!r} exists in another scope")
         messages = await agent.history()
         if messages[:1] != [{"role": "system", "content": text}] or len(messages) > 1:
             raise ValueError(f"agent {name!r} exists and is not a shared context of this text")
@@ -351,13 +382,14 @@ class Session:
         except KeyError:
             raise UnknownAgent(f"no shared context {name!r}: make it with context()") from None
 
-    async def fork(self, source: str, name: str) -> Agent:
+    async def fork(self, source: str, name: str, *, scope: str | None = None) -> Agent:
         """A new agent ``name`` that starts where agent ``source`` is now: its conversation
         and its cache, without copying it. In memory the stored arrays are shared (the hot
         budget counts them once); on disk ``name``'s folder gets hard links
         to ``source``'s segment files (one copy of the bytes) and a manifest of its own.
         From then on each goes its own way: neither ever sees the other's later tokens,
-        and forgetting one leaves the other whole.
+        and forgetting one leaves the other whole. It is of ``source``'s scope (a source
+        on disk only: ``scope``, default ``""``).
 
         The source is asked between its turns (a turn it is taking finishes first). Raises
         InvalidAgentId for unsafe names, ValueError when ``name`` exists (running or on
@@ -368,6 +400,7 @@ class Session:
         if name in self._agents:
             raise ValueError(f"agent {name!r} already exists")
         running = self._agents.get(source)
+        scope = self._same_scope(source, scope) if running is not None else _scope(scope or "")
         start: AgentSnapshot | None
         if running is not None:
             start = await running.ref.ask(Snapshot())
@@ -384,7 +417,7 @@ class Session:
             on_disk = None if forked is None else await warm.restore(name)  # what it resumes
         # Hot too when the source is, with exactly those tokens (else it stages from disk).
         await self.engine.ask(Fork(source, name, list((on_disk or start).tokens)))
-        return await self._start_agent(name, None, None if on_disk else start)
+        return await self._start_agent(name, None, None if on_disk else start, scope=scope)
 
     async def _start_agent(
         self,
@@ -393,20 +426,14 @@ class Session:
         start: AgentSnapshot | None = None,
         *,
         context: str | None = None,
+        scope: str = "",
     ) -> Agent:
         ref = await self.runtime.spawn(
-            AgentActor,
-            name,
-            self.engine,
-            self.tokenizer,
-            system,
-            self.warm,
-            start,
-            context,
-            name=f"agent:{name}",
+            AgentActor, name, self._env, system, start, context, scope, name=f"agent:{name}"
         )
         agent = Agent(self, name, ref)
         self._agents[name] = agent
+        self._scopes[name] = scope
         return agent
 
     def agent(self, name: str) -> Agent:
@@ -430,6 +457,7 @@ class Session:
         Raises InvalidAgentId for an unsafe name."""
         check_agent_id(name)
         agent = self._agents.pop(name, None)
+        self._scopes.pop(name, None)
         self._contexts.pop(name, None)
         if agent is not None:
             await agent.ref.stop()
@@ -447,6 +475,7 @@ class Session:
         check_agent_id(name)
         agent = self.agent(name)
         del self._agents[name]
+        self._scopes.pop(name, None)
         self._contexts.pop(name, None)
         await agent.ref.stop()
         await self.engine.ask(DropCache(name))

@@ -357,3 +357,17 @@ async def test_pipelined_decode_gives_the_tokens_and_caches_of_an_unpipelined_on
     assert pipelined[2].max_batch_seen > 1  # rows really decoded together
     assert pipelined[2].ready_turns == plain[2].ready_turns
     assert pipelined[2].generated_tokens == plain[2].generated_tokens
+
+
+async def test_a_prompt_too_long_for_any_tokenization_is_refused_before_it_is_tokenized() -> None:
+    """A prompt of more characters than context x the longest token could spell is refused
+    at once (ContextOverflow naming the limit), and the session keeps serving."""
+    async with kvactor.open(tiny()) as session:
+        agent = await session.spawn_agent("a")
+        limit = session._env.max_prompt_chars
+        with anyio.fail_after(5):  # tokenizing this many characters would take far longer
+            with pytest.raises(ContextOverflow, match=str(limit)):
+                await agent.generate("x" * (limit + 1), max_tokens=2)
+            with pytest.raises(ContextOverflow, match=str(limit)):
+                await agent.chat([{"role": "user", "content": "y" * (limit + 1)}], max_tokens=2)
+        assert (await agent.generate("hello", max_tokens=2)).token_ids

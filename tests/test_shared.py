@@ -377,3 +377,24 @@ def test_the_collector_removes_only_what_no_manifest_names_and_survives_kill_9(
         timeout=60,
     )
     assert cli.returncode == 0 and "0 unreferenced files removed" in cli.stdout
+
+
+async def test_agents_share_prefixes_only_within_their_scope() -> None:
+    """Two scopes (tenants) with the same system prompt: each scope's second agent shares
+    its first one's stored system prompt; no agent ever shares another scope's, so what
+    it reuses (and so its timings) says nothing about what another scope cached."""
+    async with kvactor.open(tiny, ready_copies=False) as kv:
+        reused = {}
+        for name, scope in (("a1", "A"), ("b1", "B"), ("a2", "A"), ("b2", "B"), ("n1", "")):
+            agent = await kv.spawn_agent(name, system=DOC, scope=scope)
+            done = await agent.generate("Which clause is about record 3?", max_tokens=3)
+            reused[name] = done.timings.shared_tokens
+        assert reused["a1"] == reused["b1"] == reused["n1"] == 0  # first of their scopes
+        assert reused["a2"] > 0 and reused["b2"] == reused["a2"]
+        with pytest.raises(ValueError, match="scope"):
+            await kv.spawn_agent("b3", fork_of="a1", scope="B")
+        forked = await kv.spawn_agent("a3", fork_of="a1")
+        again = await forked.generate("And record 4?", max_tokens=2)
+        assert again.timings.reused_tokens > 0
+        with pytest.raises(TypeError):
+            await kv.spawn_agent("x", scope=3)  # type: ignore[arg-type]
