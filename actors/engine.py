@@ -3,6 +3,7 @@ prefill and continuous batched decode. The hot tier's accounting is the CachePoo
 
 from __future__ import annotations
 
+import atexit
 import gc
 import time
 from collections import deque
@@ -12,8 +13,9 @@ import mlx.core as mx
 import msgspec
 
 from ..kernels.agent_cache import AgentKV, StoredRange, segment_layout
-from ..kernels.memory import keep_freed_buffers
+from ..kernels.memory import keep_freed_buffers, release_thread
 from ..kernels.qcodec import DEFAULT_CODEC
+from ..kernels.rowwise import bind_rows
 from ..kernels.sampling import sample_rows
 from ..runtime import ThreadActor
 from ._batch import DecodeBatch
@@ -43,6 +45,11 @@ from .protocol import (
 )
 
 __all__ = ("EngineActor",)
+
+
+# The main thread's MLX streams, last of all at exit (the runtime's stop_threads, which
+# ends the engine threads still alive, is registered later and runs first).
+atexit.register(release_thread)
 
 
 def _settle_random_state() -> None:
@@ -99,6 +106,8 @@ class EngineActor(ThreadActor):
         # ModelInfo says it, so that the warm tier refuses a cache of other ids.
         self._vocab_size = self.lm.tokenizer.vocab_size
         self.turn_cache.prepare(self.lm.model)
+        # A decode step gives each row the bits it gives alone (kernels.rowwise).
+        bind_rows(self.lm.model)
         # A codec or geometry this engine cannot store fails here, not mid-turn.
         segment_layout(self.codec, self.lm.geometry)(0, 1)
 
@@ -118,7 +127,7 @@ class EngineActor(ThreadActor):
         self.__dict__.pop("lm", None)
         gc.collect()
         _settle_random_state()
-        mx.synchronize()
+        release_thread()  # this thread's streams go with it, not at the process's exit
 
     # -- messages ---------------------------------------------------------------------
     def receive(self, message: EngineMessage) -> Any:

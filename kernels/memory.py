@@ -1,4 +1,4 @@
-"""How many freed bytes MLX's allocator keeps for reuse.
+"""How many freed bytes MLX's allocator keeps for reuse, and a thread's MLX teardown.
 
 On CPU, MLX keeps at most 32 MiB of freed buffers by default; every larger array is then
 fresh memory from the OS, and writing it page-faults. A turn's float working copy (~200 MB
@@ -15,7 +15,7 @@ import os
 
 import mlx.core as mx
 
-__all__ = ("FREED_BUFFER_BYTES", "keep_freed_buffers")
+__all__ = ("FREED_BUFFER_BYTES", "keep_freed_buffers", "release_thread")
 
 FREED_BUFFER_BYTES = 1 << 30
 """What the engine asks MLX to keep (capped at an eighth of the machine's memory)."""
@@ -35,3 +35,12 @@ def keep_freed_buffers(limit: int = FREED_BUFFER_BYTES) -> int:
         mx.set_cache_limit(before)
         return before
     return want
+
+
+def release_thread() -> None:
+    """Finish the work this thread queued on MLX and destroy the streams it made. A thread
+    that used MLX must call it before it ends (and the main thread before the interpreter
+    exits): MLX tears down a stream left behind too late, at exit, and that can abort the
+    process ("terminate called without an active exception", mlx 0.32 on Linux)."""
+    mx.synchronize()
+    mx.clear_streams()

@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .rotated import RotatedBasis, RotatedKVCache
+from .rowwise import PlainKVCache
 
 __all__ = ("CHECKED", "SDPA_NAME", "SDPA_PARAMETERS", "batch_of_one", "row_of")
 
@@ -50,6 +51,6 @@ def row_of(batch: BatchKVCache, row: int) -> KVCache:
     larger batch is copied out, so that it keeps no other row's memory alive."""
     if batch.keys is None or batch.keys.shape[0] != 1 or batch.left_padding.item() != 0:
         return cast(KVCache, batch.extract(row))
-    one = RotatedKVCache() if isinstance(batch, RotatedBasis) else KVCache()
+    one = RotatedKVCache() if isinstance(batch, RotatedBasis) else PlainKVCache()
     one.state = (batch.keys, batch.values, batch._idx)
     return one

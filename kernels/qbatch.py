@@ -28,42 +28,18 @@ values may have different widths.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import mlx.core as mx
 
-from .qcodec import _SINK, _SINK_BITS, KVCodec, Role, dequantize_reference, rotate
+from .qattend import Coded, Kernel, attend_parts, row_parts
+from .qcodec import _SINK, _SINK_BITS, KVCodec, Role
+from .rowwise import RowwiseBatch
 
 __all__ = ("Kernel", "QuantizedBatchCache")
 
-Kernel = Literal["auto", "quantized_matmul", "reference"]
 _ROLES: tuple[Role, Role] = ("key", "value")
 _CPU_FUSED_MAX_QUERIES = 2
-
-
-class _Coded:
-    """One role's tokens of one region for every row: packed values with fp32 scales and
-    biases (``bits`` < 16), or plain fp32 values (``bits`` == 16). Arrays are
-    ``(B, H, W, ...)``; ``rotated`` tells whether they are in the Hadamard basis."""
-
-    __slots__ = ("arrays", "bits", "group", "rotated")
-
-    def __init__(self, bits: int, group: int, rotated: bool, arrays: tuple[mx.array, ...]):
-        self.bits, self.group, self.rotated, self.arrays = bits, group, rotated, arrays
-
-    def replace(self, arrays: tuple[mx.array, ...]) -> _Coded:
-        return _Coded(self.bits, self.group, self.rotated, arrays)
-
-    @property
-    def width(self) -> int:
-        return self.arrays[0].shape[2]
-
-    def dequantized(self) -> mx.array:
-        """``(B, H, W, D)`` fp32, still in the stored basis (the reference path)."""
-        if self.bits == 16:
-            return self.arrays[0]
-        q, s, b = self.arrays
-        return dequantize_reference(q, s, b, self.group, self.bits)
 
 
 def _pad_left(a: mx.array, n: int) -> mx.array:
@@ -79,20 +55,20 @@ def _region_parts(
     n: int,
     n_kv_heads: int,
     head_dim: int,
-) -> tuple[_Coded, _Coded]:
+) -> tuple[Coded, Coded]:
     """A role's parts for tokens [0, n) of one agent, split into region 0 and region 1."""
     bits = codec.role_spec(role)[0]
     group = codec.group_for(role, head_dim)
     cut = min(codec.sink_tokens, n)
     rotated = codec.rotate and bits != 16
 
-    def coded(b: int, arrays: tuple[mx.array, ...]) -> _Coded:
+    def coded(b: int, arrays: tuple[mx.array, ...]) -> Coded:
         if b != 16:
             q, s, bias = arrays
             arrays = (q, s.astype(mx.float32), bias.astype(mx.float32))
         else:
             arrays = (arrays[0].astype(mx.float32),)
-        return _Coded(b, group, rotated, arrays)
+        return Coded(b, group, rotated, arrays)
 
     def empty(b: int) -> tuple[mx.array, ...]:
         h = n_kv_heads
@@ -131,7 +107,7 @@ class QuantizedBatchCache:
         self,
         codec: KVCodec,
         dims: tuple[int, int],
-        regions: list[dict[Role, _Coded]],
+        regions: list[dict[Role, Coded]],
         region_lengths: list[list[int]],
         kernel: Kernel = "auto",
     ) -> None:
@@ -285,7 +261,9 @@ class QuantizedBatchCache:
         """Scaled dot-product attention of ``queries`` ``(B, n_heads, N, D)`` over this
         cache, after ``update_and_fetch`` of the same step (``keys`` and ``values``, its
         tails, and ``sdpa``, mlx-lm's function, are not needed: see
-        ``kernels.attention.Attends``); ``mask`` from :meth:`make_mask`.
+        ``kernels.attention.Attends``); ``mask`` from :meth:`make_mask`. In a batch of
+        several rows each row attends over its own columns alone (``kernels.qattend``):
+        what it computes in a batch of its own (``RowwiseBatch.rowwise``).
 
         Raises ValueError before ``update_and_fetch``; NotImplementedError for learned
         attention sinks.
@@ -296,49 +274,18 @@ class QuantizedBatchCache:
             raise NotImplementedError("learned attention sinks over a quantized batch")
         if not isinstance(mask, mx.array):
             mask = None  # make_mask always gives an array: anything else is no mask
-        b, n_heads, n, d = queries.shape
-        h = self.keys.shape[1]
-        repeats = n_heads // h
-        out_dtype = queries.dtype
-        q = (queries.astype(mx.float32) * scale).reshape(b, h, repeats, n, d)
-        kernel = self._kernel_for(n)
-        q_rot: mx.array | None = None
-        scores = []
-        widths = []
-        for region in self._regions:
-            coded = region["key"]
-            if not coded.width:
-                continue
-            if coded.rotated and q_rot is None:
-                q_rot = rotate(q)
-            query = q_rot if coded.rotated else q
-            assert query is not None
-            scores.append(_product(query, coded, kernel, transpose=True))
-            widths.append(coded.width)
-        tail_k = self.keys[:, :, : self._idx].astype(mx.float32)
-        tail_v = self.values[:, :, : self._idx].astype(mx.float32)
-        scores.append(q @ tail_k[:, :, None].swapaxes(-1, -2))
-        s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
-        if mask is not None:
-            s = mx.where(mask[:, :, None], s, mx.finfo(s.dtype).min)
-        p = mx.softmax(s, axis=-1, precise=True)
-        out = p[..., -self._idx :] @ tail_v[:, :, None]
-        rotated_sum: mx.array | None = None
-        at = 0
-        for region in self._regions:
-            coded = region["value"]
-            if not region["key"].width:
-                continue
-            width = widths.pop(0)
-            part = _product(p[..., at : at + width], coded, kernel, transpose=False)
-            at += width
-            if coded.rotated:
-                rotated_sum = part if rotated_sum is None else rotated_sum + part
-            else:
-                out = out + part
-        if rotated_sum is not None:
-            out = out + rotate(rotated_sum)
-        return out.reshape(b, n_heads, n, out.shape[-1]).astype(out_dtype)
+        kernel = self._kernel_for(queries.shape[2])
+        regions = [(r["key"], r["value"]) for r in self._regions]
+        tail = (self.keys[:, :, : self._idx], self.values[:, :, : self._idx])
+        if self.rows == 1 or not RowwiseBatch.rowwise:
+            return attend_parts(queries, scale, regions, tail, mask, kernel)
+        outs = []
+        for i in range(self.rows):
+            mine, tail_i, mask_i = row_parts(
+                i, regions, self._region_lengths, tail, self._tail_lengths[i], mask
+            )
+            outs.append(attend_parts(queries[i : i + 1], scale, mine, tail_i, mask_i, kernel))
+        return mx.concatenate(outs, axis=0)
 
     def _kernel_for(self, n_queries: int) -> Kernel:
         """``"auto"``: the fused kernel on a GPU; on the CPU only for one or two queries a
@@ -477,18 +424,6 @@ class QuantizedBatchCache:
 
     def is_trimmable(self) -> bool:
         return False
-
-
-def _product(x: mx.array, coded: _Coded, kernel: Kernel, *, transpose: bool) -> mx.array:
-    """``x @ Cᵀ`` (transpose) or ``x @ C`` for the coded ``C`` of every row, broadcast over
-    the query-head repeats."""
-    if coded.bits == 16 or kernel == "reference":
-        c = coded.dequantized()[:, :, None]
-        return x @ (c.swapaxes(-1, -2) if transpose else c)
-    q, s, b = (a[:, :, None] for a in coded.arrays)
-    return mx.quantized_matmul(
-        x, q, s, b, transpose=transpose, group_size=coded.group, bits=coded.bits
-    )
 
 
 def _zeros_like_rows(like: tuple[mx.array, mx.array], rows: int) -> tuple[mx.array, mx.array]:

@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .qcodec import KVCodec, rotate, rotate_rows
+from .rowwise import RowwiseBatch
 
 __all__ = ("RotatedBasis", "RotatedBatchKVCache", "RotatedKVCache", "works_rotated")
 
@@ -61,12 +62,27 @@ class RotatedBasis:
         sdpa: Callable[..., mx.array],
     ) -> mx.array:
         """``sdpa`` (mlx-lm's attention) of the queries rotated in, over the rotated ``keys``
-        and ``values`` the layer fetched, rotated back (see ``kernels.attention.Attends``)."""
+        and ``values`` the layer fetched, rotated back (see ``kernels.attention.Attends``);
+        a batch attends row by row (``kernels.rowwise``). Sinks are per-head logits: no
+        basis."""
         self._unattended = False
-        extra = {} if sinks is None else {"sinks": sinks}  # per-head logits: no basis
         q = rotate(queries.astype(mx.float32))
-        out = sdpa(q, keys, values, cache=self, scale=scale, mask=mask, **extra)
+        out = self._attend(q, keys, values, scale=scale, mask=mask, sinks=sinks, sdpa=sdpa)
         return rotate(out).astype(queries.dtype)
+
+    def _attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None,
+        sdpa: Callable[..., mx.array],
+    ) -> mx.array:
+        extra = {} if sinks is None else {"sinks": sinks}
+        return sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, **extra)
 
     def check_attended(self) -> None:
         """Raises RuntimeError when K/V went in and the model's attention, not bound to
@@ -97,8 +113,9 @@ class RotatedKVCache(RotatedBasis, KVCache):
         return RotatedBatchKVCache.merge(caches)
 
 
-class RotatedBatchKVCache(RotatedBasis, BatchKVCache):
-    """A batch of rows' float K/V (fp32) in the Hadamard basis."""
+class RotatedBatchKVCache(RowwiseBatch, RotatedBasis, BatchKVCache):
+    """A batch of rows' float K/V (fp32) in the Hadamard basis; it attends row by row
+    (``kernels.rowwise``)."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return super().update_and_fetch(*self._entering(keys, values))

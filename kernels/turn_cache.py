@@ -36,6 +36,7 @@ from .mlx_lm_compat import batch_of_one, row_of
 from .qbatch import Kernel, QuantizedBatchCache
 from .qcodec import Role, concat_parts
 from .rotated import RotatedBasis, RotatedKVCache, works_rotated
+from .rowwise import PlainBatchKVCache, PlainKVCache
 
 if TYPE_CHECKING:
     from .agent_cache import AgentKV, StoredRange
@@ -242,7 +243,7 @@ class FloatTurnCache(_Layers):
         ``slack`` more tokens (lazy: evaluate it)."""
         kv.geometry.layer(i)
         rotated = works_rotated(kv.codec)
-        cache = RotatedKVCache() if rotated else KVCache()
+        cache = RotatedKVCache() if rotated else PlainKVCache()
         if kv.ranges:
             keys = kv.dequantize(i, "key", rotated=rotated, room=slack)
             values = kv.dequantize(i, "value", rotated=rotated, room=slack)
@@ -251,8 +252,9 @@ class FloatTurnCache(_Layers):
 
     @classmethod
     def prepare(cls, model: nn.Module) -> None:
-        # Plain float caches go to the model's own attention, rotated ones through the basis.
+        # Rotated caches attend through the basis; batches of either attend row by row.
         bind_attention(model, RotatedBasis)
+        bind_attention(model, PlainBatchKVCache)
 
     @classmethod
     def ready_nbytes(cls, kv: AgentKV) -> int:

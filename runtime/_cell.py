@@ -81,6 +81,7 @@ class ActorCell:
             self._thread.idle = None
             await self._thread.call(actor.on_start)
             self._thread.idle = actor.on_idle
+            self._thread.on_exit = actor.on_stop  # if the interpreter exits first
         else:
             await actor.on_start()
         self._actor = actor
@@ -140,6 +141,7 @@ class ActorCell:
                 if isinstance(actor, ThreadActor):
                     assert self._thread is not None
                     self._thread.idle = None
+                    self._thread.on_exit = None
                     await self._thread.call(actor.on_stop)
                 else:
                     await actor.on_stop()

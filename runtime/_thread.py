@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -11,9 +15,41 @@ import anyio
 
 from ._loop import LoopCaller
 
-__all__ = ("ActorThread",)
+__all__ = ("ActorThread", "stop_threads")
+
+log = logging.getLogger("kvactor.runtime")
 
 _Job = tuple[Callable[..., Any], tuple[Any, ...], Callable[[bool, Any], None]]
+_EXIT = object()  # the job that runs on_exit on the thread and ends it
+_live: weakref.WeakSet[ActorThread] = weakref.WeakSet()
+
+
+def stop_threads(timeout: float = 30.0) -> int:
+    """For interpreter exit, when no event loop is left: end every actor thread still
+    alive after its current job, running its ``on_exit`` there first (a ThreadActor's
+    ``on_stop`` that never ran: its native resources go with the thread that made them),
+    and wait up to ``timeout`` seconds for all of them. Returns how many were alive."""
+    threads = [t for t in list(_live) if t._thread.is_alive()]
+    for t in threads:
+        t._jobs.put(_EXIT)  # type: ignore[arg-type]
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t._thread.join(max(deadline - time.monotonic(), 0))
+    return len(threads)
+
+
+_registered = False
+
+
+def _watch(thread: ActorThread) -> None:
+    """Track ``thread`` for ``stop_threads``, which runs at interpreter exit (registered
+    when the first actor thread starts, so it runs before the exit handlers of libraries
+    imported earlier: theirs are registered first and run last)."""
+    global _registered
+    _live.add(thread)
+    if not _registered:
+        _registered = True
+        atexit.register(stop_threads)
 
 
 class ActorThread:
@@ -34,9 +70,12 @@ class ActorThread:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._on_idle_error = on_idle_error
         self.idle: Callable[[], bool] | None = None
+        # What the thread runs if the interpreter exits before close(): stop_threads.
+        self.on_exit: Callable[[], object] | None = None
         self._exited: anyio.Event | None = None
         self._thread = threading.Thread(target=self._main, name=f"kvactor:{name}", daemon=True)
         self._thread.start()
+        _watch(self)
 
     @property
     def ident(self) -> int | None:
@@ -79,6 +118,14 @@ class ActorThread:
             await anyio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
+    def _exit_now(self) -> None:
+        on_exit, self.on_exit = self.on_exit, None
+        if on_exit is not None:
+            try:
+                on_exit()
+            except Exception:
+                log.exception("stopping actor thread %s at exit", self._thread.name)
+
     def _mark_exited(self) -> None:
         if self._exited is not None:
             self._exited.set()
@@ -108,6 +155,9 @@ class ActorThread:
                 job = self._jobs.get()
             if job is None:
                 self._caller.call_soon(self._mark_exited)
+                return
+            if job is _EXIT:
+                self._exit_now()
                 return
             fn, args, finish = job
             try:
