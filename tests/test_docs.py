@@ -221,6 +221,15 @@ def test_scenario_blocks_parse() -> None:
             parse_scenario(block)
 
 
+def test_the_api_reference_has_every_public_name() -> None:
+    import kvactor
+
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^::: kvactor\.(\w+)\s*$", text, re.MULTILINE)
+    assert sorted(set(kvactor.__all__)) == sorted(n for n in listed if n in kvactor.__all__)
+    assert len(listed) == len(set(listed))
+
+
 def test_a_failing_example_fails(tmp_path: Path) -> None:
     env = _environment(tmp_path, default_model=False)
     with pytest.raises(pytest.fail.Exception, match="exited with 3"):
