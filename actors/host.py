@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from ._durable import link_or_copy
 from ._manifest import (
     MANIFEST,
     SEGMENT_FILE,
@@ -43,7 +44,6 @@ from ._manifest import (
     read_manifest,
 )
 from ._warm_read import read_cache, verify_cache
-from ._warm_write import link_or_copy
 from .config import ModelSpec
 from .errors import CacheRejected, UnknownAgent
 from .protocol import EngineStats, check_agent_id
