@@ -32,7 +32,9 @@ from typing import Any, Literal, cast
 
 import mlx.core as mx
 
-from .qcodec import _SINK, _SINK_BITS, KVCodec, Role, dequantize_reference, rotate
+from ._qparts import SINK as _SINK
+from ._qparts import SINK_BITS as _SINK_BITS
+from .qcodec import KVCodec, Role, dequantize_reference, rotate
 
 __all__ = ("Kernel", "QuantizedBatchCache")
 
