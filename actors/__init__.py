@@ -31,6 +31,8 @@ from .errors import ModelLoadError as ModelLoadError
 from .errors import StoreWriteError as StoreWriteError
 from .errors import UnknownAgent as UnknownAgent
 from .errors import UnsafeCachePath as UnsafeCachePath
+from .handle import Agent as Agent
+from .handle import TextStream as TextStream
 from .model import LoadedModel as LoadedModel
 from .model import default_model_path as default_model_path
 from .model import fetch_default_model as fetch_default_model
@@ -47,9 +49,7 @@ from .protocol import EngineStats as EngineStats
 from .protocol import ModelInfo as ModelInfo
 from .protocol import Sampling as Sampling
 from .protocol import Timings as Timings
-from .session import Agent as Agent
 from .session import Session as Session
-from .session import TextStream as TextStream
 from .store import WarmInfo as WarmInfo
 from .store import default_cache_dir as default_cache_dir
 

@@ -37,8 +37,8 @@ from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers import processors
 
 from . import _gguf
+from ._bpe import ByteLevelBPETokenizer
 from ._fetch import file_digest
-from ._tokenizer import ByteLevelBPETokenizer
 from .errors import ModelExportError, ModelLoadError
 from .model import _to_fp32
 

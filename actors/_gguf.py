@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import llama
 
-from ._tokenizer import ByteLevelBPETokenizer
+from ._bpe import ByteLevelBPETokenizer
 
 __all__ = (
     "GGUF_MAGIC",

@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from ._durable import link_or_copy
 from ._manifest import (
     MANIFEST,
     SEGMENT_FILE,
@@ -43,13 +44,13 @@ from ._manifest import (
     read_manifest,
 )
 from ._warm_read import read_cache, verify_cache
-from ._warm_write import link_or_copy
 from .api import TURN_KINDS, TurnKind
 from .config import ModelSpec
 from .errors import CacheRejected, UnknownAgent
+from .handle import Agent
 from .opening import open as open_session
 from .protocol import Completion, EngineStats, check_agent_id
-from .session import Agent, Session
+from .session import Session
 from .store import Forgotten
 
 __all__ = ("EngineHost", "HostInfo")

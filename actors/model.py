@@ -30,12 +30,13 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..kernels.geometry import CacheGeometry, LayerGeometry
 from . import _gguf
+from ._bpe import tiny_byte_tokenizer
 from ._fetch import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
 from ._fetch import default_model_path as default_model_path
 from ._fetch import fetch_default_model as fetch_default_model
 from ._fetch import file_digest
 from ._fetch import model_dir as model_dir
-from ._tokenizer import MlxLmTokenizer, Tokenizer, tiny_byte_tokenizer
+from ._tokenizer import MlxLmTokenizer, Tokenizer
 from .errors import ModelLoadError
 
 __all__ = (

@@ -7,35 +7,32 @@ import logging
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 
 from ..kernels.agent_cache import segment_layout
 from ..kernels.geometry import CacheGeometry
 from ..kernels.qcodec import DEFAULT_CODEC
-from ..runtime import ActorRef, ReplyStream, Runtime
+from ..runtime import ActorRef, Runtime
 from ._dirlock import CacheDirLock, lock_cache_dir
 from ._tokenizer import Tokenizer
-from .agent import AgentActor, AgentEnv, check_history, prompt_chars_limit
-from .api import AgentTurns, TurnKind, drain
+from .agent import AgentActor, AgentEnv, prompt_chars_limit
+from .api import drain
 from .config import EngineConfig, ModelSpec
 from .engine import EngineActor
 from .errors import StoreWriteError, UnknownAgent, UnsafeCachePath
+from .handle import Agent
 from .prefetch import Prefetch, PrefetchActor, PrefetchMessage
 from .protocol import (
-    AgentMessage,
     AgentSnapshot,
-    AgentState,
     CacheInfo,
     CacheQuery,
-    Completion,
     DropCache,
     EngineMessage,
     EngineStats,
     Fork,
     GetModelInfo,
-    GetState,
     ModelInfo,
     Sampling,
     Snapshot,
@@ -59,7 +56,7 @@ from .store import (
 )
 from .warm_tier import ActorWarmTier
 
-__all__ = ("Agent", "OnSaveError", "Session", "TextStream")
+__all__ = ("OnSaveError", "Session")
 
 log = logging.getLogger("kvactor.session")
 
@@ -74,89 +71,6 @@ def _scope(scope: object) -> str:
     if len(scope) > 256:
         raise ValueError("scope must have at most 256 characters")
     return scope
-
-
-class TextStream:
-    """``async for piece in agent.stream(text)``: text pieces as they are generated.
-
-    After the loop, ``completion`` holds the whole turn. Leaving the loop early or
-    cancelling the reader cancels the generation and frees its batch slot; ``async with``
-    makes that immediate. With ``on_save_error="raise"`` the loop ends with
-    StoreWriteError when the turn's cache could not be written (``completion`` is set,
-    and is the error's ``completion`` too).
-    """
-
-    def __init__(self, inner: ReplyStream, *, raise_on_save_error: bool = False) -> None:
-        self._inner = inner
-        self._raise = raise_on_save_error
-        self.completion: Completion | None = None
-
-    def __aiter__(self) -> TextStream:
-        return self
-
-    async def __anext__(self) -> str:
-        if self.completion is not None:
-            raise StopAsyncIteration
-        item = await self._inner.__anext__()
-        if isinstance(item, Completion):
-            self.completion = item
-            if self._raise and item.save_error is not None:
-                error = StoreWriteError(
-                    f"the turn completed but its cache was not saved: {item.save_error}"
-                )
-                error.completion = item
-                raise error
-            raise StopAsyncIteration
-        assert isinstance(item, str)
-        return item
-
-    async def aclose(self) -> None:
-        if self.completion is None:
-            await self._inner.aclose()
-
-    async def __aenter__(self) -> TextStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-
-class Agent(AgentTurns):
-    """A handle on one agent actor: multi-turn generation with a cache kept between turns
-    (the turn methods: :class:`~kvactor.actors.api.AgentTurns`)."""
-
-    def __init__(self, session: Session, name: str, ref: ActorRef[AgentMessage]) -> None:
-        self._session = session
-        self.name = name
-        self.ref = ref
-
-    def __repr__(self) -> str:
-        return f"<Agent {self.name!r}>"
-
-    def _turn_stream(
-        self, kind: TurnKind, payload: Any, sampling: dict[str, Any], *, pieces: bool
-    ) -> TextStream:
-        options = Sampling.from_options(sampling)
-        if kind == "chat":
-            turn = Turn("", options, history=check_history(payload))
-        else:
-            turn = Turn(payload, options, raw=kind == "raw")
-        return self._stream(turn)
-
-    def _stream(self, turn: Turn) -> TextStream:
-        raising = self._session.on_save_error == "raise"
-        return TextStream(self.ref.stream(turn), raise_on_save_error=raising)
-
-    async def state(self) -> AgentState:
-        state: AgentState = await self.ref.ask(GetState())
-        return state
-
-    async def history(self) -> list[dict[str, str]]:
-        return (await self.state()).messages
-
-    async def cache_info(self) -> CacheInfo:
-        info: CacheInfo = await self._session.engine.ask(CacheQuery(self.name))
-        return info
 
 
 class Session:

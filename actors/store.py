@@ -4,11 +4,13 @@ One session at a time owns a root: it holds ``<root>/.lock`` (``lock_cache_dir``
 may write. Each agent owns a folder ``<root>/agents/<agent>/`` of immutable segment files
 ``seg-<n>.safetensors`` (the quantized K/V of one token range, all layers) and a
 ``manifest.json`` that commits them (the format: ``_manifest``; segment files:
-``_safetensors``; reading and listing: ``_warm_read``; appending and forgetting:
-``_warm_write``). A turn that extends a warm cache appends one segment with only its new
-tokens. The actor runs every file operation in a worker thread, never on the event loop
-or the engine's thread; the same operations are plain functions here for the CLI, the
-scenario runner and benchmarks. No MLX: numpy arrays and bytes only.
+``_safetensors``; reading and listing: ``_warm_read``; appending: ``_warm_write``;
+forgetting and collecting: ``_warm_forget``; forks and shared prefixes: ``_warm_link``;
+temp files, renames and the manifest commit: ``_durable``). A turn that extends a warm
+cache appends one segment with only its new tokens. The actor runs every file operation
+in a worker thread, never on the event loop or the engine's thread; the same operations
+are plain functions here for the CLI, the scenario runner and benchmarks. No MLX: numpy
+arrays and bytes only.
 """
 
 from __future__ import annotations
@@ -38,18 +40,10 @@ from ._manifest import (
     default_cache_dir,
     read_manifest,
 )
+from ._warm_forget import Collected, Forgotten, SharedFile, collect, forget, forget_cache
+from ._warm_link import fork_cache, share_cache
 from ._warm_read import disk_footprint, list_agents, read_cache
-from ._warm_write import (
-    Collected,
-    Forgotten,
-    SharedFile,
-    append_cache,
-    collect,
-    forget,
-    forget_cache,
-    fork_cache,
-    share_cache,
-)
+from ._warm_write import append_cache
 from .errors import CacheRejected
 from .protocol import check_agent_id
 

@@ -32,8 +32,10 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from ._qparts import SINK as _SINK
+from ._qparts import SINK_BITS as _SINK_BITS
 from .qattend import Coded, Kernel, attend_parts, row_parts
-from .qcodec import _SINK, _SINK_BITS, KVCodec, Role
+from .qcodec import KVCodec, Role
 from .rowwise import RowwiseBatch
 
 __all__ = ("Kernel", "QuantizedBatchCache")

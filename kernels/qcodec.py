@@ -37,7 +37,7 @@ range would re-quantize old ones and the warm tier could no longer only append.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
@@ -45,10 +45,20 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
-from ._qmath import affine, unpack
 from ._qmath import dequantize_reference as dequantize_reference
 from ._qmath import rotate as rotate
 from ._qmath import rotate_rows as rotate_rows
+from ._qparts import (
+    SCALE_DTYPE,
+    SINK,
+    SINK_BITS,
+    dequantize_parts,
+    joined_codes,
+    part_shapes,
+    quantize_parts,
+)
+from ._qparts import concat_parts as concat_parts
+from ._qparts import parts_tokens as parts_tokens
 
 __all__ = (
     "DEFAULT_CODEC",
@@ -71,9 +81,6 @@ _VERSION = 1
 _QUANT_BITS = (2, 3, 4, 5, 6, 8)
 _BITS = (*_QUANT_BITS, 16)
 _GROUP_SIZES = (32, 64, 128)
-_SINK_BITS = 8
-_SCALE_DTYPE = "float16"
-_SINK = "sink_"
 _DESCRIPTION_KEYS = frozenset(
     {
         "format",
@@ -181,7 +188,7 @@ class KVCodec:
 
     def _n_sink(self, bits: int, start: int, n: int) -> int:
         """How many of tokens ``start .. start + n - 1`` are sinks kept apart at 8 bits."""
-        if bits >= _SINK_BITS:
+        if bits >= SINK_BITS:
             return 0  # the body is already at >= 8 bits: no separate sink parts
         return max(0, min(self.sink_tokens - start, n))
 
@@ -241,9 +248,9 @@ class KVCodec:
         n_sink = self._n_sink(bits, start, n)
         parts: dict[str, mx.array] = {}
         if n_sink:
-            parts.update(_quantize(x[:, :, :n_sink], _SINK_BITS, group, _SINK))
+            parts.update(quantize_parts(x[:, :, :n_sink], SINK_BITS, group, SINK))
         if n_sink < n:
-            parts.update(_quantize(x[:, :, n_sink:], bits, group, ""))
+            parts.update(quantize_parts(x[:, :, n_sink:], bits, group, ""))
         return parts
 
     def dequantize(
@@ -266,13 +273,7 @@ class KVCodec:
         bits, group = self._check_parts(parts, start, n, role)
         if bits == 16:
             return parts["x"].astype(dtype)
-        if mx.default_device() == mx.cpu:
-            codes, scales, biases = self.codes(parts, start, n, role=role)
-            x = affine(codes, scales.astype(mx.float32), biases.astype(mx.float32), group)
-        else:
-            prefixes = [p for p in (_SINK, "") if p + "q" in parts]
-            pieces = [_dequantize(parts, _SINK_BITS if p else bits, group, p) for p in prefixes]
-            x = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+        x = dequantize_parts(parts, bits, group)
         if self.rotate and not rotated:
             x = rotate(x)  # H is symmetric and orthonormal: H·H = I
         return x.astype(dtype)
@@ -290,20 +291,7 @@ class KVCodec:
         bits, _ = self._check_parts(parts, start, n, role)
         if bits == 16:
             raise ValueError("a 16-bit role has no codes")
-        codes, scales, biases = [], [], []
-        for prefix, width in ((_SINK, _SINK_BITS), ("", bits)):
-            if prefix + "q" in parts:
-                codes.append(unpack(parts[prefix + "q"], width))
-                scales.append(parts[prefix + "s"])
-                biases.append(parts[prefix + "b"])
-        if len(codes) == 1:
-            return codes[0], scales[0], biases[0]
-        kind = codes[-1].dtype  # sink codes (8 bits) fit the body's (uint8 or uint32)
-        return (
-            mx.concatenate([c.astype(kind) for c in codes], axis=2),
-            mx.concatenate(scales, axis=2),
-            mx.concatenate(biases, axis=2),
-        )
+        return joined_codes(parts, bits)
 
     def _check_parts(
         self, parts: Mapping[str, mx.array], start: int, n: int, role: Role | None
@@ -319,8 +307,8 @@ class KVCodec:
         if parts_tokens(parts) != n:
             raise ValueError(f"parts hold {parts_tokens(parts)} tokens, not {n}")
         if bits != 16:
-            prefix = "" if "q" in parts else _SINK
-            width = parts[prefix + "q"].shape[-1] * 32 // (bits if prefix == "" else _SINK_BITS)
+            prefix = "" if "q" in parts else SINK
+            width = parts[prefix + "q"].shape[-1] * 32 // (bits if prefix == "" else SINK_BITS)
             group = self.group_for(role, width)
         return bits, group
 
@@ -330,7 +318,7 @@ class KVCodec:
         if bits == 16:
             return ["x"]
         n_sink = self._n_sink(bits, start, n)
-        names = [_SINK + k for k in "qsb"] if n_sink else []
+        names = [SINK + k for k in "qsb"] if n_sink else []
         return names + (list("qsb") if n_sink < n else [])
 
     def expected_parts(
@@ -350,14 +338,7 @@ class KVCodec:
         if bits == 16:
             return {"x": ((1, n_kv_heads, n, head_dim), "float16")}
         n_sink = self._n_sink(bits, start, n)
-        out: dict[str, tuple[tuple[int, ...], str]] = {}
-        for prefix, b, count in ((_SINK, _SINK_BITS, n_sink), ("", bits, n - n_sink)):
-            if count:
-                out[prefix + "q"] = ((1, n_kv_heads, count, head_dim * b // 32), "uint32")
-                scale_shape = (1, n_kv_heads, count, head_dim // group)
-                out[prefix + "s"] = (scale_shape, _SCALE_DTYPE)
-                out[prefix + "b"] = (scale_shape, _SCALE_DTYPE)
-        return out
+        return part_shapes(n_sink, n, n_kv_heads, head_dim, bits, group)
 
     # ------------------------------------------------------------------ sizes
 
@@ -407,8 +388,8 @@ class KVCodec:
             "key_group_size": key_group,
             "rotate": self.rotate,
             "sink_tokens": self.sink_tokens,
-            "sink_bits": _SINK_BITS,
-            "scale_dtype": _SCALE_DTYPE,
+            "sink_bits": SINK_BITS,
+            "scale_dtype": SCALE_DTYPE,
         }
 
     @classmethod
@@ -426,8 +407,8 @@ class KVCodec:
         fixed = {
             "format": FORMAT,
             "version": _VERSION,
-            "sink_bits": _SINK_BITS,
-            "scale_dtype": _SCALE_DTYPE,
+            "sink_bits": SINK_BITS,
+            "scale_dtype": SCALE_DTYPE,
         }
         for key, want in fixed.items():
             got = d[key]
@@ -451,53 +432,6 @@ def _int_entry(d: Mapping[str, object], key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"codec description: {key} must be an int, not {value!r}")
     return value
-
-
-# ---------------------------------------------------------------------- parts
-
-
-def _quantize(x: mx.array, bits: int, group: int, prefix: str) -> dict[str, mx.array]:
-    # MLX rounds against fp32 scale/bias and returns them in x's dtype (fp16: the stored form).
-    q, scales, biases = mx.quantize(x, group_size=group, bits=bits)
-    return {prefix + "q": q, prefix + "s": scales, prefix + "b": biases}
-
-
-def _dequantize(parts: Mapping[str, mx.array], bits: int, group: int, prefix: str) -> mx.array:
-    q, scales, biases = (parts[prefix + k] for k in "qsb")
-    # In fp32: given fp16 scales, mx.dequantize computes in fp16 (less exact, 4x slower on CPU).
-    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-    if mx.default_device() == mx.cpu:
-        return affine(unpack(q, bits), scales, biases, group)
-    return mx.dequantize(q, scales, biases, group_size=group, bits=bits)
-
-
-def parts_tokens(parts: Mapping[str, mx.array]) -> int:
-    """How many tokens a dict of parts holds (0 for ``{}``)."""
-    return sum(parts[k].shape[2] for k in ("x", "q", _SINK + "q") if k in parts)
-
-
-def concat_parts(pieces: Sequence[Mapping[str, mx.array]]) -> dict[str, mx.array]:
-    """The parts of adjacent token ranges, given in sequence order, as the parts of their union
-    (each part concatenated along the token axis). Sink parts may only appear before body parts,
-    as they do in a sequence; the result equals quantizing the union at once, bit for bit.
-
-    Raises ValueError if a piece holds sink parts after an earlier piece held body parts, or if
-    the pieces mix fp16 and quantized parts.
-    """
-    seen_body = False
-    names: list[str] = []
-    for piece in pieces:
-        if seen_body and any(k.startswith(_SINK) for k in piece):
-            raise ValueError("sink parts after body parts: pieces out of order or not adjacent")
-        seen_body = seen_body or "q" in piece or "x" in piece
-        names += [k for k in piece if k not in names]
-    if "x" in names and len(names) > 1:
-        raise ValueError(f"pieces mix fp16 and quantized parts: {sorted(names)}")
-    out: dict[str, mx.array] = {}
-    for name in names:
-        arrays = [piece[name] for piece in pieces if name in piece]
-        out[name] = arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=2)
-    return out
 
 
 FP16_CODEC = KVCodec(bits=16)

@@ -39,6 +39,8 @@ from .actors.errors import ModelLoadError as ModelLoadError
 from .actors.errors import StoreWriteError as StoreWriteError
 from .actors.errors import UnknownAgent as UnknownAgent
 from .actors.errors import UnsafeCachePath as UnsafeCachePath
+from .actors.handle import Agent as Agent
+from .actors.handle import TextStream as TextStream
 from .actors.opening import open as open
 from .actors.placement import MostFreeBudget as MostFreeBudget
 from .actors.placement import PlacementPolicy as PlacementPolicy
@@ -51,9 +53,7 @@ from .actors.protocol import EngineStats as EngineStats
 from .actors.protocol import ModelInfo as ModelInfo
 from .actors.protocol import Sampling as Sampling
 from .actors.protocol import Timings as Timings
-from .actors.session import Agent as Agent
 from .actors.session import Session as Session
-from .actors.session import TextStream as TextStream
 from .actors.store import Forgotten as Forgotten
 from .actors.store import SharedFile as SharedFile
 from .actors.store import WarmInfo as WarmInfo

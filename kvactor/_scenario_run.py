@@ -40,7 +40,8 @@ from ._scenario_results import (
 )
 from .actors import Tier, UnknownAgent
 from .actors import open as open_session
-from .actors.session import Agent, Session
+from .actors.handle import Agent
+from .actors.session import Session
 from .actors.store import disk_footprint, forget, list_agents, lock_cache_dir
 
 if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10

@@ -78,7 +78,7 @@ async def workload(seed: int, attention: Attention, **options: Any) -> tuple[Out
         async def run(i: int) -> None:
             for r in range(ROUNDS):
                 text, cancel, after, delay = plan[i, r]
-                await anyio.sleep(delay)
+                await anyio.sleep(delay)  # the load under test: turns sent at random moments
                 outcomes[i, r] = None
                 with anyio.fail_after(TURN_DEADLINE_S):  # a hang fails the test
                     with anyio.move_on_after(after if cancel else TURN_DEADLINE_S + 1):

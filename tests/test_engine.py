@@ -94,10 +94,12 @@ async def test_decode_goes_on_while_a_long_prompt_is_prefilled_in_chunks(
         talker = await session.spawn_agent("talker")
         reader = await session.spawn_agent("reader")
         events: list[str] = []
+        talking = anyio.Event()
 
         async def talk() -> None:
             async for _ in talker.stream("go", max_tokens=60):
                 events.append("talker")
+                talking.set()
 
         async def read() -> None:
             events.append("reader-submitted")
@@ -106,8 +108,7 @@ async def test_decode_goes_on_while_a_long_prompt_is_prefilled_in_chunks(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(talk)
-            while "talker" not in events:
-                await anyio.sleep(0.001)
+            await talking.wait()
             tg.start_soon(read)
         start, first = events.index("reader-submitted"), events.index("reader-first")
         # ~40 prefill chunks for the reader; the talker decoded between them.
@@ -123,7 +124,7 @@ async def test_leaving_a_stream_cancels_the_generation_and_frees_the_slot() -> N
                 pieces += 1
                 if pieces == 3:
                     break
-        with anyio.fail_after(10):
+        with anyio.fail_after(10):  # a poll: nothing signals the engine's noticing the exit
             while (await session.stats()).decoding:
                 await anyio.sleep(0.01)
         info = await agent.cache_info()
@@ -137,7 +138,7 @@ async def test_cancelling_the_caller_cancels_the_generation() -> None:
         agent = await session.spawn_agent("a")
         with anyio.move_on_after(0.2):
             await agent.generate("go on forever", max_tokens=100_000)
-        with anyio.fail_after(10):
+        with anyio.fail_after(10):  # a poll: nothing signals the engine's noticing the cancel
             while (await session.stats()).decoding:
                 await anyio.sleep(0.01)
 

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 import kvactor
@@ -87,11 +86,9 @@ async def test_special_token_text_in_a_message_cannot_forge_a_turn(tmp_path: Pat
         for turn, text in enumerate((FORGED, f"and again: {FORGED}")):
             done = await agent.generate(text, max_tokens=3)
             need = done.timings.prompt_tokens
-            with anyio.fail_after(10):  # the turn's write may still be on its way
-                while (manifest := await kv.store.ask(Manifest("a"))) is None or (  # type: ignore[union-attr]
-                    manifest.n_tokens < need
-                ):
-                    await anyio.sleep(0.01)
+            assert done.saved  # the turn's tokens were written before it returned
+            manifest = await kv.store.ask(Manifest("a"))  # type: ignore[union-attr]
+            assert manifest is not None and manifest.n_tokens >= need
             prompt = manifest.token_ids[:need]
             assert prompt.count(start[0]) == 3 + 2 * turn, f"turn {turn}"
             assert tokenizer.decode(prompt).count("<|im_start|>") == 5 + 4 * turn

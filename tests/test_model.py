@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 import kvactor.actors
 from kvactor.actors import LoadedModel, ModelLoadError, load_model, make_tiny_model
-from kvactor.actors._tokenizer import TINY_CHAT_TEMPLATE, ByteLevelBPETokenizer, tiny_vocab
+from kvactor.actors._bpe import TINY_CHAT_TEMPLATE, ByteLevelBPETokenizer, tiny_vocab
 from kvactor.actors.model import _to_fp32, default_model_path, fetch_default_model, model_dir
 
 TEXTS = [

@@ -114,6 +114,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
+@pytest.mark.wheel
 def test_wheel_holds_each_file_once(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         entries = archive.namelist()
@@ -128,6 +129,7 @@ def test_wheel_holds_each_file_once(wheel: Path) -> None:
     assert not [e for e in entries if e.partition("/")[0] in MAPPED]
 
 
+@pytest.mark.wheel
 def test_wheel_installs_and_imports(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q"]

@@ -18,6 +18,7 @@ import kvactor
 from kvactor.actors.config import turn_reserve_bytes
 from kvactor.actors.enums import Tier
 from kvactor.actors.model import make_tiny_model
+from kvactor.actors.prefetch import Stage
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.qcodec import DEFAULT_CODEC
 from kvactor.kernels.rotated import RotatedKVCache
@@ -168,7 +169,7 @@ async def test_a_prefetch_hint_builds_the_ready_copy_before_the_turn(tmp_path: P
             agent = await kv.spawn_agent("p")
             if prefetch:
                 await kv.prefetch("p")
-                with anyio.fail_after(10):
+                with anyio.fail_after(10):  # a poll: nothing signals a ready copy built ahead
                     while (await kv.stats()).ready_agents == 0:
                         await anyio.sleep(0.005)
             done = await agent.generate("what was it?", max_tokens=6)
@@ -197,11 +198,13 @@ async def test_a_ready_copy_is_built_ahead_only_with_free_room(tmp_path: Path) -
         tiny(), attention="dequantized", cache_dir=tmp_path, budget_bytes=stored + 65536
     ) as kv:
         await kv.prefetch("p")
-        with anyio.fail_after(10):
-            while (await kv.stats()).installs == 0:
-                await anyio.sleep(0.005)
-        for _ in range(20):
-            await anyio.sleep(0.005)
+        assert kv.prefetcher is not None
+        # Handled after the hint (one message at a time, in order): the stage is installed.
+        await kv.prefetcher.ask(Stage("nobody"), timeout=None)
         stats = await kv.stats()
+        assert stats.installs == 1
+        # Room for a copy is reserved when the stage is installed, or never: nothing but
+        # the stored cache is in use now, and no copy can be on its way.
+        assert stats.cache_bytes == stored
         assert stats.ready_agents == 0 and stats.demoted_warm == 0
         assert stats.peak_bytes <= stored + 65536

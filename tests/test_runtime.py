@@ -428,7 +428,7 @@ async def test_a_two_second_handler_leaves_the_loop_free() -> None:
                 await other.ask(Get())
                 if not finished.is_set():
                     answered_during += 1
-                await anyio.sleep(0.05)
+                await anyio.sleep(0.05)  # paces the probe: an ask each 50 ms over the 2 s
         assert answered_during >= 10
 
 
@@ -464,7 +464,7 @@ async def test_a_crash_in_on_idle_restarts_the_thread_actor() -> None:
             Worker, threading.Event(), threading.Event(), restart=RestartPolicy.on_failure()
         )
         await ref.tell(Crash())
-        with anyio.fail_after(5):
+        with anyio.fail_after(5):  # a poll: nothing signals a restart but the count
             while ref.statistics().restarts == 0:
                 await anyio.sleep(0.01)
         threads, _ = await ref.ask(Ping())

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvactor
 from kvactor.actors.model import make_tiny_model
+from kvactor.actors.prefetch import Stage
 from kvactor.server import create_app
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
@@ -43,15 +44,15 @@ async def running(
         app = create_app(kv, model_id="tiny", **(app_options or {}))
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
+        # Listening now, a client's connection waits in the backlog until the server takes
+        # it: nothing needs to wait for the server's start.
+        sock.listen()
         port = sock.getsockname()[1]
         server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
         )
         async with anyio.create_task_group() as tg:
             tg.start_soon(functools.partial(server.serve, sockets=[sock]))
-            with anyio.fail_after(10):
-                while not server.started:
-                    await anyio.sleep(0.01)
             try:
                 yield kv, f"http://127.0.0.1:{port}"
             finally:
@@ -233,7 +234,7 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_slot() -> None:
                     lines += line.startswith("data:")
                     if lines >= 3:
                         break  # leave: the connection closes
-            with anyio.fail_after(20):
+            with anyio.fail_after(20):  # a poll: nothing signals the engine's noticing the exit
                 while (stats := await kv.stats()).decoding or stats.prefilling:
                     await anyio.sleep(0.05)
             assert stats.generated_tokens < 1500
@@ -473,16 +474,16 @@ async def test_metrics_split_a_warm_turn_and_label_a_prefetched_one(tmp_path: Pa
     async with running(cache_dir=tmp_path) as (_, base):
         for name in ("w", "p"):
             await oai(base, name).chat.completions.create(model="tiny", messages=user, max_tokens=3)
-    async with running(cache_dir=tmp_path) as (_, base), httpx.AsyncClient() as http:
+    async with running(cache_dir=tmp_path) as (kv, base), httpx.AsyncClient() as http:
         # "w" comes back without a hint: reloaded for its turn; "p" is prefetched first.
         await oai(base, "w").chat.completions.create(model="tiny", messages=user, max_tokens=3)
         assert (await http.post(f"{base}/v1/agents/p/prefetch")).status_code == 202
-        with anyio.fail_after(20):
-            while not any(
-                a["id"] == "p" and a["tier"] == "hot"
-                for a in (await http.get(f"{base}/v1/agents")).json()["data"]
-            ):
-                await anyio.sleep(0.02)
+        # The route tells the prefetch actor before it answers, and the actor handles one
+        # message at a time, in order: once this is answered, "p" is staged.
+        assert kv.prefetcher is not None
+        await kv.prefetcher.ask(Stage("nobody"), timeout=None)
+        listed = (await http.get(f"{base}/v1/agents")).json()["data"]
+        assert any(a["id"] == "p" and a["tier"] == "hot" for a in listed)
         await oai(base, "p").chat.completions.create(model="tiny", messages=user, max_tokens=3)
         text = (await http.get(f"{base}/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}

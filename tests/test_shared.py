@@ -298,7 +298,7 @@ def test_kill_9_during_shares_and_forks_leaves_every_agent_loadable(
     try:
         assert child.stdout is not None
         child.stdout.readline()  # one agent and one fork done: the churn is on
-        time.sleep(delay)
+        time.sleep(delay)  # the moment under test: kill -9 at two points of the churn
         child.send_signal(signal.SIGKILL)
     finally:
         child.wait(timeout=60)

@@ -20,7 +20,7 @@ import pytest
 import safetensors.numpy
 
 from kvactor._inspect import format_table, inspect_rows
-from kvactor.actors import _warm_write
+from kvactor.actors import _durable
 from kvactor.actors import store as store_module
 from kvactor.actors.enums import Tier
 from kvactor.actors.errors import CacheRejected, InvalidAgentId, StoreWriteError, UnknownAgent
@@ -756,7 +756,7 @@ def test_disk_full_keeps_the_previous_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: str, at: int, orphan: bool
 ) -> None:
     t = put(tmp_path, "a", 0, 10, seed=1)
-    monkeypatch.setattr(_warm_write, "os", FailingOS(fail, at))
+    monkeypatch.setattr(_durable, "os", FailingOS(fail, at))
     with pytest.raises(StoreWriteError, match="ENOSPC") as info:
         put(tmp_path, "a", 10, 15, seed=2)
     assert isinstance(info.value.__cause__, OSError)

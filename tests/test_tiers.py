@@ -21,6 +21,7 @@ from kvactor.actors.agent import match_prefix
 from kvactor.actors.enums import Match, StageOutcome, Tier
 from kvactor.actors.model import make_tiny_model
 from kvactor.actors.prefetch import Stage, StageResult
+from kvactor.cli import main as cli_main
 
 
 def tiny(seed: int = 0, **overrides: Any) -> Any:
@@ -158,9 +159,9 @@ async def test_prefetch_stages_a_warm_cache_before_the_turn(tmp_path: Path) -> N
     async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
         agent = await kv.spawn_agent("p")
         await kv.prefetch("p")
-        with anyio.fail_after(10):
-            while (await kv.stats()).installs == 0:
-                await anyio.sleep(0.01)
+        # Handled after the hint (one message at a time, in order): the stage is installed.
+        await stage(kv, "nobody")
+        assert (await kv.stats()).installs == 1
         done = await agent.generate("what was it?", max_tokens=4)
         assert done.path == Tier.HOT  # the reload happened before the turn, not in it
         assert done.timings.reused_tokens > 0
@@ -287,24 +288,25 @@ def test_match_prefix_keeps_a_verified_token_boundary() -> None:
     assert kind is Match.NEW and tok.decode(fresh) == "abc"
 
 
-def test_cli_inspect_and_forget(tmp_path: Path) -> None:
+def test_cli_inspect_and_forget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     async def make() -> None:
         async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
             await (await kv.spawn_agent("listed")).generate("hi", max_tokens=2)
 
     anyio.run(make)
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "kvactor", *args], capture_output=True, text=True
-        )
+    def cli(*args: str) -> tuple[int, str]:
+        # The CLI's main in this process (a new process for each costs ~1 s of imports;
+        # test_persist runs `python -m kvactor` in other processes).
+        code = cli_main(list(args))
+        return code, capsys.readouterr().out
 
-    shown = cli("inspect", str(tmp_path))
-    assert shown.returncode == 0
-    assert "listed" in shown.stdout and Tier.WARM in shown.stdout and "ok" in shown.stdout
-    assert cli("forget", "../etc", "--dir", str(tmp_path)).returncode == 2
-    gone = cli("forget", "listed", "--dir", str(tmp_path))
-    assert gone.returncode == 0 and "bytes deleted" in gone.stdout
+    code, out = cli("inspect", str(tmp_path))
+    assert code == 0
+    assert "listed" in out and Tier.WARM in out and "ok" in out
+    assert cli("forget", "../etc", "--dir", str(tmp_path))[0] == 2
+    code, out = cli("forget", "listed", "--dir", str(tmp_path))
+    assert code == 0 and "bytes deleted" in out
     assert not (tmp_path / "agents" / "listed").exists()
-    assert cli("forget", "listed", "--dir", str(tmp_path)).returncode == 1
-    assert "no warm caches" in cli("inspect", str(tmp_path)).stdout
+    assert cli("forget", "listed", "--dir", str(tmp_path))[0] == 1
+    assert "no warm caches" in cli("inspect", str(tmp_path))[1]
