@@ -3,7 +3,7 @@ loading and the session API. ``kvactor`` re-exports the application's part of it
 
 from __future__ import annotations
 
-if __name__ != "kvactor.actors":  # one import name per file: see README, Layout
+if __name__ != "kvactor.actors":  # one import name per file: see docs/layout.md
     raise ImportError(f"import kvactor.actors, not {__name__}: each file has one import name")
 
 from ._tokenizer import Detokenizer as Detokenizer

@@ -107,7 +107,7 @@ class EngineActor(ThreadActor):
         self._vocab_size = self.lm.tokenizer.vocab_size
         self.turn_cache.prepare(self.lm.model)
         # A decode step gives each row the bits it gives alone (kernels.rowwise).
-        bind_rows(self.lm.model)
+        bind_rows(self.lm.model, self.config.max_batch)
         # A codec or geometry this engine cannot store fails here, not mid-turn.
         segment_layout(self.codec, self.lm.geometry)(0, 1)
 

@@ -3,7 +3,7 @@ BLAS selection."""
 
 from __future__ import annotations
 
-if __name__ != "kvactor.kernels":  # one import name per file: see README, Layout
+if __name__ != "kvactor.kernels":  # one import name per file: see docs/layout.md
     raise ImportError(f"import kvactor.kernels, not {__name__}: each file has one import name")
 
 from .blas import BlasInfo as BlasInfo

@@ -10,9 +10,11 @@ Two things change a row's numbers with the batch around it (``bench/invariance.p
 - **Matrix products of few rows.** The CPU BLAS picks its kernel by the number of rows:
   a projection of 1 to 6 rows can round differently from one of more (measured with
   OpenBLAS 0.3.21 on x86-64: every row of 7 to 24 rows gets the same bits whatever its
-  position and neighbours; below that, it depends on the shape). :func:`bind_rows` pads
-  a decode step's projections to :data:`DECODE_ROWS` rows (zeros, dropped after), so a
-  lone agent's step is computed as a batch's.
+  position and neighbours; below that, it depends on the shape: from 2 rows for some,
+  7 for others, never for the largest). :func:`bind_rows` pads a decode step's
+  projections to the fewest rows from which that layer's rows come out as in any larger
+  batch (probed per layer shape at start; zeros, dropped after), so a lone agent's step
+  is computed as a batch's.
 
 Norms, embeddings, RoPE and sampling work row by row already.
 
@@ -35,7 +37,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 __all__ = (
-    "DECODE_ROWS",
     "PlainBatchKVCache",
     "PlainKVCache",
     "RowwiseBatch",
@@ -43,9 +44,8 @@ __all__ = (
     "bind_rows",
 )
 
-#: The fewest rows a decode step's projections are computed with (see the module doc).
-DECODE_ROWS = 8
-_PADDED = "_kvactor_rows"  # on a padded subclass: the rows it pads to
+_ROWS = "_kvactor_rows"  # on a bound layer: the fewest rows its decode steps are computed with
+_BOUND = "_kvactor_padded"  # on a bound subclass: True
 
 
 def _pad_rows(x: mx.array, rows: int) -> tuple[mx.array, int]:
@@ -56,42 +56,87 @@ def _pad_rows(x: mx.array, rows: int) -> tuple[mx.array, int]:
     return mx.concatenate([x, mx.zeros((rows - n, *x.shape[1:]), x.dtype)]), n
 
 
-def _padded_class(cls: type, rows: int) -> type:
-    if issubclass(cls, nn.Embedding):
-
-        def as_linear(self: Any, x: mx.array) -> mx.array:
-            padded, n = _pad_rows(x, rows)
-            return cast(mx.array, cls.as_linear(self, padded))[:n]
-
-        methods: dict[str, Any] = {"as_linear": as_linear}
-    else:
-
-        def call(self: Any, x: mx.array) -> mx.array:
-            padded, n = _pad_rows(x, rows)
-            return cast(mx.array, cls.__call__(self, padded))[:n]
-
-        methods = {"__call__": call}
-    return type(cls.__name__, (cls,), {**methods, _PADDED: rows})
+def _project(cls: type) -> Callable[[Any, mx.array], mx.array]:
+    """The unpadded projection of a layer class: ``as_linear`` for an embedding."""
+    method = getattr(cls, "as_linear") if _is_embedding(cls) else cls.__call__  # noqa: B009
+    return cast(Callable[[Any, mx.array], mx.array], method)
 
 
-def bind_rows(model: nn.Module, rows: int = DECODE_ROWS) -> int:
-    """Make every projection of ``model`` (``nn.Linear``, ``nn.QuantizedLinear``, an
-    embedding used as the output layer) compute a decode step of fewer than ``rows`` rows
-    as one of ``rows`` (zero rows, dropped after), this model only. Idempotent; returns
-    the layers bound now."""
+def _is_embedding(cls: type) -> bool:
+    return issubclass(cls, nn.Embedding | nn.QuantizedEmbedding)
+
+
+def _padded_class(cls: type) -> type:
+    project = _project(cls)
+
+    def padded(self: Any, x: mx.array) -> mx.array:
+        rows = getattr(self, _ROWS, 1)
+        if rows <= 1:
+            return project(self, x)
+        x, n = _pad_rows(x, rows)
+        return project(self, x)[:n]
+
+    name = "as_linear" if _is_embedding(cls) else "__call__"
+    return type(cls.__name__, (cls,), {name: padded, _BOUND: True})
+
+
+def _input_width(module: nn.Module) -> int | None:
+    """The width of what the projection takes (None: a layer of unknown form)."""
+    weight = module.get("weight") if isinstance(module, dict) else None
+    if not isinstance(weight, mx.array) or weight.ndim != 2:
+        return None
+    bits = getattr(module, "bits", None)
+    return int(weight.shape[1] * 32 // bits) if bits else int(weight.shape[1])
+
+
+def _stable_rows(module: nn.Module, width: int, most: int) -> int:
+    """The fewest rows from which a projection by ``module`` gives every row the bits it
+    gets among ``most`` rows (a row's result depends on how many rows the BLAS is given,
+    not on the others' values: measured), found by trying each count."""
+    x = mx.random.normal((most, 1, width), key=mx.random.key(0))
+    project = _project(
+        type(module).__mro__[1] if getattr(type(module), _BOUND, False) else type(module)
+    )
+    full = project(module, x)
+    stable = most
+    for m in range(most - 1, 0, -1):
+        if not mx.array_equal(project(module, x[:m]), full[:m]).item():
+            break
+        stable = m
+    return stable
+
+
+def bind_rows(model: nn.Module, max_rows: int = 8) -> int:
+    """Make each projection of ``model`` (``nn.Linear``, ``nn.QuantizedLinear``, an
+    embedding used as the output layer) compute a decode step of few rows as one of the
+    fewest rows from which its BLAS gives every row the same bits as among ``max_rows``
+    (zero rows, dropped after; probed once per layer shape), this model only. Layers whose
+    one-row product is already a batch's are left unpadded. Idempotent; returns the layers
+    that pad now."""
     made: dict[type, type] = {}
-    bound = 0
+    probed: dict[tuple[type, tuple[int, ...], Any], int] = {}
+    padded = 0
     for _, module in model.named_modules():
         cls = type(module)
-        if getattr(cls, _PADDED, None) is not None:
+        if getattr(cls, _BOUND, False):
+            padded += getattr(module, _ROWS, 1) > 1
             continue
-        if not isinstance(module, nn.Linear | nn.QuantizedLinear | nn.Embedding):
+        if not isinstance(
+            module, nn.Linear | nn.QuantizedLinear | nn.Embedding | nn.QuantizedEmbedding
+        ):
             continue
+        width = _input_width(module)
+        if width is None:
+            continue
+        key = (cls, tuple(module["weight"].shape), module["weight"].dtype)
+        if key not in probed:
+            probed[key] = _stable_rows(module, width, max(max_rows, 2))
         if cls not in made:
-            made[cls] = _padded_class(cls, rows)
+            made[cls] = _padded_class(cls)
         module.__class__ = made[cls]
-        bound += 1
-    return bound
+        setattr(module, _ROWS, probed[key])
+        padded += probed[key] > 1
+    return padded
 
 
 def attend_rows(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-if __name__ != "kvactor.runtime":  # one import name per file: see README, Layout
+if __name__ != "kvactor.runtime":  # one import name per file: see docs/layout.md
     raise ImportError(f"import kvactor.runtime, not {__name__}: each file has one import name")
 
 from ._actor import Actor as Actor
