@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .qcodec import KVCodec, rotate, rotate_rows
-from .rowwise import RowwiseBatch
+from .rowwise import RowwiseBatch, sdpa_call
 
 __all__ = ("RotatedBasis", "RotatedBatchKVCache", "RotatedKVCache", "works_rotated")
 
@@ -81,8 +81,8 @@ class RotatedBasis:
         sinks: mx.array | None,
         sdpa: Callable[..., mx.array],
     ) -> mx.array:
-        extra = {} if sinks is None else {"sinks": sinks}
-        return sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, **extra)
+        """One row's attention (a batch's: ``RowwiseBatch._attend``)."""
+        return sdpa_call(sdpa, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def check_attended(self) -> None:
         """Raises RuntimeError when K/V went in and the model's attention, not bound to

@@ -42,6 +42,7 @@ __all__ = (
     "RowwiseBatch",
     "attend_rows",
     "bind_rows",
+    "sdpa_call",
 )
 
 _ROWS = "_kvactor_rows"  # on a bound layer: the fewest rows its decode steps are computed with
@@ -139,6 +140,21 @@ def bind_rows(model: nn.Module, max_rows: int = 8) -> int:
     return padded
 
 
+def sdpa_call(
+    sdpa: Callable[..., mx.array],
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None,
+) -> mx.array:
+    """One call of ``sdpa`` (mlx-lm's attention) over the whole of ``keys``/``values``."""
+    extra = {} if sinks is None else {"sinks": sinks}
+    return sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, **extra)
+
+
 def attend_rows(
     queries: mx.array,
     keys: mx.array,
@@ -153,22 +169,14 @@ def attend_rows(
     """``sdpa`` (mlx-lm's attention) of each row of ``queries`` over its own keys and
     values (``pads[i]`` padding columns cut off, and the mask's), the rows joined again.
     A mask that is not an array (``"causal"``, None) applies to every row alike."""
-    extra = {} if sinks is None else {"sinks": sinks}
     if len(pads) == 1 and pads[0] == 0:
-        return sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, **extra)
+        return sdpa_call(sdpa, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     outs = []
     for i, pad in enumerate(pads):
         row_mask = mask[i : i + 1, ..., pad:] if isinstance(mask, mx.array) else mask
+        k, v = keys[i : i + 1, :, pad:], values[i : i + 1, :, pad:]
         outs.append(
-            sdpa(
-                queries[i : i + 1],
-                keys[i : i + 1, :, pad:],
-                values[i : i + 1, :, pad:],
-                cache=None,
-                scale=scale,
-                mask=row_mask,
-                **extra,
-            )
+            sdpa_call(sdpa, queries[i : i + 1], k, v, scale=scale, mask=row_mask, sinks=sinks)
         )
     return mx.concatenate(outs, axis=0)
 
@@ -195,9 +203,9 @@ class RowwiseBatch:
         sinks: mx.array | None,
         sdpa: Callable[..., mx.array],
     ) -> mx.array:
+        """Attention of the batch, row by row (``attend_rows``) while ``rowwise``."""
         if not self.rowwise or queries.shape[0] == 1:
-            extra = {} if sinks is None else {"sinks": sinks}
-            return sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, **extra)
+            return sdpa_call(sdpa, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         pads = cast(list[int], self.left_padding.tolist())
         return attend_rows(
             queries, keys, values, pads, scale=scale, mask=mask, sinks=sinks, sdpa=sdpa
@@ -217,19 +225,7 @@ class PlainBatchKVCache(RowwiseBatch, BatchKVCache):
     """A batch of float rows in the model's basis (an mlx-lm ``BatchKVCache``) whose
     attention gives each row what it gives alone (``RowwiseBatch``)."""
 
-    def attend(
-        self,
-        queries: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        *,
-        scale: float,
-        mask: Any,
-        sinks: mx.array | None,
-        sdpa: Callable[..., mx.array],
-    ) -> mx.array:
-        """What the layer's attention call returns (``kernels.attention.Attends``)."""
-        return self._attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks, sdpa=sdpa)
+    attend = RowwiseBatch._attend  # what the layer's attention call returns (Attends)
 
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> PlainBatchKVCache:
