@@ -193,9 +193,11 @@ class CachePool(WarmTraffic):
     # -- accounting -------------------------------------------------------------------
     def batch_bytes(self, nbytes: int) -> None:
         """The engine's running batch holds ``nbytes`` now (working caches that left their
-        agents' entries); measures."""
-        self._batch_bytes = nbytes
-        self.measure()
+        agents' entries); measures when that changed (a decode step that did not grow the
+        batch's buffers changes no byte of the tier)."""
+        if nbytes != self._batch_bytes:
+            self._batch_bytes = nbytes
+            self.measure()
 
     def measure(self) -> int:
         """Bytes in use now (and the peak so far). A stored array that several caches hold
