@@ -1,5 +1,5 @@
 """What every route of one app shares (on ``app.state.kvactor``): the session, the model id
-clients name, the limits, the metrics, admission and the agent routing."""
+clients name, the keys, the limits, the metrics, admission and the agent routing."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from ..actors import Agent, Completion, Session
+from ..actors.agent import prompt_chars_limit
 from ._admission import Admission
 from ._metrics import Metrics
 from ._routing import AgentRouter, Conversation
+from ._tenants import Keys, Tenant
 
 
 @dataclass
@@ -21,6 +23,8 @@ class ServerState:
     session: Session
     model_id: str
     max_body_bytes: int
+    max_prompt_chars: int  # past it no prompt fits the context: refused before any work
+    keys: Keys
     metrics: Metrics
     admission: Admission
     agents: AgentRouter
@@ -37,6 +41,7 @@ class ServerState:
         max_pending: int,
         max_body_bytes: int,
         max_anonymous: int,
+        keys: Keys,
     ) -> ServerState:
         """The state of a new app over ``session``."""
         metrics = Metrics()
@@ -44,9 +49,11 @@ class ServerState:
             session=session,
             model_id=model_id,
             max_body_bytes=max_body_bytes,
+            max_prompt_chars=prompt_chars_limit(session.tokenizer, session.model.context_length),
+            keys=keys,
             metrics=metrics,
             admission=Admission(max_pending, metrics.in_flight),
-            agents=AgentRouter(session, max_anonymous),
+            agents=AgentRouter(session, max_anonymous, keys.scope_of),
         )
 
     def finished(self, agent: Agent, done: Completion, conversation: Conversation) -> None:
@@ -62,3 +69,10 @@ def server_state(request: Request) -> ServerState:
     state = request.app.state.kvactor
     assert isinstance(state, ServerState)
     return state
+
+
+def tenant_of(request: Request) -> Tenant:
+    """The tenant the request authenticated as (set by the app before its handler)."""
+    tenant = request.state.tenant  # never a default: a route without it fails closed
+    assert isinstance(tenant, Tenant)
+    return tenant
