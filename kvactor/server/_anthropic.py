@@ -138,6 +138,10 @@ async def _events(
     async for piece in turn.texts():
         delta = {"type": "text_delta", "text": piece}
         yield _event("content_block_delta", {"index": 0, "delta": delta})
+    if turn.cut:
+        message = "the server is shutting down: this turn was ended"
+        yield _event("error", {"error": {"type": "overloaded_error", "message": message}})
+        return
     done = turn.finished()
     reason, sequence = _stop_reason(done, stops)
     yield _event("content_block_stop", {"index": 0})

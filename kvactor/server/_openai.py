@@ -81,6 +81,17 @@ def _sse(data: Mapping[str, Any]) -> str:
 
 
 _DONE = "data: [DONE]\n\n"
+# What a stream ended by the server's drain says last (OpenAI's shape of an error event).
+_ENDED = _sse(
+    {
+        "error": {
+            "message": "the server is shutting down: this turn was ended",
+            "type": "server_error",
+            "param": None,
+            "code": "shutting_down",
+        }
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -175,6 +186,9 @@ async def _chat_events(reply: _Reply, turn: StreamedTurn, usage: bool) -> AsyncI
     yield _chunk(reply, {"role": "assistant", "content": ""})
     async for piece in turn.texts():
         yield _chunk(reply, {"content": piece})
+    if turn.cut:
+        yield _ENDED
+        return
     done = turn.finished()
     yield _chunk(reply, {}, _finish_reason(done), _kvactor_info(turn.shown, done))
     if usage:
@@ -230,6 +244,9 @@ def _text_reply(
 async def _completion_events(reply: _Reply, turn: StreamedTurn) -> AsyncIterator[str]:
     async for piece in turn.texts():
         yield _sse(_text_reply(reply, piece, None, None))
+    if turn.cut:
+        yield _ENDED
+        return
     done = turn.finished()
     yield _sse(_text_reply(reply, "", _finish_reason(done), done))
     yield _DONE

@@ -3,9 +3,12 @@ clients name, the keys, the limits, the metrics, admission and the agent routing
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import anyio
 from starlette.requests import Request
 
 from ..actors import Agent, Completion, Session
@@ -31,6 +34,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     # Agents staged by the prefetch route and not used since (their next turn is labelled).
     prefetched: set[str] = field(default_factory=set)
+    # Invariant: the scopes of the turns a drain would end now; only drainable() adds.
+    _drainable: set[anyio.CancelScope] = field(default_factory=set)
+    draining: bool = False  # end_turns() was called: turns end at once
 
     @classmethod
     def build(
@@ -55,6 +61,26 @@ class ServerState:
             admission=Admission(max_pending, metrics.in_flight),
             agents=AgentRouter(session, max_anonymous, keys.scope_of),
         )
+
+    @contextlib.contextmanager
+    def drainable(self) -> Iterator[anyio.CancelScope]:
+        """A scope :meth:`end_turns` cancels (see its ``cancelled_caught`` after)."""
+        scope = anyio.CancelScope()
+        if self.draining:
+            scope.cancel()
+        self._drainable.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._drainable.discard(scope)
+
+    def end_turns(self) -> None:
+        """The server is stopping and its drain time is up: end every turn now, and any
+        that starts later at once (each answers so, in its API's shape)."""
+        self.draining = True
+        for scope in list(self._drainable):
+            scope.cancel()
 
     def finished(self, agent: Agent, done: Completion, conversation: Conversation) -> None:
         """A turn is over: remember its conversation (anonymous routing), count it."""

@@ -22,11 +22,19 @@ from starlette.types import Receive, Scope, Send
 
 from ..actors import Agent, Completion
 from ..actors.api import TurnStream
-from ._errors import ClientGone
+from ._errors import ApiError, ClientGone
 from ._routing import Conversation
 from ._state import server_state, tenant_of
 
 T = TypeVar("T")
+
+ENDED = ApiError(
+    503,
+    "the server is shutting down: this turn was ended",
+    kind="server_error",
+    code="shutting_down",
+    retry_after=5,
+)
 
 
 @dataclass(frozen=True)
@@ -63,19 +71,31 @@ class StreamedTurn:
         first: str | None,
         on_done: Callable[[], None],
         shown: str,
+        drainable: Callable[[], contextlib.AbstractContextManager[anyio.CancelScope]],
     ) -> None:
         self.agent = agent
         self.shown = shown
+        self.cut = False  # the server's drain ended it before its last piece
+        self._drainable = drainable
         self._stream = stream
         self._first = first
         self._on_done = on_done
         self._done: Completion | None = None
 
     async def texts(self) -> AsyncIterator[str]:
-        """The reply's text pieces (the first one already read)."""
+        """The reply's text pieces (the first one already read); they stop early, with
+        ``cut`` set, when the server's drain ends the turn."""
         if self._first:
             yield self._first
-        async for piece in self._stream:
+        pieces = aiter(self._stream)
+        while True:
+            with self._drainable() as scope:  # around the wait only: never a yield
+                piece = await anext(pieces, None)
+            if scope.cancelled_caught:
+                self.cut = True
+                return
+            if piece is None:
+                return
             yield piece
 
     def finished(self) -> Completion:
@@ -198,7 +218,10 @@ class TurnRequest:
                 state.finished(agent, done, ask.after(done))
             return agent, done
 
-        return await self._unless_gone(run, "whole")
+        with state.drainable() as scope:
+            return await self._unless_gone(run, "whole")
+        assert scope.cancelled_caught
+        raise ENDED
 
     async def streamed(self, agent_id: str | None, ask: Ask, events: Events) -> StreamingResponse:
         """The turn as server-sent ``events``, once its first piece is there: an error
@@ -214,7 +237,10 @@ class TurnRequest:
             pieces = await held.enter_async_context(ask.start(agent))
             return agent, pieces, await anext(pieces, None)
 
-        agent, pieces, first = await self._unless_gone(begin, "stream")
+        with state.drainable() as scope:
+            agent, pieces, first = await self._unless_gone(begin, "stream")
+        if scope.cancelled_caught:
+            raise ENDED
 
         def on_done() -> None:
             done = pieces.completion
@@ -224,7 +250,8 @@ class TurnRequest:
         def on_cancel() -> None:
             state.metrics.cancelled.labels("stream").inc()
 
-        turn = StreamedTurn(agent, pieces, first, on_done, self.local_id(agent))
+        shown = self.local_id(agent)
+        turn = StreamedTurn(agent, pieces, first, on_done, shown, state.drainable)
         return _TurnResponse(events(turn), held.pop_all(), on_cancel)
 
 
