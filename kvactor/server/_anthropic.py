@@ -6,6 +6,7 @@ import json
 import secrets
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -155,7 +156,7 @@ async def messages_route(request: Request) -> Response:
     async with admitted(request) as turn:
         state = server_state(request)
         raw = await read_body(request, state.max_body_bytes)
-        parsed = await parse_off_loop(raw, lambda body: _parse(state, body))
+        parsed = await parse_off_loop(raw, partial(_parse, state), state.big_bodies)
         ask = parsed.ask
         who = agent_id(request, parsed.user)
         ident = f"msg_{secrets.token_hex(12)}"

@@ -38,7 +38,8 @@ def _path(stack: list[list[Any]]) -> list[str]:
 def _limit(message: str, stack: list[list[Any]]) -> JSONLimit:
     path = _path(stack)
     where = ".".join(path[:4]) + (".…" if len(path) > 4 else "")
-    return JSONLimit(f"{where or 'the body'}: {message}", path[0] if path else "")
+    field = path[0] if path and isinstance(stack[0][0], dict) else ""
+    return JSONLimit(f"{where or 'the body'}: {message}", field)
 
 
 def _fail(text: str, pos: int, what: str) -> ValueError:

@@ -9,6 +9,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -201,7 +202,7 @@ async def chat_completions(request: Request) -> Response:
     async with admitted(request) as turn:
         state = server_state(request)
         raw = await read_body(request, state.max_body_bytes)
-        chat = await parse_off_loop(raw, lambda body: _chat_parse(state, body))
+        chat = await parse_off_loop(raw, partial(_chat_parse, state), state.big_bodies)
         reply = _Reply.new("chatcmpl", state.model_id)
         who = agent_id(request, chat.user)
         if not chat.stream:
@@ -257,7 +258,9 @@ async def completions(request: Request) -> Response:
     async with admitted(request) as turn:
         state = server_state(request)
         raw = await read_body(request, state.max_body_bytes)
-        parsed = await parse_off_loop(raw, lambda body: _completion_parse(state, body))
+        parsed = await parse_off_loop(
+            raw, lambda body: _completion_parse(state, body), state.big_bodies
+        )
         reply = _Reply.new("cmpl", state.model_id)
         who = agent_id(request, parsed.user)
         if not parsed.stream:

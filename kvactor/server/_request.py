@@ -7,7 +7,9 @@ holds the loop, and its nesting and number of values are bounded (``_json``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import anyio
@@ -19,6 +21,7 @@ from ._json import JSONLimit, loads
 DEFAULT_MAX_TOKENS = 512
 MAX_DEPTH = 32  # levels of nesting a body may have (a chat body needs 5)
 MAX_VALUES = 200_000  # JSON values a body may hold (a message is 3)
+BIG_BODY = 1 << 20  # bodies from this size on are read one at a time, the GC paused
 
 T = TypeVar("T")
 
@@ -42,21 +45,49 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 def decode(raw: bytes) -> dict[str, Any]:
     """A body's JSON object. Raises ApiError for a body that is not UTF-8 JSON, not an
     object, nested deeper than MAX_DEPTH or holding more than MAX_VALUES values."""
+    error = None
     try:
         body = loads(raw.decode("utf-8"), max_depth=MAX_DEPTH, max_values=MAX_VALUES)
     except JSONLimit as exc:
-        raise ApiError(400, str(exc), param=exc.field or None) from None
+        error = ApiError(400, str(exc), param=exc.field or None)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        error = ApiError(400, f"the body is not valid JSON: {exc}")
+    if error is not None:  # raised here: what was read is freed on this thread, not later
+        raise error
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
 
 
-async def parse_off_loop(raw: bytes, parse: Callable[[dict[str, Any]], T]) -> T:
-    """``parse`` of the JSON object ``raw`` spells, both on a worker thread. Raises
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the block: a body of many values makes many
+    containers, and a full collection meanwhile would hold the GIL, and so the event
+    loop, for a tenth of a second. What a body makes holds no cycles."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _parse(raw: bytes, parse: Callable[[dict[str, Any]], T]) -> T:
+    if len(raw) < BIG_BODY:
+        return parse(decode(raw))
+    with _gc_paused():
+        return parse(decode(raw))
+
+
+async def parse_off_loop(
+    raw: bytes, parse: Callable[[dict[str, Any]], T], big: anyio.CapacityLimiter
+) -> T:
+    """``parse`` of the JSON object ``raw`` spells, both on a worker thread; a body of
+    BIG_BODY bytes or more waits for ``big`` (one at a time: the GC paused). Raises
     ApiError as :func:`decode` and ``parse`` do."""
-    return await anyio.to_thread.run_sync(lambda: parse(decode(raw)))
+    limiter = big if len(raw) >= BIG_BODY else None
+    return await anyio.to_thread.run_sync(_parse, raw, parse, limiter=limiter)
 
 
 def shown(value: Any) -> str:
@@ -123,9 +154,12 @@ def include_usage(body: Mapping[str, Any]) -> bool:
         raise ApiError(
             400, f"'stream_options' must be an object, got {shown(options)}", param="stream_options"
         )
-    check_fields(options, frozenset({"include_usage", "include_obfuscation"}), ())
-    flag(options, "include_obfuscation")
-    return flag(options, "include_usage")
+    try:
+        check_fields(options, frozenset({"include_usage", "include_obfuscation"}), ())
+        flag(options, "include_obfuscation")
+        return flag(options, "include_usage")
+    except ApiError as exc:
+        raise ApiError(400, f"stream_options: {exc.message}", param="stream_options") from None
 
 
 def string(body: Mapping[str, Any], name: str) -> str | None:

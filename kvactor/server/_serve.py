@@ -8,6 +8,7 @@ never grows past what the machine has."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -191,6 +192,11 @@ async def serve(
         )
         state = app.state.kvactor
         assert isinstance(state, ServerState)
+        # What the process holds by now (the model, the libraries) is never collected:
+        # out of the collector's sight, so a full collection walks only what requests
+        # made, not the whole server, and holds the event loop that much less.
+        gc.collect()
+        gc.freeze()
         sock = _bound(host, port)
         server = _uvicorn_server(app, drain_s)
 

@@ -37,6 +37,8 @@ class ServerState:
     # Invariant: the scopes of the turns a drain would end now; only drainable() adds.
     _drainable: set[anyio.CancelScope] = field(default_factory=set)
     draining: bool = False  # end_turns() was called: turns end at once
+    # Big bodies are parsed one at a time (``_request.parse_off_loop``).
+    big_bodies: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
 
     @classmethod
     def build(
