@@ -38,8 +38,8 @@ async def running(
     block."""
     async with kvactor.open(model, **options) as kv:
         app = create_app(kv, model_id="tiny", **(app_options or {}))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.bind(("127.0.0.1", 0))  # the protocol named: asyncio sets TCP_NODELAY
         port = sock.getsockname()[1]
         config = uvicorn.Config(
             app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
