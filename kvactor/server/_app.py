@@ -21,11 +21,7 @@ from ._tenants import Keys
 
 Handler = Callable[[Request], Awaitable[Response]]
 
-_NO_KEY = ApiError(
-    401,
-    "a valid API key is needed: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-    code="invalid_api_key",
-)
+_NO_KEY = "a valid API key is needed: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
 
 
 def _answered(name: str, api: Api, handler: Handler, *, open_route: bool = False) -> Handler:
@@ -39,7 +35,7 @@ def _answered(name: str, api: Api, handler: Handler, *, open_route: bool = False
             try:
                 tenant = state.keys.tenant(request.headers)
                 if tenant is None and not open_route:
-                    raise _NO_KEY
+                    raise ApiError(401, _NO_KEY, code="invalid_api_key")
                 request.state.tenant = tenant
                 response = await handler(request)
             except Exception as exc:

@@ -28,13 +28,16 @@ from ._state import server_state, tenant_of
 
 T = TypeVar("T")
 
-ENDED = ApiError(
-    503,
-    "the server is shutting down: this turn was ended",
-    kind="server_error",
-    code="shutting_down",
-    retry_after=5,
-)
+
+def ended() -> ApiError:
+    """What a turn that the server's drain ended answers (a 503)."""
+    return ApiError(
+        503,
+        "the server is shutting down: this turn was ended",
+        kind="server_error",
+        code="shutting_down",
+        retry_after=5,
+    )
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,7 @@ class TurnRequest:
         with state.drainable() as scope:
             return await self._unless_gone(run, "whole")
         assert scope.cancelled_caught
-        raise ENDED
+        raise ended()
 
     async def streamed(self, agent_id: str | None, ask: Ask, events: Events) -> StreamingResponse:
         """The turn as server-sent ``events``, once its first piece is there: an error
@@ -240,7 +243,7 @@ class TurnRequest:
         with state.drainable() as scope:
             agent, pieces, first = await self._unless_gone(begin, "stream")
         if scope.cancelled_caught:
-            raise ENDED
+            raise ended()
 
         def on_done() -> None:
             done = pieces.completion
