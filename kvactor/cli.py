@@ -142,52 +142,16 @@ def _size(text: str) -> int:
     return int(value * units[unit])
 
 
-# The stored forms `kvactor serve --codec` offers: DEFAULT_CODEC, else KVCodec(bits=...) (MLX
-# is not imported to parse arguments).
-_CODECS: dict[str, int | None] = {"default": None, "q8": 8, "fp16": 16}
+_CODECS = ("default", "q8", "fp16")  # kvactor serve --codec (kvactor.server._cli.CODECS)
 
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        import anyio
-
-        from .server import serve
+        from .server._cli import run_serve
     except ImportError as exc:
         print(f"kvactor serve: {exc}", file=sys.stderr)
         return 2
-    from .actors.errors import KvactorError
-    from .actors.store import default_cache_dir
-
-    cache_dir = None if args.no_cache_dir else (args.cache_dir or default_cache_dir())
-    options = {"cache_dir": cache_dir, "attention": args.attention}
-    bits = _CODECS[args.codec]
-    if bits is not None:
-        from .kernels.qcodec import KVCodec
-
-        options["codec"] = KVCodec(bits=bits)
-    if args.budget is not None:
-        options["budget_bytes"] = args.budget
-    elif args.budget_mb is not None:
-        options["budget_bytes"] = int(args.budget_mb * 1e6)
-
-    try:
-        anyio.run(
-            lambda: serve(
-                args.model,
-                host=args.host,
-                port=args.port,
-                model_id=args.model_id,
-                max_pending=args.max_pending,
-                json_start=args.json,
-                **options,
-            )
-        )
-    except KeyboardInterrupt:
-        pass
-    except (KvactorError, OSError) as exc:
-        print(f"kvactor serve: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_serve(args)
 
 
 # ----------------------------------------------------------------------------- parser
@@ -314,14 +278,24 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Serve /v1/chat/completions, /v1/completions, /v1/messages, /v1/models, "
         "/v1/agents, /metrics and /health (needs the kvactor[server] extra). A request names "
         "its agent with the X-Agent-Id header (else OpenAI's user field, else Anthropic's "
-        "metadata.user_id): each agent keeps its cache between requests.",
-        example="kvactor serve --port 8000 --budget 512M",
+        "metadata.user_id): each agent keeps its cache between requests.\n\n"
+        "With API keys (--api-key, --api-key-file, $KVACTOR_API_KEYS: entries KEY or "
+        "NAME:KEY, a line each in a file, comma-separated in the variable) every request "
+        "needs one, and each key is a tenant that sees only its own agents; --admin-key "
+        "sees all and reads /metrics. Without keys anyone who reaches the port sees "
+        "everything. Without --budget the hot tier gets a quarter of the machine's memory, "
+        "at most 8 GiB.",
+        example="kvactor serve --port 8000 --api-key-file keys.txt",
     )
-    serve.add_argument("model", nargs="?", help="model path (default: the default model)")
+    serve.add_argument(
+        "model", nargs="?", help="model path (default: the default model; tiny: a test model)"
+    )
     serve.add_argument("--cache-dir", type=Path, help=f"warm tier folder (default: {CACHE_ROOT})")
     serve.add_argument("--no-cache-dir", action="store_true", help="no warm tier")
     serve.add_argument(
-        "--budget", type=_size, help="hot budget in bytes, or with K, M, G (default: none)"
+        "--budget",
+        type=_size,
+        help="hot budget in bytes, or with K, M, G (default: 1/4 of memory, at most 8G)",
     )
     serve.add_argument("--budget-mb", type=float, help=argparse.SUPPRESS)
     serve.add_argument("--host", default="127.0.0.1")
@@ -336,6 +310,24 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     serve.add_argument("--model-id", help="the id clients name (default: the model's name)")
     serve.add_argument("--max-pending", type=int, default=64, help="requests in flight before 429s")
+    serve.add_argument(
+        "--max-anonymous", type=int, default=16, help="id-less conversations kept per tenant"
+    )
+    keys = serve.add_argument_group("keys (each key a tenant)")
+    keys.add_argument("--api-key", action="append", metavar="KEY", help="KEY or NAME:KEY")
+    keys.add_argument("--api-key-file", action="append", metavar="PATH", help="a key a line")
+    keys.add_argument("--admin-key", action="append", metavar="KEY", help="sees every agent")
+    serve.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, how long in-flight turns may go on (default: 10)",
+    )
+    serve.add_argument(
+        "--no-share-prefixes",
+        action="store_true",
+        help="agents never share cached prefixes (even within a tenant)",
+    )
     serve.add_argument(
         "--json", action="store_true", help="print a JSON line on stdout once it listens"
     )

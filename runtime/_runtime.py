@@ -98,14 +98,24 @@ class Runtime:
         )
         self._cells[name] = cell
         try:
-            await self._tg.start(cell.run)
+            await self._tg.start(self._run, cell)
         except BaseException:
             self._cells.pop(name, None)
             raise
         return cell.ref
 
+    async def _run(self, cell: ActorCell, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Run ``cell`` and let go of it once its actor is dead (its refs still say so):
+        a runtime that spawns and stops actors all day keeps only the live ones."""
+        try:
+            await cell.run(task_status=task_status)
+        finally:
+            if self._cells.get(cell.name) is cell:
+                del self._cells[cell.name]
+
     def get(self, name: str) -> ActorRef[Any]:
-        """The ref of the actor called ``name``; raises KeyError for an unknown name."""
+        """The ref of the live actor called ``name``; raises KeyError for an unknown name
+        (or one whose actor has stopped)."""
         return self._cells[name].ref
 
     def statistics(self) -> dict[str, MailboxStatistics]:

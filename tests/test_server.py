@@ -272,7 +272,9 @@ async def test_bad_requests_get_errors_in_the_api_shape_and_the_server_serves_on
         assert status == 400
         long = [{"role": "user", "content": "x" * 4000}]  # over the tiny model's 2048
         status, body = await post(chat, json={"model": "tiny", "messages": long})
-        assert status == 413 and body["error"]["code"] == "context_length_exceeded"
+        # A 400 that says the limit (issue 26: it was a 413, which means a body too large).
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+        assert "2048" in body["error"]["message"]
         status, body = await post(chat, content=b" " * (65 << 10))
         assert status == 413
         # Anthropic's shape on its route.

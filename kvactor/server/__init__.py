@@ -13,20 +13,33 @@ matching turns it into an EXTEND of what the cache holds. A request without an i
 the anonymous agent whose last conversation is the longest prefix of this one (a new one
 when none is), so plain clients benefit too; at most ``max_anonymous`` of them are kept.
 
+With API keys (``create_app(api_keys=..., admin_keys=...)``, ``kvactor serve --api-key``)
+every request but ``/health`` needs one (401 in its API's shape without), and each key is a
+tenant: its agents live in a namespace of their own (``<label>.<id>`` on the session), share
+cached prefixes only with each other, and are all that its listing, forget, prefetch and
+anonymous routing see; an admin key sees every agent and reads ``/metrics``. See
+docs/serving-others.md.
+
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``POST /v1/messages`` (Anthropic), ``GET /health``, ``GET /v1/agents``,
 ``DELETE /v1/agents/{id}``, ``POST /v1/agents/{id}/prefetch``, ``GET /metrics``
-(Prometheus text). Errors come in each API's own shape: 400 for malformed JSON, unknown
-fields, bad values and hostile agent ids, 404 for an unknown model or agent, 413 for a
-body over ``max_body_bytes`` or a prompt over the model's context, 429 (with
-``Retry-After``) when ``max_pending`` requests are already in flight. A client that
-disconnects mid-stream cancels its turn, which frees its batch slot.
+(Prometheus text). Errors come in each API's own shape: 400 for malformed JSON (nested
+too deep, too many values), unknown fields, a field of the wrong type, bad values, hostile
+agent ids and a prompt over the model's context (saying the limit), 401 without a valid
+key, 403 for /metrics without an admin key, 404 for an unknown model or agent, 409 for
+forgetting an agent that is answering a request, 413 for a body over ``max_body_bytes``,
+429 (with ``Retry-After``) when ``max_pending`` requests are already in flight, 503 (with
+``Retry-After``) when the hot budget cannot hold a turn. A client that disconnects, before
+or during its turn, streaming or not, cancels it, which frees its batch slot. Bodies are
+parsed on a worker thread: nothing a client sends holds the event loop.
 
-The modules, one concept each: ``_app`` (the app, its routes, the one error handler),
-``_openai`` and ``_anthropic`` (the two APIs), ``_agents`` and ``_status`` (agent routes,
-health, metrics), ``_turn`` (running a turn whole or streamed), ``_admission`` (requests in
-flight), ``_routing`` (which agent answers), ``_request`` (body checks), ``_errors``,
-``_metrics``, ``_state`` (what the routes share), ``_serve`` (uvicorn, signals).
+The modules, one concept each: ``_app`` (the app, its routes, the key check, the one error
+handler), ``_openai`` and ``_anthropic`` (the two APIs), ``_agents`` and ``_status`` (agent
+routes, health, metrics), ``_turn`` (running a turn whole or streamed, cancelled when its
+client leaves), ``_admission`` (requests in flight), ``_routing`` (which agent answers),
+``_tenants`` (keys and tenants), ``_request`` and ``_json`` (body checks), ``_errors``,
+``_metrics``, ``_state`` (what the routes share), ``_serve`` (uvicorn, signals, the default
+budget), ``_cli`` (``kvactor serve``'s arguments).
 """
 
 from __future__ import annotations

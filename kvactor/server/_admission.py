@@ -38,6 +38,7 @@ class Admission:
                 f"{self._pending} requests in flight: retry shortly",
                 kind="rate_limit_error",
                 code="rate_limit_exceeded",
+                retry_after=1,
             )
         self._pending += 1
         self._gauge.inc()

@@ -1,5 +1,8 @@
 """The agent routes: ``GET /v1/agents`` (each agent's tier and size), ``DELETE
-/v1/agents/{id}`` (forget it), ``POST /v1/agents/{id}/prefetch`` (stage its warm cache)."""
+/v1/agents/{id}`` (forget it; 409 while it answers a request), ``POST
+/v1/agents/{id}/prefetch`` (stage its warm cache). Each sees only the agents of the
+request's tenant, by the ids the tenant knows them by (an admin: every agent, by its
+session id)."""
 
 from __future__ import annotations
 
@@ -10,17 +13,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..actors import Session, UnknownAgent, WarmInfo
-from ..actors.protocol import check_agent_id
+from ..actors.store import Forgotten
 from ._errors import ApiError
-from ._state import server_state
+from ._state import server_state, tenant_of
+from ._tenants import Tenant
 
 
 async def _row(
-    session: Session, name: str, warm: WarmInfo | None, last_used: float | None
+    session: Session, name: str, shown: str, warm: WarmInfo | None, last_used: float | None
 ) -> dict[str, Any]:
-    """One agent as ``GET /v1/agents`` lists it; ``warm``: its warm cache, if any."""
+    """One agent as ``GET /v1/agents`` lists it (``shown``: the id the client knows it
+    by); ``warm``: its warm cache, if any."""
     row: dict[str, Any] = {
-        "id": name,
+        "id": shown,
         "tier": "cold",
         "form": None,
         "tokens": 0,
@@ -50,32 +55,50 @@ async def _row(
 async def agents(request: Request) -> Response:
     """``GET /v1/agents``: every agent running or with a warm cache, by id."""
     state = server_state(request)
+    tenant = tenant_of(request)
     session = state.session
-    warm = {w.agent: w for w in await session.warm_agents()}
-    names = sorted(set(session.agents) | set(warm))
+    warm = {w.agent: w for w in await session.warm_agents() if tenant.owns(w.agent)}
+    names = sorted({n for n in session.agents if tenant.owns(n)} | set(warm))
     used = state.agents.last_used
-    rows = [await _row(session, name, warm.get(name), used.get(name)) for name in names]
+    rows = [
+        await _row(session, name, tenant.local_id(name), warm.get(name), used.get(name))
+        for name in names
+    ]
     return JSONResponse({"object": "list", "data": rows})
+
+
+def _kept(tenant: Tenant, done: Forgotten) -> list[dict[str, Any]]:
+    """The shared files a forget kept, with the users the tenant may see."""
+    return [
+        {
+            "file": k.file,
+            "bytes": k.nbytes,
+            "used_by": [tenant.local_id(u) for u in k.users if tenant.owns(u)],
+        }
+        for k in done.kept
+    ]
 
 
 async def forget(request: Request) -> Response:
     """``DELETE /v1/agents/{agent_id}``: forget the agent (its own bytes, hot and warm).
-    Raises InvalidAgentId (a 400) for a hostile id, ApiError (404) for an unknown one."""
+    Raises InvalidAgentId / ApiError (400) for a hostile id, ApiError: 404 for an unknown
+    one, 409 while it answers a request."""
     state = server_state(request)
-    name = check_agent_id(request.path_params["agent_id"])
+    tenant = tenant_of(request)
+    name = request.path_params["agent_id"]
+    full = tenant.full_id(name)
     session = state.session
-    known = name in session.agents or any(w.agent == name for w in await session.warm_agents())
+    known = full in session.agents or any(w.agent == full for w in await session.warm_agents())
     if not known:
         raise ApiError(404, f"no agent {name!r}", code="agent_not_found")
-    done = await state.agents.forget(name)
-    kept = [{"file": k.file, "bytes": k.nbytes, "used_by": k.users} for k in done.kept]
+    done = await state.agents.forget(full)
     return JSONResponse(
         {
             "id": name,
             "object": "agent.deleted",
             "deleted": True,
             "freed_bytes": done.freed,
-            "kept_shared": kept,
+            "kept_shared": _kept(tenant, done),
         }
     )
 
@@ -84,9 +107,10 @@ async def prefetch(request: Request) -> Response:
     """``POST /v1/agents/{agent_id}/prefetch``: stage the agent's warm cache hot (202).
     Raises InvalidAgentId (a 400) for a hostile id, ApiError (404) without a warm cache."""
     state = server_state(request)
-    name = check_agent_id(request.path_params["agent_id"])
-    if not any(w.agent == name for w in await state.session.warm_agents()):
+    name = request.path_params["agent_id"]
+    full = tenant_of(request).full_id(name)
+    if not any(w.agent == full for w in await state.session.warm_agents()):
         raise ApiError(404, f"agent {name!r} has no warm cache", code="agent_not_found")
-    await state.session.prefetch(name)
-    state.prefetched.add(name)
+    await state.session.prefetch(full)
+    state.prefetched.add(full)
     return JSONResponse({"id": name, "prefetching": True}, status_code=202)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -15,14 +17,17 @@ from ._errors import ApiError
 from ._request import (
     check_fields,
     check_model,
+    check_prompt_chars,
     messages,
+    parse_off_loop,
     read_body,
     sampling,
     stream_flag,
+    string,
     text_content,
 )
 from ._routing import agent_id
-from ._state import server_state
+from ._state import ServerState, server_state
 from ._turn import Ask, StreamedTurn, admitted
 
 _FIELDS = frozenset(
@@ -36,7 +41,7 @@ def _ask(body: Mapping[str, Any]) -> Ask:
     other than user / assistant in ``messages``, or what ``messages`` refuses."""
     system = body.get("system")
     if system is not None:
-        system = text_content(system, "system")
+        system = text_content(system, "system", "system")
     for i, m in enumerate(body["messages"] if isinstance(body["messages"], list) else []):
         if isinstance(m, dict) and m.get("role") not in ("user", "assistant"):
             raise ApiError(
@@ -45,12 +50,36 @@ def _ask(body: Mapping[str, Any]) -> Ask:
     return Ask(messages(body["messages"], system), sampling(body, "max_tokens", "stop_sequences"))
 
 
-def _user_id(body: Mapping[str, Any]) -> Any:
-    """``metadata.user_id`` (None when unset). Raises ApiError for other metadata."""
-    metadata = body.get("metadata") or {}
+def _user_id(body: Mapping[str, Any]) -> str | None:
+    """``metadata.user_id`` (None when unset). Raises ApiError for other metadata, or a
+    user_id that is not a string."""
+    metadata = body.get("metadata")
+    if metadata is None:
+        return None
     if not isinstance(metadata, dict) or set(metadata) - {"user_id"}:
-        raise ApiError(400, "metadata may only hold user_id", param="metadata")
-    return metadata.get("user_id")
+        raise ApiError(400, "metadata must be an object that holds only user_id", "metadata")
+    try:
+        return string(metadata, "user_id")
+    except ApiError:
+        raise ApiError(400, "'metadata.user_id' must be a string", param="metadata") from None
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    """A checked messages body: its turn, whether streamed, and its user id."""
+
+    ask: Ask
+    stream: bool
+    user: str | None
+
+
+def _parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
+    """Check a messages body. Raises ApiError naming the field at fault."""
+    check_fields(body, _FIELDS, ("model", "messages", "max_tokens"))
+    check_model(body, state.model_id)
+    ask = _ask(body)
+    check_prompt_chars(ask.conversation, state.max_prompt_chars, "messages")
+    return _Parsed(ask, stream_flag(body), _user_id(body))
 
 
 def _stop_reason(done: Completion, stops: list[str]) -> tuple[str, str | None]:
@@ -110,6 +139,10 @@ async def _events(
     async for piece in turn.texts():
         delta = {"type": "text_delta", "text": piece}
         yield _event("content_block_delta", {"index": 0, "delta": delta})
+    if turn.cut:
+        message = "the server is shutting down: this turn was ended"
+        yield _event("error", {"error": {"type": "overloaded_error", "message": message}})
+        return
     done = turn.finished()
     reason, sequence = _stop_reason(done, stops)
     yield _event("content_block_stop", {"index": 0})
@@ -122,15 +155,13 @@ async def messages_route(request: Request) -> Response:
     """``POST /v1/messages``."""
     async with admitted(request) as turn:
         state = server_state(request)
-        body = await read_body(request, state.max_body_bytes)
-        check_fields(body, _FIELDS, ("model", "messages", "max_tokens"))
-        check_model(body, state.model_id)
-        ask = _ask(body)
-        stream = stream_flag(body)
-        who = agent_id(request, _user_id(body))
+        raw = await read_body(request, state.max_body_bytes)
+        parsed = await parse_off_loop(raw, partial(_parse, state), state.big_bodies)
+        ask = parsed.ask
+        who = agent_id(request, parsed.user)
         ident = f"msg_{secrets.token_hex(12)}"
         stops: list[str] = ask.options.get("stop", [])
-        if not stream:
+        if not parsed.stream:
             _, done = await turn.whole(who, ask)
             return JSONResponse(_message(ident, state.model_id, done, stops))
         return await turn.streamed(who, ask, lambda t: _events(ident, state.model_id, t, stops))

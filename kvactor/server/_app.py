@@ -1,11 +1,12 @@
 """The ASGI app: :func:`create_app` builds a Starlette app over an open session from the
-plain list of routes below; every route's errors go through one handler
-(:func:`~._errors.error_response`) in its client API's shape, and every answer is counted in
-``kvactor_http_requests`` by route and status."""
+plain list of routes below; every route checks the request's key first (a 401 without a
+valid one, when the app has keys; ``/health`` needs none), its errors go through one
+handler (:func:`~._errors.error_response`) in its client API's shape, and every answer is
+counted in ``kvactor_http_requests`` by route and status."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -14,32 +15,44 @@ from starlette.routing import Route
 
 from ..actors import Session
 from . import _agents, _anthropic, _openai, _status
-from ._errors import Api, error_response
+from ._errors import Api, ApiError, error_response
 from ._state import ServerState, server_state
+from ._tenants import Keys
 
 Handler = Callable[[Request], Awaitable[Response]]
 
+_NO_KEY = "a valid API key is needed: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
 
-def _answered(name: str, api: Api, handler: Handler) -> Handler:
-    """``handler`` with its errors answered in ``api``'s shape and its status counted."""
+
+def _answered(name: str, api: Api, handler: Handler, *, open_route: bool = False) -> Handler:
+    """``handler`` behind the key check (``open_route``: none needed), with its errors
+    answered in ``api``'s shape and its status counted."""
 
     async def endpoint(request: Request) -> Response:
+        state = server_state(request)
         status = 500  # counted so when the request is cancelled
         try:
             try:
+                tenant = state.keys.tenant(request.headers)
+                if tenant is None and not open_route:
+                    raise ApiError(401, _NO_KEY, code="invalid_api_key")
+                request.state.tenant = tenant
                 response = await handler(request)
             except Exception as exc:
                 response = error_response(api, exc)
             status = response.status_code
             return response
         finally:
-            server_state(request).metrics.requests.labels(name, str(status)).inc()
+            state.metrics.requests.labels(name, str(status)).inc()
 
     return endpoint
 
 
-def _route(path: str, name: str, method: str, api: Api, handler: Handler) -> Route:
-    return Route(path, _answered(name, api, handler), methods=[method], name=name)
+def _route(
+    path: str, name: str, method: str, api: Api, handler: Handler, open_route: bool = False
+) -> Route:
+    endpoint = _answered(name, api, handler, open_route=open_route)
+    return Route(path, endpoint, methods=[method], name=name)
 
 
 _O, _A = Api.OPENAI, Api.ANTHROPIC
@@ -48,7 +61,7 @@ ROUTES = (
     _route("/v1/completions", "completions", "POST", _O, _openai.completions),
     _route("/v1/messages", "messages", "POST", _A, _anthropic.messages_route),
     _route("/v1/models", "models", "GET", _O, _openai.models),
-    _route("/health", "health", "GET", _O, _status.health),
+    _route("/health", "health", "GET", _O, _status.health, open_route=True),
     _route("/v1/agents", "agents", "GET", _O, _agents.agents),
     _route("/v1/agents/{agent_id}", "forget", "DELETE", _O, _agents.forget),
     _route("/v1/agents/{agent_id}/prefetch", "prefetch", "POST", _O, _agents.prefetch),
@@ -63,14 +76,20 @@ def create_app(
     max_pending: int = 64,
     max_body_bytes: int = 16 << 20,
     max_anonymous: int = 16,
+    api_keys: Iterable[str] = (),
+    admin_keys: Iterable[str] = (),
 ) -> Starlette:
     """The ASGI app over an open session (mount it in an asyncio application, or let
     :func:`~kvactor.server.serve` run it). ``model_id``: the id clients name (default: the
     model's name; ``"default"`` is always accepted); ``max_pending``: requests in flight
     before 429s; ``max_body_bytes``: the largest request body (413 past it);
-    ``max_anonymous``: anonymous agents kept (the least recently used idle one is
-    forgotten past it). The app needs no lifespan: the session is the caller's to open
-    and close."""
+    ``max_anonymous``: anonymous agents kept per tenant (the least recently used idle one
+    is forgotten past it). ``api_keys``: key entries (``KEY`` or ``NAME:KEY``, optionally
+    then ``admin``: see ``kvactor.server._tenants``), each a tenant that sees only its own
+    agents; ``admin_keys``: keys that see every agent and read ``/metrics``. Without
+    either, every client sees everything (no authentication). The app needs no
+    lifespan: the session is the caller's to open and close. Raises ValueError for a
+    malformed key entry."""
     app = Starlette(routes=list(ROUTES))
     app.state.kvactor = ServerState.build(
         session,
@@ -78,5 +97,6 @@ def create_app(
         max_pending=max_pending,
         max_body_bytes=max_body_bytes,
         max_anonymous=max_anonymous,
+        keys=Keys(api_keys, admin_keys),
     )
     return app

@@ -9,7 +9,7 @@ import enum
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
-from ..actors import ContextOverflow, EngineStopped, InvalidAgentId
+from ..actors import BudgetExceeded, ContextOverflow, EngineStopped, InvalidAgentId
 
 
 class Api(enum.Enum):
@@ -20,7 +20,8 @@ class Api(enum.Enum):
 
 
 class ApiError(Exception):
-    """An error answered in the API's own shape; ``kind`` is OpenAI's ``type``."""
+    """An error answered in the API's own shape; ``kind`` is OpenAI's ``type``;
+    ``retry_after``: seconds, sent as ``Retry-After``."""
 
     def __init__(
         self,
@@ -29,6 +30,7 @@ class ApiError(Exception):
         kind: str = "invalid_request_error",
         code: str | None = None,
         param: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -36,12 +38,20 @@ class ApiError(Exception):
         self.kind = kind
         self.code = code
         self.param = param
+        self.retry_after = retry_after
+
+
+class ClientGone(Exception):
+    """The client left before its answer was ready (its turn was cancelled)."""
 
 
 # Anthropic's error type by status (OpenAI's is the ApiError's kind).
 _ANTHROPIC_KINDS = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    409: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
@@ -56,7 +66,10 @@ def as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ContextOverflow):
-        return ApiError(413, str(exc), code="context_length_exceeded", param="messages")
+        return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
+    if isinstance(exc, BudgetExceeded):
+        message = f"the hot memory budget cannot hold this turn now: {exc}"
+        return ApiError(503, message, kind="server_error", code="budget_exceeded", retry_after=5)
     if isinstance(exc, InvalidAgentId):
         return ApiError(400, str(exc), param="agent_id")
     if isinstance(exc, TypeError | ValueError):
@@ -68,8 +81,9 @@ def as_api_error(exc: Exception) -> ApiError:
 
 def error_response(api: Api, exc: Exception) -> Response:
     """The response to a request that raised ``exc``, in ``api``'s error shape (an empty
-    499 when the client left while its body was read); a 429 says ``Retry-After: 1``."""
-    if isinstance(exc, ClientDisconnect):
+    499 when the client left); a 429 or 503 says when to retry (``Retry-After``), a 401
+    how to authenticate."""
+    if isinstance(exc, ClientDisconnect | ClientGone):
         return Response(status_code=CLIENT_CLOSED)
     err = as_api_error(exc)
     if api is Api.ANTHROPIC:
@@ -84,5 +98,9 @@ def error_response(api: Api, exc: Exception) -> Response:
                 "code": err.code,
             }
         }
-    headers = {"Retry-After": "1"} if err.status == 429 else None
+    headers = {}
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(err.retry_after)
+    if err.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(body, status_code=err.status, headers=headers)

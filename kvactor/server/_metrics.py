@@ -3,9 +3,17 @@ registry per app so that two apps (or two tests) never share a count."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..actors import Completion, Session, Tier
+
+# How long /metrics waits for the engine's figures: the engine answers between steps, and
+# a step of a long prefill takes seconds on a CPU; past this the last figures are shown.
+STATS_WAIT_S = 0.06
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -68,6 +76,18 @@ class Metrics:
             "kvactor_cached_tokens", "Prompt tokens reused from a cache", registry=r
         )
         self.generated_tokens = Counter("kvactor_generated_tokens", "Generated tokens", registry=r)
+        self.cancelled = Counter(
+            "kvactor_turns_cancelled",
+            "Turns cancelled because their client left, by reply (whole or stream)",
+            ["reply"],
+            registry=r,
+        )
+        self.stats_age = Gauge(
+            "kvactor_engine_stats_age_seconds",
+            "How old the engine's figures shown are (the engine was mid-step when asked)",
+            registry=r,
+        )
+        self._last: dict[str, tuple[float, Any]] = {}  # the figures last read, and when
         self.requests = Counter(
             "kvactor_http_requests",
             "HTTP requests by route and status",
@@ -104,14 +124,37 @@ class Metrics:
         self.cached_tokens.inc(t.reused_tokens)
         self.generated_tokens.inc(t.generated_tokens)
 
+    async def _timely(self, name: str, read: Callable[[], Awaitable[Any]]) -> Any:
+        """``read()``'s figures if they come within STATS_WAIT_S, else the last ones read
+        (None before any); the engine's age goes to ``kvactor_engine_stats_age_seconds``."""
+        with anyio.move_on_after(STATS_WAIT_S):
+            self._last[name] = (anyio.current_time(), await read())
+        if name not in self._last:
+            return None
+        at, figures = self._last[name]
+        if name == "engine":
+            self.stats_age.set(anyio.current_time() - at)
+        return figures
+
     async def render(self, session: Session) -> bytes:
-        """The Prometheus text of every metric, the session's figures read now."""
-        stats = await session.stats()
-        for name, gauge in self.engine.items():
-            gauge.set(getattr(stats, name, 0) or 0)
-        io = await session.warm_stats()
-        for name, gauge in self.warm.items():
-            gauge.set(getattr(io, name))
-        self.warm_rate.labels("read").set(io.bytes_read / io.read_s if io.read_s else 0)
-        self.warm_rate.labels("write").set(io.bytes_written / io.write_s if io.write_s else 0)
+        """The Prometheus text of every metric, the session's figures read now (or, while
+        the engine or the warm tier is mid-step, as they were last read)."""
+        figures: dict[str, Any] = {}
+
+        async def read(name: str, reader: Callable[[], Awaitable[Any]]) -> None:
+            figures[name] = await self._timely(name, reader)
+
+        async with anyio.create_task_group() as tg:  # both within one STATS_WAIT_S
+            tg.start_soon(read, "engine", session.stats)
+            tg.start_soon(read, "warm", session.warm_stats)
+        stats, io = figures["engine"], figures["warm"]
+        if stats is not None:
+            for name, gauge in self.engine.items():
+                gauge.set(getattr(stats, name, 0) or 0)
+        if io is not None:
+            for name, gauge in self.warm.items():
+                gauge.set(getattr(io, name))
+            self.warm_rate.labels("read").set(io.bytes_read / io.read_s if io.read_s else 0)
+            rate = io.bytes_written / io.write_s if io.write_s else 0
+            self.warm_rate.labels("write").set(rate)
         return generate_latest(self.registry)

@@ -9,16 +9,31 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..actors import Agent, Completion, FinishReason
+from ..actors import Completion, FinishReason
 from ._errors import ApiError
-from ._request import check_fields, check_model, messages, read_body, sampling, stream_flag
+from ._request import (
+    check_fields,
+    check_model,
+    check_prompt_chars,
+    flag,
+    include_usage,
+    integer,
+    messages,
+    number,
+    parse_off_loop,
+    read_body,
+    sampling,
+    stream_flag,
+    string,
+)
 from ._routing import agent_id
-from ._state import server_state
+from ._state import ServerState, server_state
 from ._turn import Ask, StreamedTurn, admitted
 
 _FIELDS = frozenset(
@@ -49,10 +64,11 @@ def _finish_reason(done: Completion) -> str:
     return "length" if done.finish_reason == FinishReason.LENGTH else "stop"
 
 
-def _kvactor_info(agent: Agent, done: Completion) -> dict[str, Any]:
+def _kvactor_info(agent: str, done: Completion) -> dict[str, Any]:
+    """What a reply says of kvactor's side of the turn: ``agent`` as the client knows it."""
     t = done.timings
     return {
-        "agent": agent.name,
+        "agent": agent,
         "path": str(done.path),
         "match": str(done.match),
         "ttft_s": t.ttft_s,
@@ -66,6 +82,17 @@ def _sse(data: Mapping[str, Any]) -> str:
 
 
 _DONE = "data: [DONE]\n\n"
+# What a stream ended by the server's drain says last (OpenAI's shape of an error event).
+_ENDED = _sse(
+    {
+        "error": {
+            "message": "the server is shutting down: this turn was ended",
+            "type": "server_error",
+            "param": None,
+            "code": "shutting_down",
+        }
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -84,25 +111,46 @@ class _Reply:
         return {"id": self.ident, "object": kind, "created": self.created, "model": self.model}
 
 
-# -- chat completions ----------------------------------------------------------------------
-def _chat_ask(body: Mapping[str, Any]) -> Ask:
-    """The turn a chat body asks for. Raises ApiError for what the server does not do."""
-    if body.get("n", 1) != 1:
+@dataclass(frozen=True)
+class _Parsed:
+    """A checked body: the turn it asks for, whether streamed (with usage at the end),
+    and its ``user`` field."""
+
+    ask: Ask
+    stream: bool
+    usage: bool
+    user: str | None
+
+
+def _common(body: Mapping[str, Any], state: ServerState, ask: Ask, param: str) -> _Parsed:
+    """What both routes check alike. Raises ApiError."""
+    if integer(body, "n", 1) not in (None, 1):
         raise ApiError(400, "only n=1 is supported", param="n")
+    check_prompt_chars(ask.conversation, state.max_prompt_chars, param)
+    return _Parsed(ask, stream_flag(body), include_usage(body), string(body, "user"))
+
+
+# -- chat completions ----------------------------------------------------------------------
+def _chat_parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
+    """The turn a chat body asks for. Raises ApiError for a field of the wrong type or
+    what the server does not do."""
+    check_fields(body, _CHAT_FIELDS, ("model", "messages"))
+    check_model(body, state.model_id)
     for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name, 0) not in (0, 0.0, None):
+        if number(body, name, -2.0, 2.0) not in (None, 0.0):
             raise ApiError(400, f"'{name}' is not supported (only 0)", param=name)
-    if body.get("logprobs"):
+    if flag(body, "logprobs"):
         raise ApiError(400, "'logprobs' is not supported", param="logprobs")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise ApiError(
             400, "only response_format {'type': 'text'} is supported", param="response_format"
         )
-    return Ask(messages(body["messages"]), sampling(body, "max_tokens", "stop"))
+    ask = Ask(messages(body["messages"]), sampling(body, "max_tokens", "stop"))
+    return _common(body, state, ask, "messages")
 
 
-def _chat_reply(reply: _Reply, agent: Agent, done: Completion) -> dict[str, Any]:
+def _chat_reply(reply: _Reply, agent: str, done: Completion) -> dict[str, Any]:
     return {
         **reply.head("chat.completion"),
         "system_fingerprint": None,
@@ -139,8 +187,11 @@ async def _chat_events(reply: _Reply, turn: StreamedTurn, usage: bool) -> AsyncI
     yield _chunk(reply, {"role": "assistant", "content": ""})
     async for piece in turn.texts():
         yield _chunk(reply, {"content": piece})
+    if turn.cut:
+        yield _ENDED
+        return
     done = turn.finished()
-    yield _chunk(reply, {}, _finish_reason(done), _kvactor_info(turn.agent, done))
+    yield _chunk(reply, {}, _finish_reason(done), _kvactor_info(turn.shown, done))
     if usage:
         yield _sse({**reply.head("chat.completion.chunk"), "choices": [], "usage": _usage(done)})
     yield _DONE
@@ -150,32 +201,33 @@ async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     async with admitted(request) as turn:
         state = server_state(request)
-        body = await read_body(request, state.max_body_bytes)
-        check_fields(body, _CHAT_FIELDS, ("model", "messages"))
-        check_model(body, state.model_id)
-        ask = _chat_ask(body)
-        stream = stream_flag(body)
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        raw = await read_body(request, state.max_body_bytes)
+        chat = await parse_off_loop(raw, partial(_chat_parse, state), state.big_bodies)
         reply = _Reply.new("chatcmpl", state.model_id)
-        who = agent_id(request, body.get("user"))
-        if not stream:
-            agent, done = await turn.whole(who, ask)
-            return JSONResponse(_chat_reply(reply, agent, done))
-        return await turn.streamed(who, ask, lambda t: _chat_events(reply, t, usage))
+        who = agent_id(request, chat.user)
+        if not chat.stream:
+            agent, done = await turn.whole(who, chat.ask)
+            return JSONResponse(_chat_reply(reply, turn.local_id(agent), done))
+        return await turn.streamed(who, chat.ask, lambda t: _chat_events(reply, t, chat.usage))
 
 
 # -- completions ---------------------------------------------------------------------------
-def _completion_ask(body: Mapping[str, Any]) -> Ask:
-    """The turn a completions body asks for. Raises ApiError for what the server does not
-    do (n > 1, echo, logprobs) or a prompt that is not one non-empty string."""
-    if body.get("n", 1) != 1 or body.get("echo") or body.get("logprobs"):
-        raise ApiError(400, "n > 1, echo and logprobs are not supported")
+def _completion_parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
+    """The turn a completions body asks for. Raises ApiError for a field of the wrong
+    type, what the server does not do (n > 1, echo, logprobs) or a prompt that is not
+    one non-empty string."""
+    check_fields(body, _COMPLETION_FIELDS, ("model", "prompt"))
+    check_model(body, state.model_id)
+    if flag(body, "echo"):
+        raise ApiError(400, "'echo' is not supported", param="echo")
+    if integer(body, "logprobs", 0):
+        raise ApiError(400, "'logprobs' is not supported", param="logprobs")
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
-    return Ask(prompt, sampling(body, "max_tokens", "stop"))
+    return _common(body, state, Ask(prompt, sampling(body, "max_tokens", "stop")), "prompt")
 
 
 def _text_reply(
@@ -193,6 +245,9 @@ def _text_reply(
 async def _completion_events(reply: _Reply, turn: StreamedTurn) -> AsyncIterator[str]:
     async for piece in turn.texts():
         yield _sse(_text_reply(reply, piece, None, None))
+    if turn.cut:
+        yield _ENDED
+        return
     done = turn.finished()
     yield _sse(_text_reply(reply, "", _finish_reason(done), done))
     yield _DONE
@@ -202,16 +257,16 @@ async def completions(request: Request) -> Response:
     """``POST /v1/completions``: a raw prompt, no chat template."""
     async with admitted(request) as turn:
         state = server_state(request)
-        body = await read_body(request, state.max_body_bytes)
-        check_fields(body, _COMPLETION_FIELDS, ("model", "prompt"))
-        check_model(body, state.model_id)
-        ask = _completion_ask(body)
+        raw = await read_body(request, state.max_body_bytes)
+        parsed = await parse_off_loop(
+            raw, lambda body: _completion_parse(state, body), state.big_bodies
+        )
         reply = _Reply.new("cmpl", state.model_id)
-        who = agent_id(request, body.get("user"))
-        if not body.get("stream", False):
-            _, done = await turn.whole(who, ask)
+        who = agent_id(request, parsed.user)
+        if not parsed.stream:
+            _, done = await turn.whole(who, parsed.ask)
             return JSONResponse(_text_reply(reply, done.text, _finish_reason(done), done))
-        return await turn.streamed(who, ask, lambda t: _completion_events(reply, t))
+        return await turn.streamed(who, parsed.ask, lambda t: _completion_events(reply, t))
 
 
 # -- models --------------------------------------------------------------------------------

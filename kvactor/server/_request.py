@@ -1,23 +1,34 @@
 """Reading and checking a request body, shared by the OpenAI and Anthropic routes: each
-check raises :class:`ApiError` (a 400 unless it says otherwise) naming the field at fault."""
+check raises :class:`ApiError` (a 400 unless it says otherwise) naming the field at fault.
+
+A body is read on the event loop (:func:`read_body`, bounded in bytes) and parsed and
+checked on a worker thread (:func:`parse_off_loop`): a body of many megabytes never
+holds the loop, and its nesting and number of values are bounded (``_json``)."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from typing import Any
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
+import anyio
 from starlette.requests import Request
 
 from ._errors import ApiError
+from ._json import JSONLimit, loads
 
 DEFAULT_MAX_TOKENS = 512
+MAX_DEPTH = 32  # levels of nesting a body may have (a chat body needs 5)
+MAX_VALUES = 200_000  # JSON values a body may hold (a message is 3)
+BIG_BODY = 1 << 20  # bodies from this size on are read one at a time, the GC paused
+
+T = TypeVar("T")
 
 
-async def read_body(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The request's JSON object. Raises ApiError: 413 past ``max_bytes`` (declared or
-    read), 400 for a body that is not JSON or not an object; ClientDisconnect when the
-    client leaves mid-body."""
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body. Raises ApiError (413) past ``max_bytes`` (declared or read),
+    ClientDisconnect when the client leaves mid-body."""
     declared = request.headers.get("content-length")
     too_big = ApiError(413, f"the request body exceeds {max_bytes} bytes", code="request_too_large")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -28,21 +39,73 @@ async def read_body(request: Request, max_bytes: int) -> dict[str, Any]:
         if size > max_bytes:
             raise too_big
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode(raw: bytes) -> dict[str, Any]:
+    """A body's JSON object. Raises ApiError for a body that is not UTF-8 JSON, not an
+    object, nested deeper than MAX_DEPTH or holding more than MAX_VALUES values."""
+    error = None
     try:
-        body = json.loads(b"".join(chunks))
+        body = loads(raw.decode("utf-8"), max_depth=MAX_DEPTH, max_values=MAX_VALUES)
+    except JSONLimit as exc:
+        error = ApiError(400, str(exc), param=exc.field or None)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        error = ApiError(400, f"the body is not valid JSON: {exc}")
+    if error is not None:  # raised here: what was read is freed on this thread, not later
+        raise error
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the block: a body of many values makes many
+    containers, and a full collection meanwhile would hold the GIL, and so the event
+    loop, for a tenth of a second. What a body makes holds no cycles."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _parse(raw: bytes, parse: Callable[[dict[str, Any]], T]) -> T:
+    if len(raw) < BIG_BODY:
+        return parse(decode(raw))
+    with _gc_paused():
+        return parse(decode(raw))
+
+
+async def parse_off_loop(
+    raw: bytes, parse: Callable[[dict[str, Any]], T], big: anyio.CapacityLimiter
+) -> T:
+    """``parse`` of the JSON object ``raw`` spells, both on a worker thread; a body of
+    BIG_BODY bytes or more waits for ``big`` (one at a time: the GC paused). Raises
+    ApiError as :func:`decode` and ``parse`` do."""
+    limiter = big if len(raw) >= BIG_BODY else None
+    return await anyio.to_thread.run_sync(_parse, raw, parse, limiter=limiter)
+
+
+def shown(value: Any) -> str:
+    """``value`` as an error message quotes it: short, whatever it is."""
+    if isinstance(value, str | int | float | bool) or value is None:
+        text = repr(value)
+    else:
+        text = f"a JSON {'array' if isinstance(value, list) else 'object'}"
+    return text if len(text) <= 40 else f"{text[:40]}..."
 
 
 def check_fields(body: Mapping[str, Any], known: frozenset[str], required: tuple[str, ...]) -> None:
     """Raises ApiError for a field outside ``known`` or a ``required`` one missing."""
     unknown = sorted(set(body) - known)
     if unknown:
+        listed = ", ".join(u[:40] for u in unknown[:5])
         raise ApiError(
-            400, f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0]
+            400, f"Unrecognized request argument supplied: {listed}", param=unknown[0][:64]
         )
     for name in required:
         if name not in body:
@@ -50,43 +113,84 @@ def check_fields(body: Mapping[str, Any], known: frozenset[str], required: tuple
 
 
 def check_model(body: Mapping[str, Any], model_id: str) -> None:
-    """Raises ApiError (404) unless the body names ``model_id`` or ``"default"``."""
+    """Raises ApiError: 400 unless ``model`` is a string, 404 unless it names
+    ``model_id`` or ``"default"``."""
     model = body.get("model")
+    if not isinstance(model, str):
+        raise ApiError(400, f"'model' must be a string, got {shown(model)}", param="model")
     if model not in (model_id, "default"):
         raise ApiError(
             404,
-            f"The model {model!r} does not exist: this server serves "
+            f"The model {shown(model)} does not exist: this server serves "
             f"{model_id!r} (or say 'default')",
             code="model_not_found",
             param="model",
         )
 
 
+def flag(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    """The boolean field ``name`` (``default`` when unset or null). Raises ApiError unless
+    it is a JSON boolean."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be a boolean, got {shown(value)}", param=name)
+    return value
+
+
 def stream_flag(body: Mapping[str, Any]) -> bool:
     """The body's ``stream`` (default False). Raises ApiError unless it is a boolean."""
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
-    return stream
+    return flag(body, "stream")
 
 
-def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+def include_usage(body: Mapping[str, Any]) -> bool:
+    """``stream_options.include_usage`` (False when unset). Raises ApiError unless
+    ``stream_options`` is an object (or null) of known boolean fields."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError(
+            400, f"'stream_options' must be an object, got {shown(options)}", param="stream_options"
+        )
+    try:
+        check_fields(options, frozenset({"include_usage", "include_obfuscation"}), ())
+        flag(options, "include_obfuscation")
+        return flag(options, "include_usage")
+    except ApiError as exc:
+        raise ApiError(400, f"stream_options: {exc.message}", param="stream_options") from None
+
+
+def string(body: Mapping[str, Any], name: str) -> str | None:
+    """The string field ``name`` (None when unset or null). Raises ApiError otherwise."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"'{name}' must be a string, got {shown(value)}", param=name)
+    return value
+
+
+def number(body: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+    """The number field ``name`` in [low, high] (None when unset or null). Raises
+    ApiError otherwise."""
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise ApiError(
-            400, f"'{name}' must be a number in [{low}, {high}], got {value!r}", param=name
+            400, f"'{name}' must be a number in [{low}, {high}], got {shown(value)}", param=name
         )
     return float(value)
 
 
-def _integer(body: Mapping[str, Any], name: str, low: int) -> int | None:
+def integer(body: Mapping[str, Any], name: str, low: int) -> int | None:
+    """The integer field ``name``, at least ``low`` (None when unset or null). Raises
+    ApiError otherwise."""
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ApiError(400, f"'{name}' must be an integer >= {low}, got {value!r}", param=name)
+        raise ApiError(400, f"'{name}' must be an integer >= {low}, got {shown(value)}", param=name)
     return value
 
 
@@ -107,19 +211,21 @@ def sampling(body: Mapping[str, Any], max_name: str, stop_name: str) -> dict[str
     ``stop_name``). Raises ApiError for a value out of range or of the wrong type."""
     options: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
     for name in (max_name, "max_completion_tokens"):
-        value = _integer(body, name, 1)
+        value = integer(body, name, 1)
         if value is not None:
             options["max_tokens"] = value
-    temperature = _number(body, "temperature", 0.0, 2.0)
+    temperature = number(body, "temperature", 0.0, 2.0)
     if temperature is not None:
         options["temperature"] = temperature
-    top_p = _number(body, "top_p", 0.0, 1.0)
+    top_p = number(body, "top_p", 0.0, 1.0)
     if top_p is not None:
         if top_p == 0:
             raise ApiError(400, "'top_p' must be > 0", param="top_p")
         options["top_p"] = top_p
-    seed = _integer(body, "seed", 0)
+    seed = integer(body, "seed", 0)
     if seed is not None:
+        if seed >= 1 << 64:
+            raise ApiError(400, "'seed' must be below 2**64", param="seed")
         options["seed"] = seed
     stop = _stops(body, stop_name)
     if stop:
@@ -127,23 +233,23 @@ def sampling(body: Mapping[str, Any], max_name: str, stop_name: str) -> dict[str
     return options
 
 
-def text_content(content: Any, where: str) -> str:
+def text_content(content: Any, where: str, param: str) -> str:
     """A message content: a string, or a list of text parts (both APIs' shapes). Raises
-    ApiError for anything else (images, tool calls)."""
+    ApiError (naming ``where``; ``param``: its top-level field) for anything else."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise ApiError(400, f"{where}: only text content is supported", param=where)
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ApiError(400, f"{where}[{i}]: only text content is supported", param=param)
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise ApiError(
+                    400, f"{where}[{i}]: a text part is {{'type', 'text': string}}", param=param
+                )
             texts.append(part["text"])
         return "".join(texts)
-    raise ApiError(400, f"{where}: content must be a string or a list of text parts", param=where)
+    raise ApiError(400, f"{where}: content must be a string or a list of text parts", param=param)
 
 
 def messages(raw: Any, system: str | None = None) -> list[dict[str, str]]:
@@ -159,13 +265,35 @@ def messages(raw: Any, system: str | None = None) -> list[dict[str, str]]:
             raise ApiError(400, f"messages[{i}] must be an object with a role", param="messages")
         extra = set(m) - {"role", "content", "name"}
         if extra:
-            raise ApiError(
-                400, f"messages[{i}]: unsupported field(s) {sorted(extra)}", param="messages"
-            )
+            listed = sorted(shown(e) for e in extra)[:5]
+            raise ApiError(400, f"messages[{i}]: unsupported field(s) {listed}", param="messages")
+        if not isinstance(m.get("name", ""), str):
+            raise ApiError(400, f"messages[{i}].name must be a string", param="messages")
         role = "system" if m["role"] == "developer" else m["role"]
         if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}]: role {role!r} is not supported", param="messages")
-        out.append({"role": role, "content": text_content(m.get("content"), f"messages[{i}]")})
+            raise ApiError(
+                400, f"messages[{i}]: role {shown(role)} is not supported", param="messages"
+            )
+        content = text_content(m.get("content"), f"messages[{i}].content", "messages")
+        out.append({"role": role, "content": content})
     if out[-1]["role"] != "user":
         raise ApiError(400, "the last message must be the user's", param="messages")
     return out
+
+
+def check_prompt_chars(conversation: list[dict[str, str]] | str, limit: int, param: str) -> None:
+    """Raises ApiError (400, ``context_length_exceeded``) for a prompt with more
+    characters than any prompt that fits the model's context can have (``limit``),
+    before any agent sees it."""
+    if isinstance(conversation, str):
+        chars = len(conversation)
+    else:
+        chars = sum(len(m["content"]) for m in conversation)
+    if chars > limit:
+        raise ApiError(
+            400,
+            f"the prompt has {chars} characters: more than any prompt that fits the model's "
+            f"context can have ({limit})",
+            code="context_length_exceeded",
+            param=param,
+        )

@@ -1,22 +1,28 @@
 """Which agent answers a request: the one it names (``X-Agent-Id``, else the API's user
-field), or for a request without an id the anonymous agent whose last conversation is the
-longest prefix of this one (a new one when none is; at most ``max_anonymous`` kept)."""
+field) in its tenant's namespace, or for a request without an id the anonymous agent of
+its tenant whose last conversation is the longest prefix of this one (a new one when none
+is; at most ``max_anonymous`` kept per tenant, the least recently chosen idle one
+forgotten past that).
+
+No lock is held across an await that could last: choosing an anonymous agent is one
+synchronous step; spawning waits only for that agent's spawn; a request for an agent
+being forgotten waits only for that forget; forgetting an agent in use answers 409."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
 from starlette.requests import Request
 
 from ..actors import Agent, Session
-from ..actors.protocol import check_agent_id
 from ..actors.store import Forgotten
 from ._errors import ApiError
+from ._tenants import Tenant
 
 ANONYMOUS = "anon."  # prefix of the agents that serve requests without an id
 
@@ -49,81 +55,133 @@ def _prefix_len(seen: Conversation, new: Conversation) -> int:
 
 
 class AgentRouter:
-    """The session's agents as requests name them, and the anonymous ones."""
+    """The session's agents as requests name them, per tenant, and the anonymous ones.
 
-    def __init__(self, session: Session, max_anonymous: int) -> None:
+    ``scope_of`` gives the sharing scope of a session agent id (its tenant's label)."""
+
+    def __init__(self, session: Session, max_anonymous: int, scope_of: Callable[[str], str]):
         self._session = session
         self._max_anonymous = max_anonymous
-        self._lock = anyio.Lock()  # spawning, choosing and forgetting agents
-        # Invariant: the anonymous agents by least recently chosen, each with the
-        # conversation it last served; the busy ones are answering a request now.
-        self._anonymous: OrderedDict[str, Conversation] = OrderedDict()
-        self._busy: set[str] = set()
+        self._scope_of = scope_of
+        # Invariant: per tenant prefix, its anonymous agents by least recently chosen,
+        # each with the conversation it last served. Only _choose and forget change it.
+        self._anonymous: dict[str, OrderedDict[str, Conversation]] = {}
+        # Invariant: the requests holding each agent now (an agent held is never
+        # forgotten); only _acquire and _release change it.
+        self._users: Counter[str] = Counter()
+        self._spawning: dict[str, anyio.Event] = {}
+        self._forgetting: dict[str, anyio.Event] = {}
         self._counter = 0
         self.last_used: dict[str, float] = {}  # agent -> when a request last named it
 
     @contextlib.asynccontextmanager
-    async def agent(self, name: str | None, conversation: Conversation) -> AsyncIterator[Agent]:
-        """The agent a request runs on for the block: the named one (spawned if new), or
-        an idle anonymous one whose last conversation is the longest prefix of this one.
-        Raises InvalidAgentId / ApiError (400) for a hostile or reserved id."""
-        if name is not None:
-            yield await self._named(name)
-            return
-        chosen = await self._choose_anonymous(conversation)
+    async def agent(
+        self, tenant: Tenant, name: str | None, conversation: Conversation
+    ) -> AsyncIterator[Agent]:
+        """The agent a request of ``tenant`` runs on for the block: the named one
+        (spawned if new), or an idle anonymous one whose last conversation is the
+        longest prefix of this one. Raises InvalidAgentId / ApiError (400) for a hostile
+        or reserved id."""
+        victims: list[str] = []
+        if name is None:
+            full, victims = self._choose(tenant, conversation)
+        else:
+            if name.startswith(ANONYMOUS):
+                raise ApiError(
+                    400, f"agent ids starting with {ANONYMOUS!r} are the server's own", "agent_id"
+                )
+            full = tenant.full_id(name)
+            self._users[full] += 1
         try:
-            yield self._session.agent(chosen)
+            if victims:
+                with anyio.CancelScope(shield=True):  # idle agents: quick, and marked
+                    for victim in victims:
+                        await self._forget_marked(victim)
+            agent = await self._ready(full)
+            self.last_used[full] = time.time()
+            yield agent
         finally:
-            self._busy.discard(chosen)
+            self._release(full)
 
     def remember(self, agent: Agent, conversation: Conversation) -> None:
         """``agent`` now holds ``conversation`` (read by the anonymous routing)."""
-        if agent.name in self._anonymous:
-            self._anonymous[agent.name] = conversation
+        for pool in self._anonymous.values():
+            if agent.name in pool:
+                pool[agent.name] = conversation
 
-    async def forget(self, name: str) -> Forgotten:
-        """Forget agent ``name``: its caches and its place here (``Session.forget``)."""
-        async with self._lock:
-            self._anonymous.pop(name, None)
-            done = await self._session.forget(name)
-        self.last_used.pop(name, None)
-        return done
+    def busy(self, full: str) -> bool:
+        """Whether a request holds the session's agent ``full`` now."""
+        return self._users[full] > 0
 
-    async def _named(self, name: str) -> Agent:
-        check_agent_id(name)  # InvalidAgentId: a 400
-        if name.startswith(ANONYMOUS):
+    async def forget(self, full: str) -> Forgotten:
+        """Forget the session's agent ``full``: its caches and its place here. Raises
+        ApiError (409) while a request holds it or it is being forgotten already: a
+        forget never waits for a turn."""
+        if self.busy(full) or full in self._forgetting:
             raise ApiError(
-                400, f"agent ids starting with {ANONYMOUS!r} are the server's own", param="agent_id"
+                409,
+                "the agent is answering a request: forget it once that ends",
+                code="agent_busy",
+                param="agent_id",
             )
-        async with self._lock:
-            agent = self._session.agents.get(name)
-            if agent is None:
-                agent = await self._session.spawn_agent(name)
-        self.last_used[name] = time.time()
-        return agent
+        self._mark_forgotten(full)
+        return await self._forget_marked(full)
 
-    async def _choose_anonymous(self, conversation: Conversation) -> str:
-        """Mark busy and return the idle anonymous agent that continues ``conversation``
-        best, else a new one (forgetting the least recently chosen idle one past
-        ``max_anonymous``)."""
-        async with self._lock:
-            best, score = None, -1
-            for name, seen in self._anonymous.items():
-                got = _prefix_len(seen, conversation)
-                if name not in self._busy and got > score:
-                    best, score = name, got
-            if best is None or score < 0:
-                while len(self._anonymous) >= self._max_anonymous:
-                    idle = next((n for n in self._anonymous if n not in self._busy), None)
-                    if idle is None:
-                        break
-                    del self._anonymous[idle]
-                    await self._session.forget(idle)
-                self._counter += 1
-                best = f"{ANONYMOUS}{self._counter}"
-                await self._session.spawn_agent(best)
-            self._busy.add(best)
-            self._anonymous[best] = conversation
-            self._anonymous.move_to_end(best)
-        self.last_used[best] = time.time()
-        return best
+    def _mark_forgotten(self, full: str) -> None:
+        """From now on a request for ``full`` waits until it is forgotten."""
+        self._forgetting[full] = anyio.Event()
+        for pool in self._anonymous.values():
+            pool.pop(full, None)
+        self.last_used.pop(full, None)
+
+    async def _forget_marked(self, full: str) -> Forgotten:
+        try:
+            return await self._session.forget(full)
+        finally:
+            self._forgetting.pop(full).set()
+
+    def _release(self, full: str) -> None:
+        self._users[full] -= 1
+        if self._users[full] <= 0:
+            del self._users[full]
+
+    async def _ready(self, full: str) -> Agent:
+        """The running agent ``full`` (the caller holds it): after a forget of it under
+        way, spawned if new (one spawn at a time per agent, none for others to wait on)."""
+        while (forgetting := self._forgetting.get(full)) is not None:
+            await forgetting.wait()
+        while (spawning := self._spawning.get(full)) is not None:
+            await spawning.wait()
+        agent = self._session.agents.get(full)
+        if agent is not None:
+            return agent
+        done = self._spawning[full] = anyio.Event()
+        try:
+            return await self._session.spawn_agent(full, scope=self._scope_of(full))
+        finally:
+            del self._spawning[full]
+            done.set()
+
+    def _choose(self, tenant: Tenant, conversation: Conversation) -> tuple[str, list[str]]:
+        """Hold the idle anonymous agent of ``tenant`` that continues ``conversation``
+        best, else a new one; returns its id and the least recently chosen idle ones past
+        ``max_anonymous`` (marked to be forgotten: the caller forgets them). One step,
+        no await: two requests never choose the same agent."""
+        pool = self._anonymous.setdefault(tenant.prefix, OrderedDict())
+        best, score = None, -1
+        for name, seen in pool.items():
+            got = _prefix_len(seen, conversation)
+            if not self.busy(name) and got > score:
+                best, score = name, got
+        victims: list[str] = []
+        if best is None or score < 0:
+            idle = [n for n in pool if not self.busy(n)]
+            victims = idle[: max(0, len(pool) + 1 - self._max_anonymous)]
+            for victim in victims:
+                self._mark_forgotten(victim)
+            self._counter += 1
+            best = f"{tenant.prefix}{ANONYMOUS}{self._counter}"
+        self._users[best] += 1
+        pool[best] = conversation
+        pool.move_to_end(best)
+        return best, victims

@@ -1,15 +1,21 @@
 """``kvactor serve``: open a session, run its app under uvicorn until SIGINT / SIGTERM, and
-say where it listens (the start line)."""
+say where it listens (the start line) and whether it asks for keys.
+
+Without a budget, :func:`serve` bounds the hot tier at :func:`default_budget_bytes`: a
+quarter of the machine's memory, at most 8 GiB, so that a server left to its defaults
+never grows past what the machine has."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
+import math
 import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -17,17 +23,65 @@ from anyio.abc import TaskStatus
 
 from ._app import create_app
 from ._state import ServerState
+from ._tenants import Keys
+
+BUDGET_FRACTION = 4  # the default hot budget is 1/4 of the machine's memory...
+BUDGET_CAP = 8 << 30  # ... at most 8 GiB
+BUDGET_UNKNOWN = 1 << 30  # where the machine's memory cannot be read
+BUDGET_FLOOR = 64 << 20
+
+NO_KEYS = (
+    "no API keys: every client can use, list and forget every agent "
+    "(give --api-key, --api-key-file or $KVACTOR_API_KEYS)"
+)
+
+
+def total_memory() -> int | None:
+    """The machine's memory in bytes (``os.sysconf``, else ``/proc/meminfo``); None when
+    neither says."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if total > 0:
+            return total
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_budget_bytes() -> int:
+    """The hot budget ``serve`` takes when given none: a quarter of the machine's memory,
+    at most 8 GiB (at least 64 MiB; 1 GiB where the memory cannot be read)."""
+    total = total_memory()
+    if total is None:
+        return BUDGET_UNKNOWN
+    return max(BUDGET_FLOOR, min(total // BUDGET_FRACTION, BUDGET_CAP))
 
 
 def start_line(
-    host: str, port: int, model_id: str, cache_dir: Any, *, as_json: bool = False
+    host: str,
+    port: int,
+    model_id: str,
+    cache_dir: Any,
+    *,
+    as_json: bool = False,
+    auth: bool | None = None,
+    tenants: int | None = None,
+    budget_bytes: int | None = None,
 ) -> str:
     """The line ``serve`` prints once it listens: text for people, or one JSON object
     (``as_json``) for programs: ``{"event": "serving", "url", "host", "port", "model",
-    "cache_dir", "pid"}``."""
+    "cache_dir", "pid"}``, with ``"auth"`` (whether keys are needed), ``"tenants"`` and
+    ``"budget_bytes"`` when given."""
     url = f"http://{host}:{port}/v1"
     if as_json:
-        fields = {
+        fields: dict[str, Any] = {
             "event": "serving",
             "url": url,
             "host": host,
@@ -36,20 +90,38 @@ def start_line(
             "cache_dir": None if cache_dir is None else os.fspath(cache_dir),
             "pid": os.getpid(),
         }
+        if auth is not None:
+            fields["auth"] = auth
+        if tenants is not None:
+            fields["tenants"] = tenants
+        if budget_bytes is not None:
+            fields["budget_bytes"] = budget_bytes
         return json.dumps(fields)
     where = f"cache {cache_dir}" if cache_dir else "no warm tier"
+    if budget_bytes is not None:
+        where += f", hot budget {budget_bytes / (1 << 30):.2f} GiB"
+    if tenants:
+        where += f", {tenants} tenant{'s' * (tenants > 1)}"
     return f"kvactor serving on {url} ({where}); Ctrl-C stops"
 
 
 def _bound(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    """A TCP socket bound to ``host:port``. Its protocol is named, so that asyncio sets
+    TCP_NODELAY on every connection it accepts: without it a response written in two parts
+    (uvicorn writes the head, then the body) waits ~40 ms for the client's delayed ACK on
+    a kept-alive connection, and so does every event of a stream."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     return sock
 
 
-def _uvicorn_server(app: Any) -> Any:
-    """A uvicorn server for ``app`` that leaves the signals to ``serve``."""
+def _uvicorn_server(app: Any, drain_s: float) -> Any:
+    """A uvicorn server for ``app`` that leaves the signals to ``serve``; once told to
+    stop it waits ``drain_s`` seconds and a little more for in-flight requests to end
+    (``serve`` ends their turns at ``drain_s``, so they do: none is cancelled mid-way)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -57,18 +129,32 @@ def _uvicorn_server(app: Any) -> Any:
         def capture_signals(self) -> Iterator[None]:  # the signals are handled by serve
             yield
 
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, lifespan="off")
+    config = uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=math.ceil(drain_s) + 5, lifespan="off"
+    )
     return Server(config)
 
 
-async def _stop_on_signals(server: Any, *, task_status: TaskStatus[None]) -> None:
-    """The first SIGINT / SIGTERM stops the server gracefully, a second one at once."""
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for _ in signals:
-            if server.should_exit:
-                server.force_exit = True
-            server.should_exit = True
+async def _stop_on_signals(
+    server: Any, state: ServerState, drain_s: float, *, task_status: TaskStatus[None]
+) -> None:
+    """The first SIGINT / SIGTERM stops the server gracefully: no new connections, and
+    in-flight turns end within ``drain_s`` (then the server ends them, each answered in
+    its API's shape); a second signal stops it at once."""
+    async with anyio.create_task_group() as tg:
+
+        async def end_turns() -> None:
+            await anyio.sleep(drain_s)
+            state.end_turns()
+
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            task_status.started()
+            async for _ in signals:
+                if server.should_exit:
+                    server.force_exit = True
+                else:
+                    tg.start_soon(end_turns)
+                server.should_exit = True
 
 
 async def serve(
@@ -80,36 +166,70 @@ async def serve(
     model_id: str | None = None,
     max_pending: int = 64,
     json_start: bool = False,
+    api_keys: Sequence[str] = (),
+    admin_keys: Sequence[str] = (),
+    max_anonymous: int = 16,
+    drain_s: float = 10.0,
     **options: Any,
 ) -> None:
-    """Open a session (``model`` and ``options`` as ``kvactor.open`` takes them) and serve
-    it until SIGINT / SIGTERM: then the server stops taking connections, lets in-flight
-    turns finish (their warm writes included) for up to 10 s, cancels the rest, and the
-    session closes (a second signal stops at once). ``port`` 0 picks a free one. Once it
+    """Open a session (``model`` and ``options`` as ``kvactor.open`` takes them; without
+    ``budget_bytes``, :func:`default_budget_bytes`) and serve it until SIGINT / SIGTERM:
+    then the server stops taking connections, lets in-flight turns finish (their warm
+    writes included) for up to ``drain_s`` seconds, cancels the rest (what they generated
+    is not saved; their earlier turns are), and the session closes (a second signal
+    stops at once). ``api_keys`` / ``admin_keys``: as ``create_app`` takes them
+    (none: no authentication, said at start). ``port`` 0 picks a free one. Once it
     listens it prints its start line on stderr (:func:`start_line`; one JSON object with
-    ``json_start``) and calls ``ready(port)``. Raises what ``kvactor.open`` raises, and
-    OSError when the address cannot be bound."""
+    ``json_start``) and calls ``ready(port)``. Raises ValueError for a malformed key
+    entry (before anything starts), what ``kvactor.open`` raises, and OSError when the
+    address cannot be bound."""
     from ..actors import open as open_session
 
+    keys = Keys(api_keys, admin_keys)  # malformed entries fail before the model loads
+    options.setdefault("budget_bytes", default_budget_bytes())
     async with open_session(model, **options) as session:
-        app = create_app(session, model_id=model_id, max_pending=max_pending)
+        app = create_app(
+            session,
+            model_id=model_id,
+            max_pending=max_pending,
+            max_anonymous=max_anonymous,
+            api_keys=api_keys,
+            admin_keys=admin_keys,
+        )
         state = app.state.kvactor
         assert isinstance(state, ServerState)
+        # What the process holds by now (the model, the libraries) is never collected:
+        # out of the collector's sight, so a full collection walks only what requests
+        # made, not the whole server, and holds the event loop that much less.
+        gc.collect()
+        gc.freeze()
         sock = _bound(host, port)
-        server = _uvicorn_server(app)
+        server = _uvicorn_server(app, drain_s)
 
         async def announce() -> None:
             while not server.started:  # uvicorn offers no event for it
                 await anyio.sleep(0.01)
             bound = sock.getsockname()[1]
-            cache_dir = options.get("cache_dir")
-            line = start_line(host, bound, state.model_id, cache_dir, as_json=json_start)
+            cache_dir, budget = options.get("cache_dir"), options["budget_bytes"]
+            line = start_line(
+                host,
+                bound,
+                state.model_id,
+                cache_dir,
+                as_json=json_start,
+                auth=bool(keys),
+                tenants=keys.tenants,
+                budget_bytes=budget,
+            )
             print(line, file=sys.stderr, flush=True)
+            if not keys:
+                warning = {"event": "warning", "message": NO_KEYS}
+                print(json.dumps(warning) if json_start else NO_KEYS, file=sys.stderr, flush=True)
             if ready is not None:
                 ready(bound)
 
         async with anyio.create_task_group() as tg:
-            await tg.start(_stop_on_signals, server)
+            await tg.start(_stop_on_signals, server, state, drain_s)
             tg.start_soon(announce)
             await server.serve(sockets=[sock])
             tg.cancel_scope.cancel()

@@ -1,17 +1,22 @@
 """What every route of one app shares (on ``app.state.kvactor``): the session, the model id
-clients name, the limits, the metrics, admission and the agent routing."""
+clients name, the keys, the limits, the metrics, admission and the agent routing."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import anyio
 from starlette.requests import Request
 
 from ..actors import Agent, Completion, Session
+from ..actors.agent import prompt_chars_limit
 from ._admission import Admission
 from ._metrics import Metrics
 from ._routing import AgentRouter, Conversation
+from ._tenants import Keys, Tenant
 
 
 @dataclass
@@ -21,12 +26,19 @@ class ServerState:
     session: Session
     model_id: str
     max_body_bytes: int
+    max_prompt_chars: int  # past it no prompt fits the context: refused before any work
+    keys: Keys
     metrics: Metrics
     admission: Admission
     agents: AgentRouter
     created: int = field(default_factory=lambda: int(time.time()))
     # Agents staged by the prefetch route and not used since (their next turn is labelled).
     prefetched: set[str] = field(default_factory=set)
+    # Invariant: the scopes of the turns a drain would end now; only drainable() adds.
+    _drainable: set[anyio.CancelScope] = field(default_factory=set)
+    draining: bool = False  # end_turns() was called: turns end at once
+    # Big bodies are parsed one at a time (``_request.parse_off_loop``).
+    big_bodies: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
 
     @classmethod
     def build(
@@ -37,6 +49,7 @@ class ServerState:
         max_pending: int,
         max_body_bytes: int,
         max_anonymous: int,
+        keys: Keys,
     ) -> ServerState:
         """The state of a new app over ``session``."""
         metrics = Metrics()
@@ -44,10 +57,32 @@ class ServerState:
             session=session,
             model_id=model_id,
             max_body_bytes=max_body_bytes,
+            max_prompt_chars=prompt_chars_limit(session.tokenizer, session.model.context_length),
+            keys=keys,
             metrics=metrics,
             admission=Admission(max_pending, metrics.in_flight),
-            agents=AgentRouter(session, max_anonymous),
+            agents=AgentRouter(session, max_anonymous, keys.scope_of),
         )
+
+    @contextlib.contextmanager
+    def drainable(self) -> Iterator[anyio.CancelScope]:
+        """A scope :meth:`end_turns` cancels (see its ``cancelled_caught`` after)."""
+        scope = anyio.CancelScope()
+        if self.draining:
+            scope.cancel()
+        self._drainable.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._drainable.discard(scope)
+
+    def end_turns(self) -> None:
+        """The server is stopping and its drain time is up: end every turn now, and any
+        that starts later at once (each answers so, in its API's shape)."""
+        self.draining = True
+        for scope in list(self._drainable):
+            scope.cancel()
 
     def finished(self, agent: Agent, done: Completion, conversation: Conversation) -> None:
         """A turn is over: remember its conversation (anonymous routing), count it."""
@@ -62,3 +97,10 @@ def server_state(request: Request) -> ServerState:
     state = request.app.state.kvactor
     assert isinstance(state, ServerState)
     return state
+
+
+def tenant_of(request: Request) -> Tenant:
+    """The tenant the request authenticated as (set by the app before its handler)."""
+    tenant = request.state.tenant  # never a default: a route without it fails closed
+    assert isinstance(tenant, Tenant)
+    return tenant

@@ -1,15 +1,19 @@
 """Answering a turn request: admitted (:func:`admitted` holds its admission slot), then run
 on its agent and answered whole (:meth:`TurnRequest.whole`) or as server-sent events
 (:meth:`TurnRequest.streamed`). A streamed turn keeps what it holds (its slot, its agent,
-its text stream) until its events end or its client leaves; leaving cancels the turn,
-which frees its batch slot."""
+its text stream) until its events end or its client leaves.
+
+A client that leaves cancels its turn, whenever it leaves: while its agent is found,
+while its turn waits or runs (whole or before the first piece: the connection is watched
+meanwhile), or mid-stream (Starlette watches then). The engine drops a cancelled turn at
+its next step, which frees its batch slot; ``kvactor_turns_cancelled_total`` counts them."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -18,8 +22,22 @@ from starlette.types import Receive, Scope, Send
 
 from ..actors import Agent, Completion
 from ..actors.api import TurnStream
+from ._errors import ApiError, ClientGone
 from ._routing import Conversation
-from ._state import ServerState, server_state
+from ._state import server_state, tenant_of
+
+T = TypeVar("T")
+
+
+def ended() -> ApiError:
+    """What a turn that the server's drain ended answers (a 503)."""
+    return ApiError(
+        503,
+        "the server is shutting down: this turn was ended",
+        kind="server_error",
+        code="shutting_down",
+        retry_after=5,
+    )
 
 
 @dataclass(frozen=True)
@@ -45,23 +63,42 @@ class Ask:
 
 
 class StreamedTurn:
-    """A streamed turn, as its events see it: its agent, its text pieces, and its
-    Completion once the pieces ran out (``finished``)."""
+    """A streamed turn, as its events see it: its agent (``shown``: the id its client
+    knows it by), its text pieces, and its Completion once the pieces ran out
+    (``finished``)."""
 
     def __init__(
-        self, agent: Agent, stream: TurnStream, first: str | None, on_done: Callable[[], None]
+        self,
+        agent: Agent,
+        stream: TurnStream,
+        first: str | None,
+        on_done: Callable[[], None],
+        shown: str,
+        drainable: Callable[[], contextlib.AbstractContextManager[anyio.CancelScope]],
     ) -> None:
         self.agent = agent
+        self.shown = shown
+        self.cut = False  # the server's drain ended it before its last piece
+        self._drainable = drainable
         self._stream = stream
         self._first = first
         self._on_done = on_done
         self._done: Completion | None = None
 
     async def texts(self) -> AsyncIterator[str]:
-        """The reply's text pieces (the first one already read)."""
+        """The reply's text pieces (the first one already read); they stop early, with
+        ``cut`` set, when the server's drain ends the turn."""
         if self._first:
             yield self._first
-        async for piece in self._stream:
+        pieces = aiter(self._stream)
+        while True:
+            with self._drainable() as scope:  # around the wait only: never a yield
+                piece = await anext(pieces, None)
+            if scope.cancelled_caught:
+                self.cut = True
+                return
+            if piece is None:
+                return
             yield piece
 
     def finished(self) -> Completion:
@@ -76,13 +113,51 @@ class StreamedTurn:
 Events = Callable[[StreamedTurn], AsyncIterator[str]]  # a streamed turn as SSE text
 
 
+async def unless_gone(receive: Receive, work: Callable[[], Awaitable[T]]) -> T:
+    """What ``work`` returns, watching the connection meanwhile (the request's body has
+    been read: the next ASGI message is its end). Raises ClientGone, ``work`` cancelled,
+    as soon as the client disconnects; what ``work`` raises."""
+    gone = False
+    result: list[T] = []
+    error: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            result.append(await work())
+        except Exception as exc:  # its own; a cancellation goes through
+            error.append(exc)
+        tg.cancel_scope.cancel()
+    if error:
+        raise error[0]
+    if not result:
+        assert gone
+        raise ClientGone()
+    return result[0]
+
+
 class _TurnResponse(StreamingResponse):
     """Server-sent events of a turn. What the turn holds (``held``) is let go when the
     events end, else when the response ends however it does (a client that leaves
-    before the first event included)."""
+    before the first event included); ``on_cancel`` is called when the client left
+    before the events ended."""
 
-    def __init__(self, events: AsyncIterator[str], held: contextlib.AsyncExitStack) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        held: contextlib.AsyncExitStack,
+        on_cancel: Callable[[], None],
+    ) -> None:
         self._held = held
+        self._on_cancel = on_cancel
+        self._complete = False
         super().__init__(
             self._body(events),
             media_type="text/event-stream",
@@ -93,6 +168,7 @@ class _TurnResponse(StreamingResponse):
         try:
             async for event in events:
                 yield event
+            self._complete = True
         finally:
             await self._let_go()
 
@@ -103,6 +179,8 @@ class _TurnResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+            if not self._complete:  # Starlette saw the client leave and stopped the events
+                self._on_cancel()
         finally:
             await self._let_go()
 
@@ -110,37 +188,74 @@ class _TurnResponse(StreamingResponse):
 class TurnRequest:
     """A turn request holding its admission slot (see :func:`admitted`)."""
 
-    def __init__(self, state: ServerState, held: contextlib.AsyncExitStack) -> None:
-        self._state = state
+    def __init__(self, request: Request, held: contextlib.AsyncExitStack) -> None:
+        self._state = server_state(request)
+        self._tenant = tenant_of(request)
+        self._receive = request.receive
         self._held = held
+
+    def local_id(self, agent: Agent) -> str:
+        """The id the client knows ``agent`` by (within its tenant)."""
+        return self._tenant.local_id(agent.name)
+
+    async def _unless_gone(self, work: Callable[[], Awaitable[T]], reply: str) -> T:
+        try:
+            return await unless_gone(self._receive, work)
+        except ClientGone:
+            self._state.metrics.cancelled.labels(reply).inc()
+            raise
 
     async def whole(self, agent_id: str | None, ask: Ask) -> tuple[Agent, Completion]:
         """Run the turn to its end: its agent and its Completion (remembered, counted).
-        Raises what the turn raises (ContextOverflow, TypeError / ValueError, ...)."""
-        async with self._state.agents.agent(agent_id, ask.conversation) as agent:
-            async with ask.start(agent) as pieces:
-                async for _ in pieces:
-                    pass
-            done = pieces.completion
-            assert done is not None
-            self._state.finished(agent, done, ask.after(done))
-        return agent, done
+        Raises ClientGone when the client left meanwhile (the turn cancelled), what the
+        turn raises (ContextOverflow, TypeError / ValueError, ...)."""
+        state = self._state
+
+        async def run() -> tuple[Agent, Completion]:
+            async with state.agents.agent(self._tenant, agent_id, ask.conversation) as agent:
+                async with ask.start(agent) as pieces:
+                    async for _ in pieces:
+                        pass
+                done = pieces.completion
+                assert done is not None
+                state.finished(agent, done, ask.after(done))
+            return agent, done
+
+        with state.drainable() as scope:
+            return await self._unless_gone(run, "whole")
+        assert scope.cancelled_caught
+        raise ended()
 
     async def streamed(self, agent_id: str | None, ask: Ask, events: Events) -> StreamingResponse:
         """The turn as server-sent ``events``, once its first piece is there: an error
-        before it raises here (and is answered with a status, not a broken 200)."""
+        before it raises here (and is answered with a status, not a broken 200), as
+        does ClientGone when the client left meanwhile."""
         state, held = self._state, self._held
-        agent = await held.enter_async_context(state.agents.agent(agent_id, ask.conversation))
-        pieces = await held.enter_async_context(ask.start(agent))
-        first = await anext(pieces, None)
+        router = state.agents
+
+        async def begin() -> tuple[Agent, TurnStream, str | None]:
+            agent = await held.enter_async_context(
+                router.agent(self._tenant, agent_id, ask.conversation)
+            )
+            pieces = await held.enter_async_context(ask.start(agent))
+            return agent, pieces, await anext(pieces, None)
+
+        with state.drainable() as scope:
+            agent, pieces, first = await self._unless_gone(begin, "stream")
+        if scope.cancelled_caught:
+            raise ended()
 
         def on_done() -> None:
             done = pieces.completion
             assert done is not None
             state.finished(agent, done, ask.after(done))
 
-        turn = StreamedTurn(agent, pieces, first, on_done)
-        return _TurnResponse(events(turn), held.pop_all())
+        def on_cancel() -> None:
+            state.metrics.cancelled.labels("stream").inc()
+
+        shown = self.local_id(agent)
+        turn = StreamedTurn(agent, pieces, first, on_done, shown, state.drainable)
+        return _TurnResponse(events(turn), held.pop_all(), on_cancel)
 
 
 @contextlib.asynccontextmanager
@@ -150,4 +265,4 @@ async def admitted(request: Request) -> AsyncIterator[TurnRequest]:
     state = server_state(request)
     async with contextlib.AsyncExitStack() as held:
         await held.enter_async_context(state.admission.slot())
-        yield TurnRequest(state, held)
+        yield TurnRequest(request, held)

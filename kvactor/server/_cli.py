@@ -1,0 +1,83 @@
+"""``kvactor serve`` as the command line runs it: its arguments as :func:`~._serve.serve`
+takes them (the parser is ``kvactor.cli``'s)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from typing import Any
+
+import anyio
+
+from ._serve import serve
+from ._tenants import key_entries
+
+# The stored forms `kvactor serve --codec` offers: None (the default), else KVCodec(bits=...).
+CODECS: dict[str, int | None] = {"default": None, "q8": 8, "fp16": 16}
+
+
+def _model(spec: str | None) -> Any:
+    """The model ``serve`` opens: a path, None (the default model) or ``tiny`` (a random
+    2-layer test model, for trying the server out)."""
+    if spec == "tiny":
+        from ..actors.model import make_tiny_model
+
+        return functools.partial(make_tiny_model, 0, head_dim=64)
+    return spec
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """``kvactor.open``'s options from the arguments."""
+    from ..actors.store import default_cache_dir
+
+    cache_dir = None if args.no_cache_dir else (args.cache_dir or default_cache_dir())
+    options: dict[str, Any] = {"cache_dir": cache_dir, "attention": args.attention}
+    bits = CODECS[args.codec]
+    if bits is not None:
+        from ..kernels.qcodec import KVCodec
+
+        options["codec"] = KVCodec(bits=bits)
+    if args.budget is not None:
+        options["budget_bytes"] = args.budget
+    elif args.budget_mb is not None:
+        options["budget_bytes"] = int(args.budget_mb * 1e6)
+    if args.no_share_prefixes:
+        options["share_prefixes"] = False
+    return options
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run ``kvactor serve``: 0 once stopped by a signal, 1 when it cannot start (model,
+    cache directory, address), 2 for bad keys."""
+    from ..actors.errors import KvactorError
+    from ._tenants import Keys
+
+    try:
+        entries = key_entries(args.api_key or (), args.api_key_file or ())
+        Keys(entries, args.admin_key or ())
+    except (OSError, ValueError) as exc:
+        print(f"kvactor serve: API keys: {exc}", file=sys.stderr)
+        return 2
+    run = functools.partial(
+        serve,
+        _model(args.model),
+        host=args.host,
+        port=args.port,
+        model_id=args.model_id,
+        max_pending=args.max_pending,
+        max_anonymous=args.max_anonymous,
+        json_start=args.json,
+        drain_s=args.drain_seconds,
+        api_keys=entries,
+        admin_keys=args.admin_key or (),
+        **_options(args),
+    )
+    try:
+        anyio.run(run)
+    except KeyboardInterrupt:
+        pass
+    except (KvactorError, OSError) as exc:
+        print(f"kvactor serve: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,144 @@
+"""Helpers of the server's tests: an app served in process on 127.0.0.1 (:func:`running`),
+a real ``kvactor serve`` process (:func:`serve_process`), a raw HTTP connection that can
+leave mid-request (:func:`raw_request`), and /metrics as numbers (:func:`metric`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import uvicorn
+from anyio.abc import SocketStream
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvactor
+from kvactor.actors.model import make_tiny_model
+from kvactor.server import create_app
+
+tiny = functools.partial(make_tiny_model, 0, head_dim=64)
+
+
+@contextlib.asynccontextmanager
+async def running(
+    model: Any = tiny, app_options: dict[str, Any] | None = None, **options: Any
+) -> AsyncIterator[tuple[kvactor.Session, str]]:
+    """A session served on 127.0.0.1 on a free port (model id "tiny"); stops with the
+    block."""
+    async with kvactor.open(model, **options) as kv:
+        app = create_app(kv, model_id="tiny", **(app_options or {}))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.bind(("127.0.0.1", 0))  # the protocol named: asyncio sets TCP_NODELAY
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
+        )
+        server = uvicorn.Server(config)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(server.serve, sockets=[sock]))
+            with anyio.fail_after(10):
+                while not server.started:
+                    await anyio.sleep(0.01)
+            try:
+                yield kv, f"http://127.0.0.1:{port}"
+            finally:
+                server.should_exit = True
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of sample ``name`` with ``labels`` in Prometheus text (0 when absent)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def chat_request(body: dict[str, Any], headers: dict[str, str] | None = None) -> bytes:
+    """A raw HTTP/1.1 POST of ``body`` to /v1/chat/completions."""
+    data = json.dumps(body).encode()
+    head = [
+        "POST /v1/chat/completions HTTP/1.1",
+        "Host: 127.0.0.1",
+        "Content-Type: application/json",
+        f"Content-Length: {len(data)}",
+        *(f"{k}: {v}" for k, v in (headers or {}).items()),
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
+
+
+@contextlib.asynccontextmanager
+async def raw_request(base: str, request: bytes) -> AsyncIterator[SocketStream]:
+    """A connection that sent ``request``; leaving the block closes it (the client gone)."""
+    port = int(base.rsplit(":", 1)[1])
+    stream = await anyio.connect_tcp("127.0.0.1", port)
+    try:
+        await stream.send(request)
+        yield stream
+    finally:
+        await stream.aclose()
+
+
+@dataclass
+class ServeProcess:
+    """A ``kvactor serve`` process: its Popen, the start line's fields, its stderr file."""
+
+    proc: subprocess.Popen[bytes]
+    start: dict[str, Any]
+    stderr: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.start['port']}"
+
+    def rss_bytes(self) -> int:
+        """The process's resident memory now (``VmRSS``)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def log(self) -> str:
+        return self.stderr.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def serve_process(
+    tmp: Path, *args: str, env: dict[str, str] | None = None, model: str = "tiny"
+) -> Iterator[ServeProcess]:
+    """``kvactor serve MODEL --port 0 --json ARGS`` until the block ends (then SIGKILL if
+    it still runs); waits for its start line (60 s)."""
+    stderr = tmp / f"serve-{time.monotonic_ns()}.log"
+    with stderr.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvactor", "serve", model, "--port", "0", "--json", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, **(env or {})},
+        )
+    try:
+        deadline = time.monotonic() + 60
+        start = None
+        while start is None:
+            assert proc.poll() is None, stderr.read_text()
+            assert time.monotonic() < deadline, stderr.read_text()
+            for line in stderr.read_text().splitlines():
+                if line.startswith("{") and json.loads(line).get("event") == "serving":
+                    start = json.loads(line)
+            time.sleep(0.05)
+        yield ServeProcess(proc, start, stderr)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,134 @@
+"""A real ``kvactor serve`` process (issue 26): bounded memory under its default settings
+(1,000 anonymous conversations, sampled RSS), keys given three ways, a start that says
+when there are none, and a SIGTERM that drains: turns end and are saved, no traceback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from serving import metric, serve_process
+
+from kvactor.server._serve import BUDGET_CAP, default_budget_bytes, total_memory
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def test_the_default_budget_is_a_quarter_of_memory_at_most_8_gib() -> None:
+    total = total_memory()
+    assert total is not None
+    with open("/proc/meminfo") as f:
+        kib = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+    assert abs(total - kib * 1024) < 64 << 20  # sysconf and /proc/meminfo agree
+    assert default_budget_bytes() == min(total // 4, BUDGET_CAP)
+
+
+async def test_1000_anonymous_conversations_stay_within_a_memory_bound(tmp_path: Path) -> None:
+    with serve_process(tmp_path, "--no-cache-dir", "--model-id", "tiny") as server:
+        assert server.start["budget_bytes"] == default_budget_bytes()
+        assert server.start["auth"] is False
+        assert "no API keys" in server.log()  # said at start
+        samples: list[tuple[int, int]] = []
+        done = 0
+        async with httpx.AsyncClient(base_url=server.base, timeout=60) as http:
+
+            async def client(first: int) -> None:
+                nonlocal done
+                for i in range(first, 1000, 4):
+                    content = f"conversation {i}: tell me about the number {i * 7919 % 1000}"
+                    body = {
+                        "model": "tiny",
+                        "max_tokens": 1,
+                        "messages": [{"role": "user", "content": content}],
+                    }
+                    r = await http.post("/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    done += 1
+                    if done % 50 == 0:
+                        samples.append((done, server.rss_bytes()))
+
+            with anyio.fail_after(240):
+                async with anyio.create_task_group() as tg:
+                    for first in range(4):
+                        tg.start_soon(client, first)
+            agents = (await http.get("/v1/agents")).json()["data"]
+            text = (await http.get("/metrics")).text
+        warm = dict(samples)[100]  # the 16 anonymous agents and their caches are there
+        last = samples[-1][1]
+        print("RSS MB by conversations:", [(n, round(b / 2**20, 1)) for n, b in samples])
+        print(f"growth after 100: {(last - warm) / 2**20:.2f} MB for 900 conversations")
+        assert len(agents) <= 16  # max_anonymous
+        assert metric(text, "kvactor_budget_bytes") == default_budget_bytes()
+        assert last - warm < 8 << 20, (warm, last)
+
+
+def _stream(base: str, agent: str, max_tokens: int, got: list[str]) -> None:
+    body = {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
+    headers = {"X-Agent-Id": agent, "Authorization": "Bearer key-of-the-one-tenant"}
+    try:
+        with httpx.stream(
+            "POST", f"{base}/v1/chat/completions", json=body, headers=headers, timeout=60
+        ) as r:
+            got.extend(line for line in r.iter_lines() if line)
+    except httpx.HTTPError as exc:
+        got.append(f"error: {exc!r}")
+
+
+def test_sigterm_drains_turns_end_and_are_saved_without_a_traceback(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# one tenant\nteam:key-of-the-one-tenant\n")
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--model-id", "tiny", "--drain-seconds", "1")
+    env = {"KVACTOR_API_KEYS": "key-from-the-environment"}
+    with serve_process(tmp_path, *args, "--api-key-file", str(keys), env=env) as server:
+        assert server.start["auth"] is True and server.start["tenants"] == 2
+        assert "no API keys" not in server.log()
+        assert httpx.get(f"{server.base}/v1/models").status_code == 401
+        wrong = {"Authorization": "Bearer key-from-the-environment"}
+        assert httpx.get(f"{server.base}/v1/models", headers=wrong).status_code == 200
+        short: list[str] = []
+        long: list[str] = []
+        # A short turn (ends within the drain time) and a long one (ended by the drain).
+        threads = [
+            threading.Thread(target=_stream, args=(server.base, "short", 200, short)),
+            threading.Thread(target=_stream, args=(server.base, "long", 1900, long)),
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while not (short and long) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        began = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+        stopped = time.monotonic() - began
+        for thread in threads:
+            thread.join(timeout=30)
+        log = server.log()
+    assert "Traceback" not in log and "ERROR" not in log, log
+    assert stopped < 10
+    assert short[-1] == "data: [DONE]"
+    # The long turn: ended by the server in OpenAI's shape, or done before the drain.
+    last: dict[str, Any] = (
+        json.loads(long[-1][len("data: ") :]) if long[-1] != "data: [DONE]" else {}
+    )
+    assert long[-1] == "data: [DONE]" or last["error"]["code"] == "shutting_down", long[-3:]
+    manifest = json.loads((cache / "agents" / "team.short" / "manifest.json").read_bytes())
+    assert manifest["manifest"]["n_tokens"] > 200  # the short turn's tokens, saved
