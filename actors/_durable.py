@@ -45,6 +45,20 @@ _IOV_MAX = 512  # buffers per writev call (POSIX guarantees 16, Linux and macOS 
 _WRITE_BATCH = 4 << 20  # bytes per write call
 
 
+#: fsyncs made so far (``bench/vs_mlx_lm.py`` counts them per commit). A turn's commit
+#: makes four: the new segment's bytes, its name in the agent's folder (before a manifest
+#: may name it), the new manifest's bytes, and its name (the commit itself, so that a
+#: turn reported saved stays saved); an agent's first commit one more, for its folder.
+fsyncs = 0
+
+
+def sync(fd: int) -> None:
+    """``os.fsync``, counted."""
+    global fsyncs
+    fsyncs += 1
+    os.fsync(fd)
+
+
 def write_chunks(fd: int, chunks: list[memoryview]) -> int:
     """Write the chunks in order, a few MiB per system call (writev where it exists), and
     start the disk writing each batch right away where the OS allows, so that the fsync to
@@ -86,7 +100,7 @@ def fsync_dir(folder: Path) -> None:
         return
     fd = os.open(folder, os.O_RDONLY | flag | NOFOLLOW | CLOEXEC)
     try:
-        os.fsync(fd)
+        sync(fd)
     finally:
         os.close(fd)
 
@@ -103,7 +117,7 @@ def write_atomic(folder: Path, name: str, chunks: Iterable[memoryview]) -> int:
     try:
         try:
             size = write_chunks(fd, list(chunks))
-            os.fsync(fd)
+            sync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, folder / name)
@@ -125,7 +139,7 @@ def link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst, follow_symlinks=False)
         fd = os.open(dst, os.O_RDONLY | CLOEXEC | NOFOLLOW)
         try:
-            os.fsync(fd)
+            sync(fd)
         finally:
             os.close(fd)
 

@@ -7,10 +7,13 @@ Layout under the cache root::
     agents/<agent>/seg-<n>.safetensors   quantized K/V of tokens [start, stop), all layers
     rejected/<agent>/                    a refused cache set aside when the agent rewrote it
 
-Format 2: ``manifest.json`` is exactly ``{"checksum":"crc32:xxxxxxxx","manifest":BODY}``,
-BODY the CacheManifest as compact JSON and the CRC-32 over BODY's bytes; each segment is
-a safetensors file whose manifest entry holds the CRC-32 of the whole file, header
-included (so header offsets swapped between same-shaped tensors do not go unnoticed).
+Format 3: ``manifest.json`` is exactly ``{"checksum":"xxh3:<16 hex>","manifest":BODY}``,
+BODY the CacheManifest as compact JSON and the XXH3-64 of BODY's bytes; each segment is a
+safetensors file whose manifest entry holds the checksum of the whole file, header
+included (so header offsets swapped between same-shaped tensors do not go unnoticed):
+``xxh3t:``, a tree of its 1 MiB pieces' XXH3 (``_checksum``). Format 2 (the same with
+zlib's CRC-32, ``crc32:<8 hex>``) still loads, and a format-3 manifest may go on naming
+the format-2 segments of a cache written before (each header says its own version).
 Format 1 (the checksum over the tensor bytes only, in the segment header; an unchecked
 manifest) is refused. Every folder is reached through ``agent_dir`` / ``rejected_dir``,
 which refuse a symlink at any level below the root; every file through ``open_regular``.
@@ -21,7 +24,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,8 +31,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ._checksum import SEGMENT_CHECKSUM, body_checksum, body_matches
 from ._fileio import open_regular
-from ._safetensors import Expected, format_checksum
+from ._safetensors import Expected
 from .errors import CacheRejected, InvalidAgentId, UnsafeCachePath
 from .protocol import check_agent_id
 
@@ -61,7 +64,9 @@ __all__ = (
     "warm_info",
 )
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: Versions this store reads (it writes FORMAT_VERSION).
+READ_VERSIONS = (2, 3)
 #: Token ids and text of a long conversation stay far below this; more is not ours.
 MAX_MANIFEST_BYTES = 32 << 20
 #: A manifest spends at least 2 bytes per token id (a digit and a comma): no segment of a
@@ -76,9 +81,8 @@ SEGMENT_FILE = re.compile(r"seg-([0-9]{1,12})\.safetensors")
 #: The sliding-window layers' tensors of a segment, apart (see CacheManifest).
 WINDOW_FILE = re.compile(r"win-([0-9]{1,12})\.safetensors")
 _MAX_SEGMENT_NUMBER = 10**12 - 1  # so that the next number still has 12 digits
-_CHECKSUM = re.compile(r"crc32:[0-9a-f]{8}")
 # manifest.json: this, then BODY, then "}" (nothing else: not even a newline).
-_FRAME = re.compile(rb'\{"checksum":"(crc32:[0-9a-f]{8})","manifest":')
+_FRAME = re.compile(rb'\{"checksum":"(xxh3:[0-9a-f]{16}|crc32:[0-9a-f]{8})","manifest":')
 
 #: ``expect(start, stop)``: exact tensor name -> (shape, numpy dtype name) of a segment
 #: holding tokens [start, stop). Supplied by the codec.
@@ -264,9 +268,9 @@ def codec_key(codec: Mapping[str, object]) -> bytes:
 
 
 def encode_manifest(manifest: CacheManifest) -> bytes:
-    """The bytes of ``manifest.json``: the manifest framed with the CRC-32 of its JSON."""
+    """The bytes of ``manifest.json``: the manifest framed with the checksum of its JSON."""
     body = msgspec.json.encode(manifest)
-    return b'{"checksum":"%s","manifest":%s}' % (format_checksum(zlib.crc32(body)).encode(), body)
+    return b'{"checksum":"%s","manifest":%s}' % (body_checksum(body).encode(), body)
 
 
 def _version(raw: bytes) -> int | None:
@@ -274,6 +278,14 @@ def _version(raw: bytes) -> int | None:
         return msgspec.json.decode(raw, type=_Versioned).format_version
     except (msgspec.DecodeError, RecursionError):
         return None
+
+
+def _readable(version: int | None, format_version: int) -> bool:
+    return (
+        version is None
+        or version == format_version
+        or (format_version == FORMAT_VERSION and version in READ_VERSIONS)
+    )
 
 
 def _decode_manifest(raw: bytes, path: Path, format_version: int) -> CacheManifest:
@@ -284,16 +296,19 @@ def _decode_manifest(raw: bytes, path: Path, format_version: int) -> CacheManife
     if frame is None or not raw.endswith(b"}"):
         # Format 1 wrote the bare manifest: say which version it is when it says so.
         version = _version(raw)
-        if version is not None and version != format_version:
+        if not _readable(version, format_version):
             raise refuse(f"format version {version}, this store reads {format_version}")
         raise refuse("malformed manifest: not framed with its checksum")
     body = raw[frame.end() : -1]
-    found, said = format_checksum(zlib.crc32(body)), frame.group(1).decode()
-    if found != said:
+    said = frame.group(1).decode()
+    found = body_matches(said, body)
+    if found is not None:
         raise refuse(f"manifest checksum mismatch: its body has {found}, it says {said}")
     version = _version(body)
-    if version is not None and version != format_version:
+    if not _readable(version, format_version):
         raise refuse(f"format version {version}, this store reads {format_version}")
+    if (version == FORMAT_VERSION) != said.startswith("xxh3:"):
+        raise refuse(f"a format {version} manifest framed with {said.split(':')[0]}")
     try:
         return msgspec.json.decode(body, type=CacheManifest)
     except (msgspec.DecodeError, RecursionError) as exc:
@@ -369,7 +384,7 @@ def _check_manifest(
                 or not 0 < s.use <= s.stop - s.start
             ):
                 raise refuse(f"{kind} {s.file} does not continue the tokens at {at}")
-            if not 0 < s.nbytes <= _MAX_SEGMENT_BYTES or not _CHECKSUM.fullmatch(s.checksum):
+            if not 0 < s.nbytes <= _MAX_SEGMENT_BYTES or not SEGMENT_CHECKSUM.fullmatch(s.checksum):
                 raise refuse(f"{kind} {s.file} has a bad size or checksum entry")
             if s.owner:
                 try:
@@ -455,11 +470,14 @@ def warm_info(manifest: CacheManifest, manifest_bytes: int) -> WarmInfo:
     )
 
 
-def segment_metadata(identity: CacheIdentity, agent: str, start: int, stop: int) -> dict[str, str]:
-    """What a segment's header says about it (its checksum is in the manifest)."""
+def segment_metadata(
+    identity: CacheIdentity, agent: str, start: int, stop: int, version: int | None = None
+) -> dict[str, str]:
+    """What a segment's header says about it (its checksum is in the manifest); ``version``:
+    the format it was written in (default: the identity's)."""
     return {
         "format": "kvactor-warm-segment",
-        "format_version": str(identity.format_version),
+        "format_version": str(version or identity.format_version),
         "model_fingerprint": identity.model_fingerprint,
         "codec": codec_key(identity.codec).decode(),
         "agent": agent,

@@ -9,7 +9,6 @@ caller expects (name, shape, dtype), and the data offsets must tile the data are
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -23,8 +22,6 @@ __all__ = (
     "Expected",
     "ParsedSegment",
     "build_header",
-    "checksum",
-    "format_checksum",
     "parse_segment",
     "tensor_bytes",
 )
@@ -55,19 +52,6 @@ _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 #: Exact tensor name -> (shape, numpy dtype name).
 Expected = Mapping[str, tuple[tuple[int, ...], str]]
-
-
-def checksum(buffers: Iterable[memoryview]) -> str:
-    """crc32 over the bytes of ``buffers`` in order, as ``"crc32:xxxxxxxx"``."""
-    crc = 0
-    for buffer in buffers:
-        crc = zlib.crc32(buffer, crc)
-    return format_checksum(crc)
-
-
-def format_checksum(crc: int) -> str:
-    """A CRC-32 as the files spell it: ``"crc32:xxxxxxxx"`` (always 14 characters)."""
-    return f"crc32:{crc:08x}"
 
 
 def tensor_bytes(array: np.ndarray[Any, Any]) -> memoryview:

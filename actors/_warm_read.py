@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ._checksum import segment_matches, segment_version
 from ._fileio import ShortRead, file_kind, open_regular, read_whole
 from ._manifest import (
     CacheIdentity,
@@ -34,7 +35,7 @@ from ._manifest import (
     segment_metadata,
     warm_info,
 )
-from ._safetensors import MAX_HEADER_BYTES, Expected, format_checksum, parse_segment
+from ._safetensors import MAX_HEADER_BYTES, Expected, parse_segment
 from .errors import CacheRejected, InvalidAgentId, UnknownAgent
 from .protocol import check_agent_id
 
@@ -87,7 +88,7 @@ def _read_segment(
         if size != entry.nbytes:
             raise refuse(f"{size} bytes, the manifest says {entry.nbytes}")
         try:
-            buffer, crc = read_whole(fd, size)
+            buffer, pieces = read_whole(fd, size)
         except ShortRead as exc:
             raise refuse(f"truncated while reading: {exc.got} of {size} bytes") from None
         except OSError as exc:
@@ -95,8 +96,8 @@ def _read_segment(
     finally:
         os.close(fd)
     # The sum covers the header too: nothing of the file is parsed before it matches.
-    found = format_checksum(crc)
-    if found != entry.checksum:
+    found = segment_matches(entry.checksum, buffer, pieces)
+    if found is not None:
         raise refuse(f"checksum mismatch: the file has {found}, manifest says {entry.checksum}")
     try:
         parsed = parse_segment(buffer, expected)
@@ -104,7 +105,8 @@ def _read_segment(
         raise refuse(exc.reason) from None
     # A fork's segments are its source's files (linked): their header names the source.
     owner = entry.owner or agent
-    for key, value in segment_metadata(identity, owner, entry.start, entry.stop).items():
+    version = segment_version(entry.checksum)  # a format-2 segment a format-3 cache names
+    for key, value in segment_metadata(identity, owner, entry.start, entry.stop, version).items():
         said = parsed.metadata.get(key)
         if said != value:
             raise refuse(f"metadata {key} is {str(said)[:80]!r}, expected {value!r}")

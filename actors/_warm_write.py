@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ._checksum import file_checksum
 from ._durable import commit, fsync_dir, remove_path, write_atomic, write_failed
 from ._fileio import in_background
 from ._manifest import (
@@ -39,7 +40,7 @@ from ._manifest import (
     segment_metadata,
     split_layers,
 )
-from ._safetensors import build_header, checksum, tensor_bytes
+from ._safetensors import build_header, tensor_bytes
 from .errors import CacheRejected
 
 __all__ = ("append_cache",)
@@ -308,7 +309,7 @@ def _write_segment(
     return its entry. Raises OSError when the disk fails."""
     header = build_header(arrays, segment_metadata(identity, agent, start, stop))
     chunks = [memoryview(header), *(tensor_bytes(array) for _, array in arrays)]
-    summing = in_background(checksum, chunks)  # the whole file, while it is written
+    summing = in_background(file_checksum, chunks)  # the whole file, while it is written
     name = f"{prefix}-{number}.safetensors"
     try:
         size = write_atomic(folder, name, chunks)

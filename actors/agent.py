@@ -360,6 +360,7 @@ class AgentActor(Actor):
         try:
             async for piece in self._generate(prompt, sampling, outcome):
                 yield piece
+            saving = time.perf_counter()  # the last token is out: what follows is the save
             finished = outcome.finished
             assert finished is not None
             if not raw and not prime:
@@ -375,6 +376,7 @@ class AgentActor(Actor):
             if self.warm is not None:
                 with anyio.CancelScope(shield=True):
                     error = await self._persist()
+            save_s = time.perf_counter() - saving
             write_ran = True
         finally:
             if not write_ran and self.warm is not None:
@@ -386,7 +388,7 @@ class AgentActor(Actor):
             text=finished.text,
             finish_reason=finished.reason,
             token_ids=finished.token_ids,
-            timings=msgspec.structs.replace(finished.timings, load_s=outcome.load_s),
+            timings=msgspec.structs.replace(finished.timings, load_s=outcome.load_s, save_s=save_s),
             path=outcome.path,
             match=prompt.match,
             saved=self.warm is not None and error is None,

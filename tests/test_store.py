@@ -18,10 +18,12 @@ import msgspec
 import numpy as np
 import pytest
 import safetensors.numpy
+import xxhash
 
 from kvactor._inspect import format_table, inspect_rows
 from kvactor.actors import _durable
 from kvactor.actors import store as store_module
+from kvactor.actors._checksum import body_checksum, file_checksum
 from kvactor.actors.enums import Tier
 from kvactor.actors.errors import CacheRejected, InvalidAgentId, StoreWriteError, UnknownAgent
 from kvactor.actors.store import (
@@ -175,10 +177,16 @@ def test_round_trip(tmp_path: Path) -> None:
     framed = json.loads(raw)
     assert list(framed) == ["checksum", "manifest"]
     body = raw[raw.index(b'"manifest":') + len(b'"manifest":') : -1]
-    assert framed["checksum"] == f"crc32:{zlib.crc32(body):08x}"
-    assert framed["manifest"]["format_version"] == 2
+    assert framed["checksum"] == f"xxh3:{xxhash.xxh3_64_intdigest(body):016x}"
+    assert framed["manifest"]["format_version"] == 3
     seg = folder(tmp_path, "planner") / "seg-1.safetensors"
-    assert m.segments[0].checksum == f"crc32:{zlib.crc32(seg.read_bytes()):08x}"
+    # The XXH3 of the XXH3s of its 1 MiB pieces (so that readers sum pieces in parallel).
+    blob = seg.read_bytes()
+    pieces = [
+        xxhash.xxh3_64_intdigest(blob[i : i + (1 << 20)]) for i in range(0, len(blob), 1 << 20)
+    ]
+    tree = xxhash.xxh3_64_intdigest(b"".join(p.to_bytes(8, "little") for p in pieces))
+    assert m.segments[0].checksum == f"xxh3t:{tree:016x}"
     assert_same(safetensors.numpy.load_file(str(seg)), t)
     with open(seg, "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
@@ -186,7 +194,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert (meta["agent"], meta["start"], meta["stop"]) == ("planner", "0", "10")
     assert meta["model_fingerprint"] == IDENTITY.model_fingerprint
     assert "checksum" not in meta
-    assert meta["format_version"] == "2"
+    assert meta["format_version"] == "3"
 
 
 def test_extend_writes_only_the_new_segment(tmp_path: Path) -> None:
@@ -381,7 +389,7 @@ def edit_manifest(root: Path, agent: str, change: Any) -> None:
     data = json.loads(path.read_text())["manifest"]
     change(data)
     body = json.dumps(data).encode()
-    path.write_bytes(b'{"checksum":"crc32:%08x","manifest":%s}' % (zlib.crc32(body), body))
+    path.write_bytes(b'{"checksum":"%s","manifest":%s}' % (body_checksum(body).encode(), body))
 
 
 def replace_segment(root: Path, blob: bytes) -> None:
@@ -391,7 +399,7 @@ def replace_segment(root: Path, blob: bytes) -> None:
 
     def follow(m: dict[str, Any]) -> None:
         m["segments"][0]["nbytes"] = len(blob)
-        m["segments"][0]["checksum"] = f"crc32:{zlib.crc32(blob):08x}"
+        m["segments"][0]["checksum"] = file_checksum([memoryview(blob)])
 
     edit_manifest(root, "a", follow)
 
@@ -471,7 +479,7 @@ def bad_manifest(text: str, *, framed: bool = False) -> Any:
     def craft(root: Path) -> None:
         raw = text.encode()
         if framed:
-            raw = b'{"checksum":"crc32:%08x","manifest":%s}' % (zlib.crc32(raw), raw)
+            raw = b'{"checksum":"%s","manifest":%s}' % (body_checksum(raw).encode(), raw)
         (folder(root, "a") / "manifest.json").write_bytes(raw)
 
     return craft
@@ -532,12 +540,12 @@ REFUSALS = {
     "other format version": (other_format, "format version 99"),
     "manifest not json": (bad_manifest("{nope"), "malformed manifest"),
     "manifest wrong types": (
-        bad_manifest('{"format_version": 2, "agent": 3}', framed=True),
+        bad_manifest('{"format_version": 3, "agent": 3}', framed=True),
         "malformed",
     ),
     "manifest of format 1": (
         bad_manifest('{"format_version": 1, "agent": "a"}'),
-        "format version 1, this store reads 2",
+        "format version 1, this store reads 3",
     ),
     "manifest unframed": (bad_manifest('{"format_version": 2}'), "not framed"),
     "manifest altered": (altered_manifest, "manifest checksum mismatch"),
@@ -590,7 +598,7 @@ def test_refuses_and_keeps(tmp_path: Path, case: str) -> None:
         ({"model_fingerprint": "sha256:other"}, "made by model 'sha256:0123456789abcdef'"),
         ({"codec": {**IDENTITY.codec, "bits": 8}}, "codec"),
         ({"codec": {**IDENTITY.codec, "rotate": 0}}, "codec"),  # 0 == False, still other
-        ({"format_version": 3}, "format version 2, this store reads 3"),
+        ({"format_version": 4}, "format version 3, this store reads 4"),
         ({"n_kv_heads": 3}, "kv heads"),
     ],
 )
@@ -602,6 +610,48 @@ def test_refuses_other_identities(tmp_path: Path, change: dict[str, Any], reason
     with pytest.raises(CacheRejected, match=reason):
         read_manifest(tmp_path, other, "a")
     assert read_cache(tmp_path, IDENTITY, expect, "a").manifest.n_tokens == 10
+
+
+def _as_format_2(root: Path, agent: str) -> None:
+    """Rewrite ``agent``'s cache as format 2 wrote it: segment headers saying version 2,
+    CRC-32 checksums of the whole files and of the manifest's body."""
+    path = folder(root, agent) / "manifest.json"
+    data = json.loads(path.read_text())["manifest"]
+    for entry in data["segments"]:
+        seg = folder(root, agent) / entry["file"]
+        raw = seg.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + n])
+        header["__metadata__"]["format_version"] = "2"
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        blob = len(text).to_bytes(8, "little") + text + raw[8 + n :]
+        seg.write_bytes(blob)
+        entry["nbytes"], entry["checksum"] = len(blob), f"crc32:{zlib.crc32(blob):08x}"
+    data["format_version"] = 2
+    body = json.dumps(data).encode()
+    path.write_bytes(b'{"checksum":"crc32:%08x","manifest":%s}' % (zlib.crc32(body), body))
+
+
+def test_a_format_2_cache_loads_and_grows_in_format_3(tmp_path: Path) -> None:
+    first = put(tmp_path, "a", 0, 10, seed=1)
+    _as_format_2(tmp_path, "a")
+    loaded = read_cache(tmp_path, IDENTITY, expect, "a")
+    assert loaded.manifest.format_version == 2 and loaded.manifest.n_tokens == 10
+    assert_same(loaded.segments[0], first)
+    second = put(tmp_path, "a", 10, 16, seed=2)  # a new turn: written in format 3
+    loaded = read_cache(tmp_path, IDENTITY, expect, "a")
+    assert loaded.manifest.format_version == 3
+    assert [s.checksum.split(":")[0] for s in loaded.manifest.segments] == ["crc32", "xxh3t"]
+    assert_same(loaded.segments[0], first)
+    assert_same(loaded.segments[1], second)
+    # A format-2 segment whose bytes changed is still caught, by its own CRC-32.
+    seg = seg_path(tmp_path)
+    raw = bytearray(seg.read_bytes())
+    raw[-1] ^= 1
+    seg.write_bytes(bytes(raw))
+    with pytest.raises(CacheRejected, match="checksum mismatch"):
+        read_cache(tmp_path, IDENTITY, expect, "a")
 
 
 def test_segment_metadata_must_match(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ import logging
 import os
 import stat
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 import kvactor
 from kvactor import InvalidAgentId, UnsafeCachePath
 from kvactor._inspect import inspect_rows
+from kvactor.actors._checksum import body_checksum
 from kvactor.actors.enums import Tier
 from kvactor.actors.model import make_tiny_model, tiny_byte_tokenizer
 from kvactor.actors.store import forget
@@ -55,7 +55,7 @@ def edit_manifest(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
     change(data["manifest"] if framed else data)
     body = json.dumps(data["manifest"] if framed else data, separators=(",", ":")).encode()
     if framed:
-        body = b'{"checksum":"crc32:%08x","manifest":%s}' % (zlib.crc32(body), body)
+        body = b'{"checksum":"%s","manifest":%s}' % (body_checksum(body).encode(), body)
     path.write_bytes(body)
 
 
