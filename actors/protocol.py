@@ -3,7 +3,6 @@ with: plain msgspec Structs, tagged unions."""
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -11,6 +10,7 @@ import msgspec
 
 from .enums import FinishReason, Match, Tier
 from .errors import InvalidAgentId
+from .options import SEED_LIMIT, Constraint, Sampling
 
 __all__ = (
     "AGENT_ID_MAX",
@@ -21,6 +21,7 @@ __all__ = (
     "CacheInfo",
     "Completion",
     "CacheQuery",
+    "Constraint",
     "DropCache",
     "EngineMessage",
     "EngineStats",
@@ -45,7 +46,6 @@ __all__ = (
 )
 
 AGENT_ID_MAX = 128
-SEED_LIMIT = 1 << 64  # MLX random keys take an unsigned 64-bit seed
 _AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -68,52 +68,6 @@ def check_agent_id(agent: object) -> str:
     return agent
 
 
-class Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """How to pick tokens. ``temperature == 0`` is greedy (the default)."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> Sampling:
-        """Build from keyword options; raises TypeError (unknown name) or ValueError (range)."""
-        known = set(cls.__struct_fields__)
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(
-                f"unknown sampling option(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
-        stop = options.get("stop", ())
-        if isinstance(stop, str):
-            options = {**options, "stop": (stop,)}
-        elif isinstance(stop, list | tuple) and all(isinstance(s, str) for s in stop):
-            options = {**options, "stop": tuple(stop)}
-        else:
-            raise TypeError(f"stop must be a str or a list of str, not {type(stop).__name__}")
-        try:
-            sampling = msgspec.convert(options, cls)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"bad sampling option: {exc}") from None
-        sampling.validate()
-        return sampling
-
-    def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-
-
 class Generate(msgspec.Struct, frozen=True, tag=True):
     """Continue ``agent``'s cache so that it holds ``tokens``, then generate.
 
@@ -125,6 +79,9 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     holds as a range of its own before it goes on (the end of a system prompt): another
     cache may share up to there, and the tokens after a cut are computed from the stored
     values before it, whether this cache prefilled them or shared them.
+
+    ``constraint``: a grammar the generated tokens must follow (compiled at admission: a
+    bad one fails the request with ValueError at once); the turn ends when it is complete.
     """
 
     agent: str
@@ -136,6 +93,7 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     # Its cache shares stored ranges only with caches of agents of the same scope (a
     # tenant of a server): what one scope caches is never visible to another.
     scope: str = ""
+    constraint: Constraint | None = None
 
 
 class Export(msgspec.Struct, frozen=True, tag=True):
@@ -319,6 +277,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     ready_turns: int = 0  # turns that started from a ready copy (nothing dequantized)
     shared_turns: int = 0  # turns that reused another agent's stored ranges (share_prefixes)
     shared_tokens: int = 0  # the tokens those turns reused instead of prefilling them
+    constrained_tokens: int = 0  # tokens picked under a grammar's mask (finished turns)
+    mask_s: float = 0.0  # host seconds spent computing those masks
 
 
 # -- an agent actor's messages ---------------------------------------------------------
