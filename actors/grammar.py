@@ -151,11 +151,13 @@ def _grammar(llguidance: Any, constraint: Constraint) -> str:
     if kind == "json_schema":
         try:
             schema = json.loads(source)
+            text = json.dumps(closed_objects(schema))
         except json.JSONDecodeError as exc:
             raise ValueError(f"the JSON schema is not JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError("the JSON schema is nested too deeply") from None
         if not isinstance(schema, dict | bool):
             raise ValueError("a JSON schema must be an object or a boolean")
-        text = json.dumps(closed_objects(schema))
         return str(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_FORMAT))
     if kind == "lark":
         return str(llguidance.LLMatcher.grammar_from_lark(source))
