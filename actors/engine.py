@@ -41,6 +41,7 @@ from .protocol import (
     Release,
     Reserve,
     StatsQuery,
+    ToolWait,
     Written,
     check_agent_id,
 )
@@ -168,6 +169,9 @@ class EngineActor(ThreadActor):
                 return pool.fork(check_agent_id(source), check_agent_id(new), tokens)
             case CacheQuery(agent):
                 return pool.info(agent)
+            case ToolWait(agent, ttl_s):
+                pool.tool_wait(agent, self.config.tool_wait_s if ttl_s is None else ttl_s)
+                return None
             case StatsQuery():
                 return self._stats()
         raise TypeError(f"the engine does not handle {type(message).__name__}")
@@ -207,6 +211,7 @@ class EngineActor(ThreadActor):
             ready_turns=self._ready_turns,
             shared_turns=pool.shared_turns,
             shared_tokens=pool.shared_tokens,
+            tool_waits=pool.tool_waits,
             constrained_tokens=batch.masked,
             mask_s=batch.mask_s,
             installs=pool.installs,
