@@ -357,3 +357,32 @@ def test_a_cache_waiting_on_tools_is_demoted_after_idle_ones_until_its_ttl_ends(
     pool.tool_wait("tools", 0.0)  # its TTL is over: an idle cache like any other
     pool.limit = pool.committed()  # full
     assert pool.make_room(1, turn=True) and "tools" not in pool
+
+
+@pytest.mark.parametrize("name", sorted(REALISTIC))
+def test_each_format_grammar_accepts_the_calls_it_parses(name: str) -> None:
+    from kvactor.actors.grammar import GrammarCompiler
+
+    tokenizer = tiny_byte_tokenizer()
+    fmt = FORMATS[name]
+    weather = {
+        "type": "function",
+        "function": {"name": "weather", "parameters": {"type": "object"}},
+    }
+    request = tool_request([weather, add], {"type": "tool", "name": "weather"})
+    assert request is not None
+    constraint = fmt.constraint(request)
+    assert constraint is not None
+    row = GrammarCompiler(tokenizer).compile(constraint)
+    body = json.dumps({"name": "weather", fmt.args_key: ARGS})
+    text = {
+        "hermes": f"<tool_call>\n{body}\n</tool_call>",
+        "generic": f"<tool_call>{body}</tool_call>",
+        "llama3": body,
+        "mistral": f"[TOOL_CALLS] [{body}]",
+        "mistral-args": "[TOOL_CALLS]weather[ARGS]" + json.dumps(ARGS),
+    }[name]
+    for token in tokenizer.encode(text):
+        assert row.consume(token), (text, row.error)
+    assert row.done
+    assert [c.name for c in parse_tool_calls(fmt, text)[1]] == ["weather"]
