@@ -87,8 +87,8 @@ def _message(i: int, m: object) -> dict[str, Any]:
         raise ValueError(f"{where}: unsupported key(s) {extra} for role {role!r}")
     calls = _tool_calls(m["tool_calls"], where) if m.get("tool_calls") else []
     content = m.get("content")
-    if content is None and calls:
-        content = ""
+    if content is None and role == "assistant" and "content" in m:
+        content = ""  # an assistant message of tool calls alone
     elif "content" not in m:
         raise ValueError(f"{where} must have a content")
     out: dict[str, Any] = {"role": role, "content": text_of(content, where)}
