@@ -7,6 +7,10 @@ next graph, overlap the next step's compute. A row whose turn ends at a step was
 token more by the step in flight: it leaves with that token taken back
 (``TurnCache.unfeed``), so its cache holds exactly what an unpipelined run leaves. Every
 step computes what it would have computed alone: the same tokens.
+
+A step with rows whose picks need their tokens on the host (a grammar's mask, penalties:
+``_picking``) launches its forward pass alone; the picks of the step before are read, the
+masks computed from them while that forward runs, and then its picks are launched.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ from typing import Any, ClassVar, cast
 
 import mlx.core as mx
 
-from ..kernels.sampling import sample_rows
 from ..kernels.turn_cache import TurnCache
+from ._picking import host_bound, pick, pick_in_graph
 from .generation import Generation
 
 __all__ = ("DecodeBatch",)
@@ -25,10 +29,12 @@ __all__ = ("DecodeBatch",)
 
 @dataclass
 class _Step:
-    """A step launched, its picks not read yet: one per row of ``rows``, in order."""
+    """A step launched, its picks not read yet: one per row of ``rows``, in order.
+    ``logits``: a host-bound step's, its picks launched after the step before is read."""
 
-    picks: mx.array
+    picks: mx.array | None
     rows: list[Generation]
+    logits: mx.array | None = None
 
 
 class DecodeBatch:
@@ -48,6 +54,8 @@ class DecodeBatch:
         self.steps = 0
         self.generated = 0
         self.max_seen = 0
+        self.mask_s = 0.0  # host seconds spent on grammar masks (rows that left)
+        self.masked = 0  # tokens picked under a grammar's mask (rows that left)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -74,6 +82,10 @@ class DecodeBatch:
         assert cache is not None
         fed = {id(r) for r in self._pending.rows} if self._pending is not None else set()
         leaving = [self.rows[i] for i in rows]
+        for request in leaving:
+            if request.grammar is not None:
+                self.mask_s += request.grammar.mask_s
+                self.masked += request.grammar.masks
         for i, request in zip(rows, leaving, strict=True):
             work = cache.extract(i)
             if id(request) in fed:
@@ -94,11 +106,14 @@ class DecodeBatch:
         Returns the turns that ended (already out of the batch)."""
         if not self.pipelined:
             self._pending = self._launch()
+            self._pick(self._pending)
             done = self._read(self._pending)
             self._pending = None
         else:
             launched = self._launch() if self._needs_step() else None
             done = self._read(self._pending) if self._pending is not None else []
+            if launched is not None:
+                self._pick(launched)  # a host-bound step's masks, from what was just read
             self._pending = launched
         return self.leave([self.rows.index(r) for r in done]) if done else []
 
@@ -126,23 +141,33 @@ class DecodeBatch:
             index = [at[id(r)] for r in rows if id(r) in at]  # a prefix of the rows
             fed = len(index)
             if fed:
+                assert pending.picks is not None
                 same = index == list(range(len(pending.rows)))
                 inputs.append(pending.picks if same else pending.picks[mx.array(index)])
         if fed < len(rows):
             inputs.append(mx.array([r.generated[-1] for r in rows[fed:]], dtype=mx.uint32))
         tokens = inputs[0] if len(inputs) == 1 else mx.concatenate(inputs)
         logits = self._model(tokens[:, None], cache=self._cache.layers)[:, -1, :]
-        picks = sample_rows(
-            logits,
-            [r.sampling.temperature for r in rows],
-            [r.sampling.top_p for r in rows],
-            [r.next_key() for r in rows],
-        ).astype(mx.uint32)
+        if host_bound(rows):
+            mx.async_eval(logits)
+            return _Step(None, rows, logits)
+        picks = pick_in_graph(logits, rows).astype(mx.uint32)
         mx.async_eval(picks)
         return _Step(picks, rows)
 
+    def _pick(self, step: _Step) -> None:
+        """Launch a host-bound step's picks: its rows' tokens so far are all read."""
+        if step.logits is None:
+            return
+        here = {id(r) for r in self.rows}
+        live = [id(r) in here and not r.finished for r in step.rows]
+        step.picks = pick(step.logits, step.rows, live).astype(mx.uint32)
+        step.logits = None
+        mx.async_eval(step.picks)
+
     def _read(self, step: _Step) -> list[Generation]:
         """Read a step's picks and send them; the turns that ended at it."""
+        assert step.picks is not None
         picks = cast(list[int], step.picks.tolist())
         self.steps += 1
         here = {id(r) for r in self.rows}

@@ -202,8 +202,19 @@ class ByteLevelBPETokenizer(Tokenizer):
     def detokenizer(self) -> Detokenizer:
         return _ByteDetokenizer(self._bytes)
 
+    @property
+    def chat_template(self) -> str | None:
+        return self._template_source
+
+    def tokenizers_json(self) -> str | None:
+        return self.to_json()
+
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if self._template_source is None:
             raise ValueError("this tokenizer has no chat template")
@@ -213,6 +224,7 @@ class ByteLevelBPETokenizer(Tokenizer):
             rendered: str = self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self._bos_text,
                 eos_token=self._eos_text,
             )

@@ -35,21 +35,26 @@ def compile_template(source: str) -> Any:
     return env.from_string(source)
 
 
+def _content(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
+
+
 def render_literal(
-    apply: Callable[[list[dict[str, str]], bool], str],
+    apply: Callable[[list[dict[str, Any]], bool], str],
     special_texts: Iterable[str],
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool,
 ) -> tuple[str, tuple[tuple[int, int], ...]]:
     """``messages`` rendered by ``apply`` (a chat template), and the spans of the special
-    texts that came from their contents (see ``Tokenizer.render_chat``).
+    texts that came from their (str) contents (see ``Tokenizer.render_chat``).
 
     Raises ValueError when ``apply`` does, or when the template changes the contents so
     that their special-token text cannot be found again.
     """
     specials = sorted(special_texts, key=len, reverse=True)
     pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
-    if pattern is None or not any(pattern.search(m.get("content", "")) for m in messages):
+    if pattern is None or not any(pattern.search(_content(m)) for m in messages):
         return apply(messages, add_generation_prompt), ()
     # Render with each special text in a content replaced by a marker no text contains,
     # then put the special texts back where the markers landed.
@@ -62,12 +67,12 @@ def render_literal(
                 lambda found: f"\ue000{nonce}:{index[found.group()]}\ue001", m["content"]
             ),
         }
-        if "content" in m
+        if isinstance(m.get("content"), str)
         else m
         for m in messages
     ]
     rendered = apply(marked, add_generation_prompt)
-    expected = sum(len(pattern.findall(m.get("content", ""))) for m in messages)
+    expected = sum(len(pattern.findall(_content(m))) for m in messages)
     out: list[str] = []
     spans: list[tuple[int, int]] = []
     length = 0

@@ -158,7 +158,7 @@ class CacheManifest(msgspec.Struct, frozen=True, kw_only=True):
     n_tokens: int
     token_ids: list[int]  # exactly the tokens the cache holds
     text: str  # the prompt/conversation text those tokens spell (for prefix matching)
-    messages: list[dict[str, str]]  # {role, content} of a chat agent; may be empty
+    messages: list[dict[str, Any]]  # {role, content, ...} of a chat agent; may be empty
     extra: dict[str, Any]
     created: float
     updated: float

@@ -69,6 +69,16 @@ class Tokenizer(ABC):
     def _encode(self, text: str, *, plain: bool = False, add_special: bool = False) -> list[int]:
         """Token ids of ``text``; with ``plain`` special-token text is ordinary text."""
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's source (None: none); tool-call formats are read from it."""
+        return None
+
+    def tokenizers_json(self) -> str | None:
+        """The Hugging Face ``tokenizers`` JSON of this tokenizer, if it has one: what a
+        grammar engine builds its token table from (None: it decodes each token)."""
+        return None
+
     def encode(
         self,
         text: str,
@@ -100,18 +110,27 @@ class Tokenizer(ABC):
         return ids
 
     def render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, tuple[tuple[int, int], ...]]:
         """``messages`` rendered with the chat template, and the spans of special-token text
         that came from their contents: ``encode(text, literal=spans)`` gives the special ids
         only where the template put them, so text cannot forge a role or a turn.
 
+        ``tools``: tool definitions (OpenAI's shape) given to the template as its ``tools``.
+
         Raises ValueError when the template fails, or changes the contents so that their
         special-token text cannot be found again.
         """
-        return render_literal(
-            self.apply_chat_template, self.special_texts, messages, add_generation_prompt
-        )
+
+        def apply(marked: list[dict[str, Any]], generation: bool) -> str:
+            if tools is None:
+                return self.apply_chat_template(marked, generation)
+            return self.apply_chat_template(marked, generation, tools=tools)
+
+        return render_literal(apply, self.special_texts, messages, add_generation_prompt)
 
     @abstractmethod
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
@@ -126,9 +145,13 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render ``messages`` with the model's chat template.
+        """Render ``messages`` with the model's chat template (``tools``: its ``tools``).
 
         Raises ValueError if the tokenizer has no chat template or the template fails.
         """
@@ -197,12 +220,26 @@ class MlxLmTokenizer(Tokenizer):
     def detokenizer(self) -> Detokenizer:
         return _WindowDetokenizer(self.decode)
 
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._hf, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def tokenizers_json(self) -> str | None:
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        return None if backend is None else str(backend.to_str())
+
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        extra = {} if tools is None else {"tools": tools}
         try:
             rendered = self._wrapper.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
             )
         except (TemplateError, ValueError) as exc:
             raise ValueError(f"chat template failed: {exc}") from exc

@@ -27,9 +27,14 @@ import anyio
 import msgspec
 
 from ..runtime import Actor, ActorDeadError, ActorRef
+from ._messages import check_history
+from ._prefix_match import match_prefix, system_cut
 from ._tokenizer import Tokenizer
-from .enums import Match, Tier
+from ._tool_formats import ToolFormat, detect_format, render_with_tools
+from ._tool_parse import ToolStream
+from .enums import FinishReason, Match, Tier
 from .errors import CacheMiss, ContextOverflow, StoreWriteError
+from .options import Constraint
 from .protocol import (
     AgentMessage,
     AgentSnapshot,
@@ -44,6 +49,10 @@ from .protocol import (
     Piece,
     Sampling,
     Snapshot,
+    ToolCall,
+    ToolCallDelta,
+    ToolRequest,
+    ToolWait,
     Turn,
     Written,
 )
@@ -52,134 +61,6 @@ from .warm_tier import WarmTier
 __all__ = ("AgentActor", "AgentEnv", "check_history", "match_prefix", "prompt_chars_limit")
 
 log = logging.getLogger("kvactor.agent")
-
-
-ROLES = frozenset({"system", "user", "assistant"})
-
-
-def check_history(history: object) -> list[dict[str, str]]:
-    """A conversation as a list of ``{"role": ..., "content": ...}`` (roles system, user,
-    assistant; contents str), copied. Raises ValueError (TypeError for wrong types) for
-    anything else, an empty list, or one whose last message is not the user's."""
-    if not isinstance(history, list) or not history:
-        raise ValueError("the conversation must be a non-empty list of messages")
-    out = []
-    for i, m in enumerate(history):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            raise ValueError(f"message {i} must have exactly the keys 'role' and 'content'")
-        role, content = m["role"], m["content"]
-        if role not in ROLES:
-            raise ValueError(f"message {i}: role must be one of {sorted(ROLES)}, not {role!r}")
-        if not isinstance(content, str):
-            raise TypeError(f"message {i}: content must be a str")
-        out.append({"role": role, "content": content})
-    if out[-1]["role"] != "user":
-        raise ValueError("the last message must be the user's")
-    return out
-
-
-def _common_chars(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    # Compare in blocks first: prompts share thousands of characters.
-    step = 256
-    while i + step <= n and a[i : i + step] == b[i : i + step]:
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def match_prefix(
-    tokenizer: Tokenizer,
-    tokens: list[int],
-    text: str,
-    new_text: str,
-    literal: Sequence[tuple[int, int]] = (),
-) -> tuple[list[int], Match]:
-    """The tokens for ``new_text`` that reuse as much of ``tokens`` (which spell ``text``) as
-    is safe, and the kind of match. ``literal``: spans of ``new_text`` whose special-token
-    text is ordinary text (see ``Tokenizer.render_chat``)."""
-    if not tokens:
-        return tokenizer.encode(new_text, literal=literal), Match.NEW
-    common = _common_chars(text, new_text)
-    if common == len(text) == len(new_text):
-        return list(tokens), Match.EXACT
-    kind = Match.EXTEND if common == len(text) else Match.DIVERGE
-    keep = len(tokens) if kind is Match.EXTEND else _tokens_within(tokenizer, tokens, common)
-    while keep > 0:
-        prefix = tokenizer.decode(tokens[:keep])
-        if "\ufffd" in prefix[-1:] or not new_text.startswith(prefix):
-            keep -= 1  # ends inside a character, or past the shared text
-            continue
-        suffix = new_text[len(prefix) :]
-        if not suffix:
-            return list(tokens[:keep]), kind
-        last = tokenizer.decode(tokens[keep - 1 : keep])
-        within = _shift(literal, len(prefix) - len(last))
-        if _splits_after(tokenizer, last, suffix, within):
-            return list(tokens[:keep]) + tokenizer.encode(
-                suffix, literal=_shift(literal, len(prefix))
-            ), kind
-        keep -= 1  # the suffix would merge into the last cached token: step back
-    return tokenizer.encode(new_text, literal=literal), Match.DIVERGE
-
-
-def _shift(spans: Sequence[tuple[int, int]], offset: int) -> list[tuple[int, int]]:
-    """``spans`` of a text as spans of ``text[offset:]`` (cut at its start)."""
-    return [(max(a - offset, 0), b - offset) for a, b in spans if b > offset]
-
-
-def _splits_after(
-    tokenizer: Tokenizer, head: str, suffix: str, literal: Sequence[tuple[int, int]] = ()
-) -> bool:
-    """Whether tokenizing ``head + suffix`` puts a token boundary right after ``head``: then
-    the suffix does not merge into the last cached token, and tokenizing it on its own is
-    what a fresh tokenization would do there. ``literal``: spans of ``head + suffix``."""
-    text = head + suffix[:64]
-    spans = [(a, min(b, len(text))) for a, b in literal if a < len(text)]
-    ids = tokenizer.encode(text, literal=spans)
-    detok = tokenizer.detokenizer()
-    length = 0
-    for token in ids:
-        length += len(detok.add(token))
-        if length >= len(head):
-            return length == len(head)
-    return False
-
-
-def _tokens_within(tokenizer: Tokenizer, tokens: list[int], chars: int) -> int:
-    """The largest k such that the text of tokens[:k] has at most ``chars`` characters."""
-    detok = tokenizer.detokenizer()
-    length = 0
-    for k, token in enumerate(tokens):
-        length += len(detok.add(token))
-        if length > chars:
-            return k
-    return len(tokens)
-
-
-def system_cut(
-    tokenizer: Tokenizer,
-    messages: list[dict[str, str]],
-    tokens: list[int],
-    cached: str = "",
-) -> tuple[int, ...]:
-    """Where the leading system message(s) of ``messages`` end in ``tokens`` (their rendered
-    prompt), as ``Generate.cuts``: ``()`` when nothing follows them, when ``cached`` (the
-    text the agent's cache holds) holds them already, or when their tokens are not a
-    prefix of ``tokens``. A system prompt so stored on its own is shared by every agent
-    that starts with it, and computed alike by those that share it and those that do not."""
-    k = 0
-    while k < len(messages) and messages[k].get("role") == "system":
-        k += 1
-    if k == 0 or k == len(messages):
-        return ()
-    head, literal = tokenizer.render_chat(messages[:k], add_generation_prompt=False)
-    if cached.startswith(head):
-        return ()
-    ids = tokenizer.encode(head, literal=literal)
-    return (len(ids),) if 0 < len(ids) < len(tokens) and tokens[: len(ids)] == ids else ()
 
 
 #: Tries of one turn: a warm cache staged for it may be demoted again while it waits.
@@ -191,10 +72,11 @@ class _Prompt(msgspec.Struct, frozen=True):
     cached ones it reuses first), how they matched the cache, and where its system prompt
     ends (``Generate.cuts``)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     tokens: list[int]
     match: Match
     cuts: tuple[int, ...]
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +89,18 @@ class AgentEnv:
     tokenizer: Tokenizer
     warm: WarmTier | None
     max_prompt_chars: int
+    tool_format: ToolFormat | None = None  # None: read from the tokenizer's chat template
+
+
+def _assistant(content: str, calls: list[ToolCall]) -> dict[str, Any]:
+    """The assistant message of a turn, its tool calls as a template renders them."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    return message
 
 
 def prompt_chars_limit(tokenizer: Tokenizer, context_length: int) -> int:
@@ -243,6 +137,7 @@ class AgentActor(Actor):
         start: AgentSnapshot | None = None,
         context: str | None = None,
         scope: str = "",
+        tool_wait_s: float | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.scope = scope  # whose cached prefixes it may share (Generate.scope)
@@ -251,8 +146,10 @@ class AgentActor(Actor):
         self.tokenizer = env.tokenizer
         self.warm = env.warm
         self._max_chars = env.max_prompt_chars
+        self.tool_format = env.tool_format or detect_format(env.tokenizer)
+        self.tool_wait_s = tool_wait_s  # how long a tool wait keeps the cache hot (None: engine's)
         self.system = system
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict[str, Any]] = []
         if system:
             self.messages.append({"role": "system", "content": system})
         self.tokens: list[int] = []  # what the engine's cache holds for this agent
@@ -282,14 +179,16 @@ class AgentActor(Actor):
 
     async def receive(self, message: AgentMessage) -> Any:
         match message:
-            case Turn(text, sampling, raw, history) if history is not None:
-                return self._turn(text, sampling, raw, check_history(history))
+            case Turn(text, sampling, raw, history, tools=tools) if history is not None:
+                return self._turn(text, sampling, raw, check_history(history), tools=tools)
             case Turn(text, sampling, prime=True):
                 return self._turn(text, sampling, False, prime=True)
-            case Turn(text, sampling, raw):
+            case Turn(text, sampling, raw, tools=tools):
                 if not text.strip():
                     raise ValueError("the prompt is empty")
-                return self._turn(text, sampling, raw)
+                if raw and tools is not None:
+                    raise ValueError("a raw prompt takes no tools (use chat)")
+                return self._turn(text, sampling, raw, tools=tools)
             case Snapshot():
                 return AgentSnapshot(list(self.tokens), self.text, [dict(m) for m in self.messages])
             case GetState():
@@ -303,7 +202,7 @@ class AgentActor(Actor):
                 )
         raise TypeError(f"an agent does not handle {type(message).__name__}")
 
-    def _check_length(self, text: str, raw: bool, history: list[dict[str, str]] | None) -> None:
+    def _check_length(self, text: str, raw: bool, history: list[dict[str, Any]] | None) -> None:
         """Raises ContextOverflow for a turn whose text alone could not fit the context (at
         once, before the prompt is rendered or tokenized)."""
         messages = [] if raw else history if history is not None else self.messages
@@ -315,12 +214,29 @@ class AgentActor(Actor):
             )
 
     def _prompt(
-        self, text: str, raw: bool, history: list[dict[str, str]] | None, prime: bool
+        self,
+        text: str,
+        raw: bool,
+        history: list[dict[str, Any]] | None,
+        prime: bool,
+        tools: ToolRequest | None = None,
     ) -> _Prompt:
         """Render the turn's prompt and match it against what the cache holds (on a worker
         thread: a long prompt takes a while, and the event loop serves others meanwhile)."""
         literal: Sequence[tuple[int, int]] = ()
-        render = self.tokenizer.render_chat
+        fmt = self.tool_format
+        offered = tools.tools if tools is not None else []
+
+        def render(
+            messages: list[dict[str, Any]], add_generation_prompt: bool
+        ) -> tuple[str, tuple[tuple[int, int], ...]]:
+            # Tools, or a conversation with tool messages, in the model's own format.
+            if offered or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+                return render_with_tools(
+                    self.tokenizer, fmt, messages, offered, add_generation_prompt
+                )
+            return self.tokenizer.render_chat(messages, add_generation_prompt)
+
         if prime:  # the conversation as it is: a shared context's system prompt
             messages = self.messages
             prompt, literal = render(messages, add_generation_prompt=False)
@@ -335,18 +251,29 @@ class AgentActor(Actor):
             # Special tokens come from the template only: markers in contents stay text.
             prompt, literal = render(messages, add_generation_prompt=True)
         tokens, match = match_prefix(self.tokenizer, self.tokens, self.text, prompt, literal)
-        cuts = () if raw else system_cut(self.tokenizer, messages, tokens, self.text)
-        return _Prompt(messages, tokens, match, cuts)
+        shown = (
+            messages
+            if raw or fmt.native or not offered
+            else fmt.generic_messages(messages, offered)
+        )
+        cuts = (
+            ()
+            if raw or (offered and fmt.native)
+            else system_cut(self.tokenizer, shown, tokens, self.text)
+        )
+        constraint = fmt.constraint(tools) if tools is not None else None
+        return _Prompt(messages, tokens, match, cuts, constraint)
 
     async def _turn(
         self,
         text: str,
         sampling: Sampling,
         raw: bool,
-        history: list[dict[str, str]] | None = None,
+        history: list[dict[str, Any]] | None = None,
         *,
         prime: bool = False,
-    ) -> AsyncIterator[str | Completion]:
+        tools: ToolRequest | None = None,
+    ) -> AsyncIterator[str | ToolCallDelta | Completion]:
         if self.context is not None and not self.tokens and self.warm is not None:
             # Its shared context hot, if it fits: the engine shares what is hot.
             with contextlib.suppress(Exception):
@@ -354,17 +281,29 @@ class AgentActor(Actor):
         if prime:
             sampling = msgspec.structs.replace(sampling, max_tokens=1)
         self._check_length(text, raw, history)
-        prompt = await anyio.to_thread.run_sync(self._prompt, text, raw, history, prime)
+        prompt = await anyio.to_thread.run_sync(self._prompt, text, raw, history, prime, tools)
+        # Tool calls are read out of the text (never left in it) when tools are offered.
+        reader = ToolStream(self.tool_format) if tools is not None and tools.tools else None
         write_ran = False  # this turn's write ran (or there is no warm tier)
         outcome = _Outcome()
         try:
             async for piece in self._generate(prompt, sampling, outcome):
-                yield piece
+                for event in reader.feed(piece) if reader is not None else (piece,):
+                    yield event
+            for event in reader.close() if reader is not None else ():
+                yield event
             saving = time.perf_counter()  # the last token is out: what follows is the save
             finished = outcome.finished
             assert finished is not None
+            content, calls = finished.text, []
+            if reader is not None:
+                content = reader.content
+                if tools is not None and tools.choice != "none":
+                    calls = reader.calls
+                if calls:
+                    content = content.strip()
             if not raw and not prime:
-                self.messages = [*prompt.messages, {"role": "assistant", "content": finished.text}]
+                self.messages = [*prompt.messages, _assistant(content, calls)]
             self.tokens = finished.cache_tokens
             self.text = self.tokenizer.decode(self.tokens)
             self.turns += 1
@@ -384,15 +323,20 @@ class AgentActor(Actor):
                 # turn, it expects a write that will not come. Tell it so.
                 with anyio.CancelScope(shield=True), contextlib.suppress(ActorDeadError):
                     await self.engine.tell(Written(self.agent_id, 0, 0))
+        if calls:
+            # The next turn brings the results: keep this cache hot meanwhile.
+            with contextlib.suppress(ActorDeadError):
+                await self.engine.tell(ToolWait(self.agent_id, self.tool_wait_s))
         yield Completion(
-            text=finished.text,
-            finish_reason=finished.reason,
+            text=content,
+            finish_reason=FinishReason.TOOL_CALLS if calls else finished.reason,
             token_ids=finished.token_ids,
             timings=msgspec.structs.replace(finished.timings, load_s=outcome.load_s, save_s=save_s),
             path=outcome.path,
             match=prompt.match,
             saved=self.warm is not None and error is None,
             save_error=error,
+            tool_calls=calls,
         )
 
     async def _generate(
@@ -416,6 +360,7 @@ class AgentActor(Actor):
                 warm=warm,
                 cuts=prompt.cuts,
                 scope=self.scope,
+                constraint=prompt.constraint,
             )
             try:
                 async with self.engine.stream(request) as items:

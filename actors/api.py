@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, Literal, Protocol, get_args
 
-from .protocol import Completion, EngineStats, Sampling
+from .protocol import Completion, EngineStats, Sampling, ToolCallDelta, ToolRequest
 from .store import Forgotten
+from .tools import TOOL_OPTIONS, tool_request
 
 __all__ = (
     "AgentAPI",
@@ -42,11 +43,15 @@ def prompt_text(text: object) -> str:
 
 class TurnStream(Protocol):
     """A turn's text pieces as they are generated (``async for``), then ``completion``:
-    the whole turn. Leaving early, or ``async with`` on the way out, cancels the turn."""
+    the whole turn. Leaving early, or ``async with`` on the way out, cancels the turn.
+    ``events()`` instead: the text pieces and, with tools, the tool calls' pieces
+    (:class:`~kvactor.actors.protocol.ToolCallDelta`) as they form; iterate one or the
+    other. Tool-call text is never among the text pieces."""
 
     completion: Completion | None
 
     def __aiter__(self) -> AsyncIterator[str]: ...
+    def events(self) -> AsyncIterator[str | ToolCallDelta]: ...
     async def aclose(self) -> None: ...
     async def __aenter__(self) -> Any: ...
     async def __aexit__(self, *exc_info: object) -> None: ...
@@ -68,12 +73,12 @@ class AgentAPI(Protocol):
 
     def stream(self, text: str, **sampling: Any) -> TurnStream: ...
     def stream_raw(self, prompt: str, **sampling: Any) -> TurnStream: ...
-    def stream_chat(self, messages: list[dict[str, str]], **sampling: Any) -> TurnStream: ...
+    def stream_chat(self, messages: list[dict[str, Any]], **sampling: Any) -> TurnStream: ...
     def turn_stream(self, kind: TurnKind, payload: Any, **sampling: Any) -> TurnStream: ...
     async def generate(self, text: str, **sampling: Any) -> Completion: ...
     async def complete(self, prompt: str, **sampling: Any) -> Completion: ...
-    async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> Completion: ...
-    async def history(self) -> list[dict[str, str]]: ...
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion: ...
+    async def history(self) -> list[dict[str, Any]]: ...
 
 
 class SessionAPI(Protocol):
@@ -113,11 +118,18 @@ class AgentTurns(ABC):
 
     @abstractmethod
     def _turn_stream(
-        self, kind: TurnKind, payload: Any, sampling: dict[str, Any], *, pieces: bool
+        self,
+        kind: TurnKind,
+        payload: Any,
+        sampling: dict[str, Any],
+        *,
+        pieces: bool,
+        tools: ToolRequest | None = None,
     ) -> TurnStream:
         """A turn of ``kind`` on ``payload`` (checked: a str, or a conversation), options
-        checked (``Sampling.from_options``). Without ``pieces`` only the Completion is
-        needed (a whole turn): an implementation may skip sending each piece."""
+        checked (``Sampling.from_options``), its tool options made one ``tools`` (None:
+        none). Without ``pieces`` only the Completion is needed (a whole turn): an
+        implementation may skip sending each piece."""
 
     def turn_stream(self, kind: TurnKind, payload: Any, **sampling: Any) -> TurnStream:
         """Stream a turn of ``kind``: ``"text"`` (``stream``), ``"raw"`` (``stream_raw``),
@@ -131,8 +143,12 @@ class AgentTurns(ABC):
     ) -> TurnStream:
         if kind != "chat":
             prompt_text(payload)
-        Sampling.from_options(sampling)  # bad options fail here, before anything runs
-        return self._turn_stream(kind, payload, sampling, pieces=pieces)
+        options = {k: sampling.pop(k) for k in TOOL_OPTIONS if k in sampling}
+        tools = tool_request(**options)  # bad options fail here, before anything runs
+        if tools is not None and kind == "raw":
+            raise ValueError("a raw prompt takes no tools or response_format (use chat)")
+        Sampling.from_options(sampling)
+        return self._turn_stream(kind, payload, sampling, pieces=pieces, tools=tools)
 
     def stream(self, text: str, **sampling: Any) -> TurnStream:
         """Stream the reply to the user message ``text``. Raises TypeError / ValueError for
@@ -145,18 +161,35 @@ class AgentTurns(ABC):
         A prompt that extends the previous one (plus what was generated) reuses the cache."""
         return self._checked("raw", prompt, sampling, pieces=True)
 
-    def stream_chat(self, messages: list[dict[str, str]], **sampling: Any) -> TurnStream:
+    def stream_chat(self, messages: list[dict[str, Any]], **sampling: Any) -> TurnStream:
         """Stream the reply to a whole conversation kept by the caller (``[{"role",
-        "content"}, ...]``, ending with the user's message), as an HTTP client resends it
-        every turn: it replaces the agent's history, and whatever of it the cache already
-        spells is reused (prefix matching: a resent history plus a new message is an
-        EXTEND). Raises ValueError / TypeError for a malformed conversation or options."""
+        "content"}, ...]``, ending with the user's message or a tool's result), as an HTTP
+        client resends it every turn: it replaces the agent's history, and whatever of it
+        the cache already spells is reused (prefix matching: a resent history plus a new
+        message is an EXTEND). Assistant messages may hold ``tool_calls`` and ``tool``
+        messages their results (``tool_call_id``): a tool loop's next turn EXTENDs.
+
+        Tool options (besides the sampling options): ``tools`` (OpenAI or Anthropic tool
+        definitions, Python functions with type hints, pydantic models), ``tool_choice``
+        (``"auto"`` (default with tools), ``"none"``, ``"required"`` / Anthropic's
+        ``{"type": "any"}``, or one function: ``{"type": "function", "function": {"name":
+        ...}}`` / ``{"type": "tool", "name": ...}``), ``parallel_tool_calls`` (default
+        True) and ``response_format`` (``{"type": "json_object"}``, ``{"type":
+        "json_schema", "json_schema": {"schema": ...}}``, a JSON schema, a pydantic model,
+        a ``Constraint``). A required or named choice and a response format constrain
+        sampling (a grammar), so the calls and the answer always parse and validate. The
+        Completion's ``tool_calls`` hold the calls (finish_reason TOOL_CALLS), its text
+        what the model said besides. Raises ValueError / TypeError for a malformed
+        conversation or options, ValueError for a schema the grammar engine refuses."""
         return self._checked("chat", messages, sampling, pieces=True)
 
     async def generate(self, text: str, **sampling: Any) -> Completion:
         """The whole reply to ``text``.
 
-        Sampling options: max_tokens, temperature (0 = greedy), top_p, seed, stop.
+        Sampling options: max_tokens, temperature (0 = greedy), top_p, top_k, min_p, seed,
+        stop, repetition_penalty, repetition_context_size, presence_penalty,
+        frequency_penalty, logit_bias (see ``Sampling``); the tool options of
+        ``stream_chat`` too (their results then come back through ``chat``).
         Raises TypeError for an unknown option, ValueError for an empty prompt or a bad
         value, ContextOverflow when the prompt does not fit the model; with
         ``on_save_error="raise"``, StoreWriteError (holding the ``completion``) when the
@@ -168,10 +201,10 @@ class AgentTurns(ABC):
         """The completion of the raw ``prompt``; see ``stream_raw`` and ``generate``."""
         return await drain(self._checked("raw", prompt, sampling, pieces=False))
 
-    async def chat(self, messages: list[dict[str, str]], **sampling: Any) -> Completion:
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
         """The whole reply to a conversation kept by the caller; see ``stream_chat``."""
         return await drain(self._checked("chat", messages, sampling, pieces=False))
 
     @abstractmethod
-    async def history(self) -> list[dict[str, str]]:
+    async def history(self) -> list[dict[str, Any]]:
         """The agent's conversation so far."""

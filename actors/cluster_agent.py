@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from ._host_calls import RESTART_WAIT_S, Host
 from .api import AgentTurns, TurnKind
 from .errors import HostLost
-from .protocol import Completion
+from .protocol import Completion, ToolCallDelta, ToolRequest
+from .tools import tool_options
 
 if TYPE_CHECKING:
     from .cluster import ClusterSession
@@ -69,6 +71,12 @@ class ClusterTextStream:
             ray.cancel(self._gen)
             self._gen = None
 
+    async def events(self) -> AsyncIterator[str | ToolCallDelta]:
+        """The text pieces (a host sends no tool-call pieces: the calls are in the
+        Completion)."""
+        async for piece in self:
+            yield piece
+
     async def __aenter__(self) -> ClusterTextStream:
         return self
 
@@ -93,14 +101,22 @@ class ClusterAgent(AgentTurns):
         return self._session._where[self.name]
 
     def _turn_stream(
-        self, kind: TurnKind, payload: Any, sampling: dict[str, Any], *, pieces: bool
+        self,
+        kind: TurnKind,
+        payload: Any,
+        sampling: dict[str, Any],
+        *,
+        pieces: bool,
+        tools: ToolRequest | None = None,
     ) -> ClusterTextStream:
         # A whole turn: the host sends its Completion, not each piece (two items through Ray).
         host = self._session._host_of(self.name)
+        if tools is not None:  # plain data again: the host's agent reads it as options
+            sampling = {**sampling, **tool_options(tools)}
         return ClusterTextStream(self._session, host, (self.name, kind, payload, sampling), pieces)
 
-    async def history(self) -> list[dict[str, str]]:
-        history: list[dict[str, str]] = await self._session._call(
+    async def history(self) -> list[dict[str, Any]]:
+        history: list[dict[str, Any]] = await self._session._call(
             self._session._host_of(self.name), "history", self.name
         )
         return history

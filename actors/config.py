@@ -47,6 +47,9 @@ class EngineConfig:
     links that agent's segment files instead of writing them again. Its answer is what
     the same prompt gives from a reloaded cache of those tokens (stored values); a turn
     that prefilled them itself attended over their float values, so it may differ.
+    ``tool_wait_s``: how long a turn that ended in tool calls keeps its agent's cache hot
+    ahead of idle agents' (``ToolWait``), waiting for the turn that brings the results
+    (an agent may set its own: ``spawn_agent(tool_wait_s=)``).
 
     Raises ValueError for a value out of range.
     """
@@ -61,10 +64,13 @@ class EngineConfig:
     attention: Attention = "auto"
     ready_copies: bool = True
     share_prefixes: bool = True
+    tool_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
+        if not 0 <= self.tool_wait_s <= 86_400:
+            raise ValueError(f"tool_wait_s must be in [0, 86400], got {self.tool_wait_s}")
         if self.budget_bytes is not None and self.budget_bytes < 1:
             raise ValueError("budget_bytes must be positive (or None for no budget)")
         if self.attention not in get_args(Attention):

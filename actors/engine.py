@@ -16,13 +16,14 @@ from ..kernels.agent_cache import AgentKV, StoredRange, segment_layout
 from ..kernels.memory import keep_freed_buffers, release_thread
 from ..kernels.qcodec import DEFAULT_CODEC
 from ..kernels.rowwise import bind_rows
-from ..kernels.sampling import sample_rows
 from ..runtime import ThreadActor
 from ._batch import DecodeBatch
+from ._picking import host_bound, pick, pick_in_graph
 from .config import EngineConfig, ModelSpec, turn_reserve_bytes
 from .enums import Room, Tier
 from .errors import BudgetExceeded, CacheMiss, ContextOverflow, EngineStopped
 from .generation import Generation
+from .grammar import GrammarCompiler
 from .hot_entry import HotEntry
 from .model import LoadedModel, load_model
 from .pool import CachePool
@@ -40,6 +41,7 @@ from .protocol import (
     Release,
     Reserve,
     StatsQuery,
+    ToolWait,
     Written,
     check_agent_id,
 )
@@ -82,6 +84,7 @@ class EngineActor(ThreadActor):
         self._prefilling: deque[Generation] = deque()
         self._ready: deque[Generation] = deque()  # prefilled, waiting for a batch slot
         self._generated = 0  # first tokens, sampled at the end of a prefill
+        self._grammars: GrammarCompiler  # compiles Generate.constraint (set at start)
         self._ready_turns = 0
 
     # -- lifecycle --------------------------------------------------------------------
@@ -105,6 +108,7 @@ class EngineActor(ThreadActor):
         # The ids a turn may hold (the GGUF loader checks the embedding has a row for each);
         # ModelInfo says it, so that the warm tier refuses a cache of other ids.
         self._vocab_size = self.lm.tokenizer.vocab_size
+        self._grammars = GrammarCompiler(self.lm.tokenizer)
         self.turn_cache.prepare(self.lm.model)
         # A decode step gives each row the bits it gives alone (kernels.rowwise).
         bind_rows(self.lm.model, self.config.max_batch)
@@ -165,6 +169,9 @@ class EngineActor(ThreadActor):
                 return pool.fork(check_agent_id(source), check_agent_id(new), tokens)
             case CacheQuery(agent):
                 return pool.info(agent)
+            case ToolWait(agent, ttl_s):
+                pool.tool_wait(agent, self.config.tool_wait_s if ttl_s is None else ttl_s)
+                return None
             case StatsQuery():
                 return self._stats()
         raise TypeError(f"the engine does not handle {type(message).__name__}")
@@ -204,6 +211,9 @@ class EngineActor(ThreadActor):
             ready_turns=self._ready_turns,
             shared_turns=pool.shared_turns,
             shared_tokens=pool.shared_tokens,
+            tool_waits=pool.tool_waits,
+            constrained_tokens=batch.masked,
+            mask_s=batch.mask_s,
             installs=pool.installs,
             warm_writes=pool.writes,
             warm_write_failures=pool.write_failures,
@@ -230,6 +240,10 @@ class EngineActor(ThreadActor):
             raise CacheMiss(f"agent {agent!r} is not hot: stage its warm cache first")
         sampling = msg.sampling
         sampling.validate()
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        # Compiled before any state changes: a bad grammar fails here, nothing kept.
+        grammar = None if msg.constraint is None else self._grammars.compile(msg.constraint)
         if len(msg.tokens) + sampling.max_tokens > limit:
             sampling = msgspec.structs.replace(sampling, max_tokens=limit - len(msg.tokens))
         key = None
@@ -253,6 +267,7 @@ class EngineActor(ThreadActor):
             reserve=0,
             warm=msg.warm,
             cuts=cuts,
+            grammar=grammar,
         )
         self._reuse(request, entry)
         # In the order the agents sent them: a turn sent again after a CacheMiss (its cache
@@ -402,13 +417,10 @@ class EngineActor(ThreadActor):
             self.pool.measure()
             return True
         self._prefilling.popleft()
-        pick = sample_rows(
-            logits[:, -1, :],
-            [request.sampling.temperature],
-            [request.sampling.top_p],
-            [request.next_key()],
-        )
-        token = cast(int, pick.item())
+        last = logits[:, -1, :]
+        rows = [request]
+        picked = pick(last, rows, [True]) if host_bound(rows) else pick_in_graph(last, rows)
+        token = cast(int, picked.item())
         request.prefill_end = time.perf_counter()
         self.pool.rates.prefill(
             len(request.prompt) - request.reused, request.prefill_end - request.prefill_start

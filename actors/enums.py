@@ -56,6 +56,7 @@ class FinishReason(_StrEnum):
     EOS = "eos"  # the model's end-of-sequence token
     STOP = "stop"  # a stop string
     LENGTH = "length"  # max_tokens (or the context) reached
+    TOOL_CALLS = "tool_calls"  # the turn ended in tool calls (Completion.tool_calls)
 
 
 class Room(_StrEnum):

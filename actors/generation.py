@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from ..runtime import Reply
 from .enums import FinishReason
+from .grammar import RowGrammar
 from .hot_entry import HotEntry
 from .protocol import Finished, Piece, Sampling, Timings
 
@@ -42,6 +43,9 @@ class Generation:
     dequantize_s: float = 0.0  # making its working copy (0 from a ready copy)
     shared: int = 0  # prompt tokens reused from another agent's stored ranges
     cuts: tuple[int, ...] = ()  # where the prefill stores a range (Generate.cuts)
+    grammar: RowGrammar | None = None  # its constraint's state (Generate.constraint)
+    counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (penalties)
+    finished: bool = False  # its Finished was sent
 
     @property
     def tokens(self) -> list[int]:
@@ -63,8 +67,14 @@ class Generation:
         """Send one sampled token's text; finish if the generation ends here. Returns True
         while it goes on decoding."""
         self.generated.append(token)
+        if self.sampling.penalized:
+            self.counts[token] = self.counts.get(token, 0) + 1
         if token in self.eos:
             return self.finish(FinishReason.EOS)
+        grammar = self.grammar
+        if grammar is not None and not grammar.consume(token):
+            # Never for a token sampled under its mask; a guard, not a path.
+            return self.finish(FinishReason.STOP)
         self.held += self.detok.add(token)
         stops = self.sampling.stop
         stop = next((s for s in stops if s in self.held), None)
@@ -80,12 +90,15 @@ class Generation:
         out, self.held = self.held[:cut], self.held[cut:]
         self.text += out
         self.reply.send(Piece(out, token))
+        if grammar is not None and grammar.done:
+            return self.finish(FinishReason.STOP)  # the grammar is complete
         if len(self.generated) >= self.sampling.max_tokens:
             return self.finish(FinishReason.LENGTH)
         return True
 
     def finish(self, reason: FinishReason) -> bool:
         """Send the held text and the ``Finished`` record, resolve the reply; returns False."""
+        self.finished = True
         if reason is not FinishReason.STOP:
             self.held += self.detok.flush()
         rest = self.held

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from ..runtime import ActorRef, ReplyStream
-from .agent import check_history
+from ._messages import check_history
 from .api import AgentTurns, TurnKind
 from .errors import StoreWriteError
 from .protocol import (
@@ -17,6 +18,8 @@ from .protocol import (
     Completion,
     GetState,
     Sampling,
+    ToolCallDelta,
+    ToolRequest,
     Turn,
 )
 
@@ -45,6 +48,21 @@ class TextStream:
         return self
 
     async def __anext__(self) -> str:
+        while True:
+            item = await self._next()
+            if isinstance(item, str):
+                return item
+
+    async def events(self) -> AsyncIterator[str | ToolCallDelta]:
+        """The turn's text pieces and its tool calls' pieces as they form (then
+        ``completion`` is set)."""
+        while True:
+            try:
+                yield await self._next()
+            except StopAsyncIteration:
+                return
+
+    async def _next(self) -> str | ToolCallDelta:
         if self.completion is not None:
             raise StopAsyncIteration
         item = await self._inner.__anext__()
@@ -57,7 +75,7 @@ class TextStream:
                 error.completion = item
                 raise error
             raise StopAsyncIteration
-        assert isinstance(item, str)
+        assert isinstance(item, str | ToolCallDelta)
         return item
 
     async def aclose(self) -> None:
@@ -84,13 +102,19 @@ class Agent(AgentTurns):
         return f"<Agent {self.name!r}>"
 
     def _turn_stream(
-        self, kind: TurnKind, payload: Any, sampling: dict[str, Any], *, pieces: bool
+        self,
+        kind: TurnKind,
+        payload: Any,
+        sampling: dict[str, Any],
+        *,
+        pieces: bool,
+        tools: ToolRequest | None = None,
     ) -> TextStream:
         options = Sampling.from_options(sampling)
         if kind == "chat":
-            turn = Turn("", options, history=check_history(payload))
+            turn = Turn("", options, history=check_history(payload), tools=tools)
         else:
-            turn = Turn(payload, options, raw=kind == "raw")
+            turn = Turn(payload, options, raw=kind == "raw", tools=tools)
         return self._stream(turn)
 
     def _stream(self, turn: Turn) -> TextStream:
@@ -101,7 +125,7 @@ class Agent(AgentTurns):
         state: AgentState = await self.ref.ask(GetState())
         return state
 
-    async def history(self) -> list[dict[str, str]]:
+    async def history(self) -> list[dict[str, Any]]:
         return (await self.state()).messages
 
     async def cache_info(self) -> CacheInfo:

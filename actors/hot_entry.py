@@ -30,6 +30,7 @@ class HotEntry:
         "_persisted",
         "_pinned",
         "_shared_from",
+        "_tool_wait_until",
         "_turn_reserve",
         "_write_due",
         "kv",
@@ -55,6 +56,8 @@ class HotEntry:
         # Its first ranges are another agent's (source, tokens) shared at a turn's start,
         # and nothing of it is on disk yet: its first write may link that agent's segments.
         self._shared_from: tuple[str, int] | None = None
+        # time.monotonic() until which it waits on its tool calls' results (kept hot)
+        self._tool_wait_until = 0.0
 
     @property
     def persisted(self) -> int:

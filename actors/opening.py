@@ -44,6 +44,7 @@ class OpenOptions(TypedDict, total=False):
     on_save_error: OnSaveError
     ready_copies: bool
     share_prefixes: bool
+    tool_wait_s: float
 
 
 class ClusterOptions(OpenOptions, total=False):
@@ -134,7 +135,8 @@ def open(
     reuses nothing of its own cache reuses the stored ranges of another hot cache its
     prompt begins with (a shared context: ``Session.context``), shared, not prefilled
     (the sharing agent attends over the stored values, as a warm resume does: see
-    EngineConfig).
+    EngineConfig). ``tool_wait_s`` (30): how long a turn that ended in tool calls keeps
+    its agent's cache hot ahead of idle agents, for the turn that brings the results.
     ``cluster``: the session's engines run as Ray actors over a cluster ("auto", "local",
     an address or ``ray://host:port``), one engine host per node; the keywords then go to
     ``kvactor.actors.cluster.open_cluster`` (``cache_dir`` required; ``hosts_per_node``,

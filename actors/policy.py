@@ -27,6 +27,7 @@ class Candidate:
     next_use: float | None = None  # time.monotonic() of a hint that it runs soon
     tier: Tier = Tier.HOT
     waiting: bool = False  # its turn is queued, or it was staged for one: a reload comes soon
+    tool_wait: bool = False  # waiting on its tool calls' results (within its TTL): part of waiting
 
 
 class EvictionPolicy(Protocol):
@@ -38,8 +39,9 @@ class EvictionPolicy(Protocol):
 
 
 class LRUPolicy:
-    """Least recently used first; caches whose turn is waiting last, and caches already safe
-    on disk before unpersisted ones."""
+    """Least recently used first; caches whose turn is waiting (queued, staged for one, or
+    waiting on tool results within its TTL) last, and caches already safe on disk before
+    unpersisted ones."""
 
     def victims(self, candidates: Sequence[Candidate], need: int) -> list[str]:
         chosen: list[str] = []

@@ -108,6 +108,7 @@ class CachePool(WarmTraffic):
             nbytes=entry.kv.nbytes,
             busy=self.busy(agent),
             persisted=entry.persisted,
+            tool_wait_s=max(entry._tool_wait_until - time.monotonic(), 0.0),
         )
 
     def new_kv(self) -> AgentKV:
@@ -168,6 +169,7 @@ class CachePool(WarmTraffic):
             entry._hits += 1
         entry._pinned = False
         entry._write_due = False
+        entry._tool_wait_until = 0.0  # the turn that brings the results is here
         entry._next_use = entry._last_used = time.monotonic()  # soon: its turn is queued
         return entry
 
@@ -237,8 +239,25 @@ class CachePool(WarmTraffic):
         return sum(e.kv.ready_bytes for e in self._entries.values())
 
     def _waiting(self, agent: str, entry: HotEntry) -> bool:
-        """A turn of it is queued, or it was staged for one: a reload would come soon."""
-        return agent in self._turns or entry._pinned
+        """A turn of it is queued, it was staged for one, or it waits on its tool calls'
+        results (within their TTL): a reload would come soon."""
+        return agent in self._turns or entry._pinned or self._tool_waiting(entry)
+
+    @staticmethod
+    def _tool_waiting(entry: HotEntry) -> bool:
+        return entry._tool_wait_until > time.monotonic()
+
+    def tool_wait(self, agent: str, ttl_s: float) -> None:
+        """``agent``'s turn ended in tool calls: keep its cache ahead of idle ones for
+        ``ttl_s`` seconds, or until its next turn is queued (no cache: nothing to keep)."""
+        entry = self._entries.get(agent)
+        if entry is not None:
+            entry._tool_wait_until = time.monotonic() + max(ttl_s, 0.0)
+
+    @property
+    def tool_waits(self) -> int:
+        """Hot agents waiting on tool results now."""
+        return sum(self._tool_waiting(e) for e in self._entries.values())
 
     def _candidates(self, exclude: HotEntry | None = None) -> list[Candidate]:
         """Every cache that may be demoted now: all but running turns' (and ``exclude``),
@@ -281,6 +300,7 @@ class CachePool(WarmTraffic):
                     reload_s=reload_s,
                     next_use=e._next_use,
                     waiting=self._waiting(agent, e),
+                    tool_wait=self._tool_waiting(e),
                 )
             )
         return out

@@ -3,7 +3,7 @@ with: plain msgspec Structs, tagged unions."""
 
 from __future__ import annotations
 
-import math
+import json
 import re
 from typing import Any
 
@@ -11,6 +11,7 @@ import msgspec
 
 from .enums import FinishReason, Match, Tier
 from .errors import InvalidAgentId
+from .options import SEED_LIMIT, Constraint, Sampling
 
 __all__ = (
     "AGENT_ID_MAX",
@@ -21,6 +22,7 @@ __all__ = (
     "CacheInfo",
     "Completion",
     "CacheQuery",
+    "Constraint",
     "DropCache",
     "EngineMessage",
     "EngineStats",
@@ -39,13 +41,16 @@ __all__ = (
     "Snapshot",
     "StatsQuery",
     "Timings",
+    "ToolWait",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolRequest",
     "Turn",
     "Written",
     "check_agent_id",
 )
 
 AGENT_ID_MAX = 128
-SEED_LIMIT = 1 << 64  # MLX random keys take an unsigned 64-bit seed
 _AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -68,52 +73,6 @@ def check_agent_id(agent: object) -> str:
     return agent
 
 
-class Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """How to pick tokens. ``temperature == 0`` is greedy (the default)."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> Sampling:
-        """Build from keyword options; raises TypeError (unknown name) or ValueError (range)."""
-        known = set(cls.__struct_fields__)
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(
-                f"unknown sampling option(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
-        stop = options.get("stop", ())
-        if isinstance(stop, str):
-            options = {**options, "stop": (stop,)}
-        elif isinstance(stop, list | tuple) and all(isinstance(s, str) for s in stop):
-            options = {**options, "stop": tuple(stop)}
-        else:
-            raise TypeError(f"stop must be a str or a list of str, not {type(stop).__name__}")
-        try:
-            sampling = msgspec.convert(options, cls)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"bad sampling option: {exc}") from None
-        sampling.validate()
-        return sampling
-
-    def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-
-
 class Generate(msgspec.Struct, frozen=True, tag=True):
     """Continue ``agent``'s cache so that it holds ``tokens``, then generate.
 
@@ -125,6 +84,9 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     holds as a range of its own before it goes on (the end of a system prompt): another
     cache may share up to there, and the tokens after a cut are computed from the stored
     values before it, whether this cache prefilled them or shared them.
+
+    ``constraint``: a grammar the generated tokens must follow (compiled at admission: a
+    bad one fails the request with ValueError at once); the turn ends when it is complete.
     """
 
     agent: str
@@ -136,6 +98,7 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     # Its cache shares stored ranges only with caches of agents of the same scope (a
     # tenant of a server): what one scope caches is never visible to another.
     scope: str = ""
+    constraint: Constraint | None = None
 
 
 class Export(msgspec.Struct, frozen=True, tag=True):
@@ -212,6 +175,15 @@ class Fork(msgspec.Struct, frozen=True, tag=True):
     tokens: list[int]
 
 
+class ToolWait(msgspec.Struct, frozen=True, tag=True):
+    """``agent``'s turn ended in tool calls: its next turn brings their results, so its
+    cache is kept hot ahead of idle agents' for ``ttl_s`` seconds (None: the engine's
+    ``tool_wait_s``), or until that turn comes."""
+
+    agent: str
+    ttl_s: float | None = None
+
+
 class GetModelInfo(msgspec.Struct, frozen=True, tag=True):
     """Answers ``(ModelInfo, Tokenizer)``. The tokenizer is a live object, not data: agents
     render prompts and match prefixes on the event loop without a round trip per call, and
@@ -232,6 +204,7 @@ EngineMessage = (
     | DropCache
     | CacheQuery
     | Fork
+    | ToolWait
     | GetModelInfo
     | StatsQuery
 )
@@ -284,6 +257,7 @@ class CacheInfo(msgspec.Struct, frozen=True):
     nbytes: int
     busy: bool
     persisted: int
+    tool_wait_s: float = 0.0  # seconds it is still kept hot for a tool call's result
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -322,9 +296,61 @@ class EngineStats(msgspec.Struct, frozen=True):
     ready_turns: int = 0  # turns that started from a ready copy (nothing dequantized)
     shared_turns: int = 0  # turns that reused another agent's stored ranges (share_prefixes)
     shared_tokens: int = 0  # the tokens those turns reused instead of prefilling them
+    tool_waits: int = 0  # hot agents waiting on their tool calls' results now
+    constrained_tokens: int = 0  # tokens picked under a grammar's mask (finished turns)
+    mask_s: float = 0.0  # host seconds spent computing those masks
 
 
 # -- an agent actor's messages ---------------------------------------------------------
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """A call the model made: its id (for the result's ``tool_call_id``), the function's
+    name and its arguments, parsed."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    @property
+    def arguments_json(self) -> str:
+        """The arguments as JSON text (OpenAI's ``function.arguments``)."""
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+    def message(self) -> dict[str, Any]:
+        """The call as an assistant message's ``tool_calls`` entry (OpenAI's shape)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments_json},
+        }
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True):
+    """A piece of a tool call as it forms in a stream: ``index`` which call of the turn;
+    the first piece of each call carries its ``id`` and ``name``, the rest pieces of its
+    arguments' JSON text (OpenAI's ``delta.tool_calls[]``; Anthropic's ``tool_use``
+    block start, then ``input_json_delta`` pieces). The arguments' pieces joined are
+    the call's JSON arguments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolRequest(msgspec.Struct, frozen=True):
+    """What a turn offers the model and forces: ``tools`` (OpenAI's function tool
+    definitions), ``choice`` ``"auto"`` / ``"none"`` / ``"required"`` / ``"function"``
+    (then ``name`` is the one it must call), ``parallel`` (several calls in one turn), and
+    ``response`` (a grammar its answer must follow when it does not call a tool: a JSON
+    schema, or any JSON object)."""
+
+    tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    choice: str = "auto"
+    name: str | None = None
+    parallel: bool = True
+    response: Constraint | None = None
 
 
 class Turn(msgspec.Struct, frozen=True, tag=True):
@@ -338,8 +364,9 @@ class Turn(msgspec.Struct, frozen=True, tag=True):
     text: str
     sampling: Sampling
     raw: bool = False
-    history: list[dict[str, str]] | None = None
+    history: list[dict[str, Any]] | None = None
     prime: bool = False  # fill the cache with the conversation so far (a shared context)
+    tools: ToolRequest | None = None  # tools offered, tool choice, response format
 
 
 class GetState(msgspec.Struct, frozen=True, tag=True):
@@ -355,7 +382,7 @@ AgentMessage = Turn | GetState | Snapshot
 
 class AgentState(msgspec.Struct, frozen=True):
     agent: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     tokens: int
     persisted: int
     restored: bool
@@ -368,13 +395,16 @@ class AgentSnapshot(msgspec.Struct, frozen=True):
 
     tokens: list[int]
     text: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
 
 
 class Completion(msgspec.Struct, frozen=True):
     """One finished turn: the text, why it stopped, its timings, and how the cache was
     found: ``path`` the tier it came from (cold: nothing reused; warm: reloaded from disk
     for this turn; hot), ``match`` how the prompt compared with what it held.
+
+    ``tool_calls``: the calls the model made (its finish_reason is then TOOL_CALLS; the
+    calls' text is not in ``text``).
 
     ``saved``: the turn's cache is in the warm tier (always False without ``cache_dir``);
     ``save_error``: why it is not, when writing it failed (disk full, I/O error). The
@@ -389,3 +419,4 @@ class Completion(msgspec.Struct, frozen=True):
     match: Match
     saved: bool = False
     save_error: str | None = None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)

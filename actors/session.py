@@ -215,6 +215,7 @@ class Session:
         fork_of: str | None = None,
         context: str | None = None,
         scope: str | None = None,
+        tool_wait_s: float | None = None,
     ) -> Agent:
         """A new agent called ``name`` (letters, digits, '.', '_', '-'); ``fork_of``: one
         that starts where that agent is (``fork``); ``context``: one whose system prompt
@@ -225,6 +226,8 @@ class Session:
         ``scope``: the agents whose cached prefixes it shares (``share_prefixes``): only
         those of the same scope, so that what one scope (a tenant) caches never shows in
         another's turns. Default: its context's or fork source's scope, else ``""``.
+        ``tool_wait_s``: how long its turns that end in tool calls keep its cache hot
+        (default: the session's ``tool_wait_s``).
 
         Raises InvalidAgentId for an unsafe name, ValueError when it already exists, for
         more than one of those, or for a scope other than its context's or source's,
@@ -244,7 +247,11 @@ class Session:
         if name in self._agents:
             raise ValueError(f"agent {name!r} already exists")
         scope = _scope("" if scope is None else scope)
-        return await self._start_agent(name, system, context=context, scope=scope)
+        if tool_wait_s is not None and not 0 <= tool_wait_s <= 86_400:
+            raise ValueError(f"tool_wait_s must be in [0, 86400], got {tool_wait_s}")
+        return await self._start_agent(
+            name, system, context=context, scope=scope, tool_wait_s=tool_wait_s
+        )
 
     def _same_scope(self, source: str, scope: str | None) -> str:
         """The scope of an agent made from ``source``: ``source``'s. Raises ValueError
@@ -341,9 +348,18 @@ class Session:
         *,
         context: str | None = None,
         scope: str = "",
+        tool_wait_s: float | None = None,
     ) -> Agent:
         ref = await self.runtime.spawn(
-            AgentActor, name, self._env, system, start, context, scope, name=f"agent:{name}"
+            AgentActor,
+            name,
+            self._env,
+            system,
+            start,
+            context,
+            scope,
+            tool_wait_s,
+            name=f"agent:{name}",
         )
         agent = Agent(self, name, ref)
         self._agents[name] = agent

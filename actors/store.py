@@ -98,7 +98,7 @@ class Append(msgspec.Struct, frozen=True, tag=True):
     tensors: dict[str, np.ndarray[Any, Any]]
     tokens: list[int]
     text: str = ""
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
 
 
@@ -144,7 +144,7 @@ class ShareCache(msgspec.Struct, frozen=True, tag=True):
     new: str
     tokens: list[int]
     text: str = ""
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
 
 
 class StoreStatsQuery(msgspec.Struct, frozen=True, tag=True):

@@ -38,7 +38,7 @@ class WarmTier(Protocol):
         *,
         tokens: list[int],
         text: str,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
     ) -> None:
         """Write a stored range from token ``start`` and commit the agent's state. Raises
         StoreWriteError when it could not be written."""
@@ -51,7 +51,7 @@ class WarmTier(Protocol):
         *,
         tokens: list[int],
         text: str,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
     ) -> bool:
         """Give ``agent`` (nothing on disk yet) a warm cache of ``tokens`` linked from
         ``source``'s segments; False when that cannot be done (write them instead)."""
@@ -97,7 +97,7 @@ class ActorWarmTier:
         *,
         tokens: list[int],
         text: str,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
     ) -> None:
         await self.store.ask(Append(agent, start, tensors, tokens, text, messages), timeout=120)
 
@@ -108,7 +108,7 @@ class ActorWarmTier:
         *,
         tokens: list[int],
         text: str,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
     ) -> bool:
         info = await self.store.ask(ShareCache(source, agent, tokens, text, messages), timeout=120)
         return info is not None
