@@ -157,6 +157,7 @@ class AgentActor(Actor):
         self.persisted = 0  # tokens safe in the warm tier
         self.restored = False
         self.turns = 0
+        self._write_s = 0.0  # the last turn's write to the warm tier (Timings.write_s)
         if start is not None:  # a fork without a warm tier: its source's state, as it was
             self._take(start)
 
@@ -312,6 +313,7 @@ class AgentActor(Actor):
             # finishes even if the caller leaves: the engine pins the exported bytes
             # until it hears the end.
             error = None
+            self._write_s = 0.0
             if self.warm is not None:
                 with anyio.CancelScope(shield=True):
                     error = await self._persist()
@@ -331,7 +333,9 @@ class AgentActor(Actor):
             text=content,
             finish_reason=FinishReason.TOOL_CALLS if calls else finished.reason,
             token_ids=finished.token_ids,
-            timings=msgspec.structs.replace(finished.timings, load_s=outcome.load_s, save_s=save_s),
+            timings=msgspec.structs.replace(
+                finished.timings, load_s=outcome.load_s, save_s=save_s, write_s=self._write_s
+            ),
             path=outcome.path,
             match=prompt.match,
             saved=self.warm is not None and error is None,
@@ -396,11 +400,13 @@ class AgentActor(Actor):
         except Exception as exc:
             return self._save_failed(exc)
         error = None
+        writing = time.perf_counter()
         try:
             await self._write(self.warm, exported)
         except Exception as exc:
             error = self._save_failed(exc)
         finally:
+            self._write_s = time.perf_counter() - writing
             upto = self.persisted
             written = Written(self.agent_id, exported.export_id, upto, failed=error is not None)
             await self.engine.tell(written)

@@ -231,9 +231,11 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     load_s: float = 0.0
     dequantize_s: float = 0.0
     shared_tokens: int = 0  # of the reused tokens, those shared from another agent's cache
-    # From the turn's last token to its Completion: writing its new tokens to the warm tier
-    # (exported by the engine, written and committed by the store) before it is reported.
+    # From the turn's last token to its Completion: storing its new tokens (quantized by
+    # the engine at the turn's end, exported) and writing them to the warm tier before it
+    # is reported; ``write_s`` the writing alone (the store's files and commit).
     save_s: float = 0.0
+    write_s: float = 0.0
 
     @property
     def decode_tok_s(self) -> float:
