@@ -51,6 +51,13 @@ class EngineConfig:
     ahead of idle agents' (``ToolWait``), waiting for the turn that brings the results
     (an agent may set its own: ``spawn_agent(tool_wait_s=)``).
 
+    ``deterministic``: a row's logits are the same bits whatever else is batched with it
+    (its batch's attention runs row by row over each row's own keys, and a decode step's
+    projections of few rows are computed as a batch's: ``kernels.rowwise``), so greedy
+    answers never depend on concurrency; it costs ~10% of decode throughput at batch 1 and
+    8 on this CPU (``bench/invariance.py``), so it is off by default. Without it a batch
+    changes a row's last bits, and a greedy pick at a near-tie of two tokens may differ.
+
     Raises ValueError for a value out of range.
     """
 
@@ -64,6 +71,7 @@ class EngineConfig:
     attention: Attention = "auto"
     ready_copies: bool = True
     share_prefixes: bool = True
+    deterministic: bool = False
     tool_wait_s: float = 30.0
 
     def __post_init__(self) -> None:

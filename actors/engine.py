@@ -78,6 +78,8 @@ class EngineActor(ThreadActor):
         self.config = config or EngineConfig()
         self.codec = self.config.codec or DEFAULT_CODEC
         self.turn_cache = self.config.turn_cache()
+        if self.config.deterministic:  # batches attend row by row (kernels.rowwise)
+            self.turn_cache = self.turn_cache.invariant()
         self.lm: LoadedModel
         self.pool: CachePool
         self.batch: DecodeBatch
@@ -110,8 +112,9 @@ class EngineActor(ThreadActor):
         self._vocab_size = self.lm.tokenizer.vocab_size
         self._grammars = GrammarCompiler(self.lm.tokenizer)
         self.turn_cache.prepare(self.lm.model)
-        # A decode step gives each row the bits it gives alone (kernels.rowwise).
-        bind_rows(self.lm.model, self.config.max_batch)
+        if self.config.deterministic:
+            # A decode step's projections of few rows round as a batch's (kernels.rowwise).
+            bind_rows(self.lm.model, self.config.max_batch)
         # A codec or geometry this engine cannot store fails here, not mid-turn.
         segment_layout(self.codec, self.lm.geometry)(0, 1)
 

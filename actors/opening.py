@@ -44,6 +44,7 @@ class OpenOptions(TypedDict, total=False):
     on_save_error: OnSaveError
     ready_copies: bool
     share_prefixes: bool
+    deterministic: bool
     tool_wait_s: float
 
 
@@ -137,6 +138,8 @@ def open(
     (the sharing agent attends over the stored values, as a warm resume does: see
     EngineConfig). ``tool_wait_s`` (30): how long a turn that ended in tool calls keeps
     its agent's cache hot ahead of idle agents, for the turn that brings the results.
+    ``deterministic`` (False): a row's greedy answer never depends on what else runs in
+    its batch (batch-invariant decode, ~10% slower on a CPU; see EngineConfig).
     ``cluster``: the session's engines run as Ray actors over a cluster ("auto", "local",
     an address or ``ray://host:port``), one engine host per node; the keywords then go to
     ``kvactor.actors.cluster.open_cluster`` (``cache_dir`` required; ``hosts_per_node``,

@@ -25,8 +25,6 @@ import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
 import anyio
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
-from kvactor.kernels.rowwise import RowwiseBatch
-
 TOPICS = [
     "liability",
     "warranty",
@@ -70,11 +68,14 @@ async def rounds(
     last: int,
     tokens: int,
     concurrent: bool,
+    deterministic: bool,
 ) -> list[list[int]]:
     """Rounds ``first`` .. ``last - 1`` of every agent (resumed from ``root`` when warm):
     the token ids of each turn, agent by agent, round by round."""
     out: list[list[int]] = [[] for _ in range(agents * (last - first))]
-    async with kvactor.open(model, cache_dir=root, max_batch=agents) as session:
+    async with kvactor.open(
+        model, cache_dir=root, max_batch=agents, deterministic=deterministic
+    ) as session:
         team = [await session.spawn_agent(f"lawyer{i}", system=paragraph(i)) for i in range(agents)]
 
         async def turn(i: int, r: int) -> None:
@@ -93,7 +94,7 @@ async def rounds(
 
 
 def restarted(
-    args: argparse.Namespace, root: Path, concurrent: bool
+    args: argparse.Namespace, root: Path, concurrent: bool, deterministic: bool
 ) -> tuple[list[list[int]], int]:
     """One more round in a new process: its turns and its exit code."""
     cmd = [
@@ -109,17 +110,17 @@ def restarted(
         str(args.tokens),
     ]
     cmd += ["--concurrent"] if concurrent else []
-    cmd += ["--plain"] if not RowwiseBatch.rowwise else []
+    cmd += [] if deterministic else ["--plain"]
     cmd += ["--model", args.model] if args.model else []
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("[")]
     return (json.loads(lines[-1]) if lines else []), run.returncode
 
 
-async def batch_tok_s(model: str | None, n: int, tokens: int) -> float:
+async def batch_tok_s(model: str | None, n: int, tokens: int, deterministic: bool) -> float:
     """Tokens/s of ``n`` agents decoding together (first token of any to the last)."""
     stamps: list[float] = []
-    async with kvactor.open(model, max_batch=n) as session:
+    async with kvactor.open(model, max_batch=n, deterministic=deterministic) as session:
         team = [await session.spawn_agent(f"b{i}", system=paragraph(i)) for i in range(n)]
         for agent in team:  # prefilled first: the timed turns only decode
             await agent.generate("Ready?", max_tokens=1)
@@ -158,13 +159,18 @@ def exits(count: int) -> int:
     return clean
 
 
-async def compare(args: argparse.Namespace, tmp: Path, label: str) -> dict[str, Any]:
+async def compare(args: argparse.Namespace, tmp: Path, deterministic: bool) -> dict[str, Any]:
     """Every turn one at a time vs all at once, rounds and the restart, in this mode."""
+    label = "inv" if deterministic else "plain"
     seq, conc = tmp / f"{label}-seq", tmp / f"{label}-conc"
-    a = await rounds(args.model, seq, args.agents, 0, args.rounds, args.tokens, False)
-    b = await rounds(args.model, conc, args.agents, 0, args.rounds, args.tokens, True)
-    a6, code_a = restarted(args, seq, False)
-    b6, code_b = restarted(args, conc, True)
+    a = await rounds(
+        args.model, seq, args.agents, 0, args.rounds, args.tokens, False, deterministic
+    )
+    b = await rounds(
+        args.model, conc, args.agents, 0, args.rounds, args.tokens, True, deterministic
+    )
+    a6, code_a = restarted(args, seq, False, deterministic)
+    b6, code_b = restarted(args, conc, True, deterministic)
     turns = list(zip(a + a6, b + b6, strict=False))
     same = sum(x == y for x, y in turns)
     return {
@@ -178,18 +184,13 @@ async def compare(args: argparse.Namespace, tmp: Path, label: str) -> dict[str, 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"agents": args.agents, "rounds": args.rounds, "tokens": args.tokens}
     with tempfile.TemporaryDirectory() as tmp:
-        RowwiseBatch.rowwise = True
-        result.update(await compare(args, Path(tmp), "inv"))
+        result.update(await compare(args, Path(tmp), True))
         if not args.skip_plain:
-            RowwiseBatch.rowwise = False
-            plain = await compare(args, Path(tmp), "plain")
-            result["plain"] = plain
+            result["plain"] = await compare(args, Path(tmp), False)
     rates: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(2):  # alternate against drift
         for on in (True, False):
-            RowwiseBatch.rowwise = on
-            rates[on].append(await batch_tok_s(args.model, 8, 32))
-    RowwiseBatch.rowwise = True
+            rates[on].append(await batch_tok_s(args.model, 8, 32, on))
     result["batch8_tok_s"] = round(max(rates[True]), 2)
     result["batch8_tok_s_plain"] = round(max(rates[False]), 2)
     result["cost_ratio"] = round(max(rates[False]) / max(rates[True]), 3)
@@ -199,7 +200,6 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def resume(args: argparse.Namespace) -> None:
-    RowwiseBatch.rowwise = not args.plain
     out = anyio.run(
         rounds,
         args.model,
@@ -209,6 +209,7 @@ def resume(args: argparse.Namespace) -> None:
         args.rounds + 1,
         args.tokens,
         args.concurrent,
+        not args.plain,
     )
     print(json.dumps(out), flush=True)
 
@@ -232,9 +233,9 @@ if __name__ == "__main__":
     result = anyio.run(main, args)
     print("| mode | identical turns | after the restart | restart exit codes |")
     print("|---|---:|---:|---|")
-    rows = [("batch-invariant (default)", result)]
+    rows = [("deterministic=True (batch-invariant)", result)]
     if "plain" in result:
-        rows.append(("one padded attention call", result["plain"]))
+        rows.append(("deterministic=False (default)", result["plain"]))
     for name, r in rows:
         print(
             f"| {name} | {r['identical_turns']}/{r['turns']} | "

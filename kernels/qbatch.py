@@ -36,7 +36,6 @@ from ._qparts import SINK as _SINK
 from ._qparts import SINK_BITS as _SINK_BITS
 from .qattend import Coded, Kernel, attend_parts, row_parts
 from .qcodec import KVCodec, Role
-from .rowwise import RowwiseBatch
 
 __all__ = ("Kernel", "QuantizedBatchCache")
 
@@ -104,6 +103,7 @@ class QuantizedBatchCache:
     """
 
     step = 256
+    rowwise = False  # each row attends alone (set per batch by QuantizedTurnCache)
 
     def __init__(
         self,
@@ -265,7 +265,7 @@ class QuantizedBatchCache:
         tails, and ``sdpa``, mlx-lm's function, are not needed: see
         ``kernels.attention.Attends``); ``mask`` from :meth:`make_mask`. In a batch of
         several rows each row attends over its own columns alone (``kernels.qattend``):
-        what it computes in a batch of its own (``RowwiseBatch.rowwise``).
+        what it computes in a batch of its own (``rowwise``, set by its TurnCache).
 
         Raises ValueError before ``update_and_fetch``; NotImplementedError for learned
         attention sinks.
@@ -279,7 +279,7 @@ class QuantizedBatchCache:
         kernel = self._kernel_for(queries.shape[2])
         regions = [(r["key"], r["value"]) for r in self._regions]
         tail = (self.keys[:, :, : self._idx], self.values[:, :, : self._idx])
-        if self.rows == 1 or not RowwiseBatch.rowwise:
+        if self.rows == 1 or not self.rowwise:
             return attend_parts(queries, scale, regions, tail, mask, kernel)
         outs = []
         for i in range(self.rows):

@@ -30,7 +30,7 @@ attention (the model is bound to them per model: ``kernels.attention``); the rot
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,7 +52,7 @@ _BOUND = "_kvactor_padded"  # on a bound subclass: True
 def _pad_rows(x: mx.array, rows: int) -> tuple[mx.array, int]:
     """``x`` of one decode step ``(B, 1, D)`` with zero rows up to ``rows``, and ``B``."""
     n = x.shape[0]
-    if x.ndim != 3 or x.shape[1] != 1 or n >= rows or not RowwiseBatch.rowwise:
+    if x.ndim != 3 or x.shape[1] != 1 or n >= rows:
         return x, n
     return mx.concatenate([x, mx.zeros((rows - n, *x.shape[1:]), x.dtype)]), n
 
@@ -184,11 +184,10 @@ def attend_rows(
 class RowwiseBatch:
     """A batch whose attention runs row by row (``attend_rows``) when ``rowwise``."""
 
-    rowwise: ClassVar[bool] = True
-    """False: one attention call over the padded batch, as mlx-lm makes it, and decode
-    projections of as many rows as the batch has (a row's logits may then differ in their
-    last bits from its logits alone); what ``bench/invariance.py`` compares against. It
-    applies to the quantized batch and ``bind_rows`` too."""
+    rowwise: bool = False
+    """True (set on each batch by its ``TurnCache``, per engine: ``deterministic``): each row
+    attends over its own keys. False: one attention call over the padded batch, as mlx-lm
+    makes it (a row's logits may then differ in their last bits from its logits alone)."""
 
     left_padding: mx.array
 

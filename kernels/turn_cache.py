@@ -25,7 +25,7 @@ may have a sliding window or no cache at all; what a class cannot run raises
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -198,11 +198,26 @@ class TurnCache(Protocol):
         ...
 
 
+_L = TypeVar("_L", bound="_Layers")
+
+
 class _Layers:
-    """What both working caches share: one cache object per layer."""
+    """What both working caches share: one cache object per layer, and the mode of their
+    batches (``rowwise``)."""
+
+    rowwise: ClassVar[bool] = False
+    """Batches attend row by row, each row over its own keys (``kernels.rowwise``): a row's
+    logits are then the bits it gets alone. Set per engine (``invariant``)."""
 
     def __init__(self, layers: list[Any]) -> None:
         self._layers = layers
+
+    @classmethod
+    def invariant(cls: type[_L]) -> type[_L]:
+        """This class with batch-invariant attention (``rowwise``)."""
+        if cls.rowwise:
+            return cls
+        return type(f"{cls.__name__}[invariant]", (cls,), {"rowwise": True})
 
     @property
     def layers(self) -> Sequence[Any]:
@@ -272,10 +287,13 @@ class FloatTurnCache(_Layers):
 
     def _batched(self) -> list[BatchKVCache]:
         join = batch_of_one if self.keeps_buffers else (lambda row: type(row).merge([row]))
-        return [layer if isinstance(layer, BatchKVCache) else join(layer) for layer in self._layers]
+        out = [layer if isinstance(layer, BatchKVCache) else join(layer) for layer in self._layers]
+        for layer in out:
+            setattr(layer, "rowwise", self.rowwise)  # noqa: B010 (the batch's attention mode)
+        return out
 
     def batch(self) -> FloatTurnCache:
-        return FloatTurnCache(self._batched())
+        return type(self)(self._batched())
 
     def extend(self, other: TurnCache) -> None:
         if not isinstance(other, FloatTurnCache):
@@ -294,8 +312,8 @@ class FloatTurnCache(_Layers):
 
     def extract(self, row: int) -> FloatTurnCache:
         if not self.keeps_buffers:
-            return FloatTurnCache([layer.extract(row) for layer in self._batched()])
-        return FloatTurnCache([row_of(layer, row) for layer in self._batched()])
+            return type(self)([layer.extract(row) for layer in self._batched()])
+        return type(self)([row_of(layer, row) for layer in self._batched()])
 
     def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
         cache = self._layers[layer]
@@ -339,7 +357,7 @@ class FloatTurnCache(_Layers):
             cache = type(layer)()
             cache.state = (fresh[0], fresh[1], total)
             layers.append(cache)
-        out = FloatTurnCache(layers)
+        out = type(self)(layers)
         mx.eval(out.arrays())
         return out
 
@@ -366,7 +384,10 @@ class QuantizedTurnCache(_Layers):
 
     @classmethod
     def start(cls, kv: AgentKV) -> QuantizedTurnCache:
-        return cls([cls._layer(kv, i) for i in range(kv.geometry.n_layers)])
+        out = cls([cls._layer(kv, i) for i in range(kv.geometry.n_layers)])
+        for layer in out._layers:
+            layer.rowwise = cls.rowwise  # the batch's attention mode
+        return out
 
     @classmethod
     def _layer(cls, kv: AgentKV, i: int) -> QuantizedBatchCache:
@@ -413,7 +434,7 @@ class QuantizedTurnCache(_Layers):
             layer.filter(rows)
 
     def extract(self, row: int) -> QuantizedTurnCache:
-        return QuantizedTurnCache([layer.extract(row) for layer in self._layers])
+        return type(self)([layer.extract(row) for layer in self._layers])
 
     def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
         cache = self._layers[layer]

@@ -130,6 +130,8 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
       named ``shared``); each agent's first turn shares its cache instead of prefilling
       it, and its first warm write links the context's files. ``share_prefixes = false``
       turns the sharing off (every first turn prefills the whole prompt: a baseline).
+    - ``deterministic``: greedy answers that do not depend on which agents run together
+      (batch-invariant decode, ``kvactor.open(deterministic=True)``; ~10% slower here).
     """
 
     name: str
@@ -148,6 +150,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     prefetch: bool = False
     cold_reference: bool = True
     share_prefixes: bool = True
+    deterministic: bool = False
     shared_context: ContextSpec | None = None
     sampling: SamplingSpec = SamplingSpec()
     agents: list[AgentSpec]

@@ -352,6 +352,7 @@ async def run_scenario(
         policy=POLICIES[scenario.policy](),
         cache_dir=root,
         share_prefixes=scenario.share_prefixes,
+        deterministic=scenario.deterministic,
     ) as kv:
         # Without share_prefixes no shared context is made: the text is each agent's own.
         shared = text if scenario.share_prefixes else None

@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+from typing import Any
+
+import anyio
 import mlx.core as mx
 import pytest
 
+import kvactor
 from kvactor.actors.model import LoadedModel, make_tiny_model
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec
-from kvactor.kernels.rowwise import RowwiseBatch, bind_rows
+from kvactor.kernels.rowwise import bind_rows
 from kvactor.kernels.turn_cache import FloatTurnCache, QuantizedTurnCache, TurnCache
 
 LENGTHS = [5, 70, 33, 140, 9, 257, 64, 101]
@@ -37,7 +43,8 @@ def _stored(lm: LoadedModel, cls: type[TurnCache], codec: KVCodec, n: int, seed:
 
 
 def _step(lm: LoadedModel, cls: type[TurnCache], kvs: list[AgentKV], tokens: list[int]) -> mx.array:
-    """Logits of one decode step of ``kvs`` batched together (in that order)."""
+    """Logits of one decode step of ``kvs`` batched together (in that order), with the
+    batch-invariant attention (``deterministic``) unless ``cls`` says otherwise."""
     batch = cls.start(kvs[0]).batch()
     for kv in kvs[1:]:
         batch.extend(cls.start(kv))
@@ -50,6 +57,7 @@ def _step(lm: LoadedModel, cls: type[TurnCache], kvs: list[AgentKV], tokens: lis
 def test_a_row_decodes_the_same_bits_alone_and_in_any_batch(
     lm: LoadedModel, cls: type[TurnCache], codec: KVCodec
 ) -> None:
+    cls = cls.invariant()  # type: ignore[attr-defined]
     kvs = [_stored(lm, cls, codec, n, i) for i, n in enumerate(LENGTHS)]
     tokens = [11 + i for i in range(len(kvs))]
     alone = [_step(lm, cls, [kv], [t]) for kv, t in zip(kvs, tokens, strict=True)]
@@ -61,10 +69,9 @@ def test_a_row_decodes_the_same_bits_alone_and_in_any_batch(
 
 @pytest.mark.parametrize("cls", CLASSES, ids=["dequantized", "quantized"])
 def test_without_rowwise_attention_a_padded_batch_changes_some_row(
-    lm: LoadedModel, cls: type[TurnCache], monkeypatch: pytest.MonkeyPatch
+    lm: LoadedModel, cls: type[TurnCache]
 ) -> None:
     """What the rowwise attention is for: the same batch attended as one padded call."""
-    monkeypatch.setattr(RowwiseBatch, "rowwise", False)
     kvs = [_stored(lm, cls, FP16_CODEC, n, i) for i, n in enumerate(LENGTHS)]
     tokens = [11 + i for i in range(len(kvs))]
     batched = _step(lm, cls, kvs, tokens)
@@ -87,3 +94,60 @@ def test_without_padded_projections_a_lone_row_rounds_differently() -> None:
     assert mx.array_equal(layer_padded(x), many).item()  # a full batch is not padded
     if all(mx.array_equal(layer_plain(x[i : i + 1]), many[i : i + 1]).item() for i in range(8)):
         pytest.skip("this BLAS rounds a projection of one row as one of eight")
+
+
+async def _turns(
+    model: Any, root: Path, concurrent: bool, rounds: range, **options: Any
+) -> list[list[int]]:
+    """Token ids of every agent's turns of ``rounds`` (resumed warm from ``root``)."""
+    out: list[list[int]] = []
+    async with kvactor.open(model, cache_dir=root, max_batch=8, **options) as kv:
+        team = [await kv.spawn_agent(f"a{i}", system=SYSTEMS[i]) for i in range(len(SYSTEMS))]
+        for r in rounds:
+            done: list[list[int]] = [[] for _ in team]
+
+            async def turn(i: int, r: int = r, done: list[list[int]] = done) -> None:
+                reply = await team[i].generate(f"Round {r}: what next for {i}?", max_tokens=8)
+                done[i] = reply.token_ids
+
+            if concurrent:
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(team)):
+                        tg.start_soon(turn, i)
+            else:
+                for i in range(len(team)):
+                    await turn(i)
+            out += done
+    return out
+
+
+SYSTEMS = [f"You are agent {i}. " + "Keep the ledger balanced. " * (1 + 3 * i) for i in range(8)]
+
+
+async def _one_at_a_time_vs_all_at_once(model: Any, tmp_path: Path, **options: Any) -> None:
+    seq, conc = tmp_path / "seq", tmp_path / "conc"
+    a = await _turns(model, seq, False, range(2), **options)
+    b = await _turns(model, conc, True, range(2), **options)
+    assert a == b
+    # A new session resumes every agent warm: one more round, each way.
+    assert await _turns(model, seq, False, range(2, 3), **options) == await _turns(
+        model, conc, True, range(2, 3), **options
+    )
+
+
+@pytest.mark.parametrize("attention", ["dequantized", "quantized"])
+async def test_deterministic_agents_answer_alike_alone_and_together_across_a_restart(
+    attention: kvactor.Attention, tmp_path: Path
+) -> None:
+    tiny = functools.partial(make_tiny_model, 0, head_dim=64)
+    await _one_at_a_time_vs_all_at_once(tiny, tmp_path, deterministic=True, attention=attention)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["dequantized", "quantized"])
+async def test_the_default_model_answers_alike_alone_and_together(
+    attention: kvactor.Attention, tmp_path: Path, anyio_backend: str
+) -> None:
+    if anyio_backend != "asyncio":
+        pytest.skip("one backend is enough for the default model")
+    await _one_at_a_time_vs_all_at_once(None, tmp_path, deterministic=True, attention=attention)
