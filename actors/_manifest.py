@@ -7,6 +7,13 @@ Layout under the cache root::
     agents/<agent>/seg-<n>.safetensors   quantized K/V of tokens [start, stop), all layers
     rejected/<agent>/                    a refused cache set aside when the agent rewrote it
 
+Format 3 (written now) adds what a model with recurrent layers keeps: ``states`` (their
+geometry, checked like ``geometry``) and ``state_segments``: ``st-<n>.safetensors``
+beside ``seg-<n>`` holds the recurrent states at the end of that segment's tokens (its
+checkpoint), for the last segments only (``checkpoints`` of them: older ones are
+deleted). Format 2 caches (none of that; no model with such layers ran then) are read as
+they are, and an append rewrites their manifest as format 3.
+
 Format 2: ``manifest.json`` is exactly ``{"checksum":"crc32:xxxxxxxx","manifest":BODY}``,
 BODY the CacheManifest as compact JSON and the CRC-32 over BODY's bytes; each segment is
 a safetensors file whose manifest entry holds the CRC-32 of the whole file, header
@@ -30,15 +37,22 @@ import msgspec
 import numpy as np
 
 from ._fileio import open_regular
+from ._paths import agent_dir as agent_dir
+from ._paths import contained as contained
+from ._paths import default_cache_dir as default_cache_dir
+from ._paths import rejected_dir as rejected_dir
 from ._safetensors import Expected, format_checksum
-from .errors import CacheRejected, InvalidAgentId, UnsafeCachePath
+from .errors import CacheRejected, InvalidAgentId
 from .protocol import check_agent_id
 
 __all__ = (
     "FORMAT_VERSION",
     "MANIFEST",
     "MAX_MANIFEST_BYTES",
+    "READABLE_VERSIONS",
     "SEGMENT_FILE",
+    "SEGMENT_FILES",
+    "STATE_FILE",
     "WINDOW_FILE",
     "CacheIdentity",
     "CacheManifest",
@@ -61,7 +75,9 @@ __all__ = (
     "warm_info",
 )
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: The format versions this store reads (those up to its own).
+READABLE_VERSIONS = (2, 3)
 #: Token ids and text of a long conversation stay far below this; more is not ours.
 MAX_MANIFEST_BYTES = 32 << 20
 #: A manifest spends at least 2 bytes per token id (a digit and a comma): no segment of a
@@ -75,6 +91,10 @@ MANIFEST = "manifest.json"
 SEGMENT_FILE = re.compile(r"seg-([0-9]{1,12})\.safetensors")
 #: The sliding-window layers' tensors of a segment, apart (see CacheManifest).
 WINDOW_FILE = re.compile(r"win-([0-9]{1,12})\.safetensors")
+#: The recurrent states at the end of a segment (its checkpoint), apart.
+STATE_FILE = re.compile(r"st-([0-9]{1,12})\.safetensors")
+#: Every kind of segment file an agent's folder holds.
+SEGMENT_FILES = (SEGMENT_FILE, WINDOW_FILE, STATE_FILE)
 _MAX_SEGMENT_NUMBER = 10**12 - 1  # so that the next number still has 12 digits
 _CHECKSUM = re.compile(r"crc32:[0-9a-f]{8}")
 # manifest.json: this, then BODY, then "}" (nothing else: not even a newline).
@@ -95,15 +115,20 @@ def split_layers(geometry: list[list[int]]) -> tuple[frozenset[int], int] | None
     return sliding, max(geometry[i][3] for i in sliding)
 
 
-def segment_holds(geometry: list[list[int]], window: bool) -> Callable[[str], bool]:
-    """Which tensor names (``{layer}.{k|v}.{part}``) a segment holds: with split layers
-    (``split_layers``) a window segment (``window``) the sliding layers', a segment the
-    others'; else a segment all of them."""
+def segment_holds(geometry: list[list[int]], kind: int) -> Callable[[str], bool]:
+    """Which tensor names (``{layer}.{k|v|s}.{part}``) a file of ``kind`` holds: 0 a
+    segment (K/V: of the global layers with split layers, ``split_layers``, else all),
+    1 a window segment (the sliding layers' K/V), 2 a state segment (the states)."""
     split = split_layers(geometry)
-    if split is None:
-        return lambda name: not window
-    sliding = split[0]
-    return lambda name: (int(name.split(".", 1)[0]) in sliding) == window
+    sliding = split[0] if split is not None else frozenset()
+
+    def holds(name: str) -> bool:
+        layer, part = name.split(".", 2)[:2]
+        if part == "s":
+            return kind == 2
+        return kind != 2 and (int(layer) in sliding) == (kind == 1)
+
+    return holds
 
 
 def uniform_geometry(n_layers: int, n_kv_heads: int, head_dim: int) -> list[list[int]]:
@@ -124,9 +149,15 @@ class CacheIdentity(msgspec.Struct, frozen=True, kw_only=True):
     # Per layer [n_kv_heads, key_dim, value_dim, window] (CacheGeometry.describe); []: every
     # layer n_kv_heads heads of head_dim (what caches written before this field hold).
     geometry: list[list[int]] = msgspec.field(default_factory=list)
+    # Recurrent layers' states (CacheGeometry.describe_states); []: none.
+    states: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
     def layer_geometry(self) -> list[list[int]]:
         return self.geometry or uniform_geometry(self.n_layers, self.n_kv_heads, self.head_dim)
+
+    def readable(self) -> tuple[int, ...]:
+        """The format versions a store of this identity reads."""
+        return tuple(v for v in READABLE_VERSIONS if v <= self.format_version)
 
 
 class SegmentEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -166,14 +197,19 @@ class CacheManifest(msgspec.Struct, frozen=True, kw_only=True):
     # sliding ones, only for the last ranges: those a turn resuming anywhere in the last
     # segment attends to (older ones are deleted). Other models: all layers in segments.
     window_segments: list[SegmentEntry] = msgspec.field(default_factory=list)
+    # Format 3, a model with recurrent layers: their geometry (as CacheIdentity's), and the
+    # state files (st-<n>, beside seg-<n>, same tokens: the states after them) of the last
+    # segments, those whose checkpoints the agent keeps.
+    states: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    state_segments: list[SegmentEntry] = msgspec.field(default_factory=list)
 
     def layer_geometry(self) -> list[list[int]]:
         return self.geometry or uniform_geometry(self.n_layers, self.n_kv_heads, self.head_dim)
 
     @property
     def all_segments(self) -> tuple[SegmentEntry, ...]:
-        """Every file entry: the segments, then the window segments."""
-        return (*self.segments, *self.window_segments)
+        """Every file entry: the segments, the window segments, the state segments."""
+        return (*self.segments, *self.window_segments, *self.state_segments)
 
 
 class _Versioned(msgspec.Struct):
@@ -201,60 +237,23 @@ class Loaded(msgspec.Struct, frozen=True):
     segments: list[dict[str, np.ndarray[Any, Any]]]
     nbytes: int  # bytes read
     windows: list[dict[str, np.ndarray[Any, Any]]] = []  # of manifest.window_segments
+    states: list[dict[str, np.ndarray[Any, Any]]] = []  # of manifest.state_segments
 
     def ranges(self) -> list[tuple[int, int, dict[str, np.ndarray[Any, Any]]]]:
         """``(start, stop, tensors)`` per segment, in token order; a segment's window
-        tensors (sliding-window layers, for the last ranges) joined to its own."""
-        windows = {
-            entry.start: tensors
-            for entry, tensors in zip(self.manifest.window_segments, self.windows, strict=True)
-        }
+        tensors (sliding-window layers, for the last ranges) and state tensors (its
+        checkpoint, for the last ranges) joined to its own."""
+        extra: dict[int, dict[str, np.ndarray[Any, Any]]] = {}
+        for entries, found in (
+            (self.manifest.window_segments, self.windows),
+            (self.manifest.state_segments, self.states),
+        ):
+            for entry, tensors in zip(entries, found, strict=True):
+                extra.setdefault(entry.start, {}).update(tensors)
         return [
-            (entry.start, entry.start + entry.use, {**tensors, **windows.get(entry.start, {})})
+            (entry.start, entry.start + entry.use, {**tensors, **extra.get(entry.start, {})})
             for entry, tensors in zip(self.manifest.segments, self.segments, strict=True)
         ]
-
-
-# ----------------------------------------------------------------------------- paths
-def default_cache_dir() -> Path:
-    """``$KVACTOR_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/kvactor/agents-cache``, else
-    ``~/.cache/kvactor/agents-cache``."""
-    explicit = os.environ.get("KVACTOR_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "kvactor" / "agents-cache"
-
-
-def contained(root: str | os.PathLike[str], *parts: str) -> Path:
-    """``<root>/<parts...>`` once every component below the root is checked not to be a
-    symlink (missing ones are fine: nothing to follow yet). The root itself may be one.
-
-    Raises UnsafeCachePath naming the first component that resolves elsewhere.
-    """
-    # A symlinked folder could lead anywhere: deleting or moving through it would act
-    # outside the root. Each component's real path must be the root's plus its own name.
-    real = os.path.realpath(root)
-    for i in range(1, len(parts) + 1):
-        real = os.path.join(real, parts[i - 1])
-        if os.path.realpath(real) != real:
-            where = "/".join(parts[:i])
-            raise UnsafeCachePath(
-                f"{where} under {root} is a symlink, which could lead outside the cache root"
-            )
-    return Path(root).joinpath(*parts)
-
-
-def agent_dir(root: str | os.PathLike[str], agent: str) -> Path:
-    """``<root>/agents/<agent>``. Raises InvalidAgentId for an unsafe id (checked before any
-    path work), UnsafeCachePath when ``agents/`` or the agent's folder is a symlink."""
-    return contained(root, "agents", check_agent_id(agent))
-
-
-def rejected_dir(root: str | os.PathLike[str], agent: str) -> Path:
-    """``<root>/rejected/<agent>``, where a refused cache is set aside; raises as
-    ``agent_dir`` does."""
-    return contained(root, "rejected", check_agent_id(agent))
 
 
 # -------------------------------------------------------------------------- manifest
@@ -276,24 +275,26 @@ def _version(raw: bytes) -> int | None:
         return None
 
 
-def _decode_manifest(raw: bytes, path: Path, format_version: int) -> CacheManifest:
+def _decode_manifest(raw: bytes, path: Path, readable: tuple[int, ...]) -> CacheManifest:
     def refuse(reason: str) -> CacheRejected:
         return CacheRejected(reason, str(path))
+
+    reads = " and ".join(map(str, readable))
 
     frame = _FRAME.match(raw)
     if frame is None or not raw.endswith(b"}"):
         # Format 1 wrote the bare manifest: say which version it is when it says so.
         version = _version(raw)
-        if version is not None and version != format_version:
-            raise refuse(f"format version {version}, this store reads {format_version}")
+        if version is not None and version not in readable:
+            raise refuse(f"format version {version}, this store reads {reads}")
         raise refuse("malformed manifest: not framed with its checksum")
     body = raw[frame.end() : -1]
     found, said = format_checksum(zlib.crc32(body)), frame.group(1).decode()
     if found != said:
         raise refuse(f"manifest checksum mismatch: its body has {found}, it says {said}")
     version = _version(body)
-    if version is not None and version != format_version:
-        raise refuse(f"format version {version}, this store reads {format_version}")
+    if version is not None and version not in readable:
+        raise refuse(f"format version {version}, this store reads {reads}")
     try:
         return msgspec.json.decode(body, type=CacheManifest)
     except (msgspec.DecodeError, RecursionError) as exc:
@@ -333,8 +334,10 @@ def _check_manifest(
             raise refuse(
                 f"layer geometry {m.layer_geometry()}, expected {identity.layer_geometry()}"
             )
-    elif min(m.n_layers, m.n_kv_heads, m.head_dim) <= 0:
-        raise refuse("layers/kv heads/head dim must be positive")
+        if m.states != identity.states:
+            raise refuse(f"recurrent states {m.states}, expected {identity.states}")
+    elif m.n_layers <= 0 or min(m.n_kv_heads, m.head_dim) < 0:
+        raise refuse("layers must be positive, kv heads/head dim not negative")
     if m.agent != agent:
         raise refuse(f"manifest belongs to agent {m.agent!r}")
     if m.n_tokens != len(m.token_ids):
@@ -392,6 +395,32 @@ def _check_manifest(
     position = entries("window segment", WINDOW_FILE, windows, windows[0].start if windows else 0)
     if windows and position != m.n_tokens:
         raise refuse(f"window segments end at {position}, manifest says {m.n_tokens}")
+    _check_states(m, mains, files, refuse)
+
+
+def _check_states(
+    m: CacheManifest, mains: set[tuple[int, int, int]], files: set[str], refuse: Any
+) -> None:
+    """Raise (``refuse``) unless the state segments are files of their own, each of a
+    whole segment's tokens, in order, and only for a model with recurrent layers."""
+    if m.state_segments and not m.states:
+        raise refuse("state segments for a model without recurrent layers")
+    at = -1
+    for s in m.state_segments:
+        named = STATE_FILE.fullmatch(s.file)
+        if named is None or s.file in files or int(named.group(1)) > m.last_segment:
+            raise refuse(f"bad or repeated state segment file name {s.file[:80]!r}")
+        files.add(s.file)
+        if (s.start, s.stop, s.use) not in mains or s.use != s.stop - s.start or s.start <= at:
+            raise refuse(f"state segment {s.file} does not match a whole segment")
+        if not 0 < s.nbytes <= _MAX_SEGMENT_BYTES or not _CHECKSUM.fullmatch(s.checksum):
+            raise refuse(f"state segment {s.file} has a bad size or checksum entry")
+        if s.owner:
+            try:
+                check_agent_id(s.owner)
+            except InvalidAgentId as exc:
+                raise refuse(f"state segment {s.file}: bad owner: {exc}") from None
+        at = s.start
 
 
 def load_manifest(
@@ -422,8 +451,8 @@ def load_manifest(
     raw = b"".join(parts)
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CacheRejected(f"{MANIFEST} exceeds {MAX_MANIFEST_BYTES} bytes", str(path))
-    version = identity.format_version if identity is not None else FORMAT_VERSION
-    manifest = _decode_manifest(raw, path, version)
+    readable = identity.readable() if identity is not None else READABLE_VERSIONS
+    manifest = _decode_manifest(raw, path, readable)
     _check_manifest(manifest, identity, agent, path)
     return manifest, len(raw)
 
@@ -455,11 +484,14 @@ def warm_info(manifest: CacheManifest, manifest_bytes: int) -> WarmInfo:
     )
 
 
-def segment_metadata(identity: CacheIdentity, agent: str, start: int, stop: int) -> dict[str, str]:
-    """What a segment's header says about it (its checksum is in the manifest)."""
+def segment_metadata(
+    identity: CacheIdentity, agent: str, start: int, stop: int, version: int | None = None
+) -> dict[str, str]:
+    """What a segment's header says about it (its checksum is in the manifest);
+    ``version``: the format it was written in (default the identity's)."""
     return {
         "format": "kvactor-warm-segment",
-        "format_version": str(identity.format_version),
+        "format_version": str(identity.format_version if version is None else version),
         "model_fingerprint": identity.model_fingerprint,
         "codec": codec_key(identity.codec).decode(),
         "agent": agent,

@@ -44,6 +44,7 @@ class OpenOptions(TypedDict, total=False):
     on_save_error: OnSaveError
     ready_copies: bool
     share_prefixes: bool
+    checkpoints: int
 
 
 class ClusterOptions(OpenOptions, total=False):
@@ -134,7 +135,9 @@ def open(
     reuses nothing of its own cache reuses the stored ranges of another hot cache its
     prompt begins with (a shared context: ``Session.context``), shared, not prefilled
     (the sharing agent attends over the stored values, as a warm resume does: see
-    EngineConfig).
+    EngineConfig). ``checkpoints`` (models with recurrent layers: Qwen3.5, Mamba-2 ...): how
+    many stored ranges of an agent keep the recurrent states at their end (default 4: the
+    last two turns' prompts and answers), where a diverging turn can resume.
     ``cluster``: the session's engines run as Ray actors over a cluster ("auto", "local",
     an address or ``ray://host:port``), one engine host per node; the keywords then go to
     ``kvactor.actors.cluster.open_cluster`` (``cache_dir`` required; ``hosts_per_node``,

@@ -281,6 +281,11 @@ class CacheInfo(msgspec.Struct, frozen=True):
     nbytes: int
     busy: bool
     persisted: int
+    # Recurrent layers: the checkpoints (states at the end of stored ranges) it keeps, the
+    # token counts they are at, and their bytes (part of nbytes).
+    checkpoints: int = 0
+    checkpoint_tokens: list[int] = msgspec.field(default_factory=list)
+    checkpoint_bytes: int = 0
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -295,6 +300,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # Per layer [n_kv_heads, key_dim, value_dim, window (0: none)] (CacheGeometry.describe);
     # [] in old records: every layer n_kv_heads x head_dim.
     geometry: list[list[int]] = msgspec.field(default_factory=list)
+    # Recurrent layers' states (CacheGeometry.describe_states); []: none.
+    states: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
 
 class EngineStats(msgspec.Struct, frozen=True):

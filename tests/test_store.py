@@ -176,7 +176,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert list(framed) == ["checksum", "manifest"]
     body = raw[raw.index(b'"manifest":') + len(b'"manifest":') : -1]
     assert framed["checksum"] == f"crc32:{zlib.crc32(body):08x}"
-    assert framed["manifest"]["format_version"] == 2
+    assert framed["manifest"]["format_version"] == 3
     seg = folder(tmp_path, "planner") / "seg-1.safetensors"
     assert m.segments[0].checksum == f"crc32:{zlib.crc32(seg.read_bytes()):08x}"
     assert_same(safetensors.numpy.load_file(str(seg)), t)
@@ -186,7 +186,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert (meta["agent"], meta["start"], meta["stop"]) == ("planner", "0", "10")
     assert meta["model_fingerprint"] == IDENTITY.model_fingerprint
     assert "checksum" not in meta
-    assert meta["format_version"] == "2"
+    assert meta["format_version"] == "3"
 
 
 def test_extend_writes_only_the_new_segment(tmp_path: Path) -> None:
@@ -537,7 +537,7 @@ REFUSALS = {
     ),
     "manifest of format 1": (
         bad_manifest('{"format_version": 1, "agent": "a"}'),
-        "format version 1, this store reads 2",
+        "format version 1, this store reads 2 and 3",
     ),
     "manifest unframed": (bad_manifest('{"format_version": 2}'), "not framed"),
     "manifest altered": (altered_manifest, "manifest checksum mismatch"),
@@ -590,7 +590,7 @@ def test_refuses_and_keeps(tmp_path: Path, case: str) -> None:
         ({"model_fingerprint": "sha256:other"}, "made by model 'sha256:0123456789abcdef'"),
         ({"codec": {**IDENTITY.codec, "bits": 8}}, "codec"),
         ({"codec": {**IDENTITY.codec, "rotate": 0}}, "codec"),  # 0 == False, still other
-        ({"format_version": 3}, "format version 2, this store reads 3"),
+        ({"format_version": 2}, "format version 3, this store reads 2"),
         ({"n_kv_heads": 3}, "kv heads"),
     ],
 )
