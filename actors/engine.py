@@ -116,7 +116,11 @@ class EngineActor(ThreadActor):
         bind_rows(self.lm.model, self.config.max_batch)
         # A codec or geometry this engine cannot store fails here, not mid-turn; and so
         # does a model whose layers cannot run over this attention mode's caches.
-        segment_layout(self.codec, self.lm.geometry)(0, 1)
+        try:
+            segment_layout(self.codec, self.lm.geometry)(0, 1)
+        except ValueError as exc:
+            family = getattr(self.lm.model, "model_type", self.lm.name)
+            raise ValueError(f"model family {family!r}: {exc}") from None
         check_turns(self.lm, self.codec, self.turn_cache)
 
     def on_stop(self) -> None:

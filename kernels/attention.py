@@ -76,7 +76,11 @@ def bind_attention(model: nn.Module, cache_class: type[Attends]) -> int:
             bound += cls in extended
             continue
         call = cls.__call__
-        if not isinstance(call, types.FunctionType) or _NAME not in call.__code__.co_names:
+        if (
+            not isinstance(call, types.FunctionType)
+            or _NAME not in call.__code__.co_names
+            or _NAME not in call.__globals__  # an attribute of that name (mx.fast's): not ours
+        ):
             continue
         if cls not in subclasses:
             subclasses[cls] = _bound_subclass(cls, call, cache_class)

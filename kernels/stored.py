@@ -131,7 +131,10 @@ def segment_layout(
         for kind, role in roles:
             for layer in geometry.kv_layers:
                 g = geometry.layer(layer)
-                parts = codec.expected_parts(start, n, g.n_kv_heads, g.dim(role), role=role)
+                try:
+                    parts = codec.expected_parts(start, n, g.n_kv_heads, g.dim(role), role=role)
+                except ValueError as exc:
+                    raise ValueError(f"layer {geometry.model_layer(layer)}: {exc}") from None
                 for name, spec in parts.items():
                     out[f"{layer}.{kind}.{name}"] = spec
         for layer, s in _states(geometry):
