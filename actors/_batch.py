@@ -5,7 +5,9 @@ launched (``mx.async_eval``) before this step's tokens are read on the host, as 
 ``generate_step`` does: reading, detokenizing and sending a step's text, and building the
 next graph, overlap the next step's compute. A row whose turn ends at a step was fed one
 token more by the step in flight: it leaves with that token taken back
-(``TurnCache.unfeed``), so its cache holds exactly what an unpipelined run leaves. Every
+(``TurnCache.unfeed``: a recurrent layer returns to its state from before that step,
+which it keeps for every step: ``TurnCache.before_step``), so its cache holds exactly
+what an unpipelined run leaves. Every
 step computes what it would have computed alone: the same tokens.
 
 A step with rows whose picks need their tokens on the host (a grammar's mask, penalties:
@@ -147,6 +149,7 @@ class DecodeBatch:
         if fed < len(rows):
             inputs.append(mx.array([r.generated[-1] for r in rows[fed:]], dtype=mx.uint32))
         tokens = inputs[0] if len(inputs) == 1 else mx.concatenate(inputs)
+        self._cache.before_step()  # recurrent layers keep their state from before (unfeed)
         logits = self._model(tokens[:, None], cache=self._cache.layers)[:, -1, :]
         if host_bound(rows):
             mx.async_eval(logits)

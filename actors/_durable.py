@@ -21,8 +21,7 @@ from pathlib import Path
 from ._fileio import CLOEXEC, NOFOLLOW
 from ._manifest import (
     MANIFEST,
-    SEGMENT_FILE,
-    WINDOW_FILE,
+    SEGMENT_FILES,
     CacheManifest,
     WarmInfo,
     encode_manifest,
@@ -154,13 +153,13 @@ def remove_path(path: Path) -> None:
 
 
 def orphans(folder: Path, manifest: CacheManifest | None) -> list[str]:
-    """The segment, window and temporary files in ``folder`` that ``manifest`` (None: no
+    """The segment, window, state and temporary files in ``folder`` that ``manifest`` (None: no
     manifest) does not name: what an interrupted write, fork or share left. Raises
     OSError when the folder cannot be listed."""
     live = set() if manifest is None else {s.file for s in manifest.all_segments}
     out = []
     for name in os.listdir(folder):
-        named = SEGMENT_FILE.fullmatch(name) or WINDOW_FILE.fullmatch(name)
+        named = any(p.fullmatch(name) for p in SEGMENT_FILES)
         ours = named or (name.startswith(".") and name.endswith(".tmp"))
         if ours and name not in live:
             out.append(name)

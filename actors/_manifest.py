@@ -7,13 +7,13 @@ Layout under the cache root::
     agents/<agent>/seg-<n>.safetensors   quantized K/V of tokens [start, stop), all layers
     rejected/<agent>/                    a refused cache set aside when the agent rewrote it
 
-Format 3: ``manifest.json`` is exactly ``{"checksum":"xxh3:<16 hex>","manifest":BODY}``,
-BODY the CacheManifest as compact JSON and the XXH3-64 of BODY's bytes; each segment is a
-safetensors file whose manifest entry holds the checksum of the whole file, header
-included (so header offsets swapped between same-shaped tensors do not go unnoticed):
-``xxh3t:``, a tree of its 1 MiB pieces' XXH3 (``_checksum``). Format 2 (the same with
-zlib's CRC-32, ``crc32:<8 hex>``) still loads, and a format-3 manifest may go on naming
-the format-2 segments of a cache written before (each header says its own version).
+Format 3 (written now): ``manifest.json`` is exactly ``{"checksum":"xxh3:<16 hex>",
+"manifest":BODY}``, BODY the CacheManifest as compact JSON; each segment's manifest entry
+holds the checksum of the whole file, header included (``xxh3t:``: ``_checksum``). It
+adds, for models with recurrent layers, ``states`` (their geometry) and
+``state_segments`` (``st-<n>.safetensors``: the states at the end of ``seg-<n>``'s tokens,
+for the last ``checkpoints`` segments). Format 2 (CRC-32, ``crc32:<8 hex>``, no states)
+still loads; an append rewrites its manifest as format 3, naming the old segments.
 Format 1 (the checksum over the tensor bytes only, in the segment header; an unchecked
 manifest) is refused. Every folder is reached through ``agent_dir`` / ``rejected_dir``,
 which refuse a symlink at any level below the root; every file through ``open_regular``.
@@ -33,15 +33,22 @@ import numpy as np
 
 from ._checksum import SEGMENT_CHECKSUM, body_checksum, body_matches
 from ._fileio import open_regular
+from ._paths import agent_dir as agent_dir
+from ._paths import contained as contained
+from ._paths import default_cache_dir as default_cache_dir
+from ._paths import rejected_dir as rejected_dir
 from ._safetensors import Expected
-from .errors import CacheRejected, InvalidAgentId, UnsafeCachePath
+from .errors import CacheRejected, InvalidAgentId
 from .protocol import check_agent_id
 
 __all__ = (
     "FORMAT_VERSION",
     "MANIFEST",
     "MAX_MANIFEST_BYTES",
+    "READABLE_VERSIONS",
     "SEGMENT_FILE",
+    "SEGMENT_FILES",
+    "STATE_FILE",
     "WINDOW_FILE",
     "CacheIdentity",
     "CacheManifest",
@@ -65,8 +72,8 @@ __all__ = (
 )
 
 FORMAT_VERSION = 3
-#: Versions this store reads (it writes FORMAT_VERSION).
-READ_VERSIONS = (2, 3)
+#: The format versions this store reads (those up to its own).
+READABLE_VERSIONS = (2, 3)
 #: Token ids and text of a long conversation stay far below this; more is not ours.
 MAX_MANIFEST_BYTES = 32 << 20
 #: A manifest spends at least 2 bytes per token id (a digit and a comma): no segment of a
@@ -80,6 +87,10 @@ MANIFEST = "manifest.json"
 SEGMENT_FILE = re.compile(r"seg-([0-9]{1,12})\.safetensors")
 #: The sliding-window layers' tensors of a segment, apart (see CacheManifest).
 WINDOW_FILE = re.compile(r"win-([0-9]{1,12})\.safetensors")
+#: The recurrent states at the end of a segment (its checkpoint), apart.
+STATE_FILE = re.compile(r"st-([0-9]{1,12})\.safetensors")
+#: Every kind of segment file an agent's folder holds.
+SEGMENT_FILES = (SEGMENT_FILE, WINDOW_FILE, STATE_FILE)
 _MAX_SEGMENT_NUMBER = 10**12 - 1  # so that the next number still has 12 digits
 # manifest.json: this, then BODY, then "}" (nothing else: not even a newline).
 _FRAME = re.compile(rb'\{"checksum":"(xxh3:[0-9a-f]{16}|crc32:[0-9a-f]{8})","manifest":')
@@ -99,15 +110,20 @@ def split_layers(geometry: list[list[int]]) -> tuple[frozenset[int], int] | None
     return sliding, max(geometry[i][3] for i in sliding)
 
 
-def segment_holds(geometry: list[list[int]], window: bool) -> Callable[[str], bool]:
-    """Which tensor names (``{layer}.{k|v}.{part}``) a segment holds: with split layers
-    (``split_layers``) a window segment (``window``) the sliding layers', a segment the
-    others'; else a segment all of them."""
+def segment_holds(geometry: list[list[int]], kind: int) -> Callable[[str], bool]:
+    """Which tensor names (``{layer}.{k|v|s}.{part}``) a file of ``kind`` holds: 0 a
+    segment (K/V: of the global layers with split layers, ``split_layers``, else all),
+    1 a window segment (the sliding layers' K/V), 2 a state segment (the states)."""
     split = split_layers(geometry)
-    if split is None:
-        return lambda name: not window
-    sliding = split[0]
-    return lambda name: (int(name.split(".", 1)[0]) in sliding) == window
+    sliding = split[0] if split is not None else frozenset()
+
+    def holds(name: str) -> bool:
+        layer, part = name.split(".", 2)[:2]
+        if part == "s":
+            return kind == 2
+        return kind != 2 and (int(layer) in sliding) == (kind == 1)
+
+    return holds
 
 
 def uniform_geometry(n_layers: int, n_kv_heads: int, head_dim: int) -> list[list[int]]:
@@ -128,9 +144,15 @@ class CacheIdentity(msgspec.Struct, frozen=True, kw_only=True):
     # Per layer [n_kv_heads, key_dim, value_dim, window] (CacheGeometry.describe); []: every
     # layer n_kv_heads heads of head_dim (what caches written before this field hold).
     geometry: list[list[int]] = msgspec.field(default_factory=list)
+    # Recurrent layers' states (CacheGeometry.describe_states); []: none.
+    states: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
     def layer_geometry(self) -> list[list[int]]:
         return self.geometry or uniform_geometry(self.n_layers, self.n_kv_heads, self.head_dim)
+
+    def readable(self) -> tuple[int, ...]:
+        """The format versions a store of this identity reads."""
+        return tuple(v for v in READABLE_VERSIONS if v <= self.format_version)
 
 
 class SegmentEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -141,7 +163,7 @@ class SegmentEntry(msgspec.Struct, frozen=True, kw_only=True):
     stop: int
     use: int  # below stop - start after a DIVERGE cut into this segment
     nbytes: int
-    checksum: str  # "crc32:xxxxxxxx" over the whole file, header included
+    checksum: str  # "xxh3t:..." (format 2: "crc32:...") over the whole file, header included
     owner: str = ""  # the agent the file was written for, when not this one (a fork's)
 
 
@@ -170,14 +192,19 @@ class CacheManifest(msgspec.Struct, frozen=True, kw_only=True):
     # sliding ones, only for the last ranges: those a turn resuming anywhere in the last
     # segment attends to (older ones are deleted). Other models: all layers in segments.
     window_segments: list[SegmentEntry] = msgspec.field(default_factory=list)
+    # Format 3, a model with recurrent layers: their geometry (as CacheIdentity's), and the
+    # state files (st-<n>, beside seg-<n>, same tokens: the states after them) of the last
+    # segments, those whose checkpoints the agent keeps.
+    states: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    state_segments: list[SegmentEntry] = msgspec.field(default_factory=list)
 
     def layer_geometry(self) -> list[list[int]]:
         return self.geometry or uniform_geometry(self.n_layers, self.n_kv_heads, self.head_dim)
 
     @property
     def all_segments(self) -> tuple[SegmentEntry, ...]:
-        """Every file entry: the segments, then the window segments."""
-        return (*self.segments, *self.window_segments)
+        """Every file entry: the segments, the window segments, the state segments."""
+        return (*self.segments, *self.window_segments, *self.state_segments)
 
 
 class _Versioned(msgspec.Struct):
@@ -205,60 +232,23 @@ class Loaded(msgspec.Struct, frozen=True):
     segments: list[dict[str, np.ndarray[Any, Any]]]
     nbytes: int  # bytes read
     windows: list[dict[str, np.ndarray[Any, Any]]] = []  # of manifest.window_segments
+    states: list[dict[str, np.ndarray[Any, Any]]] = []  # of manifest.state_segments
 
     def ranges(self) -> list[tuple[int, int, dict[str, np.ndarray[Any, Any]]]]:
         """``(start, stop, tensors)`` per segment, in token order; a segment's window
-        tensors (sliding-window layers, for the last ranges) joined to its own."""
-        windows = {
-            entry.start: tensors
-            for entry, tensors in zip(self.manifest.window_segments, self.windows, strict=True)
-        }
+        tensors (sliding-window layers, for the last ranges) and state tensors (its
+        checkpoint, for the last ranges) joined to its own."""
+        extra: dict[int, dict[str, np.ndarray[Any, Any]]] = {}
+        for entries, found in (
+            (self.manifest.window_segments, self.windows),
+            (self.manifest.state_segments, self.states),
+        ):
+            for entry, tensors in zip(entries, found, strict=True):
+                extra.setdefault(entry.start, {}).update(tensors)
         return [
-            (entry.start, entry.start + entry.use, {**tensors, **windows.get(entry.start, {})})
+            (entry.start, entry.start + entry.use, {**tensors, **extra.get(entry.start, {})})
             for entry, tensors in zip(self.manifest.segments, self.segments, strict=True)
         ]
-
-
-# ----------------------------------------------------------------------------- paths
-def default_cache_dir() -> Path:
-    """``$KVACTOR_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/kvactor/agents-cache``, else
-    ``~/.cache/kvactor/agents-cache``."""
-    explicit = os.environ.get("KVACTOR_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "kvactor" / "agents-cache"
-
-
-def contained(root: str | os.PathLike[str], *parts: str) -> Path:
-    """``<root>/<parts...>`` once every component below the root is checked not to be a
-    symlink (missing ones are fine: nothing to follow yet). The root itself may be one.
-
-    Raises UnsafeCachePath naming the first component that resolves elsewhere.
-    """
-    # A symlinked folder could lead anywhere: deleting or moving through it would act
-    # outside the root. Each component's real path must be the root's plus its own name.
-    real = os.path.realpath(root)
-    for i in range(1, len(parts) + 1):
-        real = os.path.join(real, parts[i - 1])
-        if os.path.realpath(real) != real:
-            where = "/".join(parts[:i])
-            raise UnsafeCachePath(
-                f"{where} under {root} is a symlink, which could lead outside the cache root"
-            )
-    return Path(root).joinpath(*parts)
-
-
-def agent_dir(root: str | os.PathLike[str], agent: str) -> Path:
-    """``<root>/agents/<agent>``. Raises InvalidAgentId for an unsafe id (checked before any
-    path work), UnsafeCachePath when ``agents/`` or the agent's folder is a symlink."""
-    return contained(root, "agents", check_agent_id(agent))
-
-
-def rejected_dir(root: str | os.PathLike[str], agent: str) -> Path:
-    """``<root>/rejected/<agent>``, where a refused cache is set aside; raises as
-    ``agent_dir`` does."""
-    return contained(root, "rejected", check_agent_id(agent))
 
 
 # -------------------------------------------------------------------------- manifest
@@ -280,24 +270,18 @@ def _version(raw: bytes) -> int | None:
         return None
 
 
-def _readable(version: int | None, format_version: int) -> bool:
-    return (
-        version is None
-        or version == format_version
-        or (format_version == FORMAT_VERSION and version in READ_VERSIONS)
-    )
-
-
-def _decode_manifest(raw: bytes, path: Path, format_version: int) -> CacheManifest:
+def _decode_manifest(raw: bytes, path: Path, readable: tuple[int, ...]) -> CacheManifest:
     def refuse(reason: str) -> CacheRejected:
         return CacheRejected(reason, str(path))
+
+    reads = " and ".join(map(str, readable))
 
     frame = _FRAME.match(raw)
     if frame is None or not raw.endswith(b"}"):
         # Format 1 wrote the bare manifest: say which version it is when it says so.
         version = _version(raw)
-        if not _readable(version, format_version):
-            raise refuse(f"format version {version}, this store reads {format_version}")
+        if version is not None and version not in readable:
+            raise refuse(f"format version {version}, this store reads {reads}")
         raise refuse("malformed manifest: not framed with its checksum")
     body = raw[frame.end() : -1]
     said = frame.group(1).decode()
@@ -305,8 +289,8 @@ def _decode_manifest(raw: bytes, path: Path, format_version: int) -> CacheManife
     if found is not None:
         raise refuse(f"manifest checksum mismatch: its body has {found}, it says {said}")
     version = _version(body)
-    if not _readable(version, format_version):
-        raise refuse(f"format version {version}, this store reads {format_version}")
+    if version is not None and version not in readable:
+        raise refuse(f"format version {version}, this store reads {reads}")
     if (version == FORMAT_VERSION) != said.startswith("xxh3:"):
         raise refuse(f"a format {version} manifest framed with {said.split(':')[0]}")
     try:
@@ -348,8 +332,10 @@ def _check_manifest(
             raise refuse(
                 f"layer geometry {m.layer_geometry()}, expected {identity.layer_geometry()}"
             )
-    elif min(m.n_layers, m.n_kv_heads, m.head_dim) <= 0:
-        raise refuse("layers/kv heads/head dim must be positive")
+        if m.states != identity.states:
+            raise refuse(f"recurrent states {m.states}, expected {identity.states}")
+    elif m.n_layers <= 0 or min(m.n_kv_heads, m.head_dim) < 0:
+        raise refuse("layers must be positive, kv heads/head dim not negative")
     if m.agent != agent:
         raise refuse(f"manifest belongs to agent {m.agent!r}")
     if m.n_tokens != len(m.token_ids):
@@ -407,6 +393,32 @@ def _check_manifest(
     position = entries("window segment", WINDOW_FILE, windows, windows[0].start if windows else 0)
     if windows and position != m.n_tokens:
         raise refuse(f"window segments end at {position}, manifest says {m.n_tokens}")
+    _check_states(m, mains, files, refuse)
+
+
+def _check_states(
+    m: CacheManifest, mains: set[tuple[int, int, int]], files: set[str], refuse: Any
+) -> None:
+    """Raise (``refuse``) unless the state segments are files of their own, each of a
+    whole segment's tokens, in order, and only for a model with recurrent layers."""
+    if m.state_segments and not m.states:
+        raise refuse("state segments for a model without recurrent layers")
+    at = -1
+    for s in m.state_segments:
+        named = STATE_FILE.fullmatch(s.file)
+        if named is None or s.file in files or int(named.group(1)) > m.last_segment:
+            raise refuse(f"bad or repeated state segment file name {s.file[:80]!r}")
+        files.add(s.file)
+        if (s.start, s.stop, s.use) not in mains or s.use != s.stop - s.start or s.start <= at:
+            raise refuse(f"state segment {s.file} does not match a whole segment")
+        if not 0 < s.nbytes <= _MAX_SEGMENT_BYTES or not SEGMENT_CHECKSUM.fullmatch(s.checksum):
+            raise refuse(f"state segment {s.file} has a bad size or checksum entry")
+        if s.owner:
+            try:
+                check_agent_id(s.owner)
+            except InvalidAgentId as exc:
+                raise refuse(f"state segment {s.file}: bad owner: {exc}") from None
+        at = s.start
 
 
 def load_manifest(
@@ -437,8 +449,8 @@ def load_manifest(
     raw = b"".join(parts)
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CacheRejected(f"{MANIFEST} exceeds {MAX_MANIFEST_BYTES} bytes", str(path))
-    version = identity.format_version if identity is not None else FORMAT_VERSION
-    manifest = _decode_manifest(raw, path, version)
+    readable = identity.readable() if identity is not None else READABLE_VERSIONS
+    manifest = _decode_manifest(raw, path, readable)
     _check_manifest(manifest, identity, agent, path)
     return manifest, len(raw)
 
@@ -473,11 +485,11 @@ def warm_info(manifest: CacheManifest, manifest_bytes: int) -> WarmInfo:
 def segment_metadata(
     identity: CacheIdentity, agent: str, start: int, stop: int, version: int | None = None
 ) -> dict[str, str]:
-    """What a segment's header says about it (its checksum is in the manifest); ``version``:
-    the format it was written in (default: the identity's)."""
+    """What a segment's header says about it (its checksum is in the manifest);
+    ``version``: the format it was written in (default the identity's)."""
     return {
         "format": "kvactor-warm-segment",
-        "format_version": str(version or identity.format_version),
+        "format_version": str(identity.format_version if version is None else version),
         "model_fingerprint": identity.model_fingerprint,
         "codec": codec_key(identity.codec).decode(),
         "agent": agent,

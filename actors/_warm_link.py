@@ -1,7 +1,7 @@
 """Linking warm caches: a fork (another agent's whole cache) and a shared prefix (the
-segments of another agent's cache up to a segment boundary), both by hard-linking the
-source's segment files into the new agent's folder (one copy of the bytes) and then
-committing the new agent's manifest.
+segments of another agent's cache up to a segment boundary, with the state files of its
+recurrent layers' checkpoints), both by hard-linking the source's segment files into the
+new agent's folder (one copy of the bytes) and then committing the new agent's manifest.
 
 Files are never rewritten, so the source and the new agent append, cut and forget on
 their own from then on. Everything here blocks: StoreActor runs it off the event loop.
@@ -56,7 +56,9 @@ def fork_cache(
     except CacheRejected:
         raise ValueError(f"agent {new!r} has a (refused) warm cache already") from None
     old = loaded[0]
-    manifest = _linked_manifest(old, source, new, old.segments, old.window_segments)
+    manifest = _linked_manifest(
+        old, source, new, old.segments, old.window_segments, old.state_segments
+    )
     doing = f"forking the warm cache of agent {source!r} into {new!r}"
     return _link_into(src, dst, manifest, doing)
 
@@ -98,7 +100,11 @@ def share_cache(
     segments = [s for s in old.segments if s.start < upto]
     if not segments or segments[-1].start + segments[-1].use != upto:
         return None
-    manifest = _linked_manifest(old, source, new, segments, [])
+    # With recurrent layers the shared prefix needs the checkpoint at its end.
+    states = [s for s in old.state_segments if s.stop <= upto]
+    if old.states and (not states or states[-1].stop != upto):
+        return None
+    manifest = _linked_manifest(old, source, new, segments, [], states)
     manifest = msgspec.structs.replace(
         manifest,
         n_tokens=upto,
@@ -116,6 +122,7 @@ def _linked_manifest(
     new: str,
     segments: list[SegmentEntry],
     windows: list[SegmentEntry],
+    states: list[SegmentEntry],
 ) -> CacheManifest:
     """``new``'s manifest naming ``source``'s ``segments`` (their first owner kept)."""
 
@@ -128,6 +135,7 @@ def _linked_manifest(
         agent=new,
         segments=owned(segments),
         window_segments=owned(windows),
+        state_segments=owned(states),
         created=now,
         updated=now,
     )

@@ -72,7 +72,12 @@ def _prefix(
 
 
 def _read_segment(
-    path: Path, entry: SegmentEntry, expected: Expected, identity: CacheIdentity, agent: str
+    path: Path,
+    entry: SegmentEntry,
+    expected: Expected,
+    identity: CacheIdentity,
+    agent: str,
+    version: int,
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read and verify one segment file. FileNotFoundError propagates (a concurrent
     rewrite may have removed it); every other problem is a CacheRejected."""
@@ -104,9 +109,15 @@ def _read_segment(
     except CacheRejected as exc:
         raise refuse(exc.reason) from None
     # A fork's segments are its source's files (linked): their header names the source.
+    # A segment says the format it was written in: the manifest's, or an older one that
+    # an append to that cache kept (format 2 files in a format 3 cache).
     owner = entry.owner or agent
-    version = segment_version(entry.checksum)  # a format-2 segment a format-3 cache names
-    for key, value in segment_metadata(identity, owner, entry.start, entry.stop, version).items():
+    # Each segment says the format it was written in; its checksum's kind says which
+    # (a format-3 manifest may name the format-2 segments of a cache written before).
+    written = segment_version(entry.checksum)
+    if written > version:
+        raise refuse(f"a format {written} segment in a format {version} cache")
+    for key, value in segment_metadata(identity, owner, entry.start, entry.stop, written).items():
         said = parsed.metadata.get(key)
         if said != value:
             raise refuse(f"metadata {key} is {str(said)[:80]!r}, expected {value!r}")
@@ -115,11 +126,12 @@ def _read_segment(
 
 def _planned(
     folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
-) -> Iterator[tuple[bool, SegmentEntry, Path, Callable[[int, int], Expected]]]:
-    """Each segment file the manifest names (the window segments last, ``True``), its
-    path, and the tensors expected of it for a range of tokens."""
+) -> Iterator[tuple[int, SegmentEntry, Path, Callable[[int, int], Expected]]]:
+    """Each segment file the manifest names, its kind (0: a segment, 1: a window segment,
+    2: a state segment), its path, and the tensors expected of it for a range of tokens."""
     geometry = identity.layer_geometry()
-    for entries, window in ((manifest.segments, False), (manifest.window_segments, True)):
+    kinds = (manifest.segments, manifest.window_segments, manifest.state_segments)
+    for window, entries in enumerate(kinds):
         keep = segment_holds(geometry, window)
         for entry in entries:
             path = folder / entry.file
@@ -135,16 +147,21 @@ def _planned(
 def _read_segments(
     folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
 ) -> Loaded:
-    out: tuple[list[dict[str, np.ndarray[Any, Any]]], ...] = ([], [])
-    for window, entry, path, layout in _planned(folder, manifest, identity, expect):
+    out: tuple[list[dict[str, np.ndarray[Any, Any]]], ...] = ([], [], [])
+    for kind, entry, path, layout in _planned(folder, manifest, identity, expect):
         tensors = _read_segment(
-            path, entry, layout(entry.start, entry.stop), identity, manifest.agent
+            path,
+            entry,
+            layout(entry.start, entry.stop),
+            identity,
+            manifest.agent,
+            manifest.format_version,
         )
         if entry.use < entry.stop - entry.start:
             tensors = _prefix(tensors, layout(entry.start, entry.start + entry.use))
-        out[window].append(tensors)
+        out[kind].append(tensors)
     nbytes = sum(s.nbytes for s in manifest.all_segments)
-    return Loaded(manifest, out[0], nbytes, windows=out[1])
+    return Loaded(manifest, out[0], nbytes, windows=out[1], states=out[2])
 
 
 def verify_cache(
@@ -180,7 +197,14 @@ def verify_cache(
             if not stat.S_ISREG(info.st_mode) or info.st_size != entry.nbytes:
                 raise CacheRejected(f"{entry.file}: not the file the manifest names", str(path))
             continue
-        _read_segment(path, entry, layout(entry.start, entry.stop), identity, manifest.agent)
+        _read_segment(
+            path,
+            entry,
+            layout(entry.start, entry.stop),
+            identity,
+            manifest.agent,
+            manifest.format_version,
+        )
     return manifest
 
 

@@ -26,8 +26,7 @@ from ._durable import commit, fsync_dir, remove_path, write_atomic, write_failed
 from ._fileio import in_background
 from ._manifest import (
     MAX_MANIFEST_BYTES,
-    SEGMENT_FILE,
-    WINDOW_FILE,
+    SEGMENT_FILES,
     CacheIdentity,
     CacheManifest,
     ExpectFn,
@@ -65,9 +64,13 @@ def append_cache(
     extra: Mapping[str, Any] | None = None,
     delete_rejected: bool = False,
     refused: str | None = None,
+    checkpoints: int | None = None,
 ) -> WarmInfo:
     """Make the agent's warm cache hold ``tokens``: keep its first ``start`` tokens, write
     ``tensors`` (tokens [start, len(tokens))) as one new segment, then commit the manifest.
+    With recurrent layers ``tensors`` may hold the states at its end (all or none: its
+    checkpoint), written apart; only the last ``checkpoints`` segments' are kept (None:
+    every one).
 
     ``start`` below the cached count cuts the cache there first (a DIVERGE); no tensors
     (``len(tokens) == start``) only rewrites the manifest. Orphan segment and temp files
@@ -88,8 +91,9 @@ def append_cache(
     token_ids = _checked_ids(identity, start, tokens)
     arrays = _check_tensors(expect, start, tensors, len(token_ids) - start)
     old, set_aside = _previous(folder, identity, agent, start, token_ids, refused)
+    grows = len(token_ids) > start
     manifest = _next_manifest(
-        identity, agent, old, start, token_ids, bool(arrays), text, messages, extra or {}
+        identity, agent, old, start, token_ids, grows, text, messages, extra or {}
     )
     # Encoding now raises TypeError for what JSON cannot hold, before any disk work; the
     # segment entry added below and the checksum frame are a few hundred bytes at most.
@@ -101,8 +105,9 @@ def append_cache(
         if not folder.is_dir():
             folder.mkdir(parents=True, exist_ok=True)
             fsync_dir(folder.parent)
-        if arrays:
+        if grows:
             manifest = _write_new_segment(folder, identity, manifest, start, arrays)
+            manifest = _keep_checkpoints(manifest, checkpoints)
         return commit(folder, manifest)
     except OSError as exc:
         raise write_failed(exc, f"writing the warm cache of agent {agent!r}") from exc
@@ -136,6 +141,9 @@ def _check_tensors(
             raise ValueError("tensors were given for an empty range (tokens has start ids)")
         return []
     want = expect(start, start + n)
+    states = {k for k in want if k.split(".", 2)[1] == "s"}
+    if states and not states & set(tensors):  # a range whose checkpoint was dropped
+        want = {k: v for k, v in want.items() if k not in states}
     if set(tensors) != set(want):
         missing = sorted(set(want) - set(tensors))[:5]
         extra = sorted(set(tensors) - set(want))[:5]
@@ -210,6 +218,8 @@ def _next_manifest(
     now = time.time()
     segments = _cut(old.segments, start) if old is not None else []
     windows = _cut(old.window_segments, start) if old is not None else []
+    # A checkpoint is the state after a whole segment: one cut into is gone.
+    states = [s for s in old.state_segments if s.stop <= start] if old is not None else []
     split = split_layers(identity.layer_geometry())
     if split is not None and grows:
         # The new segment is the last range now: keep the sliding layers' tensors that a
@@ -223,6 +233,8 @@ def _next_manifest(
         n_kv_heads=identity.n_kv_heads,
         head_dim=identity.head_dim,
         geometry=identity.layer_geometry(),
+        states=list(identity.states),
+        state_segments=states,
         agent=agent,
         n_tokens=len(token_ids),
         token_ids=token_ids,
@@ -270,29 +282,44 @@ def _write_new_segment(
     arrays: Arrays,
 ) -> CacheManifest:
     """Write tokens [start, manifest.n_tokens) as the next segment (and its window file,
-    for a model with sliding-window layers); the manifest that names them. The number is
-    past every segment file in the folder, orphans included, so no file is ever rewritten.
-    Raises OSError when the disk fails."""
+    for a model with sliding-window layers, and its state file, for a checkpoint of
+    recurrent layers); the manifest that names them. The number is past every segment
+    file in the folder, orphans included, so no file is ever rewritten. Raises OSError
+    when the disk fails."""
     names = os.listdir(folder)
-    found = [m for p in (SEGMENT_FILE, WINDOW_FILE) for m in map(p.fullmatch, names) if m]
+    found = [m for p in SEGMENT_FILES for m in map(p.fullmatch, names) if m]
     number = max([manifest.last_segment, *(int(m.group(1)) for m in found)]) + 1
     agent, stop = manifest.agent, manifest.n_tokens
-    if split_layers(identity.layer_geometry()) is None:
-        entry = _write_segment(folder, number, identity, agent, start, stop, arrays)
-        return msgspec.structs.replace(
-            manifest, segments=[*manifest.segments, entry], last_segment=number
-        )
-    in_window = segment_holds(identity.layer_geometry(), window=True)
-    sliding = [(k, a) for k, a in arrays if in_window(k)]
-    rest = [(k, a) for k, a in arrays if not in_window(k)]
-    entry = _write_segment(folder, number, identity, agent, start, stop, rest)
-    window = _write_segment(folder, number, identity, agent, start, stop, sliding, prefix="win")
+    geometry = identity.layer_geometry()
+    kinds = [[(k, a) for k, a in arrays if segment_holds(geometry, kind)(k)] for kind in range(3)]
+    entries = [
+        _write_segment(folder, number, identity, agent, start, stop, group, prefix=prefix)
+        if kind == 0 or group or (kind == 1 and split_layers(geometry) is not None)
+        else None
+        for kind, (group, prefix) in enumerate(zip(kinds, ("seg", "win", "st"), strict=True))
+    ]
+    lists = (manifest.segments, manifest.window_segments, manifest.state_segments)
+    grown = [
+        [*old, entry] if entry is not None else list(old)
+        for old, entry in zip(lists, entries, strict=True)
+    ]
     return msgspec.structs.replace(
         manifest,
-        segments=[*manifest.segments, entry],
-        window_segments=[*manifest.window_segments, window],
+        segments=grown[0],
+        window_segments=grown[1],
+        state_segments=grown[2],
         last_segment=number,
     )
+
+
+def _keep_checkpoints(manifest: CacheManifest, checkpoints: int | None) -> CacheManifest:
+    """The manifest naming the state files of its last ``checkpoints`` segments only (as
+    the hot cache keeps them: ``AgentKV.checkpoints``); the others become orphans."""
+    if checkpoints is None or not manifest.state_segments:
+        return manifest
+    last = {s.start for s in manifest.segments[-checkpoints:]}
+    kept = [s for s in manifest.state_segments if s.start in last]
+    return msgspec.structs.replace(manifest, state_segments=kept)
 
 
 def _write_segment(

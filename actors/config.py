@@ -9,6 +9,7 @@ from typing import Literal, get_args
 
 import mlx.core as mx
 
+from ..kernels.agent_cache import DEFAULT_CHECKPOINTS
 from ..kernels.geometry import CacheGeometry
 from ..kernels.qcodec import KVCodec
 from ..kernels.turn_cache import FloatTurnCache, QuantizedTurnCache
@@ -57,6 +58,11 @@ class EngineConfig:
     answers never depend on concurrency; it costs ~10% of decode throughput at batch 1 and
     8 on this CPU (``bench/invariance.py``), so it is off by default. Without it a batch
     changes a row's last bits, and a greedy pick at a near-tie of two tokens may differ.
+    ``checkpoints``: with recurrent layers (state-space, linear attention), how many of an
+    agent's stored ranges keep the states at their end (a turn stores its prompt and its
+    answer as ranges of their own): a turn resumes at the last one at or before where its
+    prompt diverges, and from nothing below them. Their bytes count in the budget, and on
+    disk as many are kept. At least 1 (the latest state).
 
     Raises ValueError for a value out of range.
     """
@@ -73,12 +79,15 @@ class EngineConfig:
     share_prefixes: bool = True
     deterministic: bool = False
     tool_wait_s: float = 30.0
+    checkpoints: int = DEFAULT_CHECKPOINTS
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         if not 0 <= self.tool_wait_s <= 86_400:
             raise ValueError(f"tool_wait_s must be in [0, 86400], got {self.tool_wait_s}")
+        if self.checkpoints < 1:
+            raise ValueError("checkpoints must be >= 1 (the latest state is always kept)")
         if self.budget_bytes is not None and self.budget_bytes < 1:
             raise ValueError("budget_bytes must be positive (or None for no budget)")
         if self.attention not in get_args(Attention):
@@ -97,14 +106,18 @@ class EngineConfig:
 
 
 def turn_reserve_bytes(
-    geometry: CacheGeometry, tokens: int, *, stored_bytes: int | None = None
+    geometry: CacheGeometry, tokens: int, *, stored_bytes: int | None = None, checkpoints: int = 1
 ) -> int:
     """What a turn reserves in the hot budget for its working cache, twice (the batch pads
     rows and merging copies them). With dequantized attention (``stored_bytes`` None) that
     is fp32 K and V of all ``tokens`` (prompt + max_tokens); with quantized attention, fp32
     K and V of the ``tokens`` the turn adds, plus a copy of the agent's ``stored_bytes``
-    with scales widened to fp32 (at most 1.5x). Tokens count in steps of 256."""
+    with scales widened to fp32 (at most 1.5x). Tokens count in steps of 256. Recurrent
+    layers add their states: during the turn three (the working one, the one from before
+    the last step, ``TurnCache.before_step``, and the next one being computed); at its end
+    the ``checkpoints`` it stores, twice (stored, and exported until written)."""
     fp = (-(-tokens // 256) * 256) * geometry.fp32_bytes_per_token()
+    states = max(3, 2 * checkpoints) * geometry.state_bytes
     if stored_bytes is None:
-        return 2 * fp
-    return 2 * (fp + stored_bytes * 3 // 2)
+        return 2 * fp + states
+    return 2 * (fp + stored_bytes * 3 // 2) + states

@@ -18,10 +18,11 @@ from ..kernels.qcodec import DEFAULT_CODEC
 from ..kernels.rowwise import bind_rows
 from ..runtime import ThreadActor
 from ._batch import DecodeBatch
+from ._model_check import check_turns
 from ._picking import host_bound, pick, pick_in_graph
 from .config import EngineConfig, ModelSpec, turn_reserve_bytes
 from .enums import Room, Tier
-from .errors import BudgetExceeded, CacheMiss, ContextOverflow, EngineStopped
+from .errors import BudgetExceeded, CacheMiss, ContextOverflow, EngineStopped, ModelLoadError
 from .generation import Generation
 from .grammar import GrammarCompiler
 from .hot_entry import HotEntry
@@ -104,6 +105,7 @@ class EngineActor(ThreadActor):
             geometry=self.lm.geometry,
             turn_cache=self.turn_cache,
             ready_copies=config.ready_copies,
+            checkpoints=config.checkpoints,
         )
         self.batch = DecodeBatch(self.lm.model)
         self._eos = frozenset(self.lm.tokenizer.eos_token_ids)
@@ -111,12 +113,22 @@ class EngineActor(ThreadActor):
         # ModelInfo says it, so that the warm tier refuses a cache of other ids.
         self._vocab_size = self.lm.tokenizer.vocab_size
         self._grammars = GrammarCompiler(self.lm.tokenizer)
-        self.turn_cache.prepare(self.lm.model)
+        try:
+            self.turn_cache.prepare(self.lm.model, self.lm.geometry)
+        except TypeError as exc:
+            family = getattr(self.lm.model, "model_type", self.lm.name)
+            raise ModelLoadError(f"model family {family!r}: {exc}") from exc
         if self.config.deterministic:
             # A decode step's projections of few rows round as a batch's (kernels.rowwise).
             bind_rows(self.lm.model, self.config.max_batch)
-        # A codec or geometry this engine cannot store fails here, not mid-turn.
-        segment_layout(self.codec, self.lm.geometry)(0, 1)
+        # A codec or geometry this engine cannot store fails here, not mid-turn; and so
+        # does a model whose layers cannot run over this attention mode's caches.
+        try:
+            segment_layout(self.codec, self.lm.geometry)(0, 1)
+        except ValueError as exc:
+            family = getattr(self.lm.model, "model_type", self.lm.name)
+            raise ValueError(f"model family {family!r}: {exc}") from None
+        check_turns(self.lm, self.codec, self.turn_cache)
 
     def on_stop(self) -> None:
         # MLX arrays made on this thread must die before it exits: MLX aborts the process
@@ -190,6 +202,7 @@ class EngineActor(ThreadActor):
             codec=self.codec.describe(),
             vocab_size=self._vocab_size,
             geometry=self.lm.geometry.describe(),
+            states=self.lm.geometry.describe_states(),
         )
 
     def _stats(self) -> EngineStats:
@@ -239,6 +252,10 @@ class EngineActor(ThreadActor):
         cuts = msg.cuts
         if any(not 0 < c < len(msg.tokens) for c in cuts) or list(cuts) != sorted(set(cuts)):
             raise ValueError("cuts must increase and lie inside the prompt")
+        if self.lm.geometry.recurrent and len(msg.tokens) > 1:
+            # A checkpoint of the recurrent states where the next turn most likely diverges
+            # (a redo of this answer, a template that renders it anew) or resumes.
+            cuts = tuple(sorted({*cuts, len(msg.tokens) - 1}))
         if msg.warm and agent not in self.pool:
             raise CacheMiss(f"agent {agent!r} is not hot: stage its warm cache first")
         sampling = msg.sampling
@@ -299,7 +316,8 @@ class EngineActor(ThreadActor):
         request.reserve = turn_reserve_bytes(
             kv.geometry,
             (len(prompt) - keep if quantized else len(prompt)) + request.sampling.max_tokens,
-            stored_bytes=kv.stored_bytes if quantized else None,
+            stored_bytes=kv.stored_bytes - kv.checkpoint_bytes if quantized else None,
+            checkpoints=1 + sum(c > keep for c in request.cuts),
         )
 
     def _staged(self, tokens: list[int], ranges: list[tuple[int, int, dict[str, Any]]]) -> AgentKV:
@@ -309,11 +327,13 @@ class EngineActor(ThreadActor):
         geometry = self.lm.geometry
         sliding = geometry.sliding
         kv.ranges = [
-            StoredRange.from_numpy(start, stop, geometry.n_layers, tensors, sliding)
+            StoredRange.from_numpy(start, stop, geometry, tensors, sliding)
             for start, stop, tensors in ranges
         ]
         if kv.stored_tokens != len(tokens):
             raise ValueError("staged ranges do not cover the staged tokens")
+        if kv.ranges and kv.reusable(len(tokens)) != len(tokens):
+            raise ValueError("staged recurrent states lack the checkpoint at the last token")
         # The warm tier keeps sliding layers' tensors for the last ranges only.
         lacking = [r for r in kv.ranges if any(not r.holds_layer(i) for i in sliding)]
         if lacking:

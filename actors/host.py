@@ -35,8 +35,7 @@ import msgspec
 from ._durable import link_or_copy
 from ._manifest import (
     MANIFEST,
-    SEGMENT_FILE,
-    WINDOW_FILE,
+    SEGMENT_FILES,
     CacheIdentity,
     SegmentEntry,
     agent_dir,
@@ -368,7 +367,7 @@ class EngineHost:
 
 def _cache_file(name: object) -> bool:
     return isinstance(name, str) and bool(
-        name == MANIFEST or SEGMENT_FILE.fullmatch(name) or WINDOW_FILE.fullmatch(name)
+        name == MANIFEST or any(p.fullmatch(name) for p in SEGMENT_FILES)
     )
 
 

@@ -32,6 +32,7 @@ class HotEntry:
         "_shared_from",
         "_tool_wait_until",
         "_turn_reserve",
+        "_turn_stored",
         "_write_due",
         "kv",
     )
@@ -52,6 +53,7 @@ class HotEntry:
         self._hits = 0
         self._next_use = next_use
         self._turn_reserve: int | None = None  # while its turn's working cache exists
+        self._turn_stored = 0  # its stored bytes when the turn started (what it adds counts)
         self._write_due = False  # its turn ended: the agent is about to export new tokens
         # Its first ranges are another agent's (source, tokens) shared at a turn's start,
         # and nothing of it is on disk yet: its first write may link that agent's segments.

@@ -14,6 +14,7 @@ On Metal / CUDA the quantized kernels are fast and weights stay quantized.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import json
@@ -26,9 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from ..kernels.geometry import CacheGeometry, LayerGeometry
+from ..kernels.geometry import CacheGeometry
 from . import _gguf
 from ._bpe import tiny_byte_tokenizer
 from ._fetch import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
@@ -36,6 +37,9 @@ from ._fetch import default_model_path as default_model_path
 from ._fetch import fetch_default_model as fetch_default_model
 from ._fetch import file_digest
 from ._fetch import model_dir as model_dir
+from ._probe import probe_geometry as probe_geometry
+from ._tiny import ONE_PLUS_NORMS
+from ._tiny import TINY_FAMILIES as TINY_FAMILIES
 from ._tokenizer import MlxLmTokenizer, Tokenizer
 from .errors import ModelLoadError
 
@@ -48,6 +52,7 @@ __all__ = (
     "make_tiny_model",
     "model_dir",
     "probe_geometry",
+    "tiny_model",
 )
 
 _DEFAULT_SPECS = ("default", "smollm2", DEFAULT_MODEL_NAME.lower())
@@ -91,13 +96,16 @@ class LoadedModel:
 
     @property
     def n_kv_heads(self) -> int:
-        """KV heads of the first layer (every layer's: ``geometry``)."""
-        return self.geometry.layer(0).n_kv_heads
+        """KV heads of the first K/V layer (every layer's: ``geometry``; 0: none)."""
+        kv = self.geometry.kv_layers
+        return self.geometry.layer(kv[0]).n_kv_heads if kv else 0
 
     @property
     def head_dim(self) -> int:
-        """Key width of the first layer (every layer's, and value widths: ``geometry``)."""
-        return self.geometry.layer(0).key_dim
+        """Key width of the first K/V layer (every layer's, and value widths: ``geometry``;
+        0: none)."""
+        kv = self.geometry.kv_layers
+        return self.geometry.layer(kv[0]).key_dim if kv else 0
 
     def make_cache(self) -> list[Any]:
         """A fresh mlx-lm prompt cache (one entry per layer)."""
@@ -275,120 +283,7 @@ def _fingerprint(arch: dict[str, Any], weights_digest: str, tokenizer_digest: st
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-# ---------------------------------------------------------------- the cache geometry
-
-
-def probe_geometry(model: nn.Module, family: str) -> CacheGeometry:
-    """Every layer's KV cache as the model itself makes and fills it: ``make_prompt_cache``
-    (the model's own ``make_cache`` when it has one), then two tokens through the model and
-    the shapes each layer's cache took (heads, key and value widths: MLA keys and values
-    differ) and, for an mlx-lm ``RotatingKVCache``, its window.
-
-    Raises ValueError naming the family and the layer when a layer keeps a cache kvactor
-    cannot store (state-space, chunked, pre-quantized or composite caches, a rotating cache
-    that keeps tokens at its start), or no cache at all. Whether the codec can store the
-    widths is the engine's check, at start.
-    """
-    caches = make_prompt_cache(model)
-    layers = getattr(model, "layers", None)
-    if layers is not None and len(caches) != len(layers):
-        raise ValueError(
-            f"model family {family!r}: {len(caches)} caches for {len(layers)} layers "
-            "(layers without a KV cache are not supported)"
-        )
-    for i, cache in enumerate(caches):
-        kind = type(cache)
-        if kind is RotatingKVCache and cache.keep:
-            raise ValueError(
-                f"model family {family!r}: layer {i} keeps {cache.keep} tokens at the start "
-                "of its sliding window (not supported)"
-            )
-        if kind not in (KVCache, RotatingKVCache):
-            raise ValueError(
-                f"model family {family!r}: layer {i} keeps a {kind.__name__}, not supported "
-                "(kvactor stores KVCache and RotatingKVCache layers)"
-            )
-    model(mx.array([[0, 0]], dtype=mx.uint32), cache=caches)
-    out = []
-    for cache in caches:
-        keys, values = cache.state[:2]
-        _, heads, _, key_dim = keys.shape
-        value_dim = values.shape[-1]
-        window = cache.max_size if isinstance(cache, RotatingKVCache) else None
-        out.append(LayerGeometry(int(heads), int(key_dim), int(value_dim), window))
-    return CacheGeometry(tuple(out))
-
-
 # ---------------------------------------------------------------- the tiny test models
-
-#: Base configurations of the tiny random models, per mlx-lm family: every family of the
-#: research's models. Head widths are multiples of 32 (the smallest quantization group).
-TINY_FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-    },
-    "qwen3": {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 64,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-    },
-    # Sliding-window layers 0 and 2 (a window of 16 tokens), global layers 1 and 3.
-    "gemma3_text": {
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 64,
-        "query_pre_attn_scalar": 64,
-        "sliding_window": 16,
-        "sliding_window_pattern": 2,
-    },
-    # Multi-head latent attention (keys 64 + 32 wide, values 64 wide), a dense first layer
-    # and a mixture of experts (4 routed, 2 per token, 1 shared) in the second.
-    "deepseek_v2": {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "kv_lora_rank": 32,
-        "q_lora_rank": None,
-        "qk_nope_head_dim": 64,
-        "qk_rope_head_dim": 32,
-        "v_head_dim": 64,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "topk_method": "greedy",
-        # DeepSeek-Coder-V2-Lite's YaRN settings.
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 40,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
-    },
-}
 
 
 def make_tiny_model(seed: int = 0, family: str = "llama", **overrides: Any) -> LoadedModel:
@@ -396,21 +291,30 @@ def make_tiny_model(seed: int = 0, family: str = "llama", **overrides: Any) -> L
     llama: 2 layers, hidden 64, 4 heads / 2 KV heads, head_dim 16) over a byte-level
     tokenizer with ChatML specials; fp32, deterministic given ``seed``.
 
-    ``overrides`` replace fields of the family's mlx-lm ``ModelArgs``
-    (``num_hidden_layers=4`` ...). Raises TypeError for an unknown field, ValueError for
-    an unknown family.
+    ``overrides`` replace fields of the family's mlx-lm ``ModelArgs`` (of its
+    ``text_config`` for a family that has one) (``num_hidden_layers=4`` ...). Raises
+    TypeError for an unknown field, ValueError for an unknown family.
     """
     if family not in TINY_FAMILIES:
         raise ValueError(f"family must be one of {sorted(TINY_FAMILIES)}, not {family!r}")
+    config = dict(TINY_FAMILIES[family])
+    if "text_config" in config:
+        config["text_config"] = {**config["text_config"], **overrides}
+    else:
+        config.update(overrides)
+    return tiny_model(family, config, seed)
+
+
+def tiny_model(family: str, config: dict[str, Any], seed: int = 0) -> LoadedModel:
+    """A tiny random model of the mlx-lm model type ``family`` with the fields ``config``
+    of its ``ModelArgs`` (``text_config``: of its text model), the tiny byte tokenizer's
+    vocabulary and a context of 2048 (where the arguments take them); fp32, deterministic
+    given ``seed``. Raises ImportError for an unknown model type, TypeError for an unknown
+    field, ValueError (or what mlx-lm raises) for a configuration mlx-lm refuses, and
+    ValueError naming the layer for caches kvactor cannot store (``probe_geometry``)."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
     tokenizer = tiny_byte_tokenizer()
-    fields: dict[str, Any] = {
-        "model_type": family,
-        **TINY_FAMILIES[family],
-        "vocab_size": tokenizer.vocab_size,
-        "max_position_embeddings": 2048,
-    }
-    fields.update(overrides)
+    fields = _tiny_fields(module.ModelArgs, family, config, tokenizer.vocab_size)
     args = module.ModelArgs(**fields)
     model = module.Model(args)
     # numpy's generator is specified bit-for-bit across platforms, unlike default init.
@@ -422,7 +326,7 @@ def make_tiny_model(seed: int = 0, family: str = "llama", **overrides: Any) -> L
         array: np.ndarray[Any, np.dtype[np.float32]]
         if name.endswith("norm.weight"):
             # Gemma's norms scale by 1 + weight: zeros there are ones elsewhere.
-            fill = 0.0 if family.startswith("gemma") else 1.0
+            fill = 0.0 if family in ONE_PLUS_NORMS else 1.0
             array = np.full(value.shape, fill, dtype=np.float32)
         else:
             array = rng.normal(0.0, 0.05, size=value.shape).astype(np.float32)
@@ -432,12 +336,37 @@ def make_tiny_model(seed: int = 0, family: str = "llama", **overrides: Any) -> L
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     prefix = "tiny-llama" if family == "llama" else f"tiny-{family}"
+    context = getattr(args, "max_position_embeddings", None)
+    text = getattr(args, "text_config", None)
+    if context is None and isinstance(text, dict):
+        context = text.get("max_position_embeddings")
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=f"{prefix}-seed{seed}",
-        context_length=int(args.max_position_embeddings or 2048),
+        context_length=int(context or 2048),
         fingerprint=_fingerprint(_arch_of(args), weights_digest.hexdigest(), tokenizer.digest),
         weights="fp32",
         geometry=probe_geometry(model, family),
     )
+
+
+def _tiny_fields(
+    model_args: type, family: str, config: dict[str, Any], vocab: int
+) -> dict[str, Any]:
+    """``config`` with the model type, vocabulary and context filled in where the
+    arguments (or their ``text_config``) have such fields."""
+    names = {f.name for f in dataclasses.fields(model_args)}
+    sizes = {"vocab_size": vocab, "vocab_size_per_layer_input": vocab}
+    if "text_config" in names:
+        text = {"model_type": family, **sizes, "max_position_embeddings": 2048}
+        return {
+            "model_type": family,
+            **config,
+            "text_config": {**text, **config.get("text_config", {})},
+        }
+    fields: dict[str, Any] = {"model_type": family}
+    for key, value in (*sizes.items(), ("max_position_embeddings", 2048)):
+        if key in names:
+            fields[key] = value
+    return {**fields, **config}

@@ -46,6 +46,7 @@ class OpenOptions(TypedDict, total=False):
     share_prefixes: bool
     deterministic: bool
     tool_wait_s: float
+    checkpoints: int
 
 
 class ClusterOptions(OpenOptions, total=False):
@@ -140,6 +141,9 @@ def open(
     its agent's cache hot ahead of idle agents, for the turn that brings the results.
     ``deterministic`` (False): a row's greedy answer never depends on what else runs in
     its batch (batch-invariant decode, ~10% slower on a CPU; see EngineConfig).
+    EngineConfig). ``checkpoints`` (models with recurrent layers: Qwen3.5, Mamba-2 ...): how
+    many stored ranges of an agent keep the recurrent states at their end (default 4: the
+    last two turns' prompts and answers), where a diverging turn can resume.
     ``cluster``: the session's engines run as Ray actors over a cluster ("auto", "local",
     an address or ``ray://host:port``), one engine host per node; the keywords then go to
     ``kvactor.actors.cluster.open_cluster`` (``cache_dir`` required; ``hosts_per_node``,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from ..kernels.agent_cache import AgentKV
+from ..kernels.agent_cache import DEFAULT_CHECKPOINTS, AgentKV
 from ..kernels.geometry import CacheGeometry
 from ..kernels.qcodec import KVCodec
 from ..kernels.turn_cache import FloatTurnCache, TurnCache
@@ -53,8 +53,10 @@ class CachePool(WarmTraffic):
         geometry: CacheGeometry,
         turn_cache: type[TurnCache] = FloatTurnCache,
         ready_copies: bool = True,
+        checkpoints: int = DEFAULT_CHECKPOINTS,
     ) -> None:
         self.limit = limit
+        self._checkpoints = checkpoints
         self.policy = policy
         self.persistent = persistent
         self._codec, self._geometry, self._turn_cache = codec, geometry, turn_cache
@@ -102,18 +104,24 @@ class CachePool(WarmTraffic):
         entry = self._entries.get(agent)
         if entry is None:
             raise UnknownAgent(f"agent {agent!r} has no hot cache")
+        kv = entry.kv
         return CacheInfo(
             agent=agent,
-            tokens=len(entry.kv.tokens),
-            nbytes=entry.kv.nbytes,
+            tokens=len(kv.tokens),
+            nbytes=kv.nbytes,
             busy=self.busy(agent),
             persisted=entry.persisted,
             tool_wait_s=max(entry._tool_wait_until - time.monotonic(), 0.0),
+            checkpoints=kv.checkpoint_count,
+            checkpoint_tokens=[r.stop for r in kv.ranges if r.states],
+            checkpoint_bytes=kv.checkpoint_bytes,
         )
 
     def new_kv(self) -> AgentKV:
         """An empty cache of this pool's codec, geometry and attention mode."""
-        return AgentKV(self._codec, self._geometry, turn_cache=self._turn_cache)
+        return AgentKV(
+            self._codec, self._geometry, turn_cache=self._turn_cache, checkpoints=self._checkpoints
+        )
 
     def _index(self, agent: str) -> PrefixIndex:
         scope = self._scopes.get(agent, "")
@@ -223,10 +231,15 @@ class CachePool(WarmTraffic):
 
     def committed(self) -> int:
         """Bytes in use, counting running turns' working caches at their reserved maximum
-        (the reserve covers the batch's padding and the merge copy)."""
+        (the reserve covers the batch's padding and the merge copy, and what a turn stores
+        before it ends: a cut's range, a recurrent layer's checkpoint)."""
         used = self.measure()
         working = sum(e.kv.work_bytes for e in self._entries.values()) + self._batch_bytes
-        reserved = sum(e._turn_reserve or 0 for e in self._entries.values())
+        reserved = sum(
+            max(e._turn_reserve - max(e.kv.stored_bytes - e._turn_stored, 0), 0)
+            for e in self._entries.values()
+            if e._turn_reserve is not None
+        )
         return used - working + max(working, reserved)
 
     @property
@@ -390,6 +403,7 @@ class CachePool(WarmTraffic):
             return (
                 len(bounds) >= count
                 and bounds[count - 1] == stop
+                and kv.resumable_at(count)  # with recurrent layers: a checkpoint there
                 and (kv.tokens[:stop] == prompt[:stop])
             )
 
@@ -416,6 +430,7 @@ class CachePool(WarmTraffic):
         if not self.make_room(max(reserve - entry.kv.ready_bytes, 0), exclude=entry, turn=True):
             return False
         entry._turn_reserve = reserve
+        entry._turn_stored = entry.kv.stored_bytes
         return True
 
     def store_so_far(self, agent: str, entry: HotEntry) -> None:

@@ -93,7 +93,7 @@ class PrefetchActor(Actor):
             return StageResult(agent, StageOutcome.REJECTED, exc.reason)
         if manifest is None:
             return StageResult(agent, StageOutcome.NO_WARM_CACHE)
-        nbytes = sum(s.nbytes for s in manifest.segments)
+        nbytes = sum(s.nbytes for s in manifest.all_segments)  # window and state files too
         room = Room(await self.engine.ask(Reserve(agent, nbytes, wait), timeout=None))
         if room != Room.RESERVED:
             return StageResult(agent, _NOT_STAGED[room])

@@ -260,6 +260,11 @@ class CacheInfo(msgspec.Struct, frozen=True):
     busy: bool
     persisted: int
     tool_wait_s: float = 0.0  # seconds it is still kept hot for a tool call's result
+    # Recurrent layers: the checkpoints (states at the end of stored ranges) it keeps, the
+    # token counts they are at, and their bytes (part of nbytes).
+    checkpoints: int = 0
+    checkpoint_tokens: list[int] = msgspec.field(default_factory=list)
+    checkpoint_bytes: int = 0
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -274,6 +279,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # Per layer [n_kv_heads, key_dim, value_dim, window (0: none)] (CacheGeometry.describe);
     # [] in old records: every layer n_kv_heads x head_dim.
     geometry: list[list[int]] = msgspec.field(default_factory=list)
+    # Recurrent layers' states (CacheGeometry.describe_states); []: none.
+    states: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
 
 class EngineStats(msgspec.Struct, frozen=True):

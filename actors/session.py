@@ -168,8 +168,9 @@ class Session:
             head_dim=info.head_dim,
             vocab_size=info.vocab_size,  # a cache of other ids would fail every turn
             geometry=info.geometry,
+            states=info.states,
         )
-        geometry = CacheGeometry.from_description(identity.layer_geometry())
+        geometry = CacheGeometry.from_description(identity.layer_geometry(), info.states)
         expect = segment_layout(codec, geometry)
         self.identity, self.layout = identity, expect
         # Files a killed process left unnamed (mid-write, mid-fork): we hold the lock.
@@ -180,7 +181,13 @@ class Session:
         except (StoreWriteError, UnsafeCachePath) as exc:
             log.warning("unreferenced cache files not collected: %s", exc)
         self.store = await self.runtime.spawn(
-            StoreActor, identity, expect, root, delete_rejected=self._delete_rejected, name="store"
+            StoreActor,
+            identity,
+            expect,
+            root,
+            delete_rejected=self._delete_rejected,
+            checkpoints=self.config.checkpoints,  # as many as its hot caches keep
+            name="store",
         )
         self.prefetcher = await self.runtime.spawn(
             PrefetchActor, self.engine, self.store, name="prefetch"

@@ -193,9 +193,11 @@ class StoreActor(Actor):
         root: str | os.PathLike[str] | None = None,
         *,
         delete_rejected: bool = False,
+        checkpoints: int | None = None,
     ) -> None:
         self.identity = identity
         self.expect = expect
+        self.checkpoints = checkpoints  # state files kept per agent (None: all)
         self.root = Path(root) if root is not None else default_cache_dir()
         self.delete_rejected = delete_rejected
         self._manifests: dict[str, CacheManifest | None] = {}
@@ -265,6 +267,7 @@ class StoreActor(Actor):
                 extra=m.extra,
                 delete_rejected=self.delete_rejected,
                 refused=self._refused.get(agent),
+                checkpoints=self.checkpoints,
             )
         )
         self._refused.pop(agent, None)

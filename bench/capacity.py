@@ -13,6 +13,14 @@ DeepSeek-Coder-V2-Lite (multi-head latent attention as mlx-lm runs it: per head,
 128 + 64 and values of 128). For Gemma 3, beside the bytes of every token, the bytes when its
 sliding layers keep only their window (``windowed``: what kvactor's tiers keep, give or
 take the last turn's range, which they keep whole).
+
+A third table sizes the 2026 lineup (``bench/_lineup.py``: Qwen3.5 in two sizes, LFM2,
+Nemotron-H, Granite 4, gpt-oss-20b, Gemma 4, from their published configs): per agent at
+4K and 32K tokens with the default codec, sliding layers windowed, plus the recurrent
+layers' checkpoints (``checkpoints`` of them, 4 by default: ``state_bytes`` each), and
+how many such agents fit in 16 / 64 GB beside the weights (4-bit). ``--json`` has, per
+model under ``lineup``: ``bytes_per_agent_4k``, ``bytes_per_agent_32k``, ``state_bytes``,
+``checkpoint_bytes`` and the counts.
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ import kvactor  # noqa: F401 - first: loads the BLAS before mlx.core
 # isort: split
 
 import mlx.core as mx
-from _results import write_json  # bench/ is the script's folder: on sys.path
+from _lineup import LINEUP  # bench/ is the script's folder: on sys.path
+from _results import write_json
 
-from kvactor.kernels.agent_cache import cache_nbytes
+from kvactor.kernels.agent_cache import DEFAULT_CHECKPOINTS, cache_nbytes
 from kvactor.kernels.geometry import CacheGeometry, LayerGeometry
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec, Role
 
@@ -63,8 +72,7 @@ def family_nbytes(codec: KVCodec, geometry: CacheGeometry, context: int, windowe
     """Stored bytes of a ``context``-token cache; ``windowed``: sliding layers keep only
     their last ``window`` tokens."""
     total = 0
-    for g in geometry.layers:
-        assert g is not None
+    for g in (geometry.layer(i) for i in geometry.kv_layers):
         one = CacheGeometry((g,))
         if windowed and g.window is not None and g.window < context:
             total += cache_nbytes(codec, one, g.window, start=context - g.window)
@@ -77,8 +85,7 @@ def measured_family_nbytes(codec: KVCodec, geometry: CacheGeometry, context: int
     """Real bytes of the stored parts of a random cache of that geometry."""
     total = 0
     key = mx.random.key(1)
-    for g in geometry.layers:
-        assert g is not None
+    for g in (geometry.layer(i) for i in geometry.kv_layers):
         for role in ROLES:
             key, sub = mx.random.split(key)
             x = mx.random.normal((1, g.n_kv_heads, context, g.dim(role)), key=sub)
@@ -113,6 +120,37 @@ def families(budget: int, context: int) -> dict[str, dict[str, Any]]:
             "windowed_bytes_per_agent": windowed,
             "windowed_agents": budget // windowed,
         }
+    return rows
+
+
+def lineup(checkpoints: int = DEFAULT_CHECKPOINTS) -> dict[str, dict[str, Any]]:
+    """Per model of the lineup: bytes of an agent at 4K and 32K tokens (the default codec,
+    sliding layers windowed, ``checkpoints`` recurrent states), one state, and agents that
+    fit in 16 / 64 GB beside the weights. The K/V arithmetic is checked against real
+    quantized parts at 64 tokens. Raises RuntimeError if they differ."""
+    rows = {}
+    for name, model in LINEUP.items():
+        g = model.geometry
+        if g.kv_layers:
+            computed = cache_nbytes(DEFAULT_CODEC, g, 64)
+            measured = measured_family_nbytes(DEFAULT_CODEC, g, 64)
+            if computed != measured:
+                raise RuntimeError(f"{name}: computed {computed} bytes, measured {measured}")
+        row: dict[str, Any] = {
+            "source": model.source,
+            "stores": g.summary(),
+            "weights_bytes": model.weights_bytes,
+            "state_bytes": g.state_bytes,
+            "checkpoint_bytes": checkpoints * g.state_bytes,
+        }
+        for label, context in (("4k", 4096), ("32k", 32768)):
+            per_agent = family_nbytes(DEFAULT_CODEC, g, context, windowed=True)
+            per_agent += row["checkpoint_bytes"]
+            row[f"bytes_per_agent_{label}"] = per_agent
+            for gb in (16, 64):
+                room = max(gb * 10**9 - model.weights_bytes, 0)
+                row[f"agents_{gb}gb_{label}"] = room // per_agent
+        rows[name] = row
     return rows
 
 
@@ -154,6 +192,7 @@ def main(budget: int, context: int, layers: int, kv_heads: int, head_dim: int) -
         "shape": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim},
         "codecs": rows,
         "families": families(budget, context),
+        "lineup": lineup(),
     }
 
 
@@ -190,6 +229,27 @@ def print_table(result: dict[str, Any]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def print_lineup(rows: dict[str, dict[str, Any]]) -> None:
+    print()
+    print(f"the 2026 lineup, default codec, {DEFAULT_CHECKPOINTS} checkpoints, weights at 4 bits:")
+    print(
+        "| model | stores | state MB | MB per agent 4K / 32K | weights GB "
+        "| agents in 16 GB, 4K / 32K | in 64 GB, 4K / 32K |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        cells = [
+            name,
+            r["stores"],
+            f"{r['state_bytes'] / 1e6:.2f}",
+            f"{r['bytes_per_agent_4k'] / 1e6:.1f} / {r['bytes_per_agent_32k'] / 1e6:.1f}",
+            f"{r['weights_bytes'] / 1e9:.1f}",
+            f"{r['agents_16gb_4k']} / {r['agents_16gb_32k']}",
+            f"{r['agents_64gb_4k']} / {r['agents_64gb_32k']}",
+        ]
+        print("| " + " | ".join(cells) + " |")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-gib", type=float, default=1.0)
@@ -203,5 +263,6 @@ if __name__ == "__main__":
         int(args.budget_gib * 2**30), args.context, args.layers, args.kv_heads, args.head_dim
     )
     print_table(outcome)
+    print_lineup(outcome["lineup"])
     if args.json:
         write_json(args.json, outcome)

@@ -192,7 +192,7 @@ def main(n: int, extend: int, rounds: int) -> dict[str, Any]:
             drop(root / "agents" / agent)
             t0 = time.perf_counter()
             loaded = read_cache(root, identity, expect, agent)
-            ranges = [StoredRange.from_numpy(s, e, LAYERS, t) for s, e, t in loaded.ranges()]
+            ranges = [StoredRange.from_numpy(s, e, geometry, t) for s, e, t in loaded.ranges()]
             mx.eval([a for rg in ranges for k, v in rg.layers for a in (*k.values(), *v.values())])
             rows["ours_load"].append(time.perf_counter() - t0)
 

@@ -17,79 +17,34 @@ dropped, or, for a float one, kept as the *ready* copy with the new tokens repla
 their dequantized stored values: it holds exactly what dequantizing the stored ranges
 would give, so the next turn starts without dequantizing anything. So an agent kept
 ready, one kept quantized and one reloaded from disk resume from the same values.
+
+A model with recurrent layers (state-space, linear attention) keeps their state instead of
+K/V: exact, after the last token. A state cannot be cut back, so each range stores the
+state at its end (its *checkpoint*, ``StoredRange.states``); the last ``checkpoints``
+ranges keep theirs. A turn resumes at the end of a range with a checkpoint: an EXTEND from
+the latest, a DIVERGE from the last one at or before the divergence, the K/V layers cut
+to the same token (:meth:`AgentKV.reusable`), or from nothing when none is left.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Iterator, Sequence
+from typing import cast
 
 import mlx.core as mx
-import numpy as np
 
 from ._qmath import affine
 from .geometry import CacheGeometry
 from .qcodec import KVCodec, Role
+from .stored import Parts, StoredRange, cache_nbytes, segment_layout
 from .turn_cache import FloatTurnCache, TurnCache
 
-__all__ = ("AgentKV", "StoredRange", "cache_nbytes", "segment_layout")
+__all__ = ("DEFAULT_CHECKPOINTS", "AgentKV", "StoredRange", "cache_nbytes", "segment_layout")
 
-Parts = dict[str, mx.array]
-
-
-@dataclass
-class StoredRange:
-    """Tokens [start, stop) of every layer, quantized: ``layers[i] = (k_parts, v_parts)``."""
-
-    start: int
-    stop: int
-    layers: list[tuple[Parts, Parts]]
-
-    def arrays(self) -> Iterator[mx.array]:
-        """Every part array of every layer."""
-        for k, v in self.layers:
-            yield from k.values()
-            yield from v.values()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
-
-    def to_numpy(self) -> dict[str, np.ndarray[Any, Any]]:
-        """Host views of the arrays (zero-copy on CPU), named ``{layer}.{k|v}.{part}``."""
-        mx.eval(list(self.arrays()))
-        out: dict[str, np.ndarray[Any, Any]] = {}
-        for i, (k, v) in enumerate(self.layers):
-            for kind, parts in (("k", k), ("v", v)):
-                for name, array in parts.items():
-                    out[f"{i}.{kind}.{name}"] = np.array(array, copy=False)
-        return out
-
-    @classmethod
-    def from_numpy(
-        cls,
-        start: int,
-        stop: int,
-        n_layers: int,
-        tensors: dict[str, np.ndarray[Any, Any]],
-        may_lack: frozenset[int] = frozenset(),
-    ) -> StoredRange:
-        """The inverse of ``to_numpy`` (one copy into MLX); the layers in ``may_lack``
-        (sliding-window layers, see ``AgentKV.slide``) may have no parts at all. Raises
-        KeyError on another missing layer, or half of one."""
-        layers: list[tuple[Parts, Parts]] = [({}, {}) for _ in range(n_layers)]
-        for key, array in tensors.items():
-            layer, kind, name = key.split(".", 2)
-            layers[int(layer)][0 if kind == "k" else 1][name] = mx.array(array)
-        for i, (k, v) in enumerate(layers):
-            if (not k or not v) and (k or v or i not in may_lack):
-                raise KeyError("a stored range lacks the K or V parts of some layer")
-        return cls(start, stop, layers)
-
-    def holds_layer(self, layer: int) -> bool:
-        """Whether the range has the layer's parts (a sliding layer's may be dropped)."""
-        return bool(self.layers[layer][0])
+#: Ranges whose checkpoint (recurrent state at their end) an agent keeps, by default: a
+#: turn stores its prompt and its answer as ranges of their own, so 4 are the last two
+#: turns (resume after either, or redo the last answer).
+DEFAULT_CHECKPOINTS = 4
 
 
 class AgentKV:
@@ -105,10 +60,14 @@ class AgentKV:
         geometry: CacheGeometry,
         *,
         turn_cache: type[TurnCache] = FloatTurnCache,
+        checkpoints: int = DEFAULT_CHECKPOINTS,
     ) -> None:
+        if checkpoints < 1:
+            raise ValueError("an agent keeps at least 1 checkpoint (its latest state)")
         self.codec = codec
         self.geometry = geometry
         self.turn_cache = turn_cache
+        self.checkpoints = checkpoints  # ranges that keep their recurrent states
         self.tokens: list[int] = []
         self.ranges: list[StoredRange] = []
         self.work: TurnCache | None = None
@@ -134,12 +93,44 @@ class AgentKV:
             yield from r.arrays()
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the recurrent states its ranges keep (part of ``stored_bytes``)."""
+        return sum(r.state_bytes for r in self.ranges)
+
+    @property
+    def checkpoint_count(self) -> int:
+        """Ranges that keep a checkpoint (0 for a model without recurrent layers)."""
+        return sum(bool(r.states) for r in self.ranges)
+
+    def last_states(self) -> dict[int, Parts]:
+        """The recurrent states after its last stored token (``{}``: none stored yet).
+        Raises ValueError when the last range keeps none (cannot happen between turns:
+        ``trim`` resumes only at checkpoints)."""
+        if not self.ranges or not self.geometry.recurrent:
+            return {}
+        states = self.ranges[-1].states
+        if not states:
+            raise ValueError("the last stored range keeps no checkpoint of its states")
+        return states
+
+    @property
     def work_bytes(self) -> int:
-        return self.work.nbytes if self.work is not None else 0
+        return self._own_bytes(self.work)
 
     @property
     def ready_bytes(self) -> int:
-        return self.ready.nbytes if self.ready is not None else 0
+        return self._own_bytes(self.ready)
+
+    def _own_bytes(self, cache: TurnCache | None) -> int:
+        """A working or ready copy's bytes, less the recurrent states it shares with the
+        stored checkpoints (a turn starts from one, a ready copy holds the last)."""
+        if cache is None:
+            return 0
+        if not self.geometry.recurrent:
+            return cache.nbytes
+        stored = {id(a) for r in self.ranges for p in r.states.values() for a in p.values()}
+        shared = {id(a): a.nbytes for a in cache.state_arrays() if id(a) in stored}
+        return cache.nbytes - sum(shared.values())
 
     @property
     def nbytes(self) -> int:
@@ -178,7 +169,13 @@ class AgentKV:
         stop = shared[-1].stop if shared else 0
         into.tokens = list(self.tokens[:stop])
         into.ranges = [
-            StoredRange(r.start, r.stop, [(dict(k), dict(v)) for k, v in r.layers]) for r in shared
+            StoredRange(
+                r.start,
+                r.stop,
+                [(dict(k), dict(v)) for k, v in r.layers],
+                {i: dict(p) for i, p in r.states.items()},
+            )
+            for r in shared
         ]
         into.window_start = min(self.window_start, stop)
         into.work = into.ready = None
@@ -187,13 +184,27 @@ class AgentKV:
         return into
 
     def reusable(self, keep: int) -> int:
-        """How much of a common prefix of ``keep`` tokens a turn can resume at: all of it,
-        or 0 when the sliding-window layers no longer hold the window that resuming there
-        needs (tokens ``keep - window + 1 .. keep - 1``)."""
+        """How much of a common prefix of ``keep`` tokens a turn can resume at: all of it;
+        with recurrent layers, the end of the last range at or before ``keep`` that keeps
+        its checkpoint (0: none); 0 when the sliding-window layers no longer hold the
+        window that resuming there needs (tokens ``keep - window + 1 .. keep - 1``)."""
+        if self.geometry.recurrent:
+            keep = max((r.stop for r in self.ranges if r.stop <= keep and r.states), default=0)
         window = self.geometry.window
         if self.window_start and window is not None and keep < self.window_start + window - 1:
             return 0
         return keep
+
+    def resumable_at(self, count: int) -> bool:
+        """Whether a turn can resume at the end of its first ``count`` ranges (a shared
+        prefix): the last of them keeps its checkpoint, or the model has no states."""
+        return count > 0 and (not self.geometry.recurrent or bool(self.ranges[count - 1].states))
+
+    def _limit_checkpoints(self) -> None:
+        """Keep the checkpoints of the last ``checkpoints`` ranges only."""
+        if self.geometry.recurrent:
+            for r in self.ranges[: -self.checkpoints]:
+                r.states = {}
 
     def slide(self, persisted: int) -> None:
         """Drop the sliding-window layers' parts of every stored range that lies wholly
@@ -218,7 +229,7 @@ class AgentKV:
         """Every stored range's parts of one layer and role, in order; zeros (as the codec
         shapes them) for a range whose sliding-layer parts were dropped."""
         kind = 1 if role == "value" else 0
-        g = self.geometry.layer(layer)
+        g = self.geometry.layer(layer)  # raises for a state entry
         out = []
         for r in self.ranges:
             parts = r.layers[layer][kind]
@@ -330,6 +341,9 @@ class AgentKV:
             return None
         layers: list[tuple[Parts, Parts]] = []
         for i in range(self.geometry.n_layers):
+            if self.geometry.state(i) is not None:
+                layers.append(({}, {}))
+                continue
             k, v, rotated = self.work.added(i, start, stop)
             layers.append(
                 (
@@ -337,9 +351,10 @@ class AgentKV:
                     self.codec.quantize(v, start, role="value", rotated=rotated),
                 )
             )
-        new = StoredRange(start, stop, layers)
+        new = StoredRange(start, stop, layers, self.work.states())
         mx.eval(list(new.arrays()))
         self.ranges.append(new)
+        self._limit_checkpoints()
         return new
 
     def trim(self, keep: int) -> None:
@@ -349,8 +364,6 @@ class AgentKV:
             return
         if self.work is not None:
             raise ValueError("cannot trim a cache during its turn: end the turn first")
-        if self.ready is not None:
-            self.ready.trim(keep)
         if keep != self.reusable(keep):
             raise ValueError(f"cannot resume at token {keep}: see reusable()")
         del self.tokens[keep:]
@@ -363,12 +376,18 @@ class AgentKV:
             elif r.start < keep:
                 kept.append(self._cut(r, keep))
         self.ranges = kept
+        if self.ready is not None:
+            self.ready.trim(keep, self.last_states())
 
     def _cut(self, r: StoredRange, keep: int) -> StoredRange:
-        """The first ``keep - r.start`` tokens of a range (per-token codecs slice cleanly)."""
+        """The first ``keep - r.start`` tokens of a range (per-token codecs slice cleanly),
+        without a checkpoint (its states are those at the range's end)."""
         n = keep - r.start
-        layers = []
+        layers: list[tuple[Parts, Parts]] = []
         for i, (k, v) in enumerate(r.layers):
+            if self.geometry.state(i) is not None:
+                layers.append(({}, {}))
+                continue
             g = self.geometry.layer(i)
             cut = []
             for role, parts in (("key", k), ("value", v)):
@@ -388,35 +407,3 @@ class AgentKV:
     def ranges_from(self, token: int) -> Sequence[StoredRange]:
         """The stored ranges that hold any token at or after ``token``."""
         return [r for r in self.ranges if r.stop > token]
-
-
-def segment_layout(
-    codec: KVCodec, geometry: CacheGeometry
-) -> Callable[[int, int], dict[str, tuple[tuple[int, ...], str]]]:
-    """``expect(start, stop)``: the exact name, shape and dtype of every array a stored range
-    of tokens [start, stop) holds, as ``StoredRange.to_numpy`` names them. The warm tier
-    checks untrusted files against it."""
-    roles: tuple[tuple[str, Role], ...] = (("k", "key"), ("v", "value"))
-
-    def expect(start: int, stop: int) -> dict[str, tuple[tuple[int, ...], str]]:
-        n = stop - start
-        out: dict[str, tuple[tuple[int, ...], str]] = {}
-        for kind, role in roles:
-            for layer in range(geometry.n_layers):
-                g = geometry.layer(layer)
-                parts = codec.expected_parts(start, n, g.n_kv_heads, g.dim(role), role=role)
-                for name, spec in parts.items():
-                    out[f"{layer}.{kind}.{name}"] = spec
-        return out
-
-    return expect
-
-
-def cache_nbytes(codec: KVCodec, geometry: CacheGeometry, n_tokens: int, start: int = 0) -> int:
-    """Stored bytes of tokens ``start .. start + n_tokens - 1`` over every layer of
-    ``geometry`` (each layer's heads, key and value widths). Raises ValueError like
-    ``KVCodec.expected_parts``."""
-    return sum(
-        codec.nbytes(n_tokens, g.n_kv_heads, g.key_dim, start, value_dim=g.value_dim)
-        for g in (geometry.layer(i) for i in range(geometry.n_layers))
-    )

@@ -6,9 +6,11 @@ quantized batch attends over stored parts that are not plain K/V arrays; a float
 the Hadamard basis rotates queries in and the output back), each attention layer of *one
 model* gets a subclass whose ``__call__`` is the same code with that one name bound to a
 router: a cache of a bound class goes to ``cache.attend``, any other cache to mlx-lm's
-function. One model may be bound to several classes (both attention modes). Modules, other
-models and other caches are untouched. This relies on the calling convention above, checked
-for the mlx-lm versions pyproject pins (``kernels.mlx_lm_compat``).
+function. One model may be bound to several classes (both attention modes). A layer that
+attends over another layer's K/V with no cache of its own (``kernels._shared_kv``) goes
+to that layer's cache. Modules, other models and other caches are untouched. This relies
+on the calling convention above, checked for the mlx-lm versions pyproject pins
+(``kernels.mlx_lm_compat``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Protocol, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from ._shared_kv import fetched_by
 from .mlx_lm_compat import SDPA_NAME, SDPA_PARAMETERS
 
 __all__ = ("Attends", "bind_attention")
@@ -73,7 +76,11 @@ def bind_attention(model: nn.Module, cache_class: type[Attends]) -> int:
             bound += cls in extended
             continue
         call = cls.__call__
-        if not isinstance(call, types.FunctionType) or _NAME not in call.__code__.co_names:
+        if (
+            not isinstance(call, types.FunctionType)
+            or _NAME not in call.__code__.co_names
+            or _NAME not in call.__globals__  # an attribute of that name (mx.fast's): not ours
+        ):
             continue
         if cls not in subclasses:
             subclasses[cls] = _bound_subclass(cls, call, cache_class)
@@ -104,6 +111,8 @@ def _router(original: Callable[..., mx.array], routes: list[type]) -> Callable[.
     ) -> mx.array:
         given = {**dict(zip(_PARAMETERS, args, strict=False)), **kwargs}
         cache = given.get("cache")
+        if cache is None:  # a layer attending over another layer's K/V: through its cache
+            cache = fetched_by(keys)
         if not isinstance(cache, tuple(routes)):
             return original(queries, keys, values, *args, **kwargs)
         return cast(Attends, cache).attend(

@@ -14,6 +14,14 @@ Checked against mlx-lm 0.32.x (``pyproject.toml`` pins ``mlx-lm>=0.32,<0.33``;
 - Models build masks through ``cache.make_mask(n, return_array=..., window_size=...)`` and
   read ``cache.offset``: what ``kernels.qbatch.QuantizedBatchCache`` implements.
 - ``RotatingKVCache`` keeps ``max_size`` tokens and ``keep`` tokens at its start.
+- A recurrent layer's ``ArraysCache`` holds its state in ``cache`` (a list); the model
+  replaces its entries with ``cache[i] = ...`` (each once per forward, a second write
+  allowed after the layer's ``advance``) and reads ``lengths`` / ``left_padding`` (None:
+  no padding); ``extend`` joins rows along the first axis. ``CacheList(*caches)`` gives a
+  layer several caches as ``cache[j]`` (``kernels.recurrent``, ``kernels._turn_base``).
+- Learned attention sinks reach ``scaled_dot_product_attention`` as ``sinks`` (one logit
+  per query head, gpt-oss); a layer reusing another layer's K/V calls it with
+  ``cache=None`` and the keys that layer's ``update_and_fetch`` returned (Gemma 4).
 """
 
 from __future__ import annotations

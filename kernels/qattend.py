@@ -63,9 +63,12 @@ def attend_parts(
     tail: Tail,
     mask: mx.array | None,
     kernel: Kernel,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention of ``queries`` ``(B, n_heads, N, D)`` over the regions' keys and values
-    then the tail's (their columns in that order, as ``mask`` has them)."""
+    then the tail's (their columns in that order, as ``mask`` has them); ``sinks``: learned
+    per-head logits ``(n_heads,)`` that join each softmax as one more column with no value
+    (gpt-oss), as mlx's ``scaled_dot_product_attention`` takes them."""
     b, n_heads, n, d = queries.shape
     tail_k, tail_v = (a.astype(mx.float32) for a in tail)
     h = tail_k.shape[1]
@@ -86,7 +89,12 @@ def attend_parts(
     s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     if mask is not None:
         s = mx.where(mask[:, :, None], s, mx.finfo(s.dtype).min)
+    if sinks is not None:
+        sink = sinks.astype(s.dtype).reshape(1, h, n_heads // h, 1, 1)
+        s = mx.concatenate([mx.broadcast_to(sink, (*s.shape[:-1], 1)), s], axis=-1)
     p = mx.softmax(s, axis=-1, precise=True)
+    if sinks is not None:
+        p = p[..., 1:]
     out = p[..., -width:] @ tail_v[:, :, None]
     rotated_sum: mx.array | None = None
     at = 0

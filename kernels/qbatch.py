@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from ._qparts import SINK as _SINK
 from ._qparts import SINK_BITS as _SINK_BITS
+from ._shared_kv import note_fetched
 from .qattend import Coded, Kernel, attend_parts, row_parts
 from .qcodec import KVCodec, Role
 
@@ -213,7 +214,10 @@ class QuantizedBatchCache:
         self._idx = prev + n
         self._tail_lengths = [t + n for t in self._tail_lengths]
         self.offset = self.offset + n
-        return self.keys[:, :, : self._idx], self.values[:, :, : self._idx]
+        self._unattended = True
+        out = self.keys[:, :, : self._idx], self.values[:, :, : self._idx]
+        note_fetched(self, out[0])  # a layer sharing this K/V attends through it too
+        return out
 
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None
@@ -267,26 +271,27 @@ class QuantizedBatchCache:
         several rows each row attends over its own columns alone (``kernels.qattend``):
         what it computes in a batch of its own (``rowwise``, set by its TurnCache).
 
-        Raises ValueError before ``update_and_fetch``; NotImplementedError for learned
-        attention sinks.
+        Learned attention sinks (``sinks``, per head) join every row's softmax.
+        Raises ValueError before ``update_and_fetch``.
         """
         if self.keys is None or self.values is None:
             raise ValueError("attend needs the step's keys and values first (update_and_fetch)")
-        if sinks is not None:
-            raise NotImplementedError("learned attention sinks over a quantized batch")
+        self._unattended = False
         if not isinstance(mask, mx.array):
             mask = None  # make_mask always gives an array: anything else is no mask
         kernel = self._kernel_for(queries.shape[2])
         regions = [(r["key"], r["value"]) for r in self._regions]
         tail = (self.keys[:, :, : self._idx], self.values[:, :, : self._idx])
         if self.rows == 1 or not self.rowwise:
-            return attend_parts(queries, scale, regions, tail, mask, kernel)
+            return attend_parts(queries, scale, regions, tail, mask, kernel, sinks)
         outs = []
         for i in range(self.rows):
             mine, tail_i, mask_i = row_parts(
                 i, regions, self._region_lengths, tail, self._tail_lengths[i], mask
             )
-            outs.append(attend_parts(queries[i : i + 1], scale, mine, tail_i, mask_i, kernel))
+            outs.append(
+                attend_parts(queries[i : i + 1], scale, mine, tail_i, mask_i, kernel, sinks)
+            )
         return mx.concatenate(outs, axis=0)
 
     def _kernel_for(self, n_queries: int) -> Kernel:
@@ -426,6 +431,12 @@ class QuantizedBatchCache:
 
     def is_trimmable(self) -> bool:
         return False
+
+    def check_attended(self) -> None:
+        """Raises RuntimeError when a step's K/V went in and no attention read them through
+        :meth:`attend` (the model's attention is not bound to this class)."""
+        if getattr(self, "_unattended", False):
+            raise RuntimeError("attention ran without reading the quantized cache")
 
 
 def _zeros_like_rows(like: tuple[mx.array, mx.array], rows: int) -> tuple[mx.array, mx.array]:

@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from ._shared_kv import note_fetched
 from .qcodec import KVCodec, rotate, rotate_rows
 from .rowwise import RowwiseBatch, sdpa_call
 
@@ -105,7 +106,9 @@ class RotatedKVCache(RotatedBasis, KVCache):
     """One row's float K/V (fp32) in the Hadamard basis."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return super().update_and_fetch(*self._entering(keys, values))
+        out = super().update_and_fetch(*self._entering(keys, values))
+        note_fetched(self, out[0])
+        return out
 
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> RotatedBatchKVCache:
@@ -118,7 +121,9 @@ class RotatedBatchKVCache(RowwiseBatch, RotatedBasis, BatchKVCache):
     (``kernels.rowwise``)."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return super().update_and_fetch(*self._entering(keys, values))
+        out = super().update_and_fetch(*self._entering(keys, values))
+        note_fetched(self, out[0])
+        return out
 
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> RotatedBatchKVCache:

@@ -21,10 +21,6 @@ Norms, embeddings, RoPE and sampling work row by row already.
 :class:`PlainKVCache` / :class:`PlainBatchKVCache` are mlx-lm's float caches with that
 attention (the model is bound to them per model: ``kernels.attention``); the rotated ones
 (``kernels.rotated``) use the same function.
-
-:class:`PlainKVCache` / :class:`PlainBatchKVCache` are mlx-lm's float caches with that
-attention (the model is bound to them per model: ``kernels.attention``); the rotated ones
-(``kernels.rotated``) use the same function.
 """
 
 from __future__ import annotations
@@ -35,6 +31,8 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from ._shared_kv import note_fetched
 
 __all__ = (
     "PlainBatchKVCache",
@@ -223,6 +221,11 @@ class PlainKVCache(KVCache):
 class PlainBatchKVCache(RowwiseBatch, BatchKVCache):
     """A batch of float rows in the model's basis (an mlx-lm ``BatchKVCache``) whose
     attention gives each row what it gives alone (``RowwiseBatch``)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        out: tuple[mx.array, mx.array] = super().update_and_fetch(keys, values)
+        note_fetched(self, out[0])  # a layer sharing this K/V attends through it too
+        return out
 
     attend = RowwiseBatch._attend  # what the layer's attention call returns (Attends)
 

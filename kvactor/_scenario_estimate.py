@@ -25,7 +25,7 @@ def _codec_bytes_per_token(info: ModelInfo) -> float:
 
 def _geometry(info: ModelInfo) -> CacheGeometry:
     if info.geometry:
-        return CacheGeometry.from_description(info.geometry)
+        return CacheGeometry.from_description(info.geometry, info.states)
     return CacheGeometry.uniform(info.n_layers, info.n_kv_heads, info.head_dim)
 
 

@@ -1,7 +1,12 @@
-"""Every model family of the research, as tiny random-weight models built from a config:
-llama, qwen3, gemma3_text (sliding-window layers, a window smaller than the tests'
-contexts) and deepseek_v2 (multi-head latent attention: keys and values of different
-widths; a mixture of experts). Real engine, real files, real actors, both attention modes."""
+"""Every model family kvactor is tested on, as tiny random-weight models built from a
+config: llama, qwen3, gemma3_text (sliding-window layers, a window smaller than the tests'
+contexts), deepseek_v2 (multi-head latent attention: keys and values of different widths;
+a mixture of experts), and the 2026 lineup: recurrent / linear-attention layers beside
+attention ones (qwen3_5, qwen3_next, lfm2, granitemoehybrid, nemotron_h with an MLP layer
+that keeps no cache, falcon_h1 with both in each layer, mamba2 with no attention at all),
+gemma4_text (layers that reuse another layer's K/V), gpt_oss (learned attention sinks) and
+olmo3; kimi_linear is refused at open (its latent MLA cache). Real engine, real files,
+real actors, both attention modes. Checkpoints of recurrent states: test_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 import kvactor
 from kvactor import Attention
@@ -25,13 +30,16 @@ from kvactor.actors.config import turn_reserve_bytes
 from kvactor.actors.enums import Match, StageOutcome, Tier
 from kvactor.actors.model import TINY_FAMILIES, make_tiny_model, probe_geometry
 from kvactor.actors.prefetch import Stage
-from kvactor.kernels.agent_cache import cache_nbytes
-from kvactor.kernels.geometry import LayerGeometry
+from kvactor.kernels.agent_cache import DEFAULT_CHECKPOINTS, cache_nbytes
+from kvactor.kernels.geometry import LayerGeometry, StateGeometry
 from kvactor.kernels.qcodec import DEFAULT_CODEC
 
 FAMILIES = sorted(TINY_FAMILIES)
+#: Families refused at open() (in both attention modes, with the default codec), and why.
+REFUSED = {"kimi_linear": "layer 1"}
+RUNS = [f for f in FAMILIES if f not in REFUSED]
 ATTENTION = pytest.mark.parametrize("attention", ["dequantized", "quantized"])
-FAMILY = pytest.mark.parametrize("family", FAMILIES)
+FAMILY = pytest.mark.parametrize("family", RUNS)
 SYSTEM = "You are a careful agent."
 WINDOW = TINY_FAMILIES["gemma3_text"]["sliding_window"]
 
@@ -59,15 +67,55 @@ def test_geometry_is_read_from_the_model() -> None:
     assert (llama.n_layers, llama.n_kv_heads, llama.head_dim) == (2, 2, 64)
 
 
+def test_the_2026_geometries_are_read_from_the_models() -> None:
+    # Qwen3.5: gated delta layers 0 and 2 (a conv state and a delta state, fp32), full
+    # attention in 1 and 3; nothing else stored for them.
+    qwen = make_tiny_model(0, "qwen3_5").geometry
+    assert qwen.layers == (None, LayerGeometry(1, 64, 64), None, LayerGeometry(1, 64, 64))
+    state = StateGeometry(((1, 3, 128), (1, 2, 32, 32)), ("float32", "float32"))
+    assert qwen.states == (state, None, state, None)
+    assert qwen.state_bytes == 2 * state.nbytes == 2 * 4 * (3 * 128 + 2 * 32 * 32)
+    # Falcon-H1: each layer keeps a CacheList of a Mamba-2 state and K/V: two entries.
+    falcon = make_tiny_model(0, "falcon_h1").geometry
+    assert falcon.slots == ((0, 1), (2, 3))
+    assert falcon.kv_layers == (1, 3) and falcon.state_layers == {0, 2}
+    # Nemotron-H: Mamba, MLP (no cache), attention, Mamba; Gemma 4: the last two layers
+    # reuse the first two's K/V. Neither is stored twice.
+    nemotron = make_tiny_model(0, "nemotron_h").geometry
+    assert nemotron.model_layers == (0, None, 1, 2) and nemotron.n_layers == 3
+    gemma = make_tiny_model(0, "gemma4_text").geometry
+    assert gemma.model_layers == (0, 1, None, None)
+    assert gemma.layers == (LayerGeometry(1, 64, 64, WINDOW), LayerGeometry(1, 64, 64, None))
+    assert "without a cache of their own" in gemma.summary()
+    # Mamba-2: states only; gpt-oss: a sliding layer and a global one.
+    assert make_tiny_model(0, "mamba2").geometry.kv_layers == ()
+    assert make_tiny_model(0, "gpt_oss").geometry.sliding == {0}
+
+
+@pytest.mark.parametrize("attention", ["dequantized", "quantized"])
+@pytest.mark.parametrize("family", sorted(REFUSED))
+async def test_a_family_kvactor_cannot_run_is_refused_at_open(
+    family: str, attention: Attention
+) -> None:
+    with pytest.raises(kvactor.ModelLoadError, match=rf"'{family}': {REFUSED[family]}"):
+        async with kvactor.open(tiny(family), attention=attention):
+            pass
+
+
 def test_a_layer_without_a_standard_cache_is_refused_by_name() -> None:
     lm = make_tiny_model(0, "qwen3")
     model = lm.model
-    # A real mlx-lm state-space cache where the model's first layer would keep K/V.
-    model.make_cache = lambda: [ArraysCache(2), KVCache()]
-    with pytest.raises(ValueError, match=r"'qwen3': layer 0 keeps a ArraysCache"):
+    # A real mlx-lm cache kvactor does not store (pre-quantized K/V) in the first layer.
+    model.make_cache = lambda: [QuantizedKVCache(), KVCache()]
+    with pytest.raises(ValueError, match=r"'qwen3': layer 0 keeps a QuantizedKVCache"):
         probe_geometry(model, "qwen3")
+    # Fewer caches than layers, and the second layer does not run at all (zip stops).
     model.make_cache = lambda: [KVCache()]
-    with pytest.raises(ValueError, match="1 caches for 2 layers"):
+    with pytest.raises(ValueError, match=r"layer 1 did not run .*1 caches for 2 layers"):
+        probe_geometry(model, "qwen3")
+    # A recurrent state where the model keeps K/V: its forward fails, named.
+    model.make_cache = lambda: [ArraysCache(2), KVCache()]
+    with pytest.raises(ValueError, match=r"'qwen3': .* fails with mlx-lm's own caches"):
         probe_geometry(model, "qwen3")
 
 
@@ -254,10 +302,15 @@ async def test_the_budget_holds_and_changes_no_answer(
     free, _ = await run_all(tmp_path / "free")
     # What a turn of up to 128 tokens needs alone, by the engine's own accounting (its
     # stored cache and the working cache it reserves): caches go warm and come back.
+    # With recurrent layers the stored cache keeps up to DEFAULT_CHECKPOINTS states too, and
+    # a turn stores two (its prompt's and its answer's).
     geometry = tiny(family)().geometry
-    stored = cache_nbytes(DEFAULT_CODEC, geometry, 128)
+    stored_kv = cache_nbytes(DEFAULT_CODEC, geometry, 128)
+    stored = stored_kv + DEFAULT_CHECKPOINTS * geometry.state_bytes
     quantized = attention == "quantized"
-    budget = stored + turn_reserve_bytes(geometry, 128, stored_bytes=stored if quantized else None)
+    budget = stored + turn_reserve_bytes(
+        geometry, 128, stored_bytes=stored_kv if quantized else None, checkpoints=2
+    )
     tight, stats = await run_all(tmp_path / "tight", budget_bytes=budget)
     assert stats.peak_bytes <= budget
     assert stats.demoted_warm > 0

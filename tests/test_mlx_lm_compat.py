@@ -48,3 +48,33 @@ def test_a_rotating_cache_says_its_window_and_its_kept_tokens() -> None:
     cache = RotatingKVCache(max_size=8, keep=0)
     assert cache.max_size == 8 and cache.keep == 0
     assert BatchKVCache.merge([KVCache()]).keys is None
+
+
+def test_recurrent_layers_replace_their_arrays_cache_entries_once_a_forward() -> None:
+    # What RecurrentCache relies on to take a pipelined step back (kernels.recurrent).
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    from kvactor.actors.model import make_tiny_model
+    from kvactor.kernels.recurrent import RecurrentCache
+
+    writes: list[int] = []
+
+    class Counting(RecurrentCache):
+        def __setitem__(self, idx: int, value: mx.array) -> None:
+            writes.append(idx)
+            super().__setitem__(idx, value)
+
+    for family in ("qwen3_next", "mamba2", "lfm2"):
+        model = make_tiny_model(0, family).model
+        writes.clear()
+
+        caches = [
+            Counting(len(c.cache)) if isinstance(c, ArraysCache) else c for c in model.make_cache()
+        ]
+        model(mx.array([[1, 2]]), cache=caches)
+        states = [c for c in caches if isinstance(c, Counting)]
+        assert states and all(c.lengths is None and c.left_padding is None for c in states)
+        per_layer = len(writes) / len(states)
+        assert per_layer <= len(states[0].cache) + 1  # each entry once (+ mx.depends' write)
+    lst = CacheList(KVCache(), KVCache())
+    assert lst[1] is lst.caches[1]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
@@ -187,3 +187,23 @@ def test_bad_use_gets_clear_errors(lm: LoadedModel) -> None:
     parts = kv.ranges[0].layers[0]
     with pytest.raises(ValueError, match="not 21"):
         QuantizedBatchCache.from_parts(DEFAULT_CODEC, lm.n_kv_heads, (64, 64), *parts, 21)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "quantized_matmul"])
+def test_learned_sinks_join_attention_over_stored_parts_as_mlx_does(kernel: str) -> None:
+    # gpt-oss's per-head sink logits: one more softmax column with no value, as mlx's own
+    # attention takes them (the tiny gpt_oss runs the whole quantized path: test_families).
+    from kvactor.kernels.qattend import attend_parts
+
+    key = mx.random.key(3)
+    k1, k2, k3, k4 = mx.random.split(key, 4)
+    q = mx.random.normal((1, 4, 3, 64), key=k1)
+    k = mx.random.normal((1, 2, 5, 64), key=k2)
+    v = mx.random.normal((1, 2, 5, 64), key=k3)
+    sinks = mx.random.normal((4,), key=k4)
+    mask = mx.ones((1, 1, 3, 5), dtype=mx.bool_)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=None, sinks=sinks)
+    got = attend_parts(q, 0.125, [], (k, v), mask, cast(Any, kernel), sinks)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    without = attend_parts(q, 0.125, [], (k, v), mask, cast(Any, kernel))
+    assert not mx.allclose(without, want, atol=1e-3).item()  # the sinks do change it

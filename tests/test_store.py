@@ -545,7 +545,7 @@ REFUSALS = {
     ),
     "manifest of format 1": (
         bad_manifest('{"format_version": 1, "agent": "a"}'),
-        "format version 1, this store reads 3",
+        "format version 1, this store reads 2 and 3",
     ),
     "manifest unframed": (bad_manifest('{"format_version": 2}'), "not framed"),
     "manifest altered": (altered_manifest, "manifest checksum mismatch"),
@@ -598,7 +598,7 @@ def test_refuses_and_keeps(tmp_path: Path, case: str) -> None:
         ({"model_fingerprint": "sha256:other"}, "made by model 'sha256:0123456789abcdef'"),
         ({"codec": {**IDENTITY.codec, "bits": 8}}, "codec"),
         ({"codec": {**IDENTITY.codec, "rotate": 0}}, "codec"),  # 0 == False, still other
-        ({"format_version": 4}, "format version 3, this store reads 4"),
+        ({"format_version": 2}, "format version 3, this store reads 2"),
         ({"n_kv_heads": 3}, "kv heads"),
     ],
 )

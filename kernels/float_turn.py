@@ -1,0 +1,213 @@
+"""Dequantized attention's working cache (``kernels.turn_cache``): a float copy of each
+row's stored tokens, made once per turn, and each recurrent layer's state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from ._turn_base import ROOM, Entries, TurnCache, geometry_slots, new_values, state_layer, with_room
+from .attention import bind_attention
+from .geometry import CacheGeometry
+from .mlx_lm_compat import batch_of_one, row_of
+from .recurrent import RecurrentCache
+from .rotated import RotatedBasis, RotatedKVCache, works_rotated
+from .rowwise import PlainBatchKVCache, PlainKVCache
+
+if TYPE_CHECKING:
+    from .agent_cache import AgentKV
+    from .stored import Parts, StoredRange
+
+__all__ = ("FloatTurnCache",)
+
+
+class FloatTurnCache(Entries):
+    """Dequantized attention: a float copy of the stored tokens, made once per turn. A row
+    is a list of mlx-lm KVCache, a batch a list of BatchKVCache (their subclasses in the
+    Hadamard basis when the codec rotates: ``kernels.rotated``); a recurrent layer is a
+    :class:`RecurrentCache` either way.
+
+    A turn's K/V stay in one buffer from its start to its ready copy when the turn runs
+    alone (a batch of one row, see ``batch_of_one`` / ``row_of``, and ``settle`` in
+    place): no whole-cache copy at the batch's door or the turn's end."""
+
+    quantized: ClassVar[bool] = False
+    keeps_ready: ClassVar[bool] = True
+    keeps_buffers: ClassVar[bool] = True
+    """False: copy as mlx-lm's ``merge`` / ``extract`` do and settle into a new copy (what
+    ``bench/turn_buffers.py`` measures against); the arrays' values are the same."""
+
+    @classmethod
+    def start(cls, kv: AgentKV) -> FloatTurnCache:
+        # With room for the turn's first tokens: the first step writes in place instead of
+        # growing (copying) every layer, as KVCache would by the same 256 tokens.
+        layers = [cls.row_layer(kv, i, ROOM) for i in range(kv.geometry.n_layers)]
+        out = cls(layers, geometry_slots(kv.geometry))
+        if kv.ranges:
+            mx.eval(out.arrays())
+        return out
+
+    @staticmethod
+    def row_layer(kv: AgentKV, i: int, slack: int = 0) -> Any:
+        """Entry ``i`` of a one-row float cache over ``kv``'s stored ranges, with room for
+        ``slack`` more tokens (lazy: evaluate it); a recurrent layer at its checkpoint."""
+        if kv.geometry.state(i) is not None:
+            return state_layer(kv, i)
+        kv.geometry.layer(i)
+        rotated = works_rotated(kv.codec)
+        cache = RotatedKVCache() if rotated else PlainKVCache()
+        if kv.ranges:
+            keys = kv.dequantize(i, "key", rotated=rotated, room=slack)
+            values = kv.dequantize(i, "value", rotated=rotated, room=slack)
+            cache.state = (keys, values, kv.stored_tokens)
+        return cache
+
+    @classmethod
+    def prepare(cls, model: nn.Module, geometry: CacheGeometry | None = None) -> None:
+        # Rotated caches attend through the basis; batches of either attend row by row.
+        if geometry is None or geometry.kv_layers:
+            bind_attention(model, RotatedBasis)
+            bind_attention(model, PlainBatchKVCache)
+
+    @classmethod
+    def ready_nbytes(cls, kv: AgentKV) -> int:
+        # Its recurrent states are the last checkpoint's arrays: nothing more.
+        return (kv.stored_tokens + ROOM) * kv.geometry.fp32_bytes_per_token()
+
+    @classmethod
+    def ready_steps(cls, kv: AgentKV) -> Iterator[FloatTurnCache | None]:
+        layers: list[Any] = []
+        for i in range(kv.geometry.n_layers):
+            layers.append(cls.row_layer(kv, i, ROOM))
+            mx.eval(_arrays(layers[-1]))
+            if len(layers) < kv.geometry.n_layers:
+                yield None
+        yield cls(layers, geometry_slots(kv.geometry))
+
+    def _batched(self) -> list[Any]:
+        join = batch_of_one if self.keeps_buffers else (lambda row: type(row).merge([row]))
+        return self._mark(
+            [
+                layer if isinstance(layer, BatchKVCache | RecurrentCache) else join(layer)
+                for layer in self._layers
+            ]
+        )
+
+    def batch(self) -> FloatTurnCache:
+        return type(self)(self._batched(), self._slots)
+
+    def extend(self, other: TurnCache) -> None:
+        if not isinstance(other, FloatTurnCache):
+            raise TypeError("a float batch takes float rows only")
+        mine = self._batched()
+        for layer, new in zip(mine, other._batched(), strict=True):
+            if isinstance(layer, RotatedBasis) != isinstance(new, RotatedBasis):
+                raise TypeError("a float batch takes rows in its own basis only")
+            layer.extend(new)
+        self._layers = mine
+
+    def filter(self, rows: list[int]) -> None:
+        self._layers = self._batched()
+        for layer in self._layers:
+            layer.filter(mx.array(rows))
+
+    def extract(self, row: int) -> FloatTurnCache:
+        batched = self._batched()
+        if not self.keeps_buffers:
+            return type(self)([layer.extract(row) for layer in batched], self._slots)
+        return type(self)(
+            [
+                layer.extract(row) if isinstance(layer, RecurrentCache) else row_of(layer, row)
+                for layer in batched
+            ],
+            self._slots,
+        )
+
+    def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
+        cache = self._layers[layer]
+        rotated = isinstance(cache, RotatedBasis)
+        if rotated:
+            cache.check_attended()
+        keys, values = cache.state[:2]
+        return keys[:, :, start:stop, :], values[:, :, start:stop, :], rotated
+
+    def adopt(self, kv: AgentKV, new: StoredRange) -> None:
+        for layer, stored in zip(self._layers, new_values(self._layers, kv, new), strict=True):
+            if stored is None:
+                continue
+            keys, values = stored
+            layer.keys[:, :, new.start : new.stop, :] = keys.astype(layer.keys.dtype)
+            layer.values[:, :, new.start : new.stop, :] = values.astype(layer.values.dtype)
+
+    def settle(self, kv: AgentKV, new: StoredRange | None) -> FloatTurnCache | None:
+        total = kv.stored_tokens
+        cut = new.start if new is not None else total
+        if not all(
+            (isinstance(layer, RecurrentCache) and layer.batch_size == 1)
+            or (isinstance(layer, KVCache) and layer.offset == total)
+            for layer in self._layers
+        ):
+            return None  # not one row over every stored token: start afresh next time
+        values = [None] * len(self._layers) if new is None else new_values(self._layers, kv, new)
+        layers: list[Any] = []
+        for i, (layer, pair) in enumerate(zip(self._layers, values, strict=True)):
+            if isinstance(layer, RecurrentCache):
+                layers.append(state_layer(kv, i))  # the checkpoint just stored
+            elif layer.keys is None or layer.values is None:
+                layers.append(type(layer)())
+            else:
+                layers.append(self._settled(layer, pair, cut, total))
+        out = type(self)(layers, self._slots)
+        mx.eval(out.arrays())
+        return out
+
+    def _settled(
+        self, layer: KVCache, pair: tuple[mx.array, mx.array] | None, cut: int, total: int
+    ) -> KVCache:
+        fresh: list[mx.array] = []
+        for j, array in enumerate((layer.keys, layer.values)):
+            assert array is not None
+            stored = None if pair is None else pair[j]
+            if array.shape[2] > total and self.keeps_buffers:
+                # Room after its tokens: buffers of this row alone (a row leaves a larger
+                # batch as a full copy: row_of); the stored values go in place.
+                if stored is not None:
+                    array[:, :, cut:total, :] = stored.astype(array.dtype)
+                fresh.append(array)
+            else:  # full: a copy with room for the next turn's first tokens
+                parts = [array[:, :, :cut, :]] + ([] if stored is None else [stored])
+                fresh.append(with_room(parts, ROOM))
+        cache = type(layer)()
+        cache.state = (fresh[0], fresh[1], total)
+        return cache
+
+    def trim(self, keep: int, states: Mapping[int, Parts]) -> None:
+        for i, layer in enumerate(self._layers):
+            if isinstance(layer, RecurrentCache):
+                g_parts = states.get(i)
+                fresh = RecurrentCache(len(layer.cache))
+                if g_parts:
+                    fresh.cache = [g_parts[str(j)] for j in range(len(layer.cache))]
+                self._layers[i] = fresh
+            else:
+                layer.trim(max(layer.offset - keep, 0))
+
+    def unfeed(self, n: int) -> None:
+        for layer in self._layers:
+            if isinstance(layer, RecurrentCache):
+                layer.unfeed(n)
+            else:
+                layer.trim(n)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self._layers for a in _arrays(layer)]
+
+
+def _arrays(layer: Any) -> list[mx.array]:
+    if isinstance(layer, RecurrentCache):
+        return layer.arrays()
+    return [a for a in layer.state if isinstance(a, mx.array)]

@@ -1,0 +1,155 @@
+"""An agent's stored cache, range by range: what the hot tier keeps and the warm tier writes.
+
+A :class:`StoredRange` holds tokens [start, stop) of every K/V entry, quantized by the
+codec, and, for a model with recurrent layers, their *checkpoint*: each recurrent layer's
+state after token ``stop - 1`` (``states``, exact, not quantized; ``{}`` once dropped:
+``AgentKV.checkpoints`` says how many ranges keep theirs). Tensor names, as files hold
+them: ``{entry}.k.{part}`` / ``{entry}.v.{part}`` for K/V, ``{entry}.s.{j}`` for states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .geometry import CacheGeometry, storage_dtype
+from .qcodec import KVCodec, Role
+
+__all__ = ("Parts", "StoredRange", "cache_nbytes", "segment_layout")
+
+Parts = dict[str, mx.array]
+
+
+@dataclass
+class StoredRange:
+    """Tokens [start, stop) of every entry: ``layers[i] = (k_parts, v_parts)`` of a K/V
+    entry (``({}, {})`` for a state entry); ``states[i]``: state entry ``i`` after the
+    range's last token (empty when this range keeps no checkpoint)."""
+
+    start: int
+    stop: int
+    layers: list[tuple[Parts, Parts]]
+    states: dict[int, Parts] = field(default_factory=dict)
+
+    def arrays(self) -> Iterator[mx.array]:
+        """Every part array of every layer, and the checkpoint's arrays."""
+        for k, v in self.layers:
+            yield from k.values()
+            yield from v.values()
+        for parts in self.states.values():
+            yield from parts.values()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of its checkpoint (0: none kept)."""
+        return sum(a.nbytes for parts in self.states.values() for a in parts.values())
+
+    def to_numpy(self) -> dict[str, np.ndarray[Any, Any]]:
+        """Host views of the arrays (zero-copy on CPU; a bfloat16 state as float32),
+        named ``{layer}.{k|v}.{part}`` and ``{layer}.s.{j}``."""
+        mx.eval(list(self.arrays()))
+        out: dict[str, np.ndarray[Any, Any]] = {}
+        for i, (k, v) in enumerate(self.layers):
+            for kind, parts in (("k", k), ("v", v)):
+                for name, array in parts.items():
+                    out[f"{i}.{kind}.{name}"] = np.array(array, copy=False)
+        for i, parts in self.states.items():
+            for name, array in parts.items():
+                if array.dtype == mx.bfloat16:
+                    array = array.astype(mx.float32)
+                out[f"{i}.s.{name}"] = np.array(array, copy=False)
+        return out
+
+    @classmethod
+    def from_numpy(
+        cls,
+        start: int,
+        stop: int,
+        geometry: CacheGeometry,
+        tensors: Mapping[str, np.ndarray[Any, Any]],
+        may_lack: frozenset[int] = frozenset(),
+    ) -> StoredRange:
+        """The inverse of ``to_numpy`` (one copy into MLX, states in their own dtype); the
+        K/V entries in ``may_lack`` (sliding-window layers, see ``AgentKV.slide``) may have
+        no parts at all, and the states may all be missing (no checkpoint). Raises KeyError
+        on another missing layer, half of one, or part of a checkpoint."""
+        layers: list[tuple[Parts, Parts]] = [({}, {}) for _ in range(geometry.n_layers)]
+        states: dict[int, Parts] = {}
+        for key, array in tensors.items():
+            layer, kind, name = key.split(".", 2)
+            if kind == "s":
+                g = geometry.state(int(layer))
+                if g is None:
+                    raise KeyError(f"entry {layer} keeps no state")
+                dtype = getattr(mx, g.dtypes[int(name)])
+                states.setdefault(int(layer), {})[name] = mx.array(array).astype(dtype)
+            else:
+                layers[int(layer)][0 if kind == "k" else 1][name] = mx.array(array)
+        state_layers = geometry.state_layers
+        for i, (k, v) in enumerate(layers):
+            if i in state_layers:
+                continue
+            if (not k or not v) and (k or v or i not in may_lack):
+                raise KeyError("a stored range lacks the K or V parts of some layer")
+        if states and (
+            set(states) != state_layers
+            or any(len(states[i]) != len(g.shapes) for i, g in _states(geometry))
+        ):
+            raise KeyError("a stored range holds part of a checkpoint")
+        return cls(start, stop, layers, states)
+
+    def holds_layer(self, layer: int) -> bool:
+        """Whether the range has the layer's parts (a sliding layer's may be dropped)."""
+        return bool(self.layers[layer][0])
+
+
+def _states(geometry: CacheGeometry) -> Iterator[tuple[int, Any]]:
+    for i in sorted(geometry.state_layers):
+        yield i, geometry.state(i)
+
+
+def segment_layout(
+    codec: KVCodec, geometry: CacheGeometry
+) -> Callable[[int, int], dict[str, tuple[tuple[int, ...], str]]]:
+    """``expect(start, stop)``: the exact name, shape and dtype of every array a stored range
+    of tokens [start, stop) holds, as ``StoredRange.to_numpy`` names them, its checkpoint
+    included (``{layer}.s.{j}``). The warm tier checks untrusted files against it.
+    Raises ValueError like ``KVCodec.expected_parts`` (at the first call)."""
+    roles: tuple[tuple[str, Role], ...] = (("k", "key"), ("v", "value"))
+
+    def expect(start: int, stop: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        n = stop - start
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for kind, role in roles:
+            for layer in geometry.kv_layers:
+                g = geometry.layer(layer)
+                try:
+                    parts = codec.expected_parts(start, n, g.n_kv_heads, g.dim(role), role=role)
+                except ValueError as exc:
+                    raise ValueError(f"layer {geometry.model_layer(layer)}: {exc}") from None
+                for name, spec in parts.items():
+                    out[f"{layer}.{kind}.{name}"] = spec
+        for layer, s in _states(geometry):
+            for j, (shape, dtype) in enumerate(zip(s.shapes, s.dtypes, strict=True)):
+                out[f"{layer}.s.{j}"] = (tuple(shape), storage_dtype(dtype))
+        return out
+
+    return expect
+
+
+def cache_nbytes(codec: KVCodec, geometry: CacheGeometry, n_tokens: int, start: int = 0) -> int:
+    """Stored K/V bytes of tokens ``start .. start + n_tokens - 1`` over every K/V entry of
+    ``geometry`` (each layer's heads, key and value widths; a checkpoint adds
+    ``geometry.state_bytes``). Raises ValueError like ``KVCodec.expected_parts``."""
+    return sum(
+        codec.nbytes(n_tokens, g.n_kv_heads, g.key_dim, start, value_dim=g.value_dim)
+        for g in (geometry.layer(i) for i in geometry.kv_layers)
+    )
