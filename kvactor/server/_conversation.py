@@ -6,10 +6,13 @@ field: ``messages``, or ``system``).
 
 OpenAI: roles ``system`` / ``developer`` (read as system), ``user``, ``assistant`` (its
 content may be null beside its ``tool_calls``; a ``refusal`` is its text), ``tool``;
-content a string or a list of text parts. Anthropic: ``system`` a string or text blocks;
-user content blocks ``text`` and ``tool_result`` (each a tool message, in order),
-assistant blocks ``text`` and ``tool_use`` (its calls); ``cache_control`` is taken and
-ignored (every prefix is cached anyway)."""
+content a string or a list of text parts; an assistant's ``audio``, ``function_call``
+and ``annotations`` (a reply's fields, sent back as it came) only when null.
+
+Anthropic: ``system`` a string or text blocks; user content blocks ``text`` and
+``tool_result`` (each a tool message, in order), assistant blocks ``text`` and
+``tool_use`` (its calls); ``cache_control`` is taken and ignored (every prefix is cached
+anyway)."""
 
 from __future__ import annotations
 
@@ -25,10 +28,16 @@ Message = dict[str, Any]
 _OPENAI_KEYS = {
     "system": {"role", "content", "name"},
     "user": {"role", "content", "name"},
-    "assistant": {"role", "content", "name", "tool_calls", "refusal"},
+    "assistant": {"role", "content", "name", "tool_calls", "refusal", "audio"}
+    | {"function_call", "annotations"},
     "tool": {"role", "content", "tool_call_id"},
 }
-_TEXT_KEYS = {"openai": {"type", "text"}, "anthropic": {"type", "text", "cache_control"}}
+_TEXT_KEYS = {
+    "openai": {"type", "text"},
+    "anthropic": {"type", "text", "cache_control", "citations"},
+}
+# Fields of a reply's blocks sent back as they came: taken when they say nothing.
+_UNSET: tuple[object, ...] = (None, [], {"type": "direct"})
 
 
 def _bad(message: str, param: str = "messages") -> ApiError:
@@ -42,8 +51,13 @@ def _unknown(m: Mapping[str, Any], known: set[str], where: str, param: str = "me
 
 
 def _cache_control(block: Mapping[str, Any], where: str, param: str) -> None:
-    if not isinstance(block.get("cache_control", {}), dict):
+    """Checks ``cache_control`` (an object, or null) and the reply's own fields a block
+    may carry back (``citations``, ``caller``, ``toolset_name``: only when unset)."""
+    if not isinstance(block.get("cache_control") or {}, dict):
         raise _bad(f"{where}.cache_control must be an object", param)
+    for key in ("citations", "caller", "toolset_name"):
+        if block.get(key) not in _UNSET:
+            raise _bad(f"{where}.{key} is not supported", param)
 
 
 def _text_part(part: object, where: str, param: str, api: str) -> str:
@@ -121,6 +135,9 @@ def _openai_message(i: int, m: object) -> Message:
         raise _bad(f"{where}.name must be a string")
     content = m.get("content")
     if role == "assistant":
+        for key in ("audio", "function_call", "annotations"):  # a reply's own fields, unset
+            if m.get(key) not in (None, []):
+                raise _bad(f"{where}.{key} is not supported")
         refusal = m.get("refusal")
         if refusal is not None and not isinstance(refusal, str):
             raise _bad(f"{where}.refusal must be a string")
@@ -140,7 +157,7 @@ def _openai_message(i: int, m: object) -> Message:
 
 def _last_is_the_users(out: list[Message]) -> None:
     if out[-1]["role"] not in ("user", "tool"):
-        raise _bad("the last message must be the user's (or a tool's result)")
+        raise _bad("messages: the last one must be the user's (or a tool's result)")
 
 
 def openai_messages(raw: Any) -> list[Message]:
@@ -179,7 +196,9 @@ def _tool_result(block: dict[str, Any], where: str) -> Message:
 
 
 def _tool_use(block: dict[str, Any], where: str) -> Message:
-    _unknown(block, {"type", "id", "name", "input", "cache_control"}, where)
+    _unknown(
+        block, {"type", "id", "name", "input", "cache_control", "caller", "toolset_name"}, where
+    )
     _cache_control(block, where, "messages")
     if not isinstance(block.get("input"), dict):
         raise _bad(f"{where}.input must be an object")

@@ -98,7 +98,7 @@ def _anthropic_tool(i: int, tool: object) -> dict[str, Any]:
     extra = sorted(shown(k) for k in set(tool) - _ANTHROPIC_TOOL_KEYS)
     if extra:
         raise _bad(f"{where}: unsupported field(s) {extra[:5]}", "tools")
-    if not isinstance(tool.get("cache_control", {}), dict):
+    if not isinstance(tool.get("cache_control") or {}, dict):
         raise _bad(f"{where}.cache_control must be an object", "tools")
     name = _name(tool.get("name"), where, "tools")
     params = _schema(tool.get("input_schema"), f"{where}.input_schema", "tools")
