@@ -60,7 +60,7 @@ async def served(**app_options: Any) -> AsyncIterator[tuple[kvactor.Session, str
                 await _clients.pop().close()
 
 
-def _oai(base: str, agent: str | None = None) -> openai.AsyncOpenAI:
+def _oai(base: str, agent: str | None = None) -> Any:  # typed loosely: plain dicts
     headers = {"X-Agent-Id": agent} if agent else None
     client = openai.AsyncOpenAI(
         base_url=f"{base}/v1", api_key="unused", default_headers=headers, max_retries=0
@@ -69,7 +69,7 @@ def _oai(base: str, agent: str | None = None) -> openai.AsyncOpenAI:
     return client
 
 
-def _claude(base: str) -> anthropic.AsyncAnthropic:
+def _claude(base: str) -> Any:
     client = anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0)
     _clients.append(client)
     return client
@@ -84,8 +84,8 @@ async def test_openai_tool_calls_whole_streamed_and_a_loop_that_extends() -> Non
         client = _oai(base)  # no agent id: the anonymous routing follows the tool loop
         done = await client.chat.completions.create(
             model="gpt-4o",  # any name: the one model served answers
-            messages=USER,  # type: ignore[arg-type]
-            tools=[CALC],  # type: ignore[list-item]
+            messages=USER,
+            tools=[CALC],
             tool_choice="required",
             max_completion_tokens=400,
             parallel_tool_calls=False,
@@ -96,7 +96,7 @@ async def test_openai_tool_calls_whole_streamed_and_a_loop_that_extends() -> Non
         calls = _calls(choice.message)
         assert [name for name, _ in calls] == ["calc"]
         jsonschema.validate(calls[0][1], PARAMS)
-        agent = done.model_extra["kvactor"]["agent"]  # type: ignore[index]
+        agent = done.model_extra["kvactor"]["agent"]
         # Waiting on its tool's result: kept hot, and shown so.
         rows = {r["id"]: r for r in (await http.get(f"{base}/v1/agents")).json()["data"]}
         assert 0 < rows[agent]["tool_wait_s"] <= 30
@@ -113,14 +113,14 @@ async def test_openai_tool_calls_whole_streamed_and_a_loop_that_extends() -> Non
                 "content": [{"type": "text", "text": "42"}],
             }
         )
-        held = done.usage.prompt_tokens + done.usage.completion_tokens  # type: ignore[union-attr]
+        held = done.usage.prompt_tokens + done.usage.completion_tokens
         after = await client.chat.completions.create(
             model="x",
             messages=messages,
             tools=[CALC],
-            max_tokens=3,  # type: ignore[list-item]
+            max_tokens=3,
         )
-        info = after.model_extra["kvactor"]  # type: ignore[index]
+        info = after.model_extra["kvactor"]
         assert info["agent"] == agent and info["match"] == "extend", info
         assert info["reused_tokens"] / held >= 0.95
         rows = {r["id"]: r for r in (await http.get(f"{base}/v1/agents")).json()["data"]}
@@ -128,8 +128,8 @@ async def test_openai_tool_calls_whole_streamed_and_a_loop_that_extends() -> Non
         # Streamed on another agent: the deltas reassemble to the same call.
         stream = await _oai(base, "s").chat.completions.create(
             model="tiny",
-            messages=USER,  # type: ignore[arg-type]
-            tools=[CALC],  # type: ignore[list-item]
+            messages=USER,
+            tools=[CALC],
             tool_choice="required",
             max_tokens=400,
             parallel_tool_calls=False,
@@ -143,8 +143,8 @@ async def test_openai_tool_calls_whole_streamed_and_a_loop_that_extends() -> Non
                 pieces += 1
                 if call.id is not None:
                     assert call.index not in parts and call.type == "function"
-                    parts[call.index] = {"name": call.function.name, "arguments": ""}  # type: ignore[union-attr]
-                parts[call.index]["arguments"] += call.function.arguments or ""  # type: ignore[union-attr]
+                    parts[call.index] = {"name": call.function.name, "arguments": ""}
+                parts[call.index]["arguments"] += call.function.arguments or ""
             assert not delta.content  # no call markup leaks into the text
             finish = chunk.choices[0].finish_reason or finish
         assert finish == "tool_calls" and pieces > 2
@@ -184,13 +184,13 @@ async def test_openai_response_formats_validate_and_parse() -> None:
                 model="tiny",
                 messages=USER,
                 response_format=fmt,
-                max_tokens=200,  # type: ignore[arg-type]
+                max_tokens=200,
             )
             assert done.choices[0].finish_reason == "stop"
             jsonschema.validate(json.loads(done.choices[0].message.content or ""), schema)
         obj = await client.chat.completions.create(
             model="tiny",
-            messages=USER,  # type: ignore[arg-type]
+            messages=USER,
             response_format={"type": "json_object"},
             max_tokens=200,
         )
@@ -199,7 +199,7 @@ async def test_openai_response_formats_validate_and_parse() -> None:
             model="tiny",
             messages=USER,
             response_format=Answer,
-            max_tokens=100,  # type: ignore[arg-type]
+            max_tokens=100,
         )
         assert isinstance(parsed.choices[0].message.parsed, Answer)
 
@@ -241,9 +241,7 @@ async def test_anthropic_tool_use_and_tool_result_whole_and_streamed() -> None:
         )
         assert (
             again.usage.cache_read_input_tokens
-            / (  # type: ignore[operator]
-                done.usage.input_tokens + done.usage.output_tokens
-            )
+            / (done.usage.input_tokens + done.usage.output_tokens)
             >= 0.9
         )
         # Streamed (another agent): a tool_use block, its input in input_json_delta pieces.
