@@ -308,7 +308,20 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="how caches are stored: default (keys 5-bit, values 3-bit), q8 (8-bit), "
         "fp16 (16-bit floats, 3.6x the bytes: closest to an unquantized cache)",
     )
-    serve.add_argument("--model-id", help="the id clients name (default: the model's name)")
+    serve.add_argument("--model-id", help="the id /v1/models lists (default: the model's name)")
+    serve.add_argument(
+        "--strict-model",
+        action="store_true",
+        help="a request naming another model than --model-id (or 'default') is a 404 "
+        "(without it, any name is the one model served)",
+    )
+    serve.add_argument(
+        "--tool-wait-s",
+        type=float,
+        metavar="SECONDS",
+        help="how long a turn that ended in tool calls keeps its agent's cache hot for "
+        "their results (default: 30)",
+    )
     serve.add_argument("--max-pending", type=int, default=64, help="requests in flight before 429s")
     serve.add_argument(
         "--max-anonymous", type=int, default=16, help="id-less conversations kept per tenant"

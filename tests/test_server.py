@@ -247,7 +247,8 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_slot() -> None:
 
 
 async def test_bad_requests_get_errors_in_the_api_shape_and_the_server_serves_on() -> None:
-    app_options = {"max_body_bytes": 64 << 10, "max_pending": 2}
+    # strict_model: another model's name is a 404 (by default any name is the one served).
+    app_options = {"max_body_bytes": 64 << 10, "max_pending": 2, "strict_model": True}
     async with running(app_options=app_options) as (_, base), httpx.AsyncClient() as http:
         chat = f"{base}/v1/chat/completions"
         user = [{"role": "user", "content": "hi"}]

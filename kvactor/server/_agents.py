@@ -1,4 +1,6 @@
-"""The agent routes: ``GET /v1/agents`` (each agent's tier and size), ``DELETE
+"""The agent routes: ``GET /v1/agents`` (each agent's tier and size; a hot one's
+``tool_wait_s``: the seconds its cache is still kept hot for its tool calls' results),
+``DELETE
 /v1/agents/{id}`` (forget it; 409 while it answers a request), ``POST
 /v1/agents/{id}/prefetch`` (stage its warm cache). Each sees only the agents of the
 request's tenant, by the ids the tenant knows them by (an admin: every agent, by its
@@ -45,7 +47,12 @@ async def _row(
     with contextlib.suppress(UnknownAgent):  # no hot cache: warm or cold
         info = await session.cache_info(name)
         row.update(
-            tier="hot", form="quantized", tokens=info.tokens, bytes=info.nbytes, busy=info.busy
+            tier="hot",
+            form="quantized",
+            tokens=info.tokens,
+            bytes=info.nbytes,
+            busy=info.busy,
+            tool_wait_s=info.tool_wait_s,
         )
     if last_used is not None:
         row["last_used"] = last_used

@@ -1,4 +1,7 @@
-"""Anthropic's API: ``POST /v1/messages``, whole or as Anthropic's server-sent events."""
+"""Anthropic's API: ``POST /v1/messages``, whole or as Anthropic's server-sent events;
+with tools, a reply's calls are ``tool_use`` blocks (streamed: a ``content_block_start``
+of type ``tool_use``, then ``input_json_delta`` pieces) and its ``stop_reason`` is
+``tool_use``."""
 
 from __future__ import annotations
 
@@ -13,41 +16,35 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..actors import Completion, FinishReason
+from ._conversation import anthropic_messages, anthropic_system
 from ._errors import ApiError
 from ._request import (
     check_fields,
     check_model,
     check_prompt_chars,
-    messages,
     parse_off_loop,
     read_body,
     sampling,
     stream_flag,
     string,
-    text_content,
 )
 from ._routing import agent_id
 from ._state import ServerState, server_state
-from ._turn import Ask, StreamedTurn, admitted
+from ._tools import anthropic_tools
+from ._turn import Ask, Piece, StreamedTurn, admitted
 
 _FIELDS = frozenset(
-    {"model", "messages", "max_tokens", "system", "stream", "temperature", "top_p"}
-    | {"stop_sequences", "metadata"}
+    {"model", "messages", "max_tokens", "system", "stream", "temperature", "top_p", "top_k"}
+    | {"stop_sequences", "metadata", "tools", "tool_choice"}
 )
 
 
-def _ask(body: Mapping[str, Any]) -> Ask:
-    """The turn a messages body asks for (``system`` first). Raises ApiError for a role
-    other than user / assistant in ``messages``, or what ``messages`` refuses."""
-    system = body.get("system")
-    if system is not None:
-        system = text_content(system, "system", "system")
-    for i, m in enumerate(body["messages"] if isinstance(body["messages"], list) else []):
-        if isinstance(m, dict) and m.get("role") not in ("user", "assistant"):
-            raise ApiError(
-                400, f"messages.{i}.role: must be 'user' or 'assistant'", param="messages"
-            )
-    return Ask(messages(body["messages"], system), sampling(body, "max_tokens", "stop_sequences"))
+def _ask(state: ServerState, body: Mapping[str, Any]) -> Ask:
+    """The turn a messages body asks for (``system`` first). Raises ApiError for what
+    the conversation, sampling or tool checks refuse."""
+    conversation = anthropic_messages(body["messages"], anthropic_system(body.get("system")))
+    options = sampling(body, "max_tokens", "stop_sequences", state.session.model.vocab_size)
+    return Ask(conversation, options, anthropic_tools(body))
 
 
 def _user_id(body: Mapping[str, Any]) -> str | None:
@@ -76,13 +73,15 @@ class _Parsed:
 def _parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
     """Check a messages body. Raises ApiError naming the field at fault."""
     check_fields(body, _FIELDS, ("model", "messages", "max_tokens"))
-    check_model(body, state.model_id)
-    ask = _ask(body)
-    check_prompt_chars(ask.conversation, state.max_prompt_chars, "messages")
+    check_model(body, state.model_id, state.strict_model)
+    ask = _ask(state, body)
+    check_prompt_chars(ask.conversation, state.max_prompt_chars - ask.tools.chars, "messages")
     return _Parsed(ask, stream_flag(body), _user_id(body))
 
 
 def _stop_reason(done: Completion, stops: list[str]) -> tuple[str, str | None]:
+    if done.finish_reason == FinishReason.TOOL_CALLS:
+        return "tool_use", None
     if done.finish_reason == FinishReason.LENGTH:
         return "max_tokens", None
     if done.finish_reason == FinishReason.STOP:
@@ -101,6 +100,19 @@ def _usage(done: Completion) -> dict[str, Any]:
     }
 
 
+def _content(done: Completion) -> list[dict[str, Any]]:
+    """The reply's content blocks: its text (unless it made calls and said nothing
+    else), then a ``tool_use`` block a call."""
+    blocks: list[dict[str, Any]] = []
+    if done.text or not done.tool_calls:
+        blocks.append({"type": "text", "text": done.text})
+    for call in done.tool_calls:
+        blocks.append(
+            {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
+        )
+    return blocks
+
+
 def _message(ident: str, model: str, done: Completion, stops: list[str]) -> dict[str, Any]:
     reason, sequence = _stop_reason(done, stops)
     return {
@@ -108,7 +120,7 @@ def _message(ident: str, model: str, done: Completion, stops: list[str]) -> dict
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": done.text}],
+        "content": _content(done),
         "stop_reason": reason,
         "stop_sequence": sequence,
         "usage": _usage(done),
@@ -119,8 +131,58 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
+class _Blocks:
+    """The content blocks of a streamed reply as Anthropic's events tell them: each
+    opened (``content_block_start``) when its first piece comes, the open one closed
+    when another begins or the reply ends; ``eager``: the text block opens at once (a
+    turn without tools, as before tools existed)."""
+
+    def __init__(self, eager: bool) -> None:
+        self.count = 0  # blocks opened so far
+        self._open: str | None = None  # "text", or the tool call's index as text
+        self._eager = eager
+
+    def _switch(self, key: str, block: dict[str, Any]) -> list[str]:
+        events = self.close()
+        self._open = key
+        events.append(_event("content_block_start", {"index": self.count, "content_block": block}))
+        self.count += 1
+        return events
+
+    def open_text(self) -> list[str]:
+        """The events that open a text block."""
+        return self._switch("text", {"type": "text", "text": ""})
+
+    def start(self) -> list[str]:
+        """The events of the reply's start (its text block's, when ``eager``)."""
+        return self.open_text() if self._eager else []
+
+    def piece(self, piece: Piece) -> list[str]:
+        """The events of one piece of the reply."""
+        if isinstance(piece, str):
+            events = [] if self._open == "text" else self.open_text()
+            delta = {"type": "text_delta", "text": piece}
+        else:
+            events = []
+            if piece.id is not None:
+                block: dict[str, Any] = {"type": "tool_use", "id": piece.id}
+                block.update(name=piece.name, input={})
+                events = self._switch(str(piece.index), block)
+            if not piece.arguments:
+                return events
+            delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+        return [*events, _event("content_block_delta", {"index": self.count - 1, "delta": delta})]
+
+    def close(self) -> list[str]:
+        """The events that close the open block (none when none is)."""
+        if self._open is None:
+            return []
+        self._open = None
+        return [_event("content_block_stop", {"index": self.count - 1})]
+
+
 async def _events(
-    ident: str, model: str, turn: StreamedTurn, stops: list[str]
+    ident: str, model: str, turn: StreamedTurn, stops: list[str], tools: bool
 ) -> AsyncIterator[str]:
     begin: dict[str, Any] = {
         "id": ident,
@@ -133,19 +195,24 @@ async def _events(
         "usage": {"input_tokens": 0, "output_tokens": 0},
     }
     yield _event("message_start", {"message": begin})
-    block = {"type": "text", "text": ""}
-    yield _event("content_block_start", {"index": 0, "content_block": block})
+    blocks = _Blocks(eager=not tools)
+    for event in blocks.start():
+        yield event
     yield _event("ping", {})
-    async for piece in turn.texts():
-        delta = {"type": "text_delta", "text": piece}
-        yield _event("content_block_delta", {"index": 0, "delta": delta})
+    async for piece in turn.events():
+        for event in blocks.piece(piece):
+            yield event
     if turn.cut:
         message = "the server is shutting down: this turn was ended"
         yield _event("error", {"error": {"type": "overloaded_error", "message": message}})
         return
     done = turn.finished()
+    if blocks.count == 0:  # nothing said: one empty text block, as Anthropic answers
+        for event in blocks.open_text():
+            yield event
+    for event in blocks.close():
+        yield event
     reason, sequence = _stop_reason(done, stops)
-    yield _event("content_block_stop", {"index": 0})
     end = {"stop_reason": reason, "stop_sequence": sequence}
     yield _event("message_delta", {"delta": end, "usage": _usage(done)})
     yield _event("message_stop", {})
@@ -164,4 +231,7 @@ async def messages_route(request: Request) -> Response:
         if not parsed.stream:
             _, done = await turn.whole(who, ask)
             return JSONResponse(_message(ident, state.model_id, done, stops))
-        return await turn.streamed(who, ask, lambda t: _events(ident, state.model_id, t, stops))
+        tools = bool(ask.tools.options)
+        return await turn.streamed(
+            who, ask, lambda t: _events(ident, state.model_id, t, stops, tools)
+        )

@@ -73,6 +73,7 @@ def create_app(
     session: Session,
     *,
     model_id: str | None = None,
+    strict_model: bool = False,
     max_pending: int = 64,
     max_body_bytes: int = 16 << 20,
     max_anonymous: int = 16,
@@ -80,8 +81,10 @@ def create_app(
     admin_keys: Iterable[str] = (),
 ) -> Starlette:
     """The ASGI app over an open session (mount it in an asyncio application, or let
-    :func:`~kvactor.server.serve` run it). ``model_id``: the id clients name (default: the
-    model's name; ``"default"`` is always accepted); ``max_pending``: requests in flight
+    :func:`~kvactor.server.serve` run it). ``model_id``: the id ``/v1/models`` lists and
+    replies name (default: the model's name); a request may name any model (the one
+    served answers), unless ``strict_model``: then only ``model_id`` or ``"default"``,
+    else a 404. ``max_pending``: requests in flight
     before 429s; ``max_body_bytes``: the largest request body (413 past it);
     ``max_anonymous``: anonymous agents kept per tenant (the least recently used idle one
     is forgotten past it). ``api_keys``: key entries (``KEY`` or ``NAME:KEY``, optionally
@@ -94,6 +97,7 @@ def create_app(
     app.state.kvactor = ServerState.build(
         session,
         model_id=model_id or session.model.name,
+        strict_model=strict_model,
         max_pending=max_pending,
         max_body_bytes=max_body_bytes,
         max_anonymous=max_anonymous,

@@ -44,15 +44,21 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options["budget_bytes"] = int(args.budget_mb * 1e6)
     if args.no_share_prefixes:
         options["share_prefixes"] = False
+    if args.tool_wait_s is not None:
+        options["tool_wait_s"] = args.tool_wait_s
     return options
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``kvactor serve``: 0 once stopped by a signal, 1 when it cannot start (model,
-    cache directory, address), 2 for bad keys."""
+    cache directory, address), 2 for bad keys or a ``--tool-wait-s`` out of [0, 86400]."""
     from ..actors.errors import KvactorError
     from ._tenants import Keys
 
+    wait = args.tool_wait_s
+    if wait is not None and not 0 <= wait <= 86_400:
+        print(f"kvactor serve: --tool-wait-s must be in [0, 86400], got {wait}", file=sys.stderr)
+        return 2
     try:
         entries = key_entries(args.api_key or (), args.api_key_file or ())
         Keys(entries, args.admin_key or ())
@@ -65,6 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         model_id=args.model_id,
+        strict_model=args.strict_model,
         max_pending=args.max_pending,
         max_anonymous=args.max_anonymous,
         json_start=args.json,

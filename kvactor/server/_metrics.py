@@ -32,6 +32,8 @@ _ENGINE_GAUGES = (
     ("max_batch_seen", "The largest decode batch so far"),
     ("decoding", "Agents decoding now"),
     ("waiting", "Turns waiting to start"),
+    ("tool_waits", "Hot agents waiting on their tool calls' results (kept hot for tool_wait_s)"),
+    ("constrained_tokens", "Tokens picked under a grammar's mask (tool calls, response formats)"),
 )
 
 # kvactor_warm_tier_<name>: a field of ``Session.warm_stats()``.
@@ -76,6 +78,14 @@ class Metrics:
             "kvactor_cached_tokens", "Prompt tokens reused from a cache", registry=r
         )
         self.generated_tokens = Counter("kvactor_generated_tokens", "Generated tokens", registry=r)
+        self.tool_calls = Counter(
+            "kvactor_tool_calls",
+            "Tool calls the model made (in turns that ended in them)",
+            registry=r,
+        )
+        self.tool_call_turns = Counter(
+            "kvactor_tool_call_turns", "Turns that ended in tool calls", registry=r
+        )
         self.cancelled = Counter(
             "kvactor_turns_cancelled",
             "Turns cancelled because their client left, by reply (whole or stream)",
@@ -98,6 +108,11 @@ class Metrics:
         self.engine = {
             name: Gauge(f"kvactor_{name}", help_, registry=r) for name, help_ in _ENGINE_GAUGES
         }
+        self.mask_seconds = Gauge(
+            "kvactor_grammar_mask_seconds",
+            "Host seconds spent computing grammar masks and following their tokens",
+            registry=r,
+        )
         self.warm = {
             name: Gauge(f"kvactor_warm_tier_{name}", help_, registry=r)
             for name, help_ in _WARM_GAUGES
@@ -123,6 +138,9 @@ class Metrics:
         self.prompt_tokens.inc(t.prompt_tokens)
         self.cached_tokens.inc(t.reused_tokens)
         self.generated_tokens.inc(t.generated_tokens)
+        if done.tool_calls:
+            self.tool_call_turns.inc()
+            self.tool_calls.inc(len(done.tool_calls))
 
     async def _timely(self, name: str, read: Callable[[], Awaitable[Any]]) -> Any:
         """``read()``'s figures if they come within STATS_WAIT_S, else the last ones read
@@ -151,6 +169,7 @@ class Metrics:
         if stats is not None:
             for name, gauge in self.engine.items():
                 gauge.set(getattr(stats, name, 0) or 0)
+            self.mask_seconds.set(getattr(stats, "mask_s", 0.0))
         if io is not None:
             for name, gauge in self.warm.items():
                 gauge.set(getattr(io, name))

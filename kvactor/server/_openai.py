@@ -16,6 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..actors import Completion, FinishReason
+from ..actors.protocol import ToolCall, ToolCallDelta
+from ._conversation import openai_messages
 from ._errors import ApiError
 from ._request import (
     check_fields,
@@ -24,8 +26,6 @@ from ._request import (
     flag,
     include_usage,
     integer,
-    messages,
-    number,
     parse_off_loop,
     read_body,
     sampling,
@@ -34,20 +34,27 @@ from ._request import (
 )
 from ._routing import agent_id
 from ._state import ServerState, server_state
+from ._tools import openai_tools
 from ._turn import Ask, StreamedTurn, admitted
 
 _FIELDS = frozenset(
     {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed"}
     | {"stop", "user", "n", "logprobs"}
 )
-_CHAT_FIELDS = _FIELDS | {
-    "messages",
-    "max_completion_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "response_format",
-}
-_COMPLETION_FIELDS = _FIELDS | {"prompt", "echo"}
+# The sampling filters local clients send besides OpenAI's own (llama.cpp's, vLLM's names).
+_FILTER_FIELDS = {"top_k", "min_p", "repetition_penalty", "repetition_context_size"}
+_CHAT_FIELDS = (
+    _FIELDS
+    | _FILTER_FIELDS
+    | {"messages", "max_completion_tokens", "presence_penalty", "frequency_penalty"}
+    | {"logit_bias", "top_logprobs", "store", "metadata"}
+    | {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
+)
+_COMPLETION_FIELDS = (
+    _FIELDS
+    | _FILTER_FIELDS
+    | {"prompt", "echo", "presence_penalty", "frequency_penalty", "logit_bias"}
+)
 
 
 def _usage(done: Completion) -> dict[str, Any]:
@@ -61,6 +68,8 @@ def _usage(done: Completion) -> dict[str, Any]:
 
 
 def _finish_reason(done: Completion) -> str:
+    if done.finish_reason == FinishReason.TOOL_CALLS:
+        return "tool_calls"
     return "length" if done.finish_reason == FinishReason.LENGTH else "stop"
 
 
@@ -126,7 +135,7 @@ def _common(body: Mapping[str, Any], state: ServerState, ask: Ask, param: str) -
     """What both routes check alike. Raises ApiError."""
     if integer(body, "n", 1) not in (None, 1):
         raise ApiError(400, "only n=1 is supported", param="n")
-    check_prompt_chars(ask.conversation, state.max_prompt_chars, param)
+    check_prompt_chars(ask.conversation, state.max_prompt_chars - ask.tools.chars, param)
     return _Parsed(ask, stream_flag(body), include_usage(body), string(body, "user"))
 
 
@@ -135,19 +144,45 @@ def _chat_parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
     """The turn a chat body asks for. Raises ApiError for a field of the wrong type or
     what the server does not do."""
     check_fields(body, _CHAT_FIELDS, ("model", "messages"))
-    check_model(body, state.model_id)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if number(body, name, -2.0, 2.0) not in (None, 0.0):
-            raise ApiError(400, f"'{name}' is not supported (only 0)", param=name)
+    check_model(body, state.model_id, state.strict_model)
     if flag(body, "logprobs"):
         raise ApiError(400, "'logprobs' is not supported", param="logprobs")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(
-            400, "only response_format {'type': 'text'} is supported", param="response_format"
-        )
-    ask = Ask(messages(body["messages"]), sampling(body, "max_tokens", "stop"))
+    if integer(body, "top_logprobs", 0):
+        raise ApiError(400, "'top_logprobs' is not supported", param="top_logprobs")
+    flag(body, "store")  # OpenAI's keeping of completions: nothing is kept here but caches
+    _metadata(body)
+    conversation = openai_messages(body["messages"])
+    options = sampling(body, "max_tokens", "stop", state.session.model.vocab_size)
+    ask = Ask(conversation, options, openai_tools(body))
     return _common(body, state, ask, "messages")
+
+
+def _metadata(body: Mapping[str, Any]) -> None:
+    """OpenAI's ``metadata`` (stored completions' tags): at most 16 string pairs, taken
+    and unused. Raises ApiError otherwise."""
+    tags = body.get("metadata")
+    if tags is None:
+        return
+    if (
+        not isinstance(tags, dict)
+        or len(tags) > 16
+        or not all(isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in tags.items())
+    ):
+        raise ApiError(400, "'metadata' must hold at most 16 string pairs", param="metadata")
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments_json}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def _chat_message(done: Completion) -> dict[str, Any]:
+    """The reply's message: its text (null when it made calls and said nothing else),
+    its tool calls."""
+    if not done.tool_calls:
+        return {"role": "assistant", "content": done.text}
+    calls = [_call(c) for c in done.tool_calls]
+    return {"role": "assistant", "content": done.text or None, "tool_calls": calls}
 
 
 def _chat_reply(reply: _Reply, agent: str, done: Completion) -> dict[str, Any]:
@@ -157,7 +192,7 @@ def _chat_reply(reply: _Reply, agent: str, done: Completion) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": done.text},
+                "message": _chat_message(done),
                 "logprobs": None,
                 "finish_reason": _finish_reason(done),
             }
@@ -183,10 +218,24 @@ def _chunk(
     return _sse(data)
 
 
+def _call_delta(piece: ToolCallDelta) -> dict[str, Any]:
+    """A piece of a tool call as OpenAI streams it: the first with its id, type and name
+    (and arguments ""), the next ones with pieces of its arguments."""
+    if piece.id is not None:
+        function = {"name": piece.name, "arguments": piece.arguments}
+        call = {"index": piece.index, "id": piece.id, "type": "function", "function": function}
+    else:
+        call = {"index": piece.index, "function": {"arguments": piece.arguments}}
+    return {"tool_calls": [call]}
+
+
 async def _chat_events(reply: _Reply, turn: StreamedTurn, usage: bool) -> AsyncIterator[str]:
     yield _chunk(reply, {"role": "assistant", "content": ""})
-    async for piece in turn.texts():
-        yield _chunk(reply, {"content": piece})
+    async for piece in turn.events():
+        if isinstance(piece, str):
+            yield _chunk(reply, {"content": piece})
+        else:
+            yield _chunk(reply, _call_delta(piece))
     if turn.cut:
         yield _ENDED
         return
@@ -217,7 +266,7 @@ def _completion_parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
     type, what the server does not do (n > 1, echo, logprobs) or a prompt that is not
     one non-empty string."""
     check_fields(body, _COMPLETION_FIELDS, ("model", "prompt"))
-    check_model(body, state.model_id)
+    check_model(body, state.model_id, state.strict_model)
     if flag(body, "echo"):
         raise ApiError(400, "'echo' is not supported", param="echo")
     if integer(body, "logprobs", 0):
@@ -227,7 +276,8 @@ def _completion_parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
-    return _common(body, state, Ask(prompt, sampling(body, "max_tokens", "stop")), "prompt")
+    options = sampling(body, "max_tokens", "stop", state.session.model.vocab_size)
+    return _common(body, state, Ask(prompt, options), "prompt")
 
 
 def _text_reply(

@@ -112,13 +112,15 @@ def check_fields(body: Mapping[str, Any], known: frozenset[str], required: tuple
             raise ApiError(400, f"Missing required parameter: '{name}'.", param=name)
 
 
-def check_model(body: Mapping[str, Any], model_id: str) -> None:
-    """Raises ApiError: 400 unless ``model`` is a string, 404 unless it names
-    ``model_id`` or ``"default"``."""
+def check_model(body: Mapping[str, Any], model_id: str, strict: bool = False) -> None:
+    """Raises ApiError: 400 unless ``model`` is a string; with ``strict``, 404 unless it
+    names ``model_id`` or ``"default"`` (without, any name is the one model served, as
+    llama.cpp's and LM Studio's servers take it: many SDKs default to a name of their
+    own)."""
     model = body.get("model")
     if not isinstance(model, str):
         raise ApiError(400, f"'model' must be a string, got {shown(model)}", param="model")
-    if model not in (model_id, "default"):
+    if strict and model not in (model_id, "default"):
         raise ApiError(
             404,
             f"The model {shown(model)} does not exist: this server serves "
@@ -194,6 +196,10 @@ def integer(body: Mapping[str, Any], name: str, low: int) -> int | None:
     return value
 
 
+MAX_STOPS = 16  # stop strings a turn takes (``Sampling``'s bound; OpenAI's is 4)
+MAX_LOGIT_BIAS = 1024  # tokens one turn may bias (OpenAI's bound is 300)
+
+
 def _stops(body: Mapping[str, Any], name: str) -> list[str]:
     stop = body.get(name)
     if stop is None:
@@ -202,13 +208,62 @@ def _stops(body: Mapping[str, Any], name: str) -> list[str]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, f"'{name}' must be a string or a list of non-empty strings", param=name)
+    if len(stop) > MAX_STOPS:
+        raise ApiError(400, f"'{name}' takes at most {MAX_STOPS} strings", param=name)
     return stop
 
 
-def sampling(body: Mapping[str, Any], max_name: str, stop_name: str) -> dict[str, Any]:
+def _logit_bias(body: Mapping[str, Any], vocab: int) -> dict[int, float] | None:
+    """``logit_bias`` (token id as a decimal string -> a bias in [-100, 100]), checked
+    against the vocabulary (``vocab`` tokens; 0: unknown). Raises ApiError otherwise."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return None
+    bad = ApiError(
+        400,
+        "'logit_bias' must map token ids (decimal strings) to numbers in [-100, 100]",
+        param="logit_bias",
+    )
+    if not isinstance(raw, dict):
+        raise bad
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in raw.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9):
+            raise bad
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise bad
+        token = int(key)
+        if vocab and token >= vocab:
+            raise ApiError(
+                400,
+                f"'logit_bias': token {token} is not in the vocabulary ({vocab} tokens)",
+                param="logit_bias",
+            )
+        out[token] = float(bias)
+    return out
+
+
+# Filters local clients send (llama.cpp's, vLLM's, mlx-lm's names) and their ranges
+# (repetition_penalty must be > 0 too). top_k -1 is vLLM's "off" (ours is 0).
+_FILTERS = (
+    ("min_p", 0.0, 1.0),
+    ("repetition_penalty", 0.0, 100.0),
+    ("presence_penalty", -2.0, 2.0),
+    ("frequency_penalty", -2.0, 2.0),
+)
+
+
+def sampling(
+    body: Mapping[str, Any], max_name: str, stop_name: str, vocab: int = 0
+) -> dict[str, Any]:
     """Our sampling options from an API body (OpenAI's or Anthropic's names: the token
     limit in ``max_name`` or ``max_completion_tokens``, the stop strings in
-    ``stop_name``). Raises ApiError for a value out of range or of the wrong type."""
+    ``stop_name``; the filters ``top_k``, ``min_p``, ``repetition_penalty``,
+    ``repetition_context_size``, ``presence_penalty``, ``frequency_penalty``,
+    ``logit_bias`` when the body has them: each route's fields say which it takes).
+    Raises ApiError for a value out of range or of the wrong type."""
     options: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
     for name in (max_name, "max_completion_tokens"):
         value = integer(body, name, 1)
@@ -230,58 +285,29 @@ def sampling(body: Mapping[str, Any], max_name: str, stop_name: str) -> dict[str
     stop = _stops(body, stop_name)
     if stop:
         options["stop"] = stop
+    top_k = integer(body, "top_k", -1)
+    if top_k is not None:
+        options["top_k"] = max(top_k, 0)
+    for name, low, high in _FILTERS:
+        filtered = number(body, name, low, high)
+        if filtered == 0 and name == "repetition_penalty":
+            raise ApiError(400, "'repetition_penalty' must be > 0", param=name)
+        if filtered is not None:
+            options[name] = filtered
+    context = integer(body, "repetition_context_size", 1)
+    if context is not None:
+        if context > 1 << 20:
+            raise ApiError(
+                400, "'repetition_context_size' must be <= 2**20", param="repetition_context_size"
+            )
+        options["repetition_context_size"] = context
+    bias = _logit_bias(body, vocab)
+    if bias:
+        options["logit_bias"] = bias
     return options
 
 
-def text_content(content: Any, where: str, param: str) -> str:
-    """A message content: a string, or a list of text parts (both APIs' shapes). Raises
-    ApiError (naming ``where``; ``param``: its top-level field) for anything else."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ApiError(400, f"{where}[{i}]: only text content is supported", param=param)
-            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-                raise ApiError(
-                    400, f"{where}[{i}]: a text part is {{'type', 'text': string}}", param=param
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(400, f"{where}: content must be a string or a list of text parts", param=param)
-
-
-def messages(raw: Any, system: str | None = None) -> list[dict[str, str]]:
-    """A conversation as ``Agent.stream_chat`` takes it (``system`` first when given;
-    ``developer`` read as ``system``). Raises ApiError for an empty list, a malformed
-    message, a role other than system / user / assistant, or a last message that is not
-    the user's."""
-    if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    out = [{"role": "system", "content": system}] if system is not None else []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or "role" not in m:
-            raise ApiError(400, f"messages[{i}] must be an object with a role", param="messages")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            listed = sorted(shown(e) for e in extra)[:5]
-            raise ApiError(400, f"messages[{i}]: unsupported field(s) {listed}", param="messages")
-        if not isinstance(m.get("name", ""), str):
-            raise ApiError(400, f"messages[{i}].name must be a string", param="messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(
-                400, f"messages[{i}]: role {shown(role)} is not supported", param="messages"
-            )
-        content = text_content(m.get("content"), f"messages[{i}].content", "messages")
-        out.append({"role": role, "content": content})
-    if out[-1]["role"] != "user":
-        raise ApiError(400, "the last message must be the user's", param="messages")
-    return out
-
-
-def check_prompt_chars(conversation: list[dict[str, str]] | str, limit: int, param: str) -> None:
+def check_prompt_chars(conversation: list[dict[str, Any]] | str, limit: int, param: str) -> None:
     """Raises ApiError (400, ``context_length_exceeded``) for a prompt with more
     characters than any prompt that fits the model's context can have (``limit``),
     before any agent sees it."""

@@ -164,6 +164,7 @@ async def serve(
     port: int = 8000,
     ready: Callable[[int], None] | None = None,
     model_id: str | None = None,
+    strict_model: bool = False,
     max_pending: int = 64,
     json_start: bool = False,
     api_keys: Sequence[str] = (),
@@ -177,8 +178,8 @@ async def serve(
     then the server stops taking connections, lets in-flight turns finish (their warm
     writes included) for up to ``drain_s`` seconds, cancels the rest (what they generated
     is not saved; their earlier turns are), and the session closes (a second signal
-    stops at once). ``api_keys`` / ``admin_keys``: as ``create_app`` takes them
-    (none: no authentication, said at start). ``port`` 0 picks a free one. Once it
+    stops at once). ``api_keys`` / ``admin_keys``, ``strict_model``: as ``create_app``
+    takes them (no keys: no authentication, said at start). ``port`` 0 picks a free one. Once it
     listens it prints its start line on stderr (:func:`start_line`; one JSON object with
     ``json_start``) and calls ``ready(port)``. Raises ValueError for a malformed key
     entry (before anything starts), what ``kvactor.open`` raises, and OSError when the
@@ -191,6 +192,7 @@ async def serve(
         app = create_app(
             session,
             model_id=model_id,
+            strict_model=strict_model,
             max_pending=max_pending,
             max_anonymous=max_anonymous,
             api_keys=api_keys,

@@ -25,6 +25,7 @@ class ServerState:
 
     session: Session
     model_id: str
+    strict_model: bool  # only model_id (or "default") is a model's name; else any is
     max_body_bytes: int
     max_prompt_chars: int  # past it no prompt fits the context: refused before any work
     keys: Keys
@@ -46,6 +47,7 @@ class ServerState:
         session: Session,
         *,
         model_id: str,
+        strict_model: bool,
         max_pending: int,
         max_body_bytes: int,
         max_anonymous: int,
@@ -56,6 +58,7 @@ class ServerState:
         return cls(
             session=session,
             model_id=model_id,
+            strict_model=strict_model,
             max_body_bytes=max_body_bytes,
             max_prompt_chars=prompt_chars_limit(session.tokenizer, session.model.context_length),
             keys=keys,

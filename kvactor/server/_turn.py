@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -20,11 +20,13 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..actors import Agent, Completion
+from ..actors import Agent, Completion, ContextOverflow
 from ..actors.api import TurnStream
+from ..actors.protocol import ToolCallDelta
 from ._errors import ApiError, ClientGone
 from ._routing import Conversation
 from ._state import server_state, tenant_of
+from ._tools import GRAMMAR_ERRORS, ToolAsk
 
 T = TypeVar("T")
 
@@ -42,36 +44,64 @@ def ended() -> ApiError:
 
 @dataclass(frozen=True)
 class Ask:
-    """What a request asks of its agent: a conversation (a chat) or a raw prompt, and
-    the sampling options."""
+    """What a request asks of its agent: a conversation (a chat) or a raw prompt, the
+    sampling options, and its tool options (``tools``)."""
 
     conversation: Conversation
     options: dict[str, Any]
+    tools: ToolAsk = field(default_factory=ToolAsk)
 
     def start(self, agent: Agent) -> TurnStream:
-        """The turn's text stream on ``agent`` (not started). Raises TypeError /
-        ValueError for bad options."""
+        """The turn's stream on ``agent`` (not started). Raises TypeError / ValueError
+        for bad options."""
         if isinstance(self.conversation, str):
             return agent.stream_raw(self.conversation, **self.options)
-        return agent.stream_chat(self.conversation, **self.options)
+        return agent.stream_chat(self.conversation, **self.options, **self.tools.options)
 
     def after(self, done: Completion) -> Conversation:
-        """The conversation once the turn is done (for the anonymous routing)."""
+        """The conversation once the turn is done (for the anonymous routing), as its
+        client will send it again: the reply with its tool calls."""
         if isinstance(self.conversation, str):
             return self.conversation + done.text
-        return [*self.conversation, {"role": "assistant", "content": done.text}]
+        reply: dict[str, Any] = {"role": "assistant", "content": done.text}
+        if done.tool_calls:
+            reply["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in done.tool_calls
+            ]
+        return [*self.conversation, reply]
+
+    def error(self, exc: Exception) -> Exception:
+        """What ``exc``, raised by the turn, tells the client: the engine's refusal of a
+        grammar is a 400 naming the field it came from."""
+        if (
+            self.tools.param is not None
+            and isinstance(exc, ValueError)
+            and not isinstance(exc, ContextOverflow)
+            and any(word in str(exc) for word in GRAMMAR_ERRORS)
+        ):
+            return ApiError(400, str(exc), param=self.tools.param)
+        return exc
+
+
+Piece = str | ToolCallDelta  # what a turn's stream gives: text, or a piece of a tool call
 
 
 class StreamedTurn:
     """A streamed turn, as its events see it: its agent (``shown``: the id its client
-    knows it by), its text pieces, and its Completion once the pieces ran out
-    (``finished``)."""
+    knows it by), its pieces (text and tool calls' pieces), and its Completion once the
+    pieces ran out (``finished``)."""
 
     def __init__(
         self,
         agent: Agent,
         stream: TurnStream,
-        first: str | None,
+        pieces: AsyncIterator[Piece],
+        first: Piece | None,
         on_done: Callable[[], None],
         shown: str,
         drainable: Callable[[], contextlib.AbstractContextManager[anyio.CancelScope]],
@@ -81,25 +111,32 @@ class StreamedTurn:
         self.cut = False  # the server's drain ended it before its last piece
         self._drainable = drainable
         self._stream = stream
+        self._pieces = pieces
         self._first = first
         self._on_done = on_done
         self._done: Completion | None = None
 
-    async def texts(self) -> AsyncIterator[str]:
-        """The reply's text pieces (the first one already read); they stop early, with
-        ``cut`` set, when the server's drain ends the turn."""
+    async def events(self) -> AsyncIterator[Piece]:
+        """The reply's pieces (the first one already read): text, and with tools the
+        calls' pieces as they form; they stop early, with ``cut`` set, when the server's
+        drain ends the turn."""
         if self._first:
             yield self._first
-        pieces = aiter(self._stream)
         while True:
             with self._drainable() as scope:  # around the wait only: never a yield
-                piece = await anext(pieces, None)
+                piece = await anext(self._pieces, None)
             if scope.cancelled_caught:
                 self.cut = True
                 return
             if piece is None:
                 return
             yield piece
+
+    async def texts(self) -> AsyncIterator[str]:
+        """The reply's text pieces alone (see :meth:`events`)."""
+        async for piece in self.events():
+            if isinstance(piece, str):
+                yield piece
 
     def finished(self) -> Completion:
         """The Completion (after ``texts`` ran out); the turn is counted once."""
@@ -222,7 +259,10 @@ class TurnRequest:
             return agent, done
 
         with state.drainable() as scope:
-            return await self._unless_gone(run, "whole")
+            try:
+                return await self._unless_gone(run, "whole")
+            except (TypeError, ValueError) as exc:
+                raise ask.error(exc) from None
         assert scope.cancelled_caught
         raise ended()
 
@@ -233,20 +273,24 @@ class TurnRequest:
         state, held = self._state, self._held
         router = state.agents
 
-        async def begin() -> tuple[Agent, TurnStream, str | None]:
+        async def begin() -> tuple[Agent, TurnStream, AsyncIterator[Piece], Piece | None]:
             agent = await held.enter_async_context(
                 router.agent(self._tenant, agent_id, ask.conversation)
             )
-            pieces = await held.enter_async_context(ask.start(agent))
-            return agent, pieces, await anext(pieces, None)
+            stream = await held.enter_async_context(ask.start(agent))
+            pieces = stream.events()
+            return agent, stream, pieces, await anext(pieces, None)
 
         with state.drainable() as scope:
-            agent, pieces, first = await self._unless_gone(begin, "stream")
+            try:
+                agent, stream, pieces, first = await self._unless_gone(begin, "stream")
+            except (TypeError, ValueError) as exc:
+                raise ask.error(exc) from None
         if scope.cancelled_caught:
             raise ended()
 
         def on_done() -> None:
-            done = pieces.completion
+            done = stream.completion
             assert done is not None
             state.finished(agent, done, ask.after(done))
 
@@ -254,7 +298,7 @@ class TurnRequest:
             state.metrics.cancelled.labels("stream").inc()
 
         shown = self.local_id(agent)
-        turn = StreamedTurn(agent, pieces, first, on_done, shown, state.drainable)
+        turn = StreamedTurn(agent, stream, pieces, first, on_done, shown, state.drainable)
         return _TurnResponse(events(turn), held.pop_all(), on_cancel)
 
 
