@@ -56,6 +56,7 @@ class ToolStream:
         self.calls: list[ToolCall] = []
         self.content = ""
         self._held = ""
+        self.cut_off = False  # the turn ended inside a call (its deltas were sent; dropped)
         self._region = False
         self._plain = False  # llama3: the message is not a call, all of it is content
         self._call: _Call | None = None
@@ -125,6 +126,7 @@ class ToolStream:
         elif self._call is not None:
             log.debug("a tool call was cut off: %r", self._call.text[:200])
             self._call = None
+            self.cut_off = True
         return _merged(out)
 
     # -- the calls ----------------------------------------------------------------------

@@ -92,6 +92,14 @@ class AgentEnv:
     tool_format: ToolFormat | None = None  # None: read from the tokenizer's chat template
 
 
+def _finish(reason: FinishReason, calls: list[ToolCall], reader: ToolStream | None) -> FinishReason:
+    """TOOL_CALLS when the turn ended in whole calls; LENGTH when the token limit cut one
+    off (the whole ones before it are still given), as OpenAI reports it."""
+    if reader is not None and reader.cut_off and reason == FinishReason.LENGTH:
+        return reason
+    return FinishReason.TOOL_CALLS if calls else reason
+
+
 def _assistant(content: str, calls: list[ToolCall]) -> dict[str, Any]:
     """The assistant message of a turn, its tool calls as a template renders them."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -331,7 +339,7 @@ class AgentActor(Actor):
                 await self.engine.tell(ToolWait(self.agent_id, self.tool_wait_s))
         yield Completion(
             text=content,
-            finish_reason=FinishReason.TOOL_CALLS if calls else finished.reason,
+            finish_reason=_finish(finished.reason, calls, reader),
             token_ids=finished.token_ids,
             timings=msgspec.structs.replace(
                 finished.timings, load_s=outcome.load_s, save_s=save_s, write_s=self._write_s

@@ -456,7 +456,13 @@ async def test_refused_tools_and_hostile_schemas_are_quick_400s_naming_the_field
         # The engine still serves constrained and free turns.
         r = await http.post(
             f"{base}/v1/chat/completions",
-            json={**chat, "tools": [CALC], "tool_choice": "required", "max_tokens": 400},
+            json={
+                **chat,
+                "tools": [CALC],
+                "tool_choice": "required",
+                "parallel_tool_calls": False,
+                "max_tokens": 400,
+            },
         )
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls"
         r = await http.post(f"{base}/v1/chat/completions", json=chat)
@@ -470,7 +476,7 @@ def test_serve_takes_a_tool_wait_and_a_strict_model(tmp_path: Path) -> None:
     args = ("--no-cache-dir", "--tool-wait-s", "5", "--strict-model", "--model-id", "tiny")
     with serve_process(tmp_path, *args) as server, httpx.Client(timeout=60) as http:
         body = {"model": "tiny", "messages": USER, "max_tokens": 400}
-        tools = {"tools": [CALC], "tool_choice": "required"}
+        tools = {"tools": [CALC], "tool_choice": "required", "parallel_tool_calls": False}
         headers = {"X-Agent-Id": "w"}
         r = http.post(f"{server.base}/v1/chat/completions", json={**body, **tools}, headers=headers)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls"
@@ -478,3 +484,17 @@ def test_serve_takes_a_tool_wait_and_a_strict_model(tmp_path: Path) -> None:
         assert [r["id"] for r in rows] == ["w"] and 0 < rows[0]["tool_wait_s"] <= 5
         r = http.post(f"{server.base}/v1/chat/completions", json={**body, "model": "gpt-4o"})
         assert r.status_code == 404
+
+
+async def test_a_call_cut_off_by_max_tokens_finishes_with_length() -> None:
+    async with served() as (_, base):
+        client = _oai(base)
+        # Parallel calls allowed: this model calls again and again until the limit cuts one.
+        cut = await client.chat.completions.create(
+            model="m", messages=USER, tools=[CALC], tool_choice="required", max_tokens=120
+        )
+        choice = cut.choices[0]
+        assert choice.finish_reason == "length", choice  # not "tool_calls" with a cut call
+        assert choice.message.tool_calls  # the whole ones before it are given
+        for _, arguments in _calls(choice.message):
+            jsonschema.validate(arguments, PARAMS)
