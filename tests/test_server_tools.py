@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import anyio
 import httpx
 import jsonschema
 import openai
@@ -498,3 +499,32 @@ async def test_a_call_cut_off_by_max_tokens_finishes_with_length() -> None:
         assert choice.message.tool_calls  # the whole ones before it are given
         for _, arguments in _calls(choice.message):
             jsonschema.validate(arguments, PARAMS)
+
+
+async def test_serve_deterministic_answers_alike_alone_and_together(tmp_path: Path) -> None:
+    from kvactor.cli import build_parser
+    from kvactor.server._cli import _options
+
+    args = build_parser().parse_args(["serve", "tiny", "--deterministic", "--no-cache-dir"])
+    options = _options(args)
+    assert options["deterministic"] is True
+    async with running(**options) as (kv, base), httpx.AsyncClient(timeout=60) as http:
+        assert kv.config.deterministic
+
+        async def ask(i: int, out: dict[int, str], run: str) -> None:
+            body = {"model": "m", "messages": [{"role": "user", "content": f"say {i}" * (i + 1)}]}
+            r = await http.post(
+                f"{base}/v1/chat/completions",
+                json={**body, "max_tokens": 12, "temperature": 0},
+                headers={"X-Agent-Id": f"{run}{i}"},
+            )
+            out[i] = r.json()["choices"][0]["message"]["content"]
+
+        alone: dict[int, str] = {}
+        for i in range(4):
+            await ask(i, alone, "alone")
+        together: dict[int, str] = {}
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(ask, i, together, "together")
+        assert together == alone

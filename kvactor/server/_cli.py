@@ -44,6 +44,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options["budget_bytes"] = int(args.budget_mb * 1e6)
     if args.no_share_prefixes:
         options["share_prefixes"] = False
+    if args.deterministic:
+        options["deterministic"] = True
     if args.tool_wait_s is not None:
         options["tool_wait_s"] = args.tool_wait_s
     return options
