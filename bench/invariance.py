@@ -1,8 +1,9 @@
 """Answers that do not depend on who else is running: the same turns one agent at a time
 and all agents at once, then a new process resuming every agent warm for one more round;
-greedy token ids compared turn by turn. With the batch-invariant decode (the default) and
-without it (one padded attention call, projections of as many rows as the batch), side by
-side; the batch-8 decode rate of both; and 30 short processes that must all exit with 0.
+greedy token ids compared turn by turn. With the batch-invariant decode
+(``deterministic=True``) and without it (the default: one padded attention call,
+projections of as many rows as the batch), side by side; the batch-8 decode rate of both;
+and 30 short processes that must all exit with 0.
 
     python bench/invariance.py [--model PATH] [--agents 10] [--rounds 5] [--tokens 24]
                                [--exits 30] [--json PATH]
