@@ -133,6 +133,14 @@ class EngineActor(ThreadActor):
     def on_stop(self) -> None:
         # MLX arrays made on this thread must die before it exits: MLX aborts the process
         # when such an array outlives its thread (seen with mlx 0.32 on CPU).
+        self.unload()
+        gc.collect()
+        _settle_random_state()
+        release_thread()  # this thread's streams go with it, not at the process's exit
+
+    def unload(self) -> None:
+        """Fail the turns still here and drop the model, its hot caches and its batch (a
+        multi-model engine unloads an idle model this way; ``on_start`` loads it again)."""
         batch = self.__dict__.get("batch")
         rows = batch.clear() if batch is not None else []
         for request in (*self._prefilling, *self._ready, *rows):
@@ -144,9 +152,14 @@ class EngineActor(ThreadActor):
         self.__dict__.pop("pool", None)
         self.__dict__.pop("batch", None)
         self.__dict__.pop("lm", None)
-        gc.collect()
-        _settle_random_state()
-        release_thread()  # this thread's streams go with it, not at the process's exit
+
+    def settled(self) -> bool:
+        """No turn is queued or running and nothing is being written, staged or built:
+        dropping the hot tier now loses nothing that is not on disk (or re-prefillable)."""
+        pool = self.__dict__.get("pool")
+        return pool is None or (
+            not (self._prefilling or self._ready or len(self.batch)) and pool.stuck()
+        )
 
     # -- messages ---------------------------------------------------------------------
     def receive(self, message: EngineMessage) -> Any:

@@ -1,0 +1,206 @@
+"""Several models in one session (one engine, one memory limit over everything), on tiny
+random-weight models of different configurations (real MLX on the CPU, real files)."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import kvactor
+from kvactor import ModelLoadError, Tier
+from kvactor.actors.config import EngineConfig
+from kvactor.actors.memory_limit import (
+    activation_bytes,
+    kept_buffer_bytes,
+    one_turn_bytes,
+    weights_bytes,
+)
+from kvactor.actors.model import make_tiny_model
+
+# Two configurations: the same cache geometry per token (2 layers, 1 KV head of 64), so one
+# turn reserves the same in both; B's weights and activations are larger.
+A = functools.partial(make_tiny_model, 0, head_dim=64)
+B = functools.partial(
+    make_tiny_model, 1, head_dim=64, hidden_size=128, intermediate_size=512, num_attention_heads=4
+)
+MODELS = {"router": A, "coder": B}
+PROMPTS = ["hello there", "and now something else", "a third turn"]
+
+
+async def _solo(spec: Any, names: list[str]) -> dict[str, list[str]]:
+    """Each agent's greedy answers with the model alone in its own session."""
+    out: dict[str, list[str]] = {}
+    async with kvactor.open(spec) as session:
+        for name in names:
+            agent = await session.spawn_agent(name, system=f"you are {name}")
+            out[name] = [(await agent.generate(p, max_tokens=6)).text for p in PROMPTS]
+    return out
+
+
+async def _together(session: kvactor.Session, roles: dict[str, str]) -> dict[str, list[str]]:
+    """Every agent (name -> model) taking its turns at once, in one session."""
+    out: dict[str, list[str]] = {}
+    agents = {
+        name: await session.spawn_agent(name, system=f"you are {name}", model=model)
+        for name, model in roles.items()
+    }
+
+    async def run(name: str) -> None:
+        out[name] = [(await agents[name].generate(p, max_tokens=6)).text for p in PROMPTS]
+
+    async with anyio.create_task_group() as tg:
+        for name in agents:
+            tg.start_soon(run, name)
+    return out
+
+
+ROLES = {"r1": "router", "r2": "router", "c1": "coder", "c2": "coder"}
+
+
+async def test_two_models_answer_as_each_alone(tmp_path: Path) -> None:
+    alone = await _solo(A, ["r1", "r2"]) | await _solo(B, ["c1", "c2"])
+    async with kvactor.open(models=MODELS, cache_dir=tmp_path) as session:
+        assert list(session.models) == ["router", "coder"]
+        fingerprints = {m.fingerprint for m in session.models.values()}
+        assert len(fingerprints) == 2
+        together = await _together(session, ROLES)
+        assert together == alone
+        assert {n: session.model_of(n) for n in ROLES} == ROLES
+        stats = await session.stats()
+        assert stats.models_loaded == 2 and stats.model_loads == 0
+        assert stats.generated_tokens == 6 * len(PROMPTS) * len(ROLES)
+        assert stats.memory_limit_bytes is not None
+        assert 0 < stats.memory_bytes <= stats.memory_limit_bytes
+        assert stats.weights_bytes > 0
+        states = {s.name: s for s in await session.model_states()}
+        assert states["router"].loaded and states["coder"].loaded
+        assert states["coder"].weights_bytes > states["router"].weights_bytes
+    # Each model's agents apart on disk.
+    for model, names in (("router", ["r1", "r2"]), ("coder", ["c1", "c2"])):
+        folder = tmp_path / "models" / model / "agents"
+        assert sorted(p.name for p in folder.iterdir()) == names
+
+
+async def test_forks_and_contexts_stay_within_a_model() -> None:
+    async with kvactor.open(models=MODELS) as session:
+        r = await session.spawn_agent("r", model="router")
+        await r.generate("hello", max_tokens=3)
+        with pytest.raises(ValueError, match="within a model"):
+            await session.fork("r", "r2", model="coder")
+        fork = await session.fork("r", "r3")
+        assert session.model_of("r3") == "router"
+        assert (await fork.generate("more", max_tokens=3)).timings.reused_tokens > 0
+        await session.context("ctx", "shared facts", model="coder")
+        with pytest.raises(ValueError, match="within a model"):
+            await session.spawn_agent("c", context="ctx", model="router")
+        c = await session.spawn_agent("c", context="ctx")
+        assert session.model_of("c") == "coder"
+        assert (await c.generate("hi", max_tokens=2)).timings.reused_tokens > 0
+        with pytest.raises(ValueError, match="no model 'nope'"):
+            await session.spawn_agent("x", model="nope")
+
+
+async def test_a_cache_offered_to_another_model_is_refused(tmp_path: Path) -> None:
+    async with kvactor.open(models=MODELS, cache_dir=tmp_path) as session:
+        agent = await session.spawn_agent("x", model="router")
+        await agent.generate("remember this", max_tokens=4)
+    # The router's cache of x, put where the coder's agents live.
+    shutil.copytree(
+        tmp_path / "models" / "router" / "agents" / "x",
+        tmp_path / "models" / "coder" / "agents" / "x",
+    )
+    async with kvactor.open(models=MODELS, cache_dir=tmp_path) as session:
+        infos = [i for i in await session.warm_agents() if i.agent == "x"]
+        assert len(infos) == 2
+        refused = [i for i in infos if i.rejected is not None]
+        assert len(refused) == 1 and "model" in (refused[0].rejected or "")
+        agent = await session.spawn_agent("x", model="coder")
+        done = await agent.generate("remember this", max_tokens=4)
+        assert done.path is Tier.COLD and done.timings.reused_tokens == 0
+        # The router's own agent x still resumes warm in the router.
+        await session.forget("x")
+        again = await session.spawn_agent("x", model="router")
+        assert (await again.generate("and more", max_tokens=2)).path is Tier.WARM
+
+
+def _need(spec: Any, config: EngineConfig) -> tuple[int, int]:
+    """(weights + activations, one turn) of a model, as the engine counts them."""
+    lm = spec()
+    return weights_bytes(lm) + activation_bytes(lm, config), one_turn_bytes(lm, config)
+
+
+async def test_a_limit_for_one_model_swaps_them_and_holds(tmp_path: Path) -> None:
+    config = EngineConfig()
+    (fixed_a, turn), (fixed_b, _) = _need(A, config), _need(B, config)
+    # Room for the larger model, one turn and some caches; never for both models at once.
+    # (A turn of these prompts reserves half of one_turn_bytes: 256 tokens, not 512.)
+    room = fixed_b + turn + turn // 8
+    limit = room * 16 // 15 + 16
+    assert room <= limit - kept_buffer_bytes(limit)
+    assert fixed_a + fixed_b + turn // 2 > limit - kept_buffer_bytes(limit)
+    alone = await _solo(A, ["r1"]) | await _solo(B, ["c1"])
+    async with kvactor.open(models=MODELS, memory_limit=limit, cache_dir=tmp_path) as session:
+        r1 = await session.spawn_agent("r1", system="you are r1", model="router")
+        c1 = await session.spawn_agent("c1", system="you are c1", model="coder")
+        out: dict[str, list[str]] = {"r1": [], "c1": []}
+        for prompt in PROMPTS:  # turn by turn: router, coder, router, ...
+            out["r1"].append((await r1.generate(prompt, max_tokens=6)).text)
+            out["c1"].append((await c1.generate(prompt, max_tokens=6)).text)
+        stats = await session.stats()
+        assert out == alone
+        assert stats.model_loads >= 2 * len(PROMPTS) - 1
+        assert stats.model_unloads >= stats.model_loads - 1
+        assert stats.swap_s > 0
+        assert stats.models_loaded == 1
+        assert stats.memory_limit_bytes == limit
+        assert stats.memory_peak_bytes <= limit
+        assert stats.mlx_peak_bytes <= limit  # MLX's own peak, plus what it keeps
+        loaded = [s.name for s in await session.model_states() if s.loaded]
+        assert loaded == ["coder"]
+
+
+async def test_a_pinned_model_stays_loaded(tmp_path: Path) -> None:
+    config = EngineConfig()
+    fixed_b, turn = _need(B, config)
+    limit = (fixed_b + turn + turn // 8) * 16 // 15 + 16
+    async with kvactor.open(
+        models=MODELS, memory_limit=limit, pin_models=["coder"], cache_dir=tmp_path
+    ) as session:
+        c1 = await session.spawn_agent("c1", model="coder")
+        r1 = await session.spawn_agent("r1", model="router")
+        await c1.generate("hi", max_tokens=2)
+        with pytest.raises(kvactor.BudgetExceeded, match="pinned"):
+            await r1.generate("hi", max_tokens=2)
+        assert [s.name for s in await session.model_states() if s.loaded] == ["coder"]
+
+
+async def test_a_model_that_cannot_fit_one_turn_is_refused_at_open() -> None:
+    with pytest.raises(ModelLoadError, match=r"'coder' needs \d+ bytes with one turn"):
+        async with kvactor.open(models=MODELS, memory_limit=6 << 20):
+            pass
+
+
+async def test_memory_limit_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="model or models"):
+        kvactor.open(A, models=MODELS)
+    with pytest.raises(ValueError, match="memory_limit"):
+        kvactor.open(models=MODELS, memory_limit=0)
+    with pytest.raises(ValueError, match="pinned models"):
+        kvactor.open(models=MODELS, pin_models=["nope"])
+    with pytest.raises(ValueError, match="several models"):
+        kvactor.open(A, pin_models=["x"])
+
+
+async def test_one_model_under_a_memory_limit() -> None:
+    async with kvactor.open(A, memory_limit=1 << 30) as session:
+        agent = await session.spawn_agent("a")
+        await agent.generate("hello", max_tokens=3)
+        stats = await session.stats()
+        assert stats.memory_limit_bytes == 1 << 30
+        assert 0 < stats.memory_bytes <= 1 << 30
+        assert list(session.models) == ["default"]
