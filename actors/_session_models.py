@@ -15,6 +15,7 @@ from ._tokenizer import Tokenizer
 from .agent import AgentEnv
 from .config import EngineConfig, ModelSpec
 from .engine import EngineActor
+from .memory_limit import record_limit
 from .models_engine import ModelRef, ModelsEngine, ModelsQuery, ModelState
 from .prefetch import PrefetchMessage
 from .protocol import EngineMessage, EngineStats, ModelInfo
@@ -97,6 +98,8 @@ class SessionModels:
                     suffix=f":{name}",
                 )
                 self._parts[name] = part
+        if root is not None and self.memory_limit is not None:
+            await anyio.to_thread.run_sync(record_limit, root, self.memory_limit, list(self._parts))
         first = next(iter(self._parts.values()))
         self.engine, self.model, self.tokenizer = first.engine, first.model, first.tokenizer
         self.store, self.prefetcher, self.warm = first.store, first.prefetcher, first.warm

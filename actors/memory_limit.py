@@ -8,7 +8,9 @@ keeps the count within the limit; this module holds the rules, not the state.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -20,11 +22,14 @@ from .model import LoadedModel
 __all__ = (
     "MEMORY_SHARE",
     "activation_bytes",
+    "MEMORY_FILE",
     "default_memory_limit",
     "kept_buffer_bytes",
     "mlx_memory",
     "one_turn_bytes",
     "physical_memory",
+    "read_limit",
+    "record_limit",
     "weights_bytes",
 )
 
@@ -84,6 +89,28 @@ def one_turn_bytes(lm: LoadedModel, config: EngineConfig) -> int:
     """What one turn of a modest size reserves (a prefill chunk of prompt and 256 tokens
     of answer, from an empty cache): what a model must fit besides its weights."""
     return turn_reserve_bytes(lm.geometry, config.prefill_chunk + 256)
+
+
+MEMORY_FILE = "memory.json"
+"""In a cache directory: the memory limit and models of the session that last opened it."""
+
+
+def record_limit(root: Path, limit: int, models: list[str]) -> None:
+    """Write ``root``'s MEMORY_FILE (for ``kvactor inspect``); an OSError is ignored."""
+    try:
+        text = json.dumps({"memory_limit_bytes": limit, "models": models})
+        (root / MEMORY_FILE).write_text(text + "\n", encoding="utf-8")
+    except OSError:
+        pass
+
+
+def read_limit(root: Path) -> dict[str, Any] | None:
+    """``root``'s MEMORY_FILE (None: none, or unreadable)."""
+    try:
+        data = json.loads((root / MEMORY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def mlx_memory() -> tuple[int, int, int]:

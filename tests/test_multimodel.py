@@ -3,7 +3,9 @@ random-weight models of different configurations (real MLX on the CPU, real file
 
 from __future__ import annotations
 
+import argparse
 import functools
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ import pytest
 
 import kvactor
 from kvactor import ModelLoadError, Tier
+from kvactor._inspect import run_inspect
 from kvactor.actors.config import EngineConfig
 from kvactor.actors.memory_limit import (
     activation_bytes,
@@ -62,7 +65,9 @@ async def _together(session: kvactor.Session, roles: dict[str, str]) -> dict[str
 ROLES = {"r1": "router", "r2": "router", "c1": "coder", "c2": "coder"}
 
 
-async def test_two_models_answer_as_each_alone(tmp_path: Path) -> None:
+async def test_two_models_answer_as_each_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     alone = await _solo(A, ["r1", "r2"]) | await _solo(B, ["c1", "c2"])
     async with kvactor.open(models=MODELS, cache_dir=tmp_path) as session:
         assert list(session.models) == ["router", "coder"]
@@ -84,6 +89,16 @@ async def test_two_models_answer_as_each_alone(tmp_path: Path) -> None:
     for model, names in (("router", ["r1", "r2"]), ("coder", ["c1", "c2"])):
         folder = tmp_path / "models" / model / "agents"
         assert sorted(p.name for p in folder.iterdir()) == names
+    # kvactor inspect shows each model's caches and the limit they ran under.
+    capsys.readouterr()
+    assert run_inspect(argparse.Namespace(dir=tmp_path, json=False, verbose=False)) == 0
+    shown = capsys.readouterr().out
+    assert "memory limit" in shown and "over models router, coder" in shown
+    assert str(tmp_path / "models" / "router") in shown and "c2" in shown
+    assert run_inspect(argparse.Namespace(dir=tmp_path, json=True, verbose=False)) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["memory"]["memory_limit_bytes"] == stats.memory_limit_bytes
+    assert len(listed["directories"]) == 2
 
 
 async def test_forks_and_contexts_stay_within_a_model() -> None:
