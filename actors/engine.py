@@ -26,6 +26,7 @@ from .errors import BudgetExceeded, CacheMiss, ContextOverflow, EngineStopped, M
 from .generation import Generation
 from .grammar import GrammarCompiler
 from .hot_entry import HotEntry
+from .memory_limit import attention_heads, attention_score_bytes
 from .model import LoadedModel, load_model
 from .pool import CachePool
 from .protocol import (
@@ -152,6 +153,29 @@ class EngineActor(ThreadActor):
         self.__dict__.pop("pool", None)
         self.__dict__.pop("batch", None)
         self.__dict__.pop("lm", None)
+
+    def queued_need(self) -> int | None:
+        """None when no turn is queued; else the bytes the oldest queued turn's working
+        cache needs beyond its hot tier's room now (0: it runs, or it fits)."""
+        if not self._prefilling:
+            return None
+        head, pool = self._prefilling[0], self.pool
+        if head.active or pool.limit is None:
+            return 0
+        return max(head.reserve + pool.committed() - pool.limit, 0)
+
+    def attention_bytes(self) -> int:
+        """A bound on the fp32 attention scores (and their softmax) of the work here now:
+        a prefill chunk over the longest queued prompt, a decode step over its rows."""
+        if "lm" not in self.__dict__:
+            return 0
+        heads = attention_heads(self.lm)
+        prompt = max((len(r.prompt) for r in self._prefilling), default=0)
+        rows = [*self.batch.rows, *self._ready]
+        longest = max((len(r.prompt) + r.sampling.max_tokens for r in rows), default=0)
+        chunk = min(self.config.prefill_chunk, prompt)
+        scores = attention_score_bytes(heads, chunk, prompt)
+        return scores + attention_score_bytes(heads, len(rows), longest)
 
     def settled(self) -> bool:
         """No turn is queued or running and nothing is being written, staged or built:

@@ -22,6 +22,8 @@ from .model import LoadedModel
 __all__ = (
     "MEMORY_SHARE",
     "activation_bytes",
+    "attention_heads",
+    "attention_score_bytes",
     "MEMORY_FILE",
     "default_memory_limit",
     "kept_buffer_bytes",
@@ -85,10 +87,25 @@ def activation_bytes(lm: LoadedModel, config: EngineConfig) -> int:
     return 4 * rows * width
 
 
+def attention_heads(lm: LoadedModel) -> int:
+    """``lm``'s query heads (read from its arguments; else 4 per KV head)."""
+    args = getattr(lm.model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    return heads if isinstance(heads, int) and heads > 0 else 4 * max(lm.n_kv_heads, 8)
+
+
+def attention_score_bytes(heads: int, queries: int, keys: int) -> int:
+    """fp32 attention scores and their softmax of ``queries`` over ``keys`` in one layer."""
+    return 8 * heads * queries * keys
+
+
 def one_turn_bytes(lm: LoadedModel, config: EngineConfig) -> int:
-    """What one turn of a modest size reserves (a prefill chunk of prompt and 256 tokens
-    of answer, from an empty cache): what a model must fit besides its weights."""
-    return turn_reserve_bytes(lm.geometry, config.prefill_chunk + 256)
+    """What one turn of a modest size needs (a prefill chunk of prompt and 256 tokens of
+    answer, from an empty cache): its reserve and its attention scores; what a model must
+    fit besides its weights."""
+    tokens = config.prefill_chunk + 256
+    scores = attention_score_bytes(attention_heads(lm), config.prefill_chunk, tokens)
+    return turn_reserve_bytes(lm.geometry, tokens) + scores
 
 
 MEMORY_FILE = "memory.json"

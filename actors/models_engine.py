@@ -239,25 +239,33 @@ class ModelsEngine(ThreadActor):
     def count(self) -> int:
         """Bytes counted against the limit now: MLX's kept buffers, and each loaded model's
         weights, activations and hot tier (running turns at their reserve)."""
-        used = self._kept + sum(s.fixed + s.engine.pool.committed() for s in self._loaded())
+        used = self._kept + sum(self._holds(s) for s in self._loaded())
         self.peak = max(self.peak, used)
         return used
 
+    @staticmethod
+    def _holds(slot: _Slot) -> int:
+        """A loaded model's part of the count: weights, activations, attention, hot tier."""
+        engine = slot.engine
+        return slot.fixed + engine.attention_bytes() + engine.pool.committed()
+
     def _fits(self, slot: _Slot) -> bool:
         """Whether ``slot`` (not loaded, at its measured size) fits now with one turn."""
-        others = sum(s.fixed + s.engine.pool.committed() for s in self._loaded() if s is not slot)
+        others = sum(self._holds(s) for s in self._loaded() if s is not slot)
         return self._kept + others + slot.fixed + slot.turn <= self.limit
 
     def _fit(self, slot: _Slot) -> None:
         """Bound ``slot``'s hot tier by what the rest of the count leaves of the limit."""
-        others = sum(s.fixed + s.engine.pool.committed() for s in self._loaded() if s is not slot)
-        room = max(self.limit - self._kept - slot.fixed - others, 0)
+        others = sum(self._holds(s) for s in self._loaded() if s is not slot)
+        own = slot.fixed + slot.engine.attention_bytes()
+        room = max(self.limit - self._kept - own - others, 0)
         cap = self.config.budget_bytes
         slot.engine.pool.limit = room if cap is None else min(room, cap)
 
     def _free_for(self, slot: _Slot, need: int) -> None:
-        """Make ``need`` more bytes of room for ``slot`` by the cost order: other models'
-        idle caches to warm first, then idle models unloaded, least recently used first."""
+        """Make room for ``need`` more bytes (beyond the count now) for ``slot`` by the
+        cost order: other models' idle caches to warm first, then idle models unloaded,
+        least recently used first."""
         others = sorted(
             (s for s in self._loaded() if s is not slot), key=lambda s: (s.pinned, s.last_used)
         )
@@ -268,8 +276,10 @@ class ModelsEngine(ThreadActor):
             pool = other.engine.pool
             pool.limit = max(pool.committed() - missing, 0)
             pool.make_room(0)
+        # Its own idle caches go before any model does (its turn's start demotes them).
+        own = slot.engine.pool.idle_bytes() if slot.loaded else 0
         for other in others:
-            if self.count() + need <= self.limit:
+            if self.count() + need - own <= self.limit:
                 return
             if not other.pinned and not other.busy():
                 self._unload(other)
@@ -298,9 +308,8 @@ class ModelsEngine(ThreadActor):
             self._fit(slot)
             if isinstance(message, Reserve) and message.wait:  # staging for a turn
                 pool = slot.engine.pool
-                missing = message.nbytes - (pool.limit or 0) + pool.committed()
-                if missing > 0:
-                    self._free_for(slot, missing)
+                if message.nbytes > (pool.limit or 0) - pool.committed():
+                    self._free_for(slot, message.nbytes)
                     self._fit(slot)
             return self._dispatch(slot, message, self.reply)
         if isinstance(message, _NEEDS_MODEL) or (isinstance(message, Reserve) and message.wait):
@@ -380,16 +389,16 @@ class ModelsEngine(ThreadActor):
     def on_idle(self) -> bool:
         more = self._load_pending()
         for slot in self._loaded():
+            if not slot.loaded:
+                continue  # unloaded just now, for another model's turn
             engine = slot.engine
-            head = engine._prefilling[0] if engine._prefilling else None
-            if head is not None:
-                slot.last_used = time.monotonic()
-                if not head.active:
-                    self._fit(slot)
-                    missing = head.reserve - (engine.pool.limit or 0) + engine.pool.committed()
-                    if missing > 0:
-                        self._free_for(slot, missing)
             self._fit(slot)
+            short = engine.queued_need()
+            if short is not None:
+                slot.last_used = time.monotonic()
+                if short > 0:  # what it needs: its shortfall plus the room left now
+                    self._free_for(slot, short + self.limit - self.count())
+                    self._fit(slot)
             more = engine.on_idle() or more
         self._sample()
         self._expire()

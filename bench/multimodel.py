@@ -66,16 +66,10 @@ PROMPTS = [
 
 def _models(quick: bool) -> dict[str, Any]:
     if quick:
+        tiny = functools.partial(make_tiny_model, head_dim=64)
         return {
-            "router": functools.partial(make_tiny_model, 0, head_dim=64),
-            "coder": functools.partial(
-                make_tiny_model,
-                1,
-                head_dim=64,
-                hidden_size=128,
-                intermediate_size=512,
-                num_attention_heads=4,
-            ),
+            "router": functools.partial(tiny, 0, hidden_size=192, intermediate_size=768),
+            "coder": functools.partial(tiny, 1, hidden_size=256, intermediate_size=1024),
         }
     return {"router": None, "coder": None}  # the default model, twice
 

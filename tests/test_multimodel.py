@@ -4,7 +4,6 @@ random-weight models of different configurations (real MLX on the CPU, real file
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import shutil
 from pathlib import Path
@@ -12,26 +11,17 @@ from typing import Any
 
 import anyio
 import pytest
+from multimodels import MODELS, A, B, need, swap_limit
 
 import kvactor
 from kvactor import ModelLoadError, Tier
 from kvactor._inspect import run_inspect
-from kvactor.actors.config import EngineConfig
+from kvactor.actors.config import turn_reserve_bytes
 from kvactor.actors.memory_limit import (
-    activation_bytes,
-    kept_buffer_bytes,
-    one_turn_bytes,
-    weights_bytes,
+    attention_heads,
+    attention_score_bytes,
 )
-from kvactor.actors.model import make_tiny_model
 
-# Two configurations: the same cache geometry per token (2 layers, 1 KV head of 64), so one
-# turn reserves the same in both; B's weights and activations are larger.
-A = functools.partial(make_tiny_model, 0, head_dim=64)
-B = functools.partial(
-    make_tiny_model, 1, head_dim=64, hidden_size=128, intermediate_size=512, num_attention_heads=4
-)
-MODELS = {"router": A, "coder": B}
 PROMPTS = ["hello there", "and now something else", "a third turn"]
 
 
@@ -143,21 +133,8 @@ async def test_a_cache_offered_to_another_model_is_refused(tmp_path: Path) -> No
         assert (await again.generate("and more", max_tokens=2)).path is Tier.WARM
 
 
-def _need(spec: Any, config: EngineConfig) -> tuple[int, int]:
-    """(weights + activations, one turn) of a model, as the engine counts them."""
-    lm = spec()
-    return weights_bytes(lm) + activation_bytes(lm, config), one_turn_bytes(lm, config)
-
-
 async def test_a_limit_for_one_model_swaps_them_and_holds(tmp_path: Path) -> None:
-    config = EngineConfig()
-    (fixed_a, turn), (fixed_b, _) = _need(A, config), _need(B, config)
-    # Room for the larger model, one turn and some caches; never for both models at once.
-    # (A turn of these prompts reserves half of one_turn_bytes: 256 tokens, not 512.)
-    room = fixed_b + turn + turn // 8
-    limit = room * 16 // 15 + 16
-    assert room <= limit - kept_buffer_bytes(limit)
-    assert fixed_a + fixed_b + turn // 2 > limit - kept_buffer_bytes(limit)
+    limit = swap_limit()
     alone = await _solo(A, ["r1"]) | await _solo(B, ["c1"])
     async with kvactor.open(models=MODELS, memory_limit=limit, cache_dir=tmp_path) as session:
         r1 = await session.spawn_agent("r1", system="you are r1", model="router")
@@ -180,9 +157,7 @@ async def test_a_limit_for_one_model_swaps_them_and_holds(tmp_path: Path) -> Non
 
 
 async def test_a_pinned_model_stays_loaded(tmp_path: Path) -> None:
-    config = EngineConfig()
-    fixed_b, turn = _need(B, config)
-    limit = (fixed_b + turn + turn // 8) * 16 // 15 + 16
+    limit = swap_limit()
     async with kvactor.open(
         models=MODELS, memory_limit=limit, pin_models=["coder"], cache_dir=tmp_path
     ) as session:
@@ -195,8 +170,10 @@ async def test_a_pinned_model_stays_loaded(tmp_path: Path) -> None:
 
 
 async def test_a_model_that_cannot_fit_one_turn_is_refused_at_open() -> None:
+    (fixed_a, turn), (fixed_b, _) = need(A), need(B)
+    limit = (fixed_a + fixed_b) // 2 + turn  # the router fits with a turn, the coder not
     with pytest.raises(ModelLoadError, match=r"'coder' needs \d+ bytes with one turn"):
-        async with kvactor.open(models=MODELS, memory_limit=6 << 20):
+        async with kvactor.open(models=MODELS, memory_limit=limit):
             pass
 
 
@@ -219,3 +196,55 @@ async def test_one_model_under_a_memory_limit() -> None:
         assert stats.memory_limit_bytes == 1 << 30
         assert 0 < stats.memory_bytes <= 1 << 30
         assert list(session.models) == ["default"]
+
+
+async def test_a_turn_of_one_model_demotes_the_others_idle_caches_first(tmp_path: Path) -> None:
+    (fixed_a, _), (fixed_b, _) = need(A), need(B)
+    long = "tell me about " + "the warm tier " * 60
+    async with kvactor.open(A, ready_copies=False) as probe:  # one such cache's bytes
+        agent = await probe.spawn_agent("p")
+        done = await agent.generate(long, max_tokens=4)
+        stored = (await agent.cache_info()).nbytes
+    # What such a turn reserves; the same in both models (the same cache geometry).
+    prompt = done.timings.prompt_tokens
+    reserve = turn_reserve_bytes(A().geometry, prompt + 4)
+    reserve += attention_score_bytes(attention_heads(A()), min(256, prompt), prompt)
+    room = fixed_a + fixed_b + reserve + stored * 3 // 2  # both models, a turn, 1.5 caches
+    limit = room * 16 // 15 + 16
+    async with kvactor.open(
+        models=MODELS, memory_limit=limit, cache_dir=tmp_path, ready_copies=False
+    ) as session:
+        routers = [await session.spawn_agent(f"r{i}", model="router") for i in range(3)]
+        for agent in routers:
+            await agent.generate(long, max_tokens=4)
+        hot_before = [a.name for a in routers if await _hot(a)]
+        coder = await session.spawn_agent("c", model="coder")
+        await coder.generate(long, max_tokens=4)
+        hot_after = [a.name for a in routers if await _hot(a)]
+        stats = await session.stats()
+        assert len(hot_after) < len(hot_before)  # the router's idle caches went warm ...
+        assert stats.models_loaded == 2 and stats.model_unloads == 0  # ... not the router
+        assert stats.memory_peak_bytes <= limit and stats.mlx_peak_bytes <= limit
+        again = await routers[0].generate("and more", max_tokens=2)
+        assert again.path is Tier.WARM
+
+
+async def _hot(agent: kvactor.Agent) -> bool:
+    try:
+        await agent.cache_info()
+    except kvactor.UnknownAgent:
+        return False
+    return True
+
+
+async def test_a_model_idle_past_its_ttl_is_unloaded(tmp_path: Path) -> None:
+    async with kvactor.open(models=MODELS, model_ttl_s=0.0, cache_dir=tmp_path) as session:
+        agent = await session.spawn_agent("r", model="router")
+        first = await agent.generate("hello", max_tokens=3)
+        states = {s.name: s.loaded for s in await session.model_states()}
+        assert states == {"router": False, "coder": False}
+        again = await agent.generate("more", max_tokens=3)  # loads it again, resumes warm
+        assert (
+            again.path is Tier.WARM and again.timings.reused_tokens >= first.timings.prompt_tokens
+        )
+        assert (await session.stats()).model_loads >= 1

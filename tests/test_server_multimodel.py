@@ -4,23 +4,17 @@ against uvicorn on 127.0.0.1, requests routed by ``model``, on tiny random model
 from __future__ import annotations
 
 import argparse
-import functools
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from multimodels import MODELS, A, B, swap_limit
 from serving import metric, running
 
 import kvactor
-from kvactor.actors.model import make_tiny_model
 from kvactor.server._cli import served_models
 
-A = functools.partial(make_tiny_model, 0, head_dim=64)
-B = functools.partial(
-    make_tiny_model, 1, head_dim=64, hidden_size=128, intermediate_size=512, num_attention_heads=4
-)
-MODELS = {"router": A, "coder": B}
 ASK = [{"role": "user", "content": "write a haiku"}]
 
 
@@ -79,7 +73,8 @@ async def test_requests_route_by_model_and_models_lists_each() -> None:
 
 
 async def test_a_tight_limit_loads_the_model_a_request_names() -> None:
-    async with running(None, models=MODELS, memory_limit=8 << 20) as (session, base):
+    limit = swap_limit()
+    async with running(None, models=MODELS, memory_limit=limit) as (session, base):
         async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as raw:
             client: Any = raw  # typed loosely, as test_server.py's clients
             for name in ("router", "coder", "router"):
@@ -90,7 +85,7 @@ async def test_a_tight_limit_loads_the_model_a_request_names() -> None:
                 assert listed[name] is True
                 assert list(listed.values()).count(True) == 1
         stats = await session.stats()
-        assert stats.model_loads >= 2 and stats.memory_peak_bytes <= 8 << 20
+        assert stats.model_loads >= 2 and stats.memory_peak_bytes <= limit
 
 
 def _args(*models: str, model: str | None = None) -> argparse.Namespace:
@@ -108,3 +103,15 @@ def test_serve_takes_one_model_or_several_named() -> None:
     ):
         with pytest.raises(ValueError, match=match):
             served_models(bad)
+
+
+def test_the_serve_command_line_takes_several_models_and_a_limit() -> None:
+    from kvactor.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--model", "router=a.gguf", "--model", "coder=b", "--memory-limit", "64M"]
+    )
+    assert served_models(args) == (None, {"router": "a.gguf", "coder": "b"})
+    assert args.memory_limit == 64 << 20
+    one = build_parser().parse_args(["serve", "--model", "a.gguf"])
+    assert served_models(one) == ("a.gguf", None) and one.memory_limit is None
