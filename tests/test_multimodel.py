@@ -248,3 +248,21 @@ async def test_a_model_idle_past_its_ttl_is_unloaded(tmp_path: Path) -> None:
             again.path is Tier.WARM and again.timings.reused_tokens >= first.timings.prompt_tokens
         )
         assert (await session.stats()).model_loads >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_default_model_beside_a_tiny_one(anyio_backend: str) -> None:
+    ask = "Name three colours."
+    async with kvactor.open() as alone:
+        want = await (await alone.spawn_agent("s")).generate(ask, max_tokens=8)
+    async with kvactor.open(models={"tiny": A, "smol": None}) as session:
+        smol = await session.spawn_agent("s", model="smol")
+        tiny = await session.spawn_agent("t", model="tiny")
+        got = await smol.generate(ask, max_tokens=8)
+        await tiny.generate(ask, max_tokens=8)
+        assert got.token_ids == want.token_ids and got.text == want.text
+        stats = await session.stats()
+        assert stats.weights_bytes > 100 << 20  # SmolLM2-135M in fp32, and the tiny one
+        assert stats.memory_peak_bytes <= (stats.memory_limit_bytes or 0)
+        assert session.models["smol"].n_layers == 30
