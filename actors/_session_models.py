@@ -16,7 +16,8 @@ from .agent import AgentEnv
 from .config import EngineConfig, ModelSpec
 from .engine import EngineActor
 from .memory_limit import record_limit
-from .models_engine import ModelRef, ModelsEngine, ModelsQuery, ModelState
+from .models_engine import ModelsEngine
+from .models_protocol import ModelRef, ModelsQuery, ModelState
 from .prefetch import PrefetchMessage
 from .protocol import EngineMessage, EngineStats, ModelInfo
 from .store import CacheIdentity, ExpectFn, StoreMessage

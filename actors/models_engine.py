@@ -24,7 +24,7 @@ import mlx.core as mx
 import msgspec
 
 from ..kernels.memory import release_thread
-from ..runtime import DEFAULT_ASK_TIMEOUT, ActorRef, Reply, ReplyStream, ThreadActor
+from ..runtime import Reply, ThreadActor
 from .config import EngineConfig, ModelSpec
 from .engine import EngineActor, _settle_random_state
 from .enums import Room
@@ -36,10 +36,10 @@ from .memory_limit import (
     one_turn_bytes,
     weights_bytes,
 )
+from .models_protocol import ForModel, ModelsQuery, ModelState, sum_stats
 from .protocol import (
     CacheQuery,
     DropCache,
-    EngineMessage,
     EngineStats,
     Export,
     Fork,
@@ -54,56 +54,12 @@ from .protocol import (
     Written,
 )
 
-__all__ = ("ForModel", "ModelRef", "ModelState", "ModelsEngine", "ModelsQuery", "sum_stats")
+__all__ = ("FAIR_WAIT_S", "ModelsEngine")
 
 
-class ForModel(msgspec.Struct, frozen=True, tag=True):
-    """An engine message for the model called ``model``."""
-
-    model: str
-    message: Any
-
-
-class ModelsQuery(msgspec.Struct, frozen=True, tag=True):
-    """Ask the engine for every model's :class:`ModelState`."""
-
-
-class ModelState(msgspec.Struct, frozen=True):
-    """One model of a multi-model engine: loaded now or not, pinned, its weights' bytes
-    (0 before its first load), how many times it was loaded, and seconds since last use."""
-
-    name: str
-    loaded: bool
-    pinned: bool
-    weights_bytes: int
-    loads: int
-    idle_s: float
-
-
-class ModelRef(ActorRef[EngineMessage]):
-    """The engine as one model's agents, warm tier and session see it: every message sent
-    through it goes to ``model`` (wrapped in :class:`ForModel`)."""
-
-    __slots__ = ("model",)
-
-    def __init__(self, engine: ActorRef[Any], model: str) -> None:
-        super().__init__(engine._cell)
-        self.model = model
-
-    def tell_nowait(self, message: EngineMessage) -> None:
-        super().tell_nowait(ForModel(self.model, message))  # type: ignore[arg-type]
-
-    async def tell(self, message: EngineMessage) -> None:
-        await super().tell(ForModel(self.model, message))  # type: ignore[arg-type]
-
-    async def ask(
-        self, message: EngineMessage, *, timeout: float | None = DEFAULT_ASK_TIMEOUT
-    ) -> Any:
-        return await super().ask(ForModel(self.model, message), timeout=timeout)  # type: ignore[arg-type]
-
-    def stream(self, message: EngineMessage, *, item_timeout: float | None = None) -> ReplyStream:
-        return super().stream(ForModel(self.model, message), item_timeout=item_timeout)  # type: ignore[arg-type]
-
+#: Seconds a model waits to load before the turns of loaded models wait behind it (a
+#: loaded model's turns run at least this long before it may be unloaded for another's).
+FAIR_WAIT_S = 2.0
 
 # Messages that need their model loaded; the others are answered without it.
 _NEEDS_MODEL = (Generate, Install)
@@ -122,11 +78,14 @@ class _Slot:
     tokenizer: Any = None
     loads: int = 0
     last_used: float = field(default_factory=time.monotonic)
-    pending: deque[tuple[Any, Reply]] = field(default_factory=deque)
+    # Messages waiting for it to load, or (loaded) turns waiting behind another model's,
+    # each with when it came.
+    pending: deque[tuple[Any, Reply, float]] = field(default_factory=deque)
     carried: EngineStats | None = None  # the counters of its loads before this one
 
     def busy(self) -> bool:
-        return bool(self.pending) or (self.loaded and not self.engine.settled())
+        """Loaded with work under way (turns queued or running, writes, stagings)."""
+        return self.loaded and not self.engine.settled()
 
 
 class ModelsEngine(ThreadActor):
@@ -193,7 +152,7 @@ class ModelsEngine(ThreadActor):
 
     def on_stop(self) -> None:
         for slot in self._slots.values():
-            for _, reply in slot.pending:
+            for _, reply, _ in slot.pending:
                 reply.fail(ModelLoadError(f"the engine stopped before {slot.name!r} loaded"))
             slot.pending.clear()
             slot.engine.unload()
@@ -227,6 +186,9 @@ class ModelsEngine(ThreadActor):
         slot.carried = stats if slot.carried is None else sum_stats([slot.carried, stats])
         slot.engine.unload()
         slot.loaded = False
+        # Turns that waited behind another model wait for this one now: from now on.
+        now = time.monotonic()
+        slot.pending = deque((message, reply, now) for message, reply, _ in slot.pending)
         gc.collect()
         mx.clear_cache()
         self.unloads += 1
@@ -303,6 +265,12 @@ class ModelsEngine(ThreadActor):
         raise TypeError(f"the engine does not handle {type(message).__name__}")
 
     def _for(self, slot: _Slot, message: Any) -> Any:
+        if self._behind(slot, message):
+            # A model waiting to load for FAIR_WAIT_S goes first: this turn waits behind
+            # it, so that a model busy all the time never keeps another out for long.
+            assert self.reply is not None
+            slot.pending.append((message, self.reply.detach(), time.monotonic()))
+            return None
         if slot.loaded:
             slot.last_used = time.monotonic()
             self._fit(slot)
@@ -314,7 +282,7 @@ class ModelsEngine(ThreadActor):
             return self._dispatch(slot, message, self.reply)
         if isinstance(message, _NEEDS_MODEL) or (isinstance(message, Reserve) and message.wait):
             assert self.reply is not None
-            slot.pending.append((message, self.reply.detach()))
+            slot.pending.append((message, self.reply.detach(), time.monotonic()))
             self._load_pending()
             return None
         return self._unloaded(slot, message)
@@ -344,13 +312,40 @@ class ModelsEngine(ThreadActor):
         finally:
             engine.reply = None
 
+    def _behind(self, slot: _Slot, message: Any) -> bool:
+        """Whether turn ``message`` of loaded ``slot`` waits behind another model's. A
+        turn whose cache was staged for it never does: unloading the model under it
+        would only make it stage again."""
+        if not (slot.loaded and isinstance(message, Generate) and self._others_wait(slot)):
+            return False
+        entry = slot.engine.pool.get(message.agent)
+        return entry is None or not entry.staged
+
+    def _others_wait(self, slot: _Slot) -> bool:
+        """Whether another model that is not loaded has had a message waiting for it for
+        FAIR_WAIT_S."""
+        since = time.monotonic() - FAIR_WAIT_S
+        return any(
+            s.pending and not s.loaded and s.pending[0][2] < since
+            for s in self._slots.values()
+            if s is not slot
+        )
+
     def _load_pending(self) -> bool:
         """Load a model that turns wait for, if it fits once other models' idle caches and
-        idle models are gone; hand it what waited. True when one was loaded."""
+        idle models are gone, and hand it what waited; hand a loaded model the turns that
+        waited behind another's once none waits. True when something was handed over."""
+        progressed = False
         for slot in self._slots.values():
-            for message, reply in [p for p in slot.pending if p[1].cancelled]:
-                slot.pending.remove((message, reply))
-            if slot.loaded or not slot.pending:
+            for gone in [p for p in slot.pending if p[1].cancelled]:
+                slot.pending.remove(gone)
+            if not slot.pending:
+                continue
+            if slot.loaded:
+                if not self._others_wait(slot):
+                    self._fit(slot)
+                    self._run_pending(slot)
+                    progressed = True
                 continue
             if not self._fits(slot):
                 self._free_for(slot, slot.fixed + slot.turn)
@@ -360,23 +355,29 @@ class ModelsEngine(ThreadActor):
                 continue
             self._load(slot)
             self._fit(slot)
-            while slot.pending:
-                message, reply = slot.pending.popleft()
-                reply.detached = False
-                try:
-                    result = self._dispatch(slot, message, reply)
-                except Exception as exc:
-                    reply.fail(exc)
-                else:
-                    if not reply.detached:
-                        reply.resolve(result)
+            self._run_pending(slot)
             return True
-        return False
+        return progressed
+
+    def _run_pending(self, slot: _Slot) -> None:
+        """Hand loaded ``slot`` the messages that waited, answering them here unless its
+        engine takes the reply over (a turn streams from there)."""
+        slot.last_used = time.monotonic()
+        while slot.pending:
+            message, reply, _ = slot.pending.popleft()
+            reply.detached = False
+            try:
+                result = self._dispatch(slot, message, reply)
+            except Exception as exc:
+                reply.fail(exc)
+            else:
+                if not reply.detached:
+                    reply.resolve(result)
 
     def _refuse(self, slot: _Slot) -> None:
         pinned = [s.name for s in self._loaded() if s.pinned]
         while slot.pending:
-            _, reply = slot.pending.popleft()
+            _, reply, _ = slot.pending.popleft()
             reply.fail(
                 BudgetExceeded(
                     f"model {slot.name!r} needs {slot.fixed + slot.turn} bytes to load and "
@@ -417,7 +418,8 @@ class ModelsEngine(ThreadActor):
             return
         now = time.monotonic()
         for slot in self._loaded():
-            if not slot.pinned and not slot.busy() and now - slot.last_used > self._ttl:
+            idle = not (slot.pinned or slot.busy() or slot.pending)
+            if idle and now - slot.last_used > self._ttl:
                 self._unload(slot)
 
     # -- stats ------------------------------------------------------------------------
@@ -447,21 +449,3 @@ class ModelsEngine(ThreadActor):
             model_unloads=self.unloads,
             swap_s=swaps[len(swaps) // 2] if swaps else 0.0,
         )
-
-
-_MAXED = frozenset({"max_batch_seen", "peak_bytes"})
-
-
-def sum_stats(parts: list[EngineStats]) -> EngineStats:
-    """``parts`` summed field by field (numbers added; the rest: the first's)."""
-    first = parts[0]
-    values: dict[str, Any] = {}
-    for name in first.__struct_fields__:
-        items = [getattr(p, name) for p in parts]
-        if name in _MAXED:
-            values[name] = max(items)
-        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
-            values[name] = sum(items)
-        else:
-            values[name] = items[0]
-    return msgspec.structs.replace(first, **values)

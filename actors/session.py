@@ -21,7 +21,7 @@ from .api import drain
 from .config import EngineConfig, ModelSpec
 from .errors import UnknownAgent
 from .handle import Agent
-from .models_engine import ModelRef
+from .models_protocol import ModelRef
 from .prefetch import Prefetch, PrefetchMessage
 from .protocol import (
     AgentSnapshot,

@@ -41,7 +41,7 @@ from .actors.errors import UnknownAgent as UnknownAgent
 from .actors.errors import UnsafeCachePath as UnsafeCachePath
 from .actors.handle import Agent as Agent
 from .actors.handle import TextStream as TextStream
-from .actors.models_engine import ModelState as ModelState
+from .actors.models_protocol import ModelState as ModelState
 from .actors.opening import open as open
 from .actors.placement import MostFreeBudget as MostFreeBudget
 from .actors.placement import PlacementPolicy as PlacementPolicy

@@ -266,3 +266,22 @@ async def test_the_default_model_beside_a_tiny_one(anyio_backend: str) -> None:
         assert stats.weights_bytes > 100 << 20  # SmolLM2-135M in fp32, and the tiny one
         assert stats.memory_peak_bytes <= (stats.memory_limit_bytes or 0)
         assert session.models["smol"].n_layers == 30
+
+
+async def test_models_take_turns_under_contention_and_answer_as_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvactor.actors import models_engine
+
+    # No fair wait: a loaded model's new turns wait behind the other model's at once, so
+    # the two alternate (a turn staged for its cache still runs: no turn goes cold).
+    monkeypatch.setattr(models_engine, "FAIR_WAIT_S", 0.0)
+    alone = await _solo(A, ["r1", "r2"]) | await _solo(B, ["c1", "c2"])
+    limit = swap_limit()
+    async with kvactor.open(models=MODELS, memory_limit=limit, cache_dir=tmp_path) as session:
+        with anyio.fail_after(60):
+            together = await _together(session, ROLES)
+        stats = await session.stats()
+    assert together == alone
+    assert stats.model_loads > 2  # they alternated, not one model's agents all first
+    assert stats.memory_peak_bytes <= limit and stats.mlx_peak_bytes <= limit
