@@ -153,6 +153,7 @@ class EngineActor(ThreadActor):
         self.__dict__.pop("pool", None)
         self.__dict__.pop("batch", None)
         self.__dict__.pop("lm", None)
+        self._generated = self._ready_turns = 0  # counted anew by a later load
 
     def queued_need(self) -> int | None:
         """None when no turn is queued; else the bytes the oldest queued turn's working

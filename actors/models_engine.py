@@ -124,7 +124,17 @@ class ModelsEngine(ThreadActor):
         """Load each model once: what it is (ModelInfo), what it needs, and whether it fits
         the limit with one turn of its own (ModelLoadError says what it needs when not).
         Models stay loaded while they all fit; the rest load when a turn needs them."""
+        try:
+            self._load_all()
+        except BaseException:
+            self.on_stop()  # no array may outlive this thread
+            raise
+        self.loads = self.unloads = 0  # counted from here: what turns caused
+        self.swap_s.clear()
+        self._unload_s = None
         mx.reset_peak_memory()
+
+    def _load_all(self) -> None:
         for slot in self._slots.values():
             # Its size is known once loaded: make room as if it were the largest so far.
             loaded = self._loaded()
@@ -145,10 +155,6 @@ class ModelsEngine(ThreadActor):
             if self.count() + max(s.turn for s in self._loaded()) <= self.limit:
                 break
             self._unload(other)
-        self.loads = self.unloads = 0  # counted from here: what turns caused
-        self.swap_s.clear()
-        self._unload_s = None
-        mx.reset_peak_memory()
 
     def on_stop(self) -> None:
         for slot in self._slots.values():
@@ -353,7 +359,11 @@ class ModelsEngine(ThreadActor):
                 if not any(s.busy() for s in self._loaded()):
                     self._refuse(slot)
                 continue
-            self._load(slot)
+            try:
+                self._load(slot)
+            except Exception as exc:  # it loaded at start: a file gone or changed since
+                self._fail_pending(slot, exc)
+                continue
             self._fit(slot)
             self._run_pending(slot)
             return True
@@ -376,15 +386,18 @@ class ModelsEngine(ThreadActor):
 
     def _refuse(self, slot: _Slot) -> None:
         pinned = [s.name for s in self._loaded() if s.pinned]
+        error = BudgetExceeded(
+            f"model {slot.name!r} needs {slot.fixed + slot.turn} bytes to load and run a "
+            f"turn; the memory limit is {self.limit} bytes and pinned models {pinned} hold "
+            f"{self.count() - self._kept} bytes"
+        )
+        self._fail_pending(slot, error)
+
+    @staticmethod
+    def _fail_pending(slot: _Slot, error: Exception) -> None:
         while slot.pending:
             _, reply, _ = slot.pending.popleft()
-            reply.fail(
-                BudgetExceeded(
-                    f"model {slot.name!r} needs {slot.fixed + slot.turn} bytes to load and "
-                    f"run a turn; the memory limit is {self.limit} bytes and pinned models "
-                    f"{pinned} hold {self.count() - self._kept} bytes"
-                )
-            )
+            reply.fail(error)
 
     # -- the work loop ----------------------------------------------------------------
     def on_idle(self) -> bool:

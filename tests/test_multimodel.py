@@ -145,6 +145,7 @@ async def test_a_limit_for_one_model_swaps_them_and_holds(tmp_path: Path) -> Non
             out["c1"].append((await c1.generate(prompt, max_tokens=6)).text)
         stats = await session.stats()
         assert out == alone
+        assert stats.generated_tokens == 6 * len(PROMPTS) * 2  # every load's counted once
         assert stats.model_loads >= 2 * len(PROMPTS) - 1
         assert stats.model_unloads >= stats.model_loads - 1
         assert stats.swap_s > 0
