@@ -26,6 +26,7 @@ from .errors import BudgetExceeded, CacheMiss, ContextOverflow, EngineStopped, M
 from .generation import Generation
 from .grammar import GrammarCompiler
 from .hot_entry import HotEntry
+from .memory_limit import attention_heads, attention_score_bytes
 from .model import LoadedModel, load_model
 from .pool import CachePool
 from .protocol import (
@@ -133,6 +134,14 @@ class EngineActor(ThreadActor):
     def on_stop(self) -> None:
         # MLX arrays made on this thread must die before it exits: MLX aborts the process
         # when such an array outlives its thread (seen with mlx 0.32 on CPU).
+        self.unload()
+        gc.collect()
+        _settle_random_state()
+        release_thread()  # this thread's streams go with it, not at the process's exit
+
+    def unload(self) -> None:
+        """Fail the turns still here and drop the model, its hot caches and its batch (a
+        multi-model engine unloads an idle model this way; ``on_start`` loads it again)."""
         batch = self.__dict__.get("batch")
         rows = batch.clear() if batch is not None else []
         for request in (*self._prefilling, *self._ready, *rows):
@@ -144,9 +153,38 @@ class EngineActor(ThreadActor):
         self.__dict__.pop("pool", None)
         self.__dict__.pop("batch", None)
         self.__dict__.pop("lm", None)
-        gc.collect()
-        _settle_random_state()
-        release_thread()  # this thread's streams go with it, not at the process's exit
+        self._generated = self._ready_turns = 0  # counted anew by a later load
+
+    def queued_need(self) -> int | None:
+        """None when no turn is queued; else the bytes the oldest queued turn's working
+        cache needs beyond its hot tier's room now (0: it runs, or it fits)."""
+        if not self._prefilling:
+            return None
+        head, pool = self._prefilling[0], self.pool
+        if head.active or pool.limit is None:
+            return 0
+        return max(head.reserve + pool.committed() - pool.limit, 0)
+
+    def attention_bytes(self) -> int:
+        """A bound on the fp32 attention scores (and their softmax) of the work here now:
+        a prefill chunk over the longest queued prompt, a decode step over its rows."""
+        if "lm" not in self.__dict__:
+            return 0
+        heads = attention_heads(self.lm)
+        prompt = max((len(r.prompt) for r in self._prefilling), default=0)
+        rows = [*self.batch.rows, *self._ready]
+        longest = max((len(r.prompt) + r.sampling.max_tokens for r in rows), default=0)
+        chunk = min(self.config.prefill_chunk, prompt)
+        scores = attention_score_bytes(heads, chunk, prompt)
+        return scores + attention_score_bytes(heads, len(rows), longest)
+
+    def settled(self) -> bool:
+        """No turn is queued or running and nothing is being written, staged or built:
+        dropping the hot tier now loses nothing that is not on disk (or re-prefillable)."""
+        pool = self.__dict__.get("pool")
+        return pool is None or (
+            not (self._prefilling or self._ready or len(self.batch)) and pool.stuck()
+        )
 
     # -- messages ---------------------------------------------------------------------
     def receive(self, message: EngineMessage) -> Any:

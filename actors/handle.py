@@ -129,5 +129,5 @@ class Agent(AgentTurns):
         return (await self.state()).messages
 
     async def cache_info(self) -> CacheInfo:
-        info: CacheInfo = await self._session.engine.ask(CacheQuery(self.name))
+        info: CacheInfo = await self._session.engine_for(self.name).ask(CacheQuery(self.name))
         return info

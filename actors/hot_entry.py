@@ -75,3 +75,8 @@ class HotEntry:
     def running(self) -> bool:
         """Its turn's working cache exists (room was granted)."""
         return self._turn_reserve is not None
+
+    @property
+    def staged(self) -> bool:
+        """Staged from the warm tier for a turn that has not started yet."""
+        return self._pinned

@@ -8,12 +8,13 @@ the session's.
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, overload
 
 from ..kernels.qcodec import KVCodec
 from .config import Attention, EngineConfig, ModelSpec
+from .memory_limit import default_memory_limit
 from .policy import EvictionPolicy
 from .session import OnSaveError, Session
 
@@ -47,6 +48,10 @@ class OpenOptions(TypedDict, total=False):
     deterministic: bool
     tool_wait_s: float
     checkpoints: int
+    models: Mapping[str, ModelSpec] | None
+    memory_limit: int | None
+    pin_models: tuple[str, ...] | list[str]
+    model_ttl_s: float | None
 
 
 class ClusterOptions(OpenOptions, total=False):
@@ -60,7 +65,10 @@ class ClusterOptions(OpenOptions, total=False):
 
 
 _SESSION_KEYS = ("mailbox_size", "cache_dir", "delete_rejected", "on_save_error")
-_ENGINE_KEYS = tuple(k for k in OpenOptions.__annotations__ if k not in _SESSION_KEYS)
+_MODELS_KEYS = ("models", "memory_limit", "pin_models", "model_ttl_s")
+_ENGINE_KEYS = tuple(
+    k for k in OpenOptions.__annotations__ if k not in _SESSION_KEYS + _MODELS_KEYS
+)
 _CLUSTER_KEYS = tuple(
     k for k in ClusterOptions.__annotations__ if k not in OpenOptions.__annotations__
 )
@@ -144,6 +152,17 @@ def open(
     EngineConfig). ``checkpoints`` (models with recurrent layers: Qwen3.5, Mamba-2 ...): how
     many stored ranges of an agent keep the recurrent states at their end (default 4: the
     last two turns' prompts and answers), where a diverging turn can resume.
+    ``models``: several models in one session, by name (``{"router": path_a, "coder":
+    path_b}``; give no ``model`` then): one engine holds them all, each agent runs one
+    (``spawn_agent(name, model="coder")``), each model's agents batch together, and each
+    model's warm tier is ``cache_dir/models/<name>``. ``memory_limit``: the bytes the
+    session may hold for its models, all counted: weights, activations, hot tiers, MLX's
+    kept buffers (default with ``models``: ``MEMORY_SHARE``, 3/4, of the machine's RAM;
+    given with one ``model``, that model runs under it too). A turn that needs room
+    demotes idle caches to warm, then unloads an idle model (least recently used; never
+    one of ``pin_models``; ``model_ttl_s``: unload one idle that long anyway); a model
+    that cannot fit with one turn of its own fails ``open`` with ModelLoadError saying
+    what it needs.
     ``cluster``: the session's engines run as Ray actors over a cluster ("auto", "local",
     an address or ``ray://host:port``), one engine host per node; the keywords then go to
     ``kvactor.actors.cluster.open_cluster`` (``cache_dir`` required; ``hosts_per_node``,
@@ -160,6 +179,8 @@ def open(
     if cluster is not None:
         from .cluster import open_cluster
 
+        if set(options) & set(_MODELS_KEYS):
+            raise TypeError("a cluster session serves one model: no models= or memory_limit=")
         if options.get("cache_dir") is None:
             raise ValueError("a cluster keeps each host's warm tier under cache_dir: give one")
         return open_cluster(model, cluster=cluster, **options)
@@ -168,12 +189,25 @@ def open(
         del engine["policy"]  # the default policy
     cache_dir = options.get("cache_dir")
     config = EngineConfig(**engine, persistent=cache_dir is not None)
+    models, limit = options.get("models"), options.get("memory_limit")
+    if models is not None:
+        if model is not None:
+            raise ValueError("give model or models, not both")
+        if limit is None:
+            limit = default_memory_limit()
+    elif options.get("pin_models") or options.get("model_ttl_s") is not None:
+        raise ValueError("pin_models and model_ttl_s are for several models (models=)")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"memory_limit must be a positive int of bytes, not {limit!r}")
     session = Session(
-        model,
+        dict(models) if models is not None else model,
         config,
         options.get("mailbox_size", 64),
         cache_dir,
         options.get("delete_rejected", False),
         options.get("on_save_error", "report"),
+        memory_limit=limit,
+        pins=frozenset(options.get("pin_models", ())),
+        model_ttl_s=options.get("model_ttl_s"),
     )
     return Opening(session.start, session.__aexit__)

@@ -318,6 +318,10 @@ class CachePool(WarmTraffic):
             )
         return out
 
+    def idle_bytes(self) -> int:
+        """What demoting every idle cache (no turn queued, staged or awaited) frees now."""
+        return sum(c.nbytes for c in self._candidates() if not c.waiting)
+
     def make_room(self, need: int, exclude: HotEntry | None = None, *, turn: bool = False) -> bool:
         """Demote caches (never ``exclude``) until ``need`` more bytes fit; False (demoting
         nobody) when even demoting every candidate would not make enough room now.

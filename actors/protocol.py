@@ -308,6 +308,17 @@ class EngineStats(msgspec.Struct, frozen=True):
     tool_waits: int = 0  # hot agents waiting on their tool calls' results now
     constrained_tokens: int = 0  # tokens picked under a grammar's mask (finished turns)
     mask_s: float = 0.0  # host seconds spent computing those masks
+    # A session's memory limit (several models): None without one. ``memory_bytes``: what
+    # counts against it now (weights, activations, hot tiers, MLX's kept buffers).
+    memory_limit_bytes: int | None = None
+    memory_bytes: int = 0
+    memory_peak_bytes: int = 0
+    mlx_peak_bytes: int = 0  # MLX's own peak active bytes plus what it keeps, sampled
+    weights_bytes: int = 0  # of the models loaded now
+    models_loaded: int = 0
+    model_loads: int = 0  # loads that turns caused (after the session started)
+    model_unloads: int = 0
+    swap_s: float = 0.0  # median seconds of an unload and the load that followed
 
 
 # -- an agent actor's messages ---------------------------------------------------------

@@ -11,19 +11,18 @@ from typing import Literal
 
 import anyio
 
-from ..kernels.agent_cache import segment_layout
-from ..kernels.geometry import CacheGeometry
-from ..kernels.qcodec import DEFAULT_CODEC
 from ..runtime import ActorRef, Runtime
 from ._dirlock import CacheDirLock, lock_cache_dir
+from ._model_part import ModelPart
+from ._session_models import Models, SessionModels
 from ._tokenizer import Tokenizer
-from .agent import AgentActor, AgentEnv, prompt_chars_limit
+from .agent import AgentActor, AgentEnv
 from .api import drain
 from .config import EngineConfig, ModelSpec
-from .engine import EngineActor
-from .errors import StoreWriteError, UnknownAgent, UnsafeCachePath
+from .errors import UnknownAgent
 from .handle import Agent
-from .prefetch import Prefetch, PrefetchActor, PrefetchMessage
+from .models_protocol import ModelRef
+from .prefetch import Prefetch, PrefetchMessage
 from .protocol import (
     AgentSnapshot,
     CacheInfo,
@@ -32,7 +31,6 @@ from .protocol import (
     EngineMessage,
     EngineStats,
     Fork,
-    GetModelInfo,
     ModelInfo,
     Sampling,
     Snapshot,
@@ -47,12 +45,10 @@ from .store import (
     Forgotten,
     ForkCache,
     ListAgents,
-    StoreActor,
     StoreMessage,
     StoreStats,
     StoreStatsQuery,
     WarmInfo,
-    collect,
 )
 from .warm_tier import ActorWarmTier
 
@@ -73,30 +69,58 @@ def _scope(scope: object) -> str:
     return scope
 
 
-class Session:
+class Session(SessionModels):
     """A runtime with one engine actor and any number of agent actors.
 
     Use ``async with kvactor.open(...) as session`` or ``session = await kvactor.open(...)``
-    then ``await session.aclose()``.
+    then ``await session.aclose()``. With several models (``models``: a name per model),
+    the one engine holds them all under ``memory_limit`` bytes (``ModelsEngine``: its
+    ``pins`` are never unloaded; ``model_ttl_s``), each agent runs one of them, and the
+    session's ``engine``, ``model``, ``tokenizer`` and warm tier are the first model's.
     """
 
     def __init__(
         self,
-        model: ModelSpec,
+        model: ModelSpec | Models,
         config: EngineConfig,
         mailbox_size: int,
         cache_dir: str | os.PathLike[str] | None,
         delete_rejected: bool,
         on_save_error: OnSaveError = "report",
+        *,
+        memory_limit: int | None = None,
+        pins: frozenset[str] = frozenset(),
+        model_ttl_s: float | None = None,
     ) -> None:
         if on_save_error not in _ON_SAVE_ERROR:
             raise ValueError(f"on_save_error must be 'report' or 'raise', not {on_save_error!r}")
         self._model = model
+        self.memory_limit = memory_limit
+        self._pins, self._model_ttl_s = pins, model_ttl_s
+        if memory_limit is not None and not isinstance(model, dict):
+            model = {"default": model}  # one model under a memory limit: the same engine
+            self._flat = True
+        else:
+            self._flat = False
+        if isinstance(model, dict):
+            if not model:
+                raise ValueError("models must name at least one model")
+            for name in model:
+                check_agent_id(name)  # a model's name names its warm tier's folder
+            if memory_limit is None or memory_limit < 1:
+                raise ValueError("several models need a positive memory_limit")
+            unknown = sorted(pins - set(model))
+            if unknown:
+                raise ValueError(f"pinned models {unknown} are not among {sorted(model)}")
+        self._model = model
+        self._parts: dict[str, ModelPart] = {}  # each model's (set at start)
+        self._agent_models: dict[str, str] = {}  # running agents' models
         self.config = config
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._delete_rejected = delete_rejected
         self.on_save_error = on_save_error
         self._lock: CacheDirLock | None = None
+        self._model_locks: list[CacheDirLock] = []  # each model's folder's (several models)
         self.runtime = Runtime(mailbox_size=mailbox_size)
         self.engine: ActorRef[EngineMessage]
         self.store: ActorRef[StoreMessage] | None = None
@@ -126,14 +150,7 @@ class Session:
             self._unlock()
             raise
         try:
-            self.engine = await self.runtime.spawn(
-                EngineActor, self._model, self.config, name="engine"
-            )
-            self.model, self.tokenizer = await self.engine.ask(GetModelInfo())
-            if self.cache_dir is not None:
-                await self._start_warm_tier(self.cache_dir)
-            limit = prompt_chars_limit(self.tokenizer, self.model.context_length)
-            self._env = AgentEnv(self.engine, self.tokenizer, self.warm, limit)
+            await self._start_models()
         except BaseException as exc:
             self._closed = True
             await self._close(type(exc), exc, exc.__traceback__)
@@ -153,46 +170,11 @@ class Session:
             self._unlock()
 
     def _unlock(self) -> None:
+        locks, self._model_locks = self._model_locks, []
         lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
-
-    async def _start_warm_tier(self, root: Path) -> None:
-        info = self.model
-        codec = self.config.codec or DEFAULT_CODEC
-        identity = CacheIdentity(
-            model_fingerprint=info.fingerprint,
-            codec=codec.describe(),
-            n_layers=info.n_layers,
-            n_kv_heads=info.n_kv_heads,
-            head_dim=info.head_dim,
-            vocab_size=info.vocab_size,  # a cache of other ids would fail every turn
-            geometry=info.geometry,
-            states=info.states,
-        )
-        geometry = CacheGeometry.from_description(identity.layer_geometry(), info.states)
-        expect = segment_layout(codec, geometry)
-        self.identity, self.layout = identity, expect
-        # Files a killed process left unnamed (mid-write, mid-fork): we hold the lock.
-        try:
-            collected = await anyio.to_thread.run_sync(collect, root)
-            if collected.removed:
-                log.info("removed %d unreferenced cache files", len(collected.removed))
-        except (StoreWriteError, UnsafeCachePath) as exc:
-            log.warning("unreferenced cache files not collected: %s", exc)
-        self.store = await self.runtime.spawn(
-            StoreActor,
-            identity,
-            expect,
-            root,
-            delete_rejected=self._delete_rejected,
-            checkpoints=self.config.checkpoints,  # as many as its hot caches keep
-            name="store",
-        )
-        self.prefetcher = await self.runtime.spawn(
-            PrefetchActor, self.engine, self.store, name="prefetch"
-        )
-        self.warm = ActorWarmTier(self.store, self.prefetcher)
+        for held in [*locks, lock]:
+            if held is not None:
+                held.release()
 
     async def aclose(self) -> None:
         """Stop every agent (each first saves its last turn), then the engine. Closing a
@@ -223,6 +205,7 @@ class Session:
         context: str | None = None,
         scope: str | None = None,
         tool_wait_s: float | None = None,
+        model: str | None = None,
     ) -> Agent:
         """A new agent called ``name`` (letters, digits, '.', '_', '-'); ``fork_of``: one
         that starts where that agent is (``fork``); ``context``: one whose system prompt
@@ -234,30 +217,35 @@ class Session:
         those of the same scope, so that what one scope (a tenant) caches never shows in
         another's turns. Default: its context's or fork source's scope, else ``""``.
         ``tool_wait_s``: how long its turns that end in tool calls keep its cache hot
-        (default: the session's ``tool_wait_s``).
+        (default: the session's ``tool_wait_s``). ``model``: the model it runs (a name of
+        ``models``; default: the first, or its fork source's or context's): forks and
+        shared contexts stay within a model.
 
         Raises InvalidAgentId for an unsafe name, ValueError when it already exists, for
         more than one of those, or for a scope other than its context's or source's,
         TypeError when ``system`` or ``scope`` is not a str, UnknownAgent for a
-        ``context`` this session has not made; with ``fork_of``, what ``fork`` raises.
+        ``context`` this session has not made, ValueError for an unknown model or one
+        other than the context's; with ``fork_of``, what ``fork`` raises.
         """
         if sum(x is not None for x in (system, fork_of, context)) > 1:
             raise ValueError("give at most one of system, fork_of and context")
         if fork_of is not None:
-            return await self.fork(fork_of, name, scope=scope)
+            return await self.fork(fork_of, name, scope=scope, model=model)
+        part = self._part(model)
         check_agent_id(name)
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str or None, not {type(system).__name__}")
         if context is not None:
             system = self._context_text(context)
             scope = self._same_scope(context, scope)
+            part = self._same_model(context, model)
         if name in self._agents:
             raise ValueError(f"agent {name!r} already exists")
         scope = _scope("" if scope is None else scope)
         if tool_wait_s is not None and not 0 <= tool_wait_s <= 86_400:
             raise ValueError(f"tool_wait_s must be in [0, 86400], got {tool_wait_s}")
         return await self._start_agent(
-            name, system, context=context, scope=scope, tool_wait_s=tool_wait_s
+            part, name, system, context=context, scope=scope, tool_wait_s=tool_wait_s
         )
 
     def _same_scope(self, source: str, scope: str | None) -> str:
@@ -268,7 +256,9 @@ class Session:
             raise ValueError(f"{source!r} is of scope {known!r}, not {scope!r}")
         return known
 
-    async def context(self, name: str, text: str, *, scope: str = "") -> Agent:
+    async def context(
+        self, name: str, text: str, *, scope: str = "", model: str | None = None
+    ) -> Agent:
         """A shared context called ``name``: an agent whose cache holds ``text`` as a
         system prompt (as the chat template renders it) and nothing else, prefilled once
         now (resumed from the warm tier when it is there). Agents spawned with
@@ -279,7 +269,8 @@ class Session:
         agent: the agents that share it keep what they use.
 
         Calling it again with the same text returns the context (its cache made hot
-        again if it was demoted). Only agents of its ``scope`` share it (``spawn_agent``).
+        again if it was demoted). Only agents of its ``scope`` and ``model`` (default: the
+        first) share it (``spawn_agent``).
         Raises InvalidAgentId for an unsafe name, ValueError for an empty text or a name
         that is an agent with another system prompt or scope, TypeError when ``text`` is
         not a str.
@@ -294,7 +285,9 @@ class Session:
             raise ValueError(f"shared context {name!r} exists with another text")
         agent = self._agents.get(name)
         if agent is None:
-            agent = await self._start_agent(name, text, scope=_scope(scope))
+            agent = await self._start_agent(self._part(model), name, text, scope=_scope(scope))
+        elif model is not None and self._agent_models[name] != self._part(model).name:
+            raise ValueError(f"agent {name!r} exists and runs another model")
         elif self._scopes.get(name, "") != _scope(scope):
             raise ValueError(f"agent {name!r} exists in another scope")
         messages = await agent.history()
@@ -310,14 +303,17 @@ class Session:
         except KeyError:
             raise UnknownAgent(f"no shared context {name!r}: make it with context()") from None
 
-    async def fork(self, source: str, name: str, *, scope: str | None = None) -> Agent:
+    async def fork(
+        self, source: str, name: str, *, scope: str | None = None, model: str | None = None
+    ) -> Agent:
         """A new agent ``name`` that starts where agent ``source`` is now: its conversation
         and its cache, without copying it. In memory the stored arrays are shared (the hot
         budget counts them once); on disk ``name``'s folder gets hard links
         to ``source``'s segment files (one copy of the bytes) and a manifest of its own.
         From then on each goes its own way: neither ever sees the other's later tokens,
         and forgetting one leaves the other whole. It is of ``source``'s scope (a source
-        on disk only: ``scope``, default ``""``).
+        on disk only: ``scope``, default ``""``) and runs ``source``'s model (a source on
+        disk only: ``model``, default the first): ValueError for another model.
 
         The source is asked between its turns (a turn it is taking finishes first). Raises
         InvalidAgentId for unsafe names, ValueError when ``name`` exists (running or on
@@ -329,26 +325,28 @@ class Session:
             raise ValueError(f"agent {name!r} already exists")
         running = self._agents.get(source)
         scope = self._same_scope(source, scope) if running is not None else _scope(scope or "")
+        part = self._same_model(source, model) if running is not None else self._part(model)
         start: AgentSnapshot | None
         if running is not None:
             start = await running.ref.ask(Snapshot())
-        elif self.warm is not None:
-            start = await self.warm.restore(source)
+        elif part.warm is not None:
+            start = await part.warm.restore(source)
         else:
             start = None
         if start is None:
             raise UnknownAgent(f"no agent named {source!r}, running or on disk")
         on_disk = None
-        store, warm = self.store, self.warm
+        store, warm = part.store, part.warm
         if store is not None and warm is not None:
             forked = await store.ask(ForkCache(source, name))
             on_disk = None if forked is None else await warm.restore(name)  # what it resumes
         # Hot too when the source is, with exactly those tokens (else it stages from disk).
-        await self.engine.ask(Fork(source, name, list((on_disk or start).tokens)))
-        return await self._start_agent(name, None, None if on_disk else start, scope=scope)
+        await part.engine.ask(Fork(source, name, list((on_disk or start).tokens)))
+        return await self._start_agent(part, name, None, None if on_disk else start, scope=scope)
 
     async def _start_agent(
         self,
+        part: ModelPart,
         name: str,
         system: str | None,
         start: AgentSnapshot | None = None,
@@ -360,7 +358,7 @@ class Session:
         ref = await self.runtime.spawn(
             AgentActor,
             name,
-            self._env,
+            part.env,
             system,
             start,
             context,
@@ -371,6 +369,7 @@ class Session:
         agent = Agent(self, name, ref)
         self._agents[name] = agent
         self._scopes[name] = scope
+        self._agent_models[name] = part.name
         return agent
 
     def agent(self, name: str) -> Agent:
@@ -391,17 +390,23 @@ class Session:
         them: the answer lists those files and their users (``kept``), and the bytes it
         deleted from disk (``freed``). Forgetting the last user of a file deletes it.
 
+        An agent that is not running is forgotten in every model's tiers.
         Raises InvalidAgentId for an unsafe name."""
         check_agent_id(name)
         agent = self._agents.pop(name, None)
         self._scopes.pop(name, None)
         self._contexts.pop(name, None)
+        model = self._agent_models.pop(name, None)
         if agent is not None:
             await agent.ref.stop()
-        await self.engine.ask(DropCache(name))
-        if self.store is None:
-            return Forgotten(agent=name)
-        done: Forgotten = await self.store.ask(Forget(name))
+        parts = list(self._parts.values()) if model is None else [self._parts[model]]
+        done = Forgotten(agent=name)
+        for part in parts:
+            await part.engine.ask(DropCache(name))
+            if part.store is not None:
+                forgotten: Forgotten = await part.store.ask(Forget(name))
+                if forgotten.freed or forgotten.kept or part is parts[0]:
+                    done = forgotten
         return done
 
     async def release(self, name: str) -> None:
@@ -411,35 +416,44 @@ class Session:
         InvalidAgentId for an unsafe name, UnknownAgent when it is not running."""
         check_agent_id(name)
         agent = self.agent(name)
+        engine = self.engine_for(name)
         del self._agents[name]
         self._scopes.pop(name, None)
         self._contexts.pop(name, None)
+        self._agent_models.pop(name, None)
         await agent.ref.stop()
-        await self.engine.ask(DropCache(name))
+        await engine.ask(DropCache(name))
 
     async def prefetch(self, name: str) -> None:
         """Hint that agent ``name`` runs next: its warm cache is staged into the hot tier in
-        the background, if there is room, so that its next turn starts hot."""
+        the background, if there is room, so that its next turn starts hot (an agent that
+        is not running: the first model's)."""
         check_agent_id(name)
-        if self.prefetcher is not None:
-            await self.prefetcher.tell(Prefetch(name))
+        prefetcher = self._part(self._agent_models.get(name)).prefetcher
+        if prefetcher is not None:
+            await prefetcher.tell(Prefetch(name))
 
     async def warm_agents(self) -> list[WarmInfo]:
-        """Every agent with a warm cache under ``cache_dir`` (refused ones say why)."""
-        if self.store is None:
-            return []
-        infos: list[WarmInfo] = await self.store.ask(ListAgents())
+        """Every agent with a warm cache under ``cache_dir`` (refused ones say why), of
+        every model."""
+        infos: list[WarmInfo] = []
+        for part in self._parts.values():
+            if part.store is not None:
+                infos += await part.store.ask(ListAgents())
         return infos
 
     async def stats(self) -> EngineStats:
-        stats: EngineStats = await self.engine.ask(StatsQuery())
+        """The engine's figures (several models: summed, with the memory limit's)."""
+        ref = self._multi_ref() if isinstance(self.engine, ModelRef) else self.engine
+        stats: EngineStats = await ref.ask(StatsQuery())
         return stats
 
     async def cache_info(self, name: str) -> CacheInfo:
         """Agent ``name``'s hot cache (tokens, bytes, busy, persisted), whether or not an
         agent actor runs for it (a prefetch stages caches ahead of their agents). Raises
         UnknownAgent when it has no hot cache, InvalidAgentId for an unsafe name."""
-        info: CacheInfo = await self.engine.ask(CacheQuery(check_agent_id(name)))
+        engine = self.engine_for(check_agent_id(name))
+        info: CacheInfo = await engine.ask(CacheQuery(name))
         return info
 
     async def warm_stats(self) -> StoreStats:

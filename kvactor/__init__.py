@@ -41,6 +41,7 @@ from .actors.errors import UnknownAgent as UnknownAgent
 from .actors.errors import UnsafeCachePath as UnsafeCachePath
 from .actors.handle import Agent as Agent
 from .actors.handle import TextStream as TextStream
+from .actors.models_protocol import ModelState as ModelState
 from .actors.opening import open as open
 from .actors.placement import MostFreeBudget as MostFreeBudget
 from .actors.placement import PlacementPolicy as PlacementPolicy
@@ -94,6 +95,7 @@ __all__ = (
     "Match",
     "ModelInfo",
     "ModelLoadError",
+    "ModelState",
     "MostFreeBudget",
     "PlacementPolicy",
     "Sampling",

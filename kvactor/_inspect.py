@@ -22,6 +22,7 @@ from ._text import age, printable, size, table
 from .actors._manifest import contained
 from .actors.enums import Tier
 from .actors.errors import KvactorError
+from .actors.memory_limit import read_limit
 from .actors.store import CacheIdentity, default_cache_dir, disk_footprint, list_agents
 
 __all__ = (
@@ -235,8 +236,12 @@ def _heading(directory: Mapping[str, Any]) -> str:
 def run_inspect(args: argparse.Namespace) -> int:
     """``kvactor inspect [DIR] [--json] [--verbose]``: 0, or 2 when a cache directory
     cannot be read (its error on stderr; the others are still shown)."""
-    if args.dir is not None:
+    several = args.dir is not None and (Path(args.dir) / "models").is_dir()
+    if args.dir is not None and not several:
         root, places = Path(args.dir), [Path(args.dir)]
+    elif several:  # a session of several models: a directory per model
+        root = Path(args.dir)
+        places = cache_dirs(root)
     else:
         root = default_cache_dir()
         places = cache_dirs(root) if root.is_dir() else []
@@ -246,11 +251,16 @@ def run_inspect(args: argparse.Namespace) -> int:
         if directory.get("error"):
             print(f"kvactor inspect: {directory['error']}", file=sys.stderr)
             code = 2
+    memory = read_limit(root)
     if args.json:
-        out = {"root": str(root), "directories": directories}
+        out = {"root": str(root), "directories": directories, "memory": memory}
         print(json.dumps(out, indent=2, default=str))
         return code
-    if args.dir is not None:  # one directory: its table alone
+    if memory is not None:
+        models = ", ".join(str(m) for m in memory.get("models", []))
+        limit = int(memory.get("memory_limit_bytes", 0))
+        print(f"memory limit {size(limit)} over models {models} (the last session here)")
+    if args.dir is not None and not several:  # one directory: its table alone
         if not directories[0].get("error"):
             print(format_table(directories[0]["agents"], verbose=args.verbose))
         return code

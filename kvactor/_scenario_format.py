@@ -12,6 +12,7 @@ from typing import Annotated
 
 import msgspec
 
+from ._scenario_models import models_problem
 from .actors import make_tiny_model
 from .actors.config import Attention, ModelSpec
 from .actors.errors import InvalidAgentId
@@ -82,11 +83,13 @@ class AgentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     ``system`` (its role) opens the prompt of its first turn instead. ``fork``: the agent
     starts as a fork of that agent (its conversation and cache) at the start of the first
     phase it speaks in; the source must have spoken in an earlier phase. A fork has no
-    ``system`` of its own."""
+    ``system`` of its own. ``model``: which of the scenario's ``models`` it runs (default:
+    the first; a fork: its source's)."""
 
     name: str
     system: str | None = None
     fork: str | None = None
+    model: str | None = None
 
 
 class ContextSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -132,6 +135,10 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
       turns the sharing off (every first turn prefills the whole prompt: a baseline).
     - ``deterministic``: greedy answers that do not depend on which agents run together
       (batch-invariant decode, ``kvactor.open(deterministic=True)``; ~10% slower here).
+    - ``models``: several models in one session, by name (``{ router = "tiny", coder =
+      "tiny:1" }``: "tiny:SEED" is a tiny model of other weights); each agent's ``model``
+      picks one. ``memory_limit_mb`` (10^6 bytes): the session's limit over weights and
+      caches (``kvactor.open(memory_limit=...)``; default with models: 3/4 of RAM).
     """
 
     name: str
@@ -152,6 +159,8 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     share_prefixes: bool = True
     deterministic: bool = False
     shared_context: ContextSpec | None = None
+    models: dict[str, str] = {}
+    memory_limit_mb: PositiveFloat | None = None
     sampling: SamplingSpec = SamplingSpec()
     agents: list[AgentSpec]
     phases: list[PhaseSpec]
@@ -291,7 +300,7 @@ def _problem(s: Scenario) -> tuple[str, str] | None:
         problem = _fork_problem(s, agent)
         if problem is not None:
             return problem, f"agents[{i}].fork"
-    return None
+    return models_problem(s)
 
 
 def _fork_problem(s: Scenario, agent: AgentSpec) -> str | None:
@@ -387,9 +396,15 @@ def resolve_model(spec: str) -> ModelSpec:
     path that does not exist."""
     if spec == "default":
         return None
-    if spec == "tiny":
+    seed = spec.removeprefix("tiny:")
+    if spec == "tiny" or (seed != spec and seed.isdigit()):
         # Room for the shipped shared document, ~6,100 bytes: the tokenizer is bytewise.
-        return functools.partial(make_tiny_model, 0, head_dim=64, max_position_embeddings=16384)
+        return functools.partial(
+            make_tiny_model,
+            int(seed) if seed != spec else 0,
+            head_dim=64,
+            max_position_embeddings=16384,
+        )
     path = Path(spec).expanduser()
     if not path.exists():
         raise ScenarioError(f"model: no such file or directory: {path} - at `$.model`")
@@ -404,6 +419,8 @@ def scenario_cache_dir(scenario: Scenario) -> Path | None:
     if scenario.cache_dir != "auto":
         return Path(scenario.cache_dir).expanduser()
     model = scenario.model
-    if model not in ("default", "tiny"):
+    if scenario.models:  # a session of several models: a folder per model inside
+        model = "models-" + "-".join(scenario.models)
+    elif model not in ("default", "tiny"):
         model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).name).strip("._") or "model"
     return default_cache_dir() / "scenarios" / scenario.name / model

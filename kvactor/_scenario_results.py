@@ -208,6 +208,7 @@ class AgentRow(msgspec.Struct, frozen=True, kw_only=True):
     last_path: Tier | None
     last_match: Match | None
     last_ttft_s: float | None
+    model: str | None = None  # the model it runs, in a session of several
 
 
 class RunStarted(msgspec.Struct, frozen=True, kw_only=True):

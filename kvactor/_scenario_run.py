@@ -26,6 +26,7 @@ from ._scenario_format import (
     turn_prompt,
 )
 from ._scenario_measure import cold_references, hot_footprint, make_context, reference_prompts
+from ._scenario_models import agent_model, model_folders, session_models
 from ._scenario_results import (
     AgentRow,
     Event,
@@ -63,7 +64,13 @@ def _warm_on_disk(s: Scenario, root: Path | None) -> _Outcome:
     if root is None:
         return _Outcome(found=[], tokens={}, reset=None)
     names = {a.name for a in s.agents}
-    infos = [w for w in list_agents(root) if w.agent in names and w.rejected is None]
+    folders = model_folders(s, root)
+    infos = [
+        w
+        for folder in folders
+        for w in list_agents(folder)
+        if w.agent in names and w.rejected is None
+    ]
     found = sorted(w.agent for w in infos)
     reset = None
     if infos and not s.resume:
@@ -76,11 +83,20 @@ def _warm_on_disk(s: Scenario, root: Path | None) -> _Outcome:
                 f"(resume_max_tokens = {s.resume_max_tokens})"
             )
     if reset is not None:
-        with lock_cache_dir(root):  # CacheDirLocked while another session uses it
-            for name in sorted(names | ({CONTEXT_AGENT} if s.shared_context else set())):
-                forget(root, name)
+        for folder in folders:
+            with lock_cache_dir(folder):  # CacheDirLocked while another session uses it
+                for name in sorted(names | ({CONTEXT_AGENT} if s.shared_context else set())):
+                    forget(folder, name)
         return _Outcome(found=found, tokens={}, reset=reset)
     return _Outcome(found=found, tokens={w.agent: w.tokens for w in infos}, reset=None)
+
+
+def _disk_footprint(s: Scenario, root: Path | None, names: Sequence[str]) -> tuple[int, int, int]:
+    """``disk_footprint`` over every model's folder of the scenario's warm tier."""
+    if root is None:
+        return 0, 0, 0
+    parts = [disk_footprint(folder, names) for folder in model_folders(s, root)]
+    return sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts)
 
 
 # -------------------------------------------------------------------------------- run
@@ -88,6 +104,7 @@ async def _tier_rows(
     kv: Session, names: Sequence[str], last: Mapping[str, TurnRecord], turns: Mapping[str, int]
 ) -> list[AgentRow]:
     warm = {w.agent: w for w in await kv.warm_agents() if w.rejected is None}
+    several = bool(kv.model_names)
     rows = []
     for name in names:
         try:
@@ -107,6 +124,7 @@ async def _tier_rows(
                 last_path=record.path if record else None,
                 last_match=record.match if record else None,
                 last_ttft_s=record.ttft_s if record else None,
+                model=kv.model_of(name) if several and name in kv.agents else None,
             )
         )
     return rows
@@ -168,12 +186,14 @@ class _Runner:
         for spec in self.s.agents:
             if spec.fork is not None and spec.name not in on_disk:
                 continue  # forked at the start of the first phase it speaks in
-            if spec.fork is not None:
-                agent = await self.kv.spawn_agent(spec.name)  # resumes its warm cache
+            model = agent_model(self.s, spec.name)
+            if spec.fork is not None:  # resumes its warm cache
+                agent = await self.kv.spawn_agent(spec.name, model=model)
             elif self.context is not None:
                 agent = await self.kv.spawn_agent(spec.name, context=CONTEXT_AGENT)
             else:
-                agent = await self.kv.spawn_agent(spec.name, system=text or spec.system)
+                system = text or spec.system
+                agent = await self.kv.spawn_agent(spec.name, system=system, model=model)
             state = await agent.state()
             if not any(m["role"] == "user" for m in state.messages):
                 self.fresh.add(spec.name)
@@ -330,7 +350,9 @@ async def run_scenario(
     """
     started_at = time.time()
     t0 = time.perf_counter()
-    spec = resolve_model(scenario.model)
+    models = session_models(scenario)
+    first = next(iter(scenario.models.values()), scenario.model)
+    spec = resolve_model(first)  # several models: the cold reference runs on the first
     text = shared_text(scenario)
     root = scenario_cache_dir(scenario)
     disk = await anyio.to_thread.run_sync(_warm_on_disk, scenario, root)
@@ -344,7 +366,8 @@ async def run_scenario(
         async with open_session(spec, max_batch=1) as probe:
             budget, note = estimate_budget(scenario, probe.model, probe.tokenizer, disk.tokens)
     async with open_session(
-        spec,
+        None if "models" in models else spec,
+        **models,
         max_batch=scenario.max_batch,
         prefill_chunk=scenario.prefill_chunk,
         attention=scenario.attention,
@@ -384,7 +407,7 @@ async def run_scenario(
             targets = await reference_prompts(kv, records)
         model = kv.model
     # Closed: every agent's last write is done.
-    files = await anyio.to_thread.run_sync(disk_footprint, root, runner.caches)
+    files = await anyio.to_thread.run_sync(_disk_footprint, scenario, root, runner.caches)
     references = await cold_references(spec, scenario, targets) if targets else []
     footprint = Footprint(
         hot_caches=hot[0],

@@ -37,9 +37,12 @@ WIDTH = 92  # summary paragraphs wrap here
 
 # ----------------------------------------------------------------------------- tables
 def agent_table(rows: Sequence[AgentRow]) -> list[str]:
+    """Every agent's tier and last turn; with several models, the model each runs."""
+    several = any(r.model is not None for r in rows)
     body = [
         (
             r.agent,
+            *([r.model or "-"] if several else []),
             r.tier,
             str(r.tokens),
             size(r.nbytes) if r.nbytes else "-",
@@ -49,8 +52,9 @@ def agent_table(rows: Sequence[AgentRow]) -> list[str]:
         )
         for r in rows
     ]
-    head = ("agent", "tier", "tokens", "cache", "turns", "last path", "last TTFT")
-    return table(head, body, {2, 3, 4, 6})
+    head = ("agent", *(["model"] if several else []), "tier", "tokens", "cache", "turns")
+    head += ("last path", "last TTFT")
+    return table(head, body, {c + several for c in (2, 3, 4, 6)})
 
 
 def turn_line(record: TurnRecord, total: int) -> str:
@@ -127,6 +131,13 @@ def format_summary(results: Results) -> list[str]:
         f"{stats.installs} reloads from disk; hot-tier peak {size(stats.peak_bytes)}{budget}; "
         f"{stats.generated_tokens} tokens generated; wall time {results.wall_s:.1f} s."
     )
+    if stats.memory_limit_bytes is not None:
+        paragraphs.append(
+            f"memory: peak {size(stats.memory_peak_bytes)} counted (weights, activations, "
+            f"caches, MLX's kept buffers) of a {size(stats.memory_limit_bytes)} limit; "
+            f"{stats.models_loaded} models loaded at the end, {stats.model_loads} loads and "
+            f"{stats.model_unloads} unloads for room (median swap {stats.swap_s:.2f} s)."
+        )
     if stats.warm_write_failures:
         paragraphs.append(
             f"warm tier: {stats.warm_write_failures} of "

@@ -316,6 +316,20 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "(without it, any name is the one model served)",
     )
     serve.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="a model to serve; NAME=PATH, repeated, serves several (requests choose by "
+        "'model'; /v1/models lists them); PATH alone: as the positional model",
+    )
+    serve.add_argument(
+        "--memory-limit",
+        type=_size,
+        help="bytes the session may hold for models, caches and MLX, with K, M, G "
+        "(default with several models: 3/4 of memory)",
+    )
+    serve.add_argument(
         "--tool-wait-s",
         type=float,
         metavar="SECONDS",

@@ -39,12 +39,12 @@ _FIELDS = frozenset(
 )
 
 
-def _ask(state: ServerState, body: Mapping[str, Any]) -> Ask:
-    """The turn a messages body asks for (``system`` first). Raises ApiError for what
-    the conversation, sampling or tool checks refuse."""
+def _ask(state: ServerState, body: Mapping[str, Any], model: str | None) -> Ask:
+    """The turn a messages body asks for (``system`` first) of ``model`` (None: the one
+    served). Raises ApiError for what the conversation, sampling or tool checks refuse."""
     conversation = anthropic_messages(body["messages"], anthropic_system(body.get("system")))
-    options = sampling(body, "max_tokens", "stop_sequences", state.session.model.vocab_size)
-    return Ask(conversation, options, anthropic_tools(body))
+    options = sampling(body, "max_tokens", "stop_sequences", state.vocab_size(model))
+    return Ask(conversation, options, anthropic_tools(body), model=model)
 
 
 def _user_id(body: Mapping[str, Any]) -> str | None:
@@ -73,8 +73,8 @@ class _Parsed:
 def _parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
     """Check a messages body. Raises ApiError naming the field at fault."""
     check_fields(body, _FIELDS, ("model", "messages", "max_tokens"))
-    check_model(body, state.model_id, state.strict_model)
-    ask = _ask(state, body)
+    model = check_model(body, state.model_id, state.strict_model, state.models)
+    ask = _ask(state, body, model)
     check_prompt_chars(ask.conversation, state.max_prompt_chars - ask.tools.chars, "messages")
     return _Parsed(ask, stream_flag(body), _user_id(body))
 
@@ -230,8 +230,8 @@ async def messages_route(request: Request) -> Response:
         stops: list[str] = ask.options.get("stop", [])
         if not parsed.stream:
             _, done = await turn.whole(who, ask)
-            return JSONResponse(_message(ident, state.model_id, done, stops))
+            return JSONResponse(_message(ident, ask.model or state.model_id, done, stops))
         tools = bool(ask.tools.options)
         return await turn.streamed(
-            who, ask, lambda t: _events(ident, state.model_id, t, stops, tools)
+            who, ask, lambda t: _events(ident, ask.model or state.model_id, t, stops, tools)
         )

@@ -27,6 +27,28 @@ def _model(spec: str | None) -> Any:
     return spec
 
 
+def served_models(args: argparse.Namespace) -> tuple[Any, dict[str, Any] | None]:
+    """The one model (``model``, or a lone ``--model PATH``) or the named ones (``--model
+    NAME=PATH``, repeated) that ``serve`` opens. Raises ValueError for a mix of the two,
+    a name given twice, or both the positional model and ``--model``."""
+    given = list(getattr(args, "models", None) or [])
+    if not given:
+        return _model(args.model), None
+    if args.model is not None:
+        raise ValueError("give the model as the positional argument or with --model, not both")
+    if len(given) == 1 and "=" not in given[0]:
+        return _model(given[0]), None
+    named: dict[str, Any] = {}
+    for entry in given:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--model {entry!r}: several models are given as NAME=PATH")
+        if name in named:
+            raise ValueError(f"--model: {name!r} is given twice")
+        named[name] = _model(path)
+    return None, named
+
+
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """``kvactor.open``'s options from the arguments."""
     from ..actors.store import default_cache_dir
@@ -48,6 +70,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options["deterministic"] = True
     if args.tool_wait_s is not None:
         options["tool_wait_s"] = args.tool_wait_s
+    if getattr(args, "memory_limit", None) is not None:
+        options["memory_limit"] = args.memory_limit
     return options
 
 
@@ -62,6 +86,14 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvactor serve: --tool-wait-s must be in [0, 86400], got {wait}", file=sys.stderr)
         return 2
     try:
+        model, named = served_models(args)
+    except ValueError as exc:
+        print(f"kvactor serve: {exc}", file=sys.stderr)
+        return 2
+    options = _options(args)
+    if named is not None:
+        options["models"] = named
+    try:
         entries = key_entries(args.api_key or (), args.api_key_file or ())
         Keys(entries, args.admin_key or ())
     except (OSError, ValueError) as exc:
@@ -69,7 +101,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     run = functools.partial(
         serve,
-        _model(args.model),
+        model,
         host=args.host,
         port=args.port,
         model_id=args.model_id,
@@ -80,7 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_s=args.drain_seconds,
         api_keys=entries,
         admin_keys=args.admin_key or (),
-        **_options(args),
+        **options,
     )
     try:
         anyio.run(run)

@@ -34,6 +34,13 @@ _ENGINE_GAUGES = (
     ("waiting", "Turns waiting to start"),
     ("tool_waits", "Hot agents waiting on their tool calls' results (kept hot for tool_wait_s)"),
     ("constrained_tokens", "Tokens picked under a grammar's mask (tool calls, response formats)"),
+    ("memory_limit_bytes", "The session's memory limit over models, caches and MLX (0: none)"),
+    ("memory_bytes", "Bytes counted against the memory limit now"),
+    ("memory_peak_bytes", "Peak bytes counted against the memory limit"),
+    ("weights_bytes", "Weights of the models loaded now (with a memory limit)"),
+    ("models_loaded", "Models loaded now (with a memory limit)"),
+    ("model_loads", "Models loaded for a turn since the session started"),
+    ("model_unloads", "Models unloaded for room since the session started"),
 )
 
 # kvactor_warm_tier_<name>: a field of ``Session.warm_stats()``.

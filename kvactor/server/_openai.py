@@ -144,7 +144,7 @@ def _chat_parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
     """The turn a chat body asks for. Raises ApiError for a field of the wrong type or
     what the server does not do."""
     check_fields(body, _CHAT_FIELDS, ("model", "messages"))
-    check_model(body, state.model_id, state.strict_model)
+    model = check_model(body, state.model_id, state.strict_model, state.models)
     if flag(body, "logprobs"):
         raise ApiError(400, "'logprobs' is not supported", param="logprobs")
     if integer(body, "top_logprobs", 0):
@@ -152,8 +152,8 @@ def _chat_parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
     flag(body, "store")  # OpenAI's keeping of completions: nothing is kept here but caches
     _metadata(body)
     conversation = openai_messages(body["messages"])
-    options = sampling(body, "max_tokens", "stop", state.session.model.vocab_size)
-    ask = Ask(conversation, options, openai_tools(body))
+    options = sampling(body, "max_tokens", "stop", state.vocab_size(model))
+    ask = Ask(conversation, options, openai_tools(body), model=model)
     return _common(body, state, ask, "messages")
 
 
@@ -252,7 +252,7 @@ async def chat_completions(request: Request) -> Response:
         state = server_state(request)
         raw = await read_body(request, state.max_body_bytes)
         chat = await parse_off_loop(raw, partial(_chat_parse, state), state.big_bodies)
-        reply = _Reply.new("chatcmpl", state.model_id)
+        reply = _Reply.new("chatcmpl", chat.ask.model or state.model_id)
         who = agent_id(request, chat.user)
         if not chat.stream:
             agent, done = await turn.whole(who, chat.ask)
@@ -266,7 +266,7 @@ def _completion_parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
     type, what the server does not do (n > 1, echo, logprobs) or a prompt that is not
     one non-empty string."""
     check_fields(body, _COMPLETION_FIELDS, ("model", "prompt"))
-    check_model(body, state.model_id, state.strict_model)
+    model = check_model(body, state.model_id, state.strict_model, state.models)
     if flag(body, "echo"):
         raise ApiError(400, "'echo' is not supported", param="echo")
     if integer(body, "logprobs", 0):
@@ -276,8 +276,8 @@ def _completion_parse(state: ServerState, body: Mapping[str, Any]) -> _Parsed:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
-    options = sampling(body, "max_tokens", "stop", state.session.model.vocab_size)
-    return _common(body, state, Ask(prompt, options), "prompt")
+    options = sampling(body, "max_tokens", "stop", state.vocab_size(model))
+    return _common(body, state, Ask(prompt, options, model=model), "prompt")
 
 
 def _text_reply(
@@ -311,7 +311,7 @@ async def completions(request: Request) -> Response:
         parsed = await parse_off_loop(
             raw, lambda body: _completion_parse(state, body), state.big_bodies
         )
-        reply = _Reply.new("cmpl", state.model_id)
+        reply = _Reply.new("cmpl", parsed.ask.model or state.model_id)
         who = agent_id(request, parsed.user)
         if not parsed.stream:
             _, done = await turn.whole(who, parsed.ask)
@@ -321,12 +321,22 @@ async def completions(request: Request) -> Response:
 
 # -- models --------------------------------------------------------------------------------
 async def models(request: Request) -> Response:
-    """``GET /v1/models``: the one model served."""
+    """``GET /v1/models``: the models served, each with ``loaded`` (in memory now; a
+    session of several models loads one when a request needs it)."""
     state = server_state(request)
-    model = {
-        "id": state.model_id,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "kvactor",
-    }
-    return JSONResponse({"object": "list", "data": [model]})
+    if state.models:
+        loaded = {s.name: s.loaded for s in await state.session.model_states()}
+        served = [(name, loaded[name]) for name in state.models]
+    else:
+        served = [(state.model_id, True)]
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "kvactor",
+            "loaded": is_loaded,
+        }
+        for name, is_loaded in served
+    ]
+    return JSONResponse({"object": "list", "data": data})

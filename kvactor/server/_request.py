@@ -112,14 +112,30 @@ def check_fields(body: Mapping[str, Any], known: frozenset[str], required: tuple
             raise ApiError(400, f"Missing required parameter: '{name}'.", param=name)
 
 
-def check_model(body: Mapping[str, Any], model_id: str, strict: bool = False) -> None:
-    """Raises ApiError: 400 unless ``model`` is a string; with ``strict``, 404 unless it
-    names ``model_id`` or ``"default"`` (without, any name is the one model served, as
-    llama.cpp's and LM Studio's servers take it: many SDKs default to a name of their
-    own)."""
+def check_model(
+    body: Mapping[str, Any], model_id: str, strict: bool = False, models: tuple[str, ...] = ()
+) -> str | None:
+    """The model the request runs on: one of ``models`` (a session of several models:
+    ``"default"`` is the first), else None (the one model served). Raises ApiError: 400
+    unless ``model`` is a string; 404 for a name not among ``models``, and with
+    ``strict`` for one model, unless it names ``model_id`` or ``"default"`` (without,
+    any name is the one model served, as llama.cpp's and LM Studio's servers take it:
+    many SDKs default to a name of their own)."""
     model = body.get("model")
     if not isinstance(model, str):
         raise ApiError(400, f"'model' must be a string, got {shown(model)}", param="model")
+    if models:
+        if model == "default":
+            return models[0]
+        if model not in models:
+            raise ApiError(
+                404,
+                f"The model {shown(model)} does not exist: this server serves "
+                f"{', '.join(repr(m) for m in models)}",
+                code="model_not_found",
+                param="model",
+            )
+        return model
     if strict and model not in (model_id, "default"):
         raise ApiError(
             404,
@@ -128,6 +144,7 @@ def check_model(body: Mapping[str, Any], model_id: str, strict: bool = False) ->
             code="model_not_found",
             param="model",
         )
+    return None
 
 
 def flag(body: Mapping[str, Any], name: str, default: bool = False) -> bool:

@@ -76,15 +76,20 @@ class AgentRouter:
 
     @contextlib.asynccontextmanager
     async def agent(
-        self, tenant: Tenant, name: str | None, conversation: Conversation
+        self,
+        tenant: Tenant,
+        name: str | None,
+        conversation: Conversation,
+        model: str | None = None,
     ) -> AsyncIterator[Agent]:
         """The agent a request of ``tenant`` runs on for the block: the named one
         (spawned if new), or an idle anonymous one whose last conversation is the
-        longest prefix of this one. Raises InvalidAgentId / ApiError (400) for a hostile
-        or reserved id."""
+        longest prefix of this one; of ``model`` (None: the session's one model). Raises
+        InvalidAgentId / ApiError (400) for a hostile or reserved id, or an agent that
+        runs another model."""
         victims: list[str] = []
         if name is None:
-            full, victims = self._choose(tenant, conversation)
+            full, victims = self._choose(tenant, conversation, model)
         else:
             if name.startswith(ANONYMOUS):
                 raise ApiError(
@@ -97,7 +102,7 @@ class AgentRouter:
                 with anyio.CancelScope(shield=True):  # idle agents: quick, and marked
                     for victim in victims:
                         await self._forget_marked(victim)
-            agent = await self._ready(full)
+            agent = await self._ready(full, model)
             self.last_used[full] = time.time()
             yield agent
         finally:
@@ -145,7 +150,7 @@ class AgentRouter:
         if self._users[full] <= 0:
             del self._users[full]
 
-    async def _ready(self, full: str) -> Agent:
+    async def _ready(self, full: str, model: str | None) -> Agent:
         """The running agent ``full`` (the caller holds it): after a forget of it under
         way, spawned if new (one spawn at a time per agent, none for others to wait on)."""
         while (forgetting := self._forgetting.get(full)) is not None:
@@ -154,20 +159,28 @@ class AgentRouter:
             await spawning.wait()
         agent = self._session.agents.get(full)
         if agent is not None:
+            runs = self._session.model_of(full)
+            if model is not None and runs != model:
+                raise ApiError(400, f"this agent runs model {runs!r}, not {model!r}", param="model")
             return agent
         done = self._spawning[full] = anyio.Event()
         try:
-            return await self._session.spawn_agent(full, scope=self._scope_of(full))
+            scope = self._scope_of(full)
+            return await self._session.spawn_agent(full, scope=scope, model=model)
         finally:
             del self._spawning[full]
             done.set()
 
-    def _choose(self, tenant: Tenant, conversation: Conversation) -> tuple[str, list[str]]:
+    def _choose(
+        self, tenant: Tenant, conversation: Conversation, model: str | None = None
+    ) -> tuple[str, list[str]]:
         """Hold the idle anonymous agent of ``tenant`` that continues ``conversation``
         best, else a new one; returns its id and the least recently chosen idle ones past
         ``max_anonymous`` (marked to be forgotten: the caller forgets them). One step,
         no await: two requests never choose the same agent."""
-        pool = self._anonymous.setdefault(tenant.prefix, OrderedDict())
+        # One pool per model: an agent only ever continues conversations of its model.
+        key = tenant.prefix if model is None else f"{tenant.prefix}\0{model}"
+        pool = self._anonymous.setdefault(key, OrderedDict())
         best, score = None, -1
         for name, seen in pool.items():
             got = _prefix_len(seen, conversation)

@@ -12,7 +12,6 @@ import anyio
 from starlette.requests import Request
 
 from ..actors import Agent, Completion, Session
-from ..actors.agent import prompt_chars_limit
 from ._admission import Admission
 from ._metrics import Metrics
 from ._routing import AgentRouter, Conversation
@@ -25,6 +24,7 @@ class ServerState:
 
     session: Session
     model_id: str
+    models: tuple[str, ...]  # several models: the names requests choose among (else any)
     strict_model: bool  # only model_id (or "default") is a model's name; else any is
     max_body_bytes: int
     max_prompt_chars: int  # past it no prompt fits the context: refused before any work
@@ -58,9 +58,10 @@ class ServerState:
         return cls(
             session=session,
             model_id=model_id,
+            models=session.model_names,
             strict_model=strict_model,
             max_body_bytes=max_body_bytes,
-            max_prompt_chars=prompt_chars_limit(session.tokenizer, session.model.context_length),
+            max_prompt_chars=session.max_prompt_chars,
             keys=keys,
             metrics=metrics,
             admission=Admission(max_pending, metrics.in_flight),
@@ -86,6 +87,11 @@ class ServerState:
         self.draining = True
         for scope in list(self._drainable):
             scope.cancel()
+
+    def vocab_size(self, model: str | None) -> int:
+        """The vocabulary size of ``model`` (None: the session's first model)."""
+        info = self.session.model if model is None else self.session.models[model]
+        return info.vocab_size
 
     def finished(self, agent: Agent, done: Completion, conversation: Conversation) -> None:
         """A turn is over: remember its conversation (anonymous routing), count it."""

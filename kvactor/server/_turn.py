@@ -50,6 +50,7 @@ class Ask:
     conversation: Conversation
     options: dict[str, Any]
     tools: ToolAsk = field(default_factory=ToolAsk)
+    model: str | None = None  # the model it runs on (None: the session's one model)
 
     def start(self, agent: Agent) -> TurnStream:
         """The turn's stream on ``agent`` (not started). Raises TypeError / ValueError
@@ -249,7 +250,8 @@ class TurnRequest:
         state = self._state
 
         async def run() -> tuple[Agent, Completion]:
-            async with state.agents.agent(self._tenant, agent_id, ask.conversation) as agent:
+            held = state.agents.agent(self._tenant, agent_id, ask.conversation, ask.model)
+            async with held as agent:
                 async with ask.start(agent) as pieces:
                     async for _ in pieces:
                         pass
@@ -275,7 +277,7 @@ class TurnRequest:
 
         async def begin() -> tuple[Agent, TurnStream, AsyncIterator[Piece], Piece | None]:
             agent = await held.enter_async_context(
-                router.agent(self._tenant, agent_id, ask.conversation)
+                router.agent(self._tenant, agent_id, ask.conversation, ask.model)
             )
             stream = await held.enter_async_context(ask.start(agent))
             pieces = stream.events()
