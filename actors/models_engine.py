@@ -74,6 +74,7 @@ class _Slot:
     fixed: int = 0  # weights + activations, measured at the first load
     weights: int = 0
     turn: int = 0  # one modest turn's reserve
+    load_extra: int = 0  # what loading it held beyond its weights at the peak (measured)
     info: ModelInfo | None = None
     tokenizer: Any = None
     loads: int = 0
@@ -82,6 +83,12 @@ class _Slot:
     # each with when it came.
     pending: deque[tuple[Any, Reply, float]] = field(default_factory=deque)
     carried: EngineStats | None = None  # the counters of its loads before this one
+
+    @property
+    def need(self) -> int:
+        """What it needs of the limit: weights and activations, and the larger of one turn
+        and loading's transient (a file's tensors beside their dequantized copies)."""
+        return self.fixed + max(self.turn, self.load_extra)
 
     def busy(self) -> bool:
         """Loaded with work under way (turns queued or running, writes, stagings)."""
@@ -108,6 +115,8 @@ class ModelsEngine(ThreadActor):
         self.limit = limit
         self._kept = kept_buffer_bytes(limit)
         self._ttl = model_ttl_s
+        if model_ttl_s is not None:  # a model idle past its TTL is unloaded with no message
+            self.idle_wake_s = max(model_ttl_s / 2, 0.05)
         self._slots = {
             name: _Slot(name, EngineActor(spec, config), name in pins)
             for name, spec in models.items()
@@ -118,6 +127,7 @@ class ModelsEngine(ThreadActor):
         self._unload_s: float | None = None  # the last unload's, until a load follows
         self.peak = 0  # the count's peak
         self.mlx_peak = 0  # MLX's peak active bytes plus what it keeps, sampled
+        self.started = False  # on_start ended: the open's loads are behind
 
     # -- lifecycle --------------------------------------------------------------------
     def on_start(self) -> None:
@@ -133,22 +143,24 @@ class ModelsEngine(ThreadActor):
         self.swap_s.clear()
         self._unload_s = None
         mx.reset_peak_memory()
+        self.started = True
 
     def _load_all(self) -> None:
         for slot in self._slots.values():
             # Its size is known once loaded: make room as if it were the largest so far.
             loaded = self._loaded()
-            guess = max((s.fixed + s.turn for s in loaded), default=0)
+            guess = max((s.need for s in loaded), default=0)
             for other in loaded:
                 if self.count() + guess > self.limit:
                     self._unload(other)
             self._load(slot)
-            need = self._kept + slot.fixed + slot.turn
+            need = self._kept + slot.need
             if need > self.limit:
                 raise ModelLoadError(
                     f"model {slot.name!r} needs {need} bytes with one turn of its own "
                     f"(weights {slot.weights}, activations {slot.fixed - slot.weights}, "
-                    f"one turn {slot.turn}, MLX's kept buffers {self._kept}); the memory "
+                    f"the larger of one turn {slot.turn} and loading's transient "
+                    f"{slot.load_extra}, MLX's kept buffers {self._kept}); the memory "
                     f"limit is {self.limit} bytes"
                 )
         for other in sorted(self._loaded(), key=lambda s: s.last_used):
@@ -169,10 +181,18 @@ class ModelsEngine(ThreadActor):
 
     def _load(self, slot: _Slot) -> None:
         started = time.perf_counter()
+        if self.started:
+            self._sample()  # MLX's peak so far is kept before the load's own is measured
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
         slot.engine.on_start()
         mx.set_cache_limit(self._kept)  # the engine asked for more; the limit counts this
         lm = slot.engine.lm
         slot.weights = weights_bytes(lm)
+        peak = mx.get_peak_memory()
+        slot.load_extra = max(slot.load_extra, peak - before - slot.weights)
+        if self.started:
+            self._sample()  # the load's peak counts once the session is open
         slot.fixed = slot.weights + activation_bytes(lm, self.config)
         slot.turn = one_turn_bytes(lm, self.config)
         if slot.info is None:
@@ -220,7 +240,7 @@ class ModelsEngine(ThreadActor):
     def _fits(self, slot: _Slot) -> bool:
         """Whether ``slot`` (not loaded, at its measured size) fits now with one turn."""
         others = sum(self._holds(s) for s in self._loaded() if s is not slot)
-        return self._kept + others + slot.fixed + slot.turn <= self.limit
+        return self._kept + others + slot.need <= self.limit
 
     def _fit(self, slot: _Slot) -> None:
         """Bound ``slot``'s hot tier by what the rest of the count leaves of the limit."""
@@ -261,6 +281,7 @@ class ModelsEngine(ThreadActor):
                     raise ValueError(f"no model {model!r}: the models are {sorted(self._slots)}")
                 return self._for(slot, inner)
             case ModelsQuery():
+                self._expire()  # what is due goes before the answer says what is loaded
                 now = time.monotonic()
                 return [
                     ModelState(s.name, s.loaded, s.pinned, s.weights, s.loads, now - s.last_used)
@@ -354,7 +375,7 @@ class ModelsEngine(ThreadActor):
                     progressed = True
                 continue
             if not self._fits(slot):
-                self._free_for(slot, slot.fixed + slot.turn)
+                self._free_for(slot, slot.need)
             if not self._fits(slot):
                 if not any(s.busy() for s in self._loaded()):
                     self._refuse(slot)
@@ -387,7 +408,7 @@ class ModelsEngine(ThreadActor):
     def _refuse(self, slot: _Slot) -> None:
         pinned = [s.name for s in self._loaded() if s.pinned]
         error = BudgetExceeded(
-            f"model {slot.name!r} needs {slot.fixed + slot.turn} bytes to load and run a "
+            f"model {slot.name!r} needs {slot.need} bytes to load and run a "
             f"turn; the memory limit is {self.limit} bytes and pinned models {pinned} hold "
             f"{self.count() - self._kept} bytes"
         )

@@ -7,9 +7,10 @@ session swaps models at every turn of the other model.
 
 - one session: ``kvactor.open(models={"router": A, "coder": B}, memory_limit=L,
   cache_dir=tmp)``. ``L`` (``--limit``, bytes; default: sized by
-  ``kvactor.actors.memory_limit`` to the larger model's weights, activations, one turn
-  and a sixteenth for MLX's kept buffers, plus 1/8 of a turn for the caches: room for one
-  model at a time).
+  ``kvactor.actors.memory_limit`` to the larger model's weights, activations, the larger
+  of one turn and what loading it holds at its peak beyond the weights (measured), and a
+  sixteenth for MLX's kept buffers, plus 1/8 of a turn for the caches: room for one model
+  at a time).
 - separate: two sessions (one per model, no limit, their own ``cache_dir``), open at the
   same time, the same turns in the same order.
 
@@ -79,9 +80,16 @@ def _default_limit(models: dict[str, Any]) -> int:
     config = EngineConfig()
     room = 0
     for spec in models.values():
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
         lm = spec() if callable(spec) else load_model(spec)
+        # Loading holds a file's tensors beside their dequantized copies for a while.
+        transient = mx.get_peak_memory() - before - weights_bytes(lm)
         turn = one_turn_bytes(lm, config)
-        room = max(room, weights_bytes(lm) + activation_bytes(lm, config) + turn + turn // 8)
+        extra = max(turn, transient) + turn // 8
+        room = max(room, weights_bytes(lm) + activation_bytes(lm, config) + extra)
+        del lm
+        mx.clear_cache()
     limit = room * 16 // 15 + 16
     assert room <= limit - kept_buffer_bytes(limit)
     return limit

@@ -55,6 +55,9 @@ class ThreadActor(_ActorBase):
     """
 
     owns_thread: ClassVar[bool] = True
+    #: When set, ``on_idle`` also runs after this many seconds without a message or other
+    #: idle work (a timer: say, unloading what stayed unused too long).
+    idle_wake_s: float | None = None
 
     def on_start(self) -> None:
         """Runs on the actor's thread before the first message; raising fails ``spawn``."""

@@ -81,6 +81,7 @@ class ActorCell:
             self._thread.idle = None
             await self._thread.call(actor.on_start)
             self._thread.idle = actor.on_idle
+            self._thread.wake = lambda: actor.idle_wake_s
             self._thread.on_exit = actor.on_stop  # if the interpreter exits first
         else:
             await actor.on_start()

@@ -70,6 +70,8 @@ class ActorThread:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._on_idle_error = on_idle_error
         self.idle: Callable[[], bool] | None = None
+        # Seconds after which the thread runs ``idle`` though no job came (None: never).
+        self.wake: Callable[[], float | None] | None = None
         # What the thread runs if the interpreter exits before close(): stop_threads.
         self.on_exit: Callable[[], object] | None = None
         self._exited: anyio.Event | None = None
@@ -152,7 +154,12 @@ class ActorThread:
                     busy = self._run_idle()
                     continue
             else:
-                job = self._jobs.get()
+                wake = self.wake() if self.wake is not None else None
+                try:
+                    job = self._jobs.get(timeout=wake)
+                except queue.Empty:  # the wake-up came first
+                    busy = self._run_idle()
+                    continue
             if job is None:
                 self._caller.call_soon(self._mark_exited)
                 return

@@ -507,3 +507,35 @@ def test_spawn_outside_a_running_runtime_is_an_error() -> None:
             await rt.spawn(Recorder, [])
 
     anyio.run(main)
+
+
+class Timer(ThreadActor):
+    """Counts the on_idle calls that its wake-up brought (no message, no work)."""
+
+    def __init__(self, woke: threading.Event, wake_s: float | None) -> None:
+        self.woke = woke
+        self.wakes = 0
+        self.idle_wake_s = wake_s
+
+    def receive(self, message: Any) -> Any:
+        return self.wakes
+
+    def on_idle(self) -> bool:
+        self.wakes += 1
+        if self.wakes >= 3:
+            self.woke.set()
+        return False  # no work: only the wake-up calls it again
+
+
+async def test_a_thread_actor_with_idle_wake_s_runs_on_idle_without_messages() -> None:
+    woke = threading.Event()
+    async with Runtime() as rt:
+        ref = await rt.spawn(Timer, woke, 0.01, name="timer")
+        await ref.ask(Ping())  # started, then left alone
+        assert await anyio.to_thread.run_sync(woke.wait, 10)
+        assert await ref.ask(Ping()) >= 3
+    plain = threading.Event()
+    async with Runtime() as rt:
+        ref = await rt.spawn(Timer, plain, None, name="plain")  # nothing wakes it
+        await ref.ask(Ping())
+        assert await ref.ask(Ping()) <= 2  # on_idle only after each message
