@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -23,6 +24,7 @@ from .config import EngineConfig, ModelSpec
 from .engine import EngineActor
 from .errors import StoreWriteError, UnknownAgent, UnsafeCachePath
 from .handle import Agent
+from .hints import make_hint, send_hint
 from .prefetch import Prefetch, PrefetchActor, PrefetchMessage
 from .protocol import (
     AgentSnapshot,
@@ -423,6 +425,24 @@ class Session:
         check_agent_id(name)
         if self.prefetcher is not None:
             await self.prefetcher.tell(Prefetch(name))
+
+    async def hint(
+        self,
+        next: Sequence[str] = (),
+        *,
+        expect_in_s: Mapping[str, float] | None = None,
+        priority: Mapping[str, int] | None = None,
+        done: Sequence[str] = (),
+        prefetch: int = 2,
+    ) -> None:
+        """Advice for the hot tier (docs: memory-policy): ``next``, the agents that run
+        next, soonest first; ``expect_in_s``, seconds until an agent's next turn;
+        ``priority``, higher stays hot longer; ``done``, agents done for now (demoted
+        first). The first ``prefetch`` agents of ``next`` are staged from the warm tier.
+        Wrong or missing hints cost time, never change an answer. Raises what
+        :func:`~kvactor.actors.hints.make_hint` raises."""
+        hint = make_hint(next, expect_in_s=expect_in_s, priority=priority, done=done)
+        await send_hint(self.engine, self.prefetcher, hint, prefetch)
 
     async def warm_agents(self) -> list[WarmInfo]:
         """Every agent with a warm cache under ``cache_dir`` (refused ones say why)."""

@@ -15,7 +15,7 @@ import msgspec
 from .actors import make_tiny_model
 from .actors.config import Attention, ModelSpec
 from .actors.errors import InvalidAgentId
-from .actors.policy import EvictionPolicy, LRUPolicy
+from .actors.policy import EvictionPolicy, LRUPolicy, WorkflowPolicy
 from .actors.protocol import check_agent_id
 from .actors.store import default_cache_dir
 
@@ -51,7 +51,10 @@ PLACEHOLDERS: Mapping[str, str] = {
     "outputs": "the other agents' latest outputs as of the start of the phase",
     "own": "this agent's own latest output",
 }
-POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy}
+POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "workflow": WorkflowPolicy,
+}
 NO_OUTPUTS = "(nothing yet)"
 CONTEXT_AGENT = "shared"  # the shared context's name in the session (and its warm cache)
 

@@ -1,0 +1,175 @@
+"""The workflow-aware policy and the application's hints: LRU order without hints, hinted
+agents kept hot where LRU demotes them, done / priority / overdue hints, prefetches that
+never displace a sooner agent, and on a real engine with a warm tier (tiny model): greedy
+answers the same under LRU, right hints and wrong hints, the budget never exceeded."""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from test_budget import one_turn_need
+from test_pool import new_pool, turn
+
+import kvactor
+from kvactor import Candidate, LRUPolicy, WorkflowPolicy
+from kvactor.actors.enums import Room, Tier
+from kvactor.actors.hints import HintBook, make_hint
+from kvactor.actors.model import LoadedModel, make_tiny_model
+from kvactor.actors.protocol import Hint
+from kvactor.kernels.turn_cache import FloatTurnCache
+
+
+@pytest.fixture(scope="module")
+def lm() -> LoadedModel:
+    loaded = make_tiny_model(0, head_dim=64)
+    FloatTurnCache.prepare(loaded.model)
+    return loaded
+
+
+def test_without_hints_the_order_is_lrus() -> None:
+    rng = random.Random(3)
+    for _ in range(50):
+        candidates = [
+            Candidate(
+                agent=f"a{i}",
+                nbytes=rng.randrange(1, 10_000),
+                tokens=10,
+                last_used=rng.random(),
+                hits=0,
+                clean=rng.random() < 0.7,
+                demote_to=Tier.WARM,
+                reload_s=rng.random(),
+                next_use=rng.random() if rng.random() < 0.3 else None,  # prefetch marks
+                waiting=rng.random() < 0.2,
+            )
+            for i in range(8)
+        ]
+        need = rng.randrange(1, 40_000)
+        assert WorkflowPolicy().victims(candidates, need) == LRUPolicy().victims(candidates, need)
+
+
+def test_hinted_next_agents_stay_hot_where_lru_demotes_them(lm: LoadedModel) -> None:
+    kept = {}
+    for policy in (LRUPolicy(), WorkflowPolicy()):
+        pool = new_pool(lm, None, policy=policy)
+        sizes = {a: turn(pool, lm, a, 30, persist=True) for a in ("next", "b", "c", "d")}
+        pool.hint(Hint(next=("next",)))  # the oldest runs next
+        pool.limit = sum(sizes.values())
+        assert pool.make_room(sizes["next"])
+        kept[type(policy).__name__] = "next" in pool
+        assert pool.peak <= pool.limit
+    assert kept == {"LRUPolicy": False, "WorkflowPolicy": True}
+
+
+def test_furthest_first_then_done_priority_and_overdue_hints(lm: LoadedModel) -> None:
+    pool = new_pool(lm, None, policy=WorkflowPolicy())
+    sizes = {a: turn(pool, lm, a, 30, persist=True) for a in ("soon", "later", "free")}
+    pool.hint(Hint(expect_in_s=(("soon", 1.0), ("later", 100.0))))
+    order = [c.agent for c in WorkflowPolicy().order(pool._candidates())]
+    assert order == ["free", "later", "soon"]  # unhinted (LRU), then furthest first
+    pool.hint(Hint(done=("soon",), priority=(("free", 5),)))
+    order = [c.agent for c in WorkflowPolicy().order(pool._candidates())]
+    assert order == ["soon", "later", "free"]  # done first; priority last
+    # A tool-waiting cache stays ahead of idle ones until its TTL, whatever the hints.
+    pool.tool_wait("soon", 60.0)
+    assert [c.agent for c in WorkflowPolicy().order(pool._candidates())][-1] == "soon"
+    # A hint long overdue is forgotten: the agent ranks as unhinted again.
+    book = HintBook()
+    book.apply(Hint(next=("x",)), now=0.0)
+    assert book.next_use("x", 5.0) == 0.0 and book.next_use("x", 60.0) is None
+    assert sizes["soon"] > 0
+
+
+def test_a_prefetch_never_displaces_an_agent_hinted_to_run_sooner(lm: LoadedModel) -> None:
+    pool = new_pool(lm, None, policy=WorkflowPolicy())
+    size = turn(pool, lm, "first", 30, persist=True)
+    pool.limit = size + size // 2
+    pool.hint(Hint(next=("first", "second")))
+    assert pool.reserve("second", size, prefetch=True) is Room.NO_ROOM
+    assert "first" in pool
+    # Staged for a waiting turn (not a prefetch), the same room is made.
+    assert pool.reserve("second", size) is Room.RESERVED and "first" not in pool
+
+
+def test_make_hint_checks_what_it_is_given() -> None:
+    hint = make_hint(["a", "b"], expect_in_s={"c": 2}, priority={"d": -3}, done=["e"])
+    assert hint == Hint(("a", "b"), (("c", 2.0),), (("d", -3),), ("e",))
+    with pytest.raises(TypeError):
+        make_hint("ab")
+    with pytest.raises(ValueError):
+        make_hint(expect_in_s={"a": -1.0})
+    with pytest.raises(ValueError):
+        make_hint(priority={"a": 5000})
+    with pytest.raises(TypeError):
+        make_hint(priority={"a": 1.5})  # type: ignore[dict-item]
+    with pytest.raises(kvactor.InvalidAgentId):
+        make_hint(["../etc"])
+
+
+AGENTS = 6
+ROUNDS = 3
+
+
+def tiny() -> Any:
+    return functools.partial(make_tiny_model, 0, head_dim=64)
+
+
+async def round_robin(root: Path, policy: Any, hints: str, budget: int) -> tuple[Any, ...]:
+    """Every agent in turn, ROUNDS times, one turn at a time; before each, the hint
+    ``hints`` says (``right``: the next two in order, ``wrong``: two random others,
+    ``none``). Returns (answers, hot turns, peak bytes, peak seen between turns)."""
+    rng = random.Random(7)
+    order = [f"a{i}" for r in range(ROUNDS) for i in range(AGENTS)]
+    answers: list[list[int]] = []
+    hot = 0
+    async with kvactor.open(
+        tiny(), cache_dir=root, budget_bytes=budget, policy=policy, attention="dequantized"
+    ) as kv:
+        agents = {f"a{i}": await kv.spawn_agent(f"a{i}") for i in range(AGENTS)}
+        for step, name in enumerate(order):
+            if hints == "right":
+                await kv.hint(next=order[step + 1 : step + 3])
+            elif hints == "wrong":
+                await kv.hint(next=rng.sample(sorted(agents), 2))
+            with anyio.fail_after(60):
+                done = await agents[name].generate(
+                    f"step {step} says {'xy' * (step % 4)}", max_tokens=6
+                )
+            answers.append(done.token_ids)
+            hot += done.path is Tier.HOT
+            stats = await kv.stats()
+            assert stats.cache_bytes <= budget and stats.peak_bytes <= budget
+        return answers, hot, (await kv.stats()).peak_bytes
+
+
+async def test_answers_are_the_same_under_lru_right_and_wrong_hints_within_budget(
+    tmp_path: Path,
+) -> None:
+    # Room for one turn and about two idle caches besides: a round robin of six thrashes.
+    stored = 40_000
+    budget = one_turn_need(False) + 2 * stored
+    runs = {}
+    for n, (policy, hints) in enumerate(
+        [(LRUPolicy(), "none"), (WorkflowPolicy(), "right"), (WorkflowPolicy(), "wrong")]
+    ):
+        runs[hints] = await round_robin(tmp_path / f"r{n}", policy, hints, budget)
+        assert runs[hints][2] <= budget
+    assert runs["right"][0] == runs["none"][0] == runs["wrong"][0]
+    assert runs["right"][1] > runs["none"][1]  # the hinted next agent was found hot
+
+
+def test_the_hint_book_turns_an_order_into_times() -> None:
+    book = HintBook()
+    book.turn_s = 2.0
+    now = time.monotonic()
+    book.apply(Hint(next=("a", "b", "c")), now)
+    assert [book.next_use(a, now) for a in "abc"] == [now, now + 2.0, now + 4.0]
+    assert book.soonest(now, 2) == ["a", "b"]
+    book.queued("a")
+    assert book.next_use("a", now) is None and book.soonest(now, 5) == ["b", "c"]
