@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..runtime import ActorRef
 from .prefetch import Prefetch, PrefetchMessage
 from .protocol import EngineMessage, Hint, check_agent_id
 
-__all__ = ("Hint", "HintBook", "PRIORITY_LIMIT", "make_hint", "send_hint")
+__all__ = ("Hint", "HintBook", "PRIORITY_LIMIT", "make_hint", "send_hint", "split_hint")
 
 #: Priorities lie in [-PRIORITY_LIMIT, PRIORITY_LIMIT]; 0 is every agent's default.
 PRIORITY_LIMIT = 1000
@@ -58,6 +59,33 @@ def make_hint(
         priority=tuple(ranks),
         done=tuple(check_agent_id(a) for a in done),
     )
+
+
+def split_hint(hint: Hint, where: Mapping[str, str]) -> dict[str, Hint]:
+    """``hint`` in parts by the host (``where``: agent -> host) that holds each agent it
+    names, each part keeping its agents' order; agents held nowhere are left out."""
+    parts: dict[str, dict[str, list[Any]]] = {}
+
+    def part(agent: str) -> dict[str, list[Any]] | None:
+        host = where.get(agent)
+        if host is None:
+            return None
+        return parts.setdefault(host, {"next": [], "wait": [], "rank": [], "done": []})
+
+    for agent in hint.next:
+        if (p := part(agent)) is not None:
+            p["next"].append(agent)
+    for field, pairs in (("wait", hint.expect_in_s), ("rank", hint.priority)):
+        for pair in pairs:
+            if (p := part(pair[0])) is not None:
+                p[field].append(pair)
+    for agent in hint.done:
+        if (p := part(agent)) is not None:
+            p["done"].append(agent)
+    return {
+        host: Hint(tuple(p["next"]), tuple(p["wait"]), tuple(p["rank"]), tuple(p["done"]))
+        for host, p in parts.items()
+    }
 
 
 async def send_hint(

@@ -121,7 +121,8 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     - ``budget_mb`` (10^6 bytes) bounds the hot tier; ``hot_agents`` instead sizes it for
       the running turns plus that many idle agents' caches, estimated from the model and
       the prompts. Neither: unbounded.
-    - ``policy``: whom to demote ("lru"); ``max_batch`` / ``prefill_chunk`` / ``attention``
+    - ``policy``: whom to demote ("workflow", fed the plan's order as hints; or "lru");
+      ``max_batch`` / ``prefill_chunk`` / ``attention``
       ("auto", "quantized" or "dequantized": see ``kvactor.open``): the engine's;
       ``concurrency``: turns in flight at once within a phase; ``prefetch``: hint the next
       agent's warm cache into memory while the current turn decodes.
@@ -145,7 +146,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     resume_max_tokens: Positive | None = None
     budget_mb: PositiveFloat | None = None
     hot_agents: Annotated[float, msgspec.Meta(ge=0)] | None = None
-    policy: str = "lru"
+    policy: str = "workflow"
     max_batch: Positive = 8
     prefill_chunk: Positive = 256
     attention: Attention = "auto"

@@ -173,3 +173,27 @@ def test_the_hint_book_turns_an_order_into_times() -> None:
     assert book.soonest(now, 2) == ["a", "b"]
     book.queued("a")
     assert book.next_use("a", now) is None and book.soonest(now, 5) == ["b", "c"]
+
+
+def test_a_clusters_hint_is_split_by_the_host_of_each_agent() -> None:
+    from kvactor.actors.hints import split_hint
+
+    hint = make_hint(["a", "b", "c", "x"], expect_in_s={"b": 1.0}, priority={"c": 2}, done=["a"])
+    parts = split_hint(hint, {"a": "h1", "b": "h2", "c": "h1"})
+    assert parts == {
+        "h1": Hint(("a", "c"), (), (("c", 2),), ("a",)),
+        "h2": Hint(("b",), (("b", 1.0),), (), ()),
+    }
+
+
+async def test_agents_hint_and_say_done_and_hints_about_strangers_break_nothing() -> None:
+    async with kvactor.open(tiny(), attention="dequantized") as kv:
+        agent = await kv.spawn_agent("a")
+        await kv.hint(next=["ghost", "a"], expect_in_s={"nobody": 5.0}, done=["other"])
+        await agent.hint(expect_in_s=1.0, priority=2)
+        first = await agent.generate("hello", max_tokens=4)
+        await agent.done()
+        again = await agent.generate("hello again", max_tokens=4)
+        assert first.token_ids and again.path is Tier.HOT
+        with pytest.raises(ValueError):
+            await kv.hint(next=["a"], prefetch=-1)
