@@ -31,6 +31,7 @@ class Demotion:
     _turns: set[str]
     _pins: dict[int, tuple[str, int]]
     _staged: dict[str, int]
+    _turn_room: int  # the reserve of the last turn that started
 
     if TYPE_CHECKING:  # CachePool's
 
@@ -156,9 +157,12 @@ class Demotion:
         Only a starting ``turn`` may demote the caches of turns that wait (queued, or staged
         for one): stagings taking them from each other could go on forever, while every
         turn that starts is progress. ``ahead_of``: room for a prefetch of that agent, which
-        never displaces an agent hinted to run before it (``_sooner``)."""
+        never displaces an agent hinted to run before it (``_sooner``), and while no turn
+        runs leaves the room a turn took last time free for the turn to come."""
         if self.limit is None:
             return True
+        if ahead_of is not None and not any(e.running for e in self._entries.values()):
+            need += self._turn_room
         missing = self.committed() + need - self.limit
         if missing <= 0:
             return True

@@ -84,6 +84,7 @@ class CachePool(Demotion, WarmTraffic):
         self._turns: set[str] = set()  # agents with a turn queued or running: "busy"
         self._waiters: deque[Waiter] = deque()
         self._batch_bytes = 0  # the engine's running batch (working caches out of entries)
+        self._turn_room = 0  # the reserve of the last turn that started (Demotion.make_room)
 
     # -- residents --------------------------------------------------------------------
     def get(self, agent: str) -> HotEntry | None:
@@ -316,6 +317,7 @@ class CachePool(Demotion, WarmTraffic):
             return False
         entry._turn_reserve = reserve
         entry._turn_stored = entry.kv.stored_bytes
+        self._turn_room = reserve
         return True
 
     def store_so_far(self, agent: str, entry: HotEntry) -> None:
