@@ -126,7 +126,7 @@ def replay_http(
     """The trace against one server, restarted two thirds of the way through."""
     cut = len(trace.steps) * 2 // 3
     model = "m" if kind == "kvactor" else str(model_dir)
-    histories = {a: [{"role": "system", "content": role}] for a, role in trace.roles.items()}
+    histories = {a: [{"role": "system", "content": trace.system}] for a in trace.agents}
     began = time.perf_counter()
     with server(kind, model_dir, cache_dir, cache_size) as base:
         before = _steps(base, kind, model, trace, range(cut), histories, max_tokens)

@@ -1,9 +1,10 @@
 """Seeded multi-agent tool-loop traces for ``bench/agentic.py``, and the oracle policy that
 knows a trace's future.
 
-A trace is N agents with one shared system prompt plus a role each, and a list of steps:
-an agent's turn whose message adds a tool result or a message of a sampled length, and
-which may end in a tool call (its agent then waits for a sampled time). Three shapes:
+A trace is N agents with one shared system prompt plus a role each (said in the agent's
+first message), and a list of steps: an agent's turn whose message adds a tool result or a
+message of a sampled length, and which may end in a tool call (its agent then waits for a
+sampled time). Three shapes:
 
 - ``round_robin``: a team speaks in turn, round after round;
 - ``pipeline``: a planner, then each worker, then a reviewer, again and again;
@@ -92,7 +93,7 @@ def make_trace(
     rng = random.Random(seed)
     names = [f"{shape[:2]}{i:02d}" for i in range(agents)]
     system = "You are one of a team of agents. " + _text(rng, system_words, "Shared brief")
-    roles = {n: f"{system}\nYour role: {_text(rng, 12, n)}" for n in names}
+    roles = {n: f"Your role: {_text(rng, 12, n)}" for n in names}
     steps: list[Step] = []
     waiting: set[str] = set()
     lo, hi = tool_wait_s
@@ -100,6 +101,8 @@ def make_trace(
         kind = "Tool result" if agent in waiting else "Message"
         waiting.discard(agent)
         text = _text(rng, rng.randint(*words), kind)
+        if all(s.agent != agent for s in steps):
+            text = f"{roles[agent]}\n{text}"
         wait = 0.0
         if rng.random() < tool_p:
             wait = math.exp(rng.uniform(math.log(lo), math.log(hi)))

@@ -16,6 +16,8 @@ the unbounded run's), ``hot_hits``, ``peak_bytes`` (never above the budget); per
 
 The budget is the room one turn needs (its working-cache reserve and the largest agent's
 stored cache) plus the fraction of the working set (every agent's stored cache at the end).
+The shared system prompt is a shared context (``Session.context``: prefilled once, its
+cache shared by every agent's first turn); each agent's role comes in its first message.
 Turns run one at a time (as a workflow engine runs its steps); a tool wait is announced
 to the engine as the server does (``ToolWait``), and the replay does not sleep through it.
 Hints (workflow, oracle): before each step, the distinct agents of the steps after it, as
@@ -58,6 +60,7 @@ from kvactor.kernels.geometry import CacheGeometry
 POLICIES = ("lru", "workflow", "workflow_wrong", "oracle")
 FRACTIONS = {"25%": 0.25, "50%": 0.5}
 WRONG_P = 0.3
+BRIEF = "brief"  # the shared context's name
 
 
 def _model(name: str) -> Any:
@@ -92,7 +95,8 @@ async def replay(
     turns: list[dict[str, Any]] = []
     options: dict[str, Any] = {"cache_dir": root, "budget_bytes": budget, "policy": chosen}
     async with kvactor.open(model, **options) as kv:
-        agents = {n: await kv.spawn_agent(n, system=role) for n, role in trace.roles.items()}
+        await kv.context(BRIEF, trace.system)  # the shared system prompt, prefilled once
+        agents = {n: await kv.spawn_agent(n, context=BRIEF) for n in trace.agents}
         began = time.perf_counter()
         for at, step in enumerate(trace.steps):
             if isinstance(chosen, OraclePolicy):
@@ -126,7 +130,7 @@ async def replay(
         wall = time.perf_counter() - began
         stats = await kv.stats()
         warm = await kv.warm_stats()
-        stored = {w.agent: (w.nbytes, w.tokens) for w in await kv.warm_agents()}
+        stored = {w.agent: (w.nbytes, w.tokens) for w in await kv.warm_agents() if w.agent != BRIEF}
         assert kv.identity is not None
         geometry = CacheGeometry.from_description(kv.identity.layer_geometry(), kv.model.states)
     return {
@@ -278,9 +282,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-words", type=int, default=30)
-    p.add_argument("--max-words", type=int, default=160)
-    p.add_argument("--system-words", type=int, default=120)
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-words", type=int, default=100)
+    p.add_argument("--system-words", type=int, default=80)
+    p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-http", action="store_true", help="skip the part over HTTP")
     p.add_argument("--http-agents", type=int, default=16)

@@ -29,9 +29,12 @@ def test_traces_are_seeded_and_shaped() -> None:
         assert a == make_trace(shape, agents=5, rounds=2, seed=1, words=(30, 60))
         assert a != make_trace(shape, agents=5, rounds=2, seed=2, words=(30, 60))
         assert set(a.order) == set(a.agents) and len(a.agents) == 5
-        assert all(30 <= len(s.text.split()) - 1 <= 60 for s in a.steps)
+        firsts = {a.order.index(n) for n in a.agents}
+        for at, s in enumerate(a.steps):
+            words = s.text.split("\n")[-1].split(": ", 1)[1].split()
+            assert 30 <= len(words) <= 60
+            assert (at in firsts) == s.text.startswith(a.roles[s.agent])
         assert any(s.tool_wait_s > 0 for s in a.steps)
-        assert all(role.startswith(a.system) for role in a.roles.values())
     rr = make_trace("round_robin", agents=4, rounds=2, seed=0)
     assert rr.order == rr.agents * 2
     fan = make_trace("fanout", agents=4, rounds=1, seed=0)
