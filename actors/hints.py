@@ -23,6 +23,9 @@ __all__ = ("Hint", "HintBook", "PRIORITY_LIMIT", "make_hint", "send_hint", "spli
 
 #: Priorities lie in [-PRIORITY_LIMIT, PRIORITY_LIMIT]; 0 is every agent's default.
 PRIORITY_LIMIT = 1000
+#: Agents a HintBook keeps each kind of hint for (the oldest hints go past it): hints may
+#: name agents that never run, and a server takes them from its clients.
+BOOK_LIMIT = 10_000
 _MAX_WAIT_S = 86_400.0
 
 
@@ -113,7 +116,7 @@ class HintBook:
     def __init__(self) -> None:
         self._at: dict[str, float] = {}  # agent -> time.monotonic() of its expected turn
         self._priority: dict[str, int] = {}
-        self._done: set[str] = set()
+        self._done: dict[str, None] = {}  # an ordered set: the oldest go first past the limit
         self.turn_s = 1.0  # moving average of a turn's time, queued to ended
         self.given = 0  # hints applied
 
@@ -121,11 +124,13 @@ class HintBook:
         """Take ``hint`` at ``now`` (later hints about an agent replace earlier ones)."""
         self.given += 1
         for rank, agent in enumerate(hint.next):
+            self._at.pop(agent, None)  # re-inserted: the newest last
             self._at[agent] = now + rank * self.turn_s
-            self._done.discard(agent)
+            self._done.pop(agent, None)
         for agent, seconds in hint.expect_in_s:
+            self._at.pop(agent, None)
             self._at[agent] = now + seconds
-            self._done.discard(agent)
+            self._done.pop(agent, None)
         for agent, value in hint.priority:
             if value:
                 self._priority[agent] = value
@@ -133,12 +138,15 @@ class HintBook:
                 self._priority.pop(agent, None)
         for agent in hint.done:
             self._at.pop(agent, None)
-            self._done.add(agent)
+            self._done[agent] = None
+        for book in (self._at, self._priority, self._done):
+            while len(book) > BOOK_LIMIT:
+                del book[next(iter(book))]
 
     def queued(self, agent: str) -> None:
         """A turn of ``agent`` was queued: what was expected of it came (or came early)."""
         self._at.pop(agent, None)
-        self._done.discard(agent)
+        self._done.pop(agent, None)
 
     def turn_took(self, seconds: float) -> None:
         if seconds > 0:
@@ -148,7 +156,7 @@ class HintBook:
         """``agent`` is gone: every hint about it goes too."""
         self._at.pop(agent, None)
         self._priority.pop(agent, None)
-        self._done.discard(agent)
+        self._done.pop(agent, None)
 
     def next_use(self, agent: str, now: float) -> float | None:
         """When ``agent``'s next turn is expected (None: no hint, or one long overdue)."""

@@ -197,3 +197,14 @@ async def test_agents_hint_and_say_done_and_hints_about_strangers_break_nothing(
         assert first.token_ids and again.path is Tier.HOT
         with pytest.raises(ValueError):
             await kv.hint(next=["a"], prefetch=-1)
+
+
+def test_the_hint_book_stays_bounded_whatever_it_is_told() -> None:
+    from kvactor.actors.hints import BOOK_LIMIT
+
+    book = HintBook()
+    names = tuple(f"n{i}" for i in range(BOOK_LIMIT + 50))
+    book.apply(Hint(next=names, priority=tuple((n, 1) for n in names), done=names), 0.0)
+    book.apply(Hint(expect_in_s=tuple((n, 5.0) for n in names)), 0.0)
+    assert max(len(book._at), len(book._priority), len(book._done)) == BOOK_LIMIT
+    assert book.next_use(names[-1], 0.0) == 5.0 and book.next_use(names[0], 0.0) is None
