@@ -5,7 +5,8 @@ accounting: every agent's stored cache, the working caches of running turns (cou
 their reserved maximum), room reserved for warm caches being staged, and exports pinned
 until the store has written them. The engine asks it for room; it demotes idle agents
 through an :class:`EvictionPolicy` (hot → warm when the warm copy is complete, hot → cold
-without a warm tier) and answers with typed results.
+without a warm tier), weighing the application's hints (``_pool_demote.py``), and answers
+with typed results.
 """
 
 from __future__ import annotations
