@@ -157,16 +157,17 @@ class Demotion:
         Only a starting ``turn`` may demote the caches of turns that wait (queued, or staged
         for one): stagings taking them from each other could go on forever, while every
         turn that starts is progress. ``ahead_of``: room for a prefetch of that agent, which
-        never displaces an agent hinted to run before it (``_sooner``), and while no turn
-        runs leaves the room a turn took last time free for the turn to come."""
+        never displaces an agent hinted to run before it (``_sooner``); while no turn runs
+        and such an agent's turn is to come first, it leaves the room a turn took last time
+        free for that turn."""
         if self.limit is None:
             return True
-        if ahead_of is not None and not any(e.running for e in self._entries.values()):
+        keep = self._sooner(ahead_of) if ahead_of is not None else set()
+        if keep and not any(e.running for e in self._entries.values()):
             need += self._turn_room
         missing = self.committed() + need - self.limit
         if missing <= 0:
             return True
-        keep = self._sooner(ahead_of) if ahead_of is not None else set()
         candidates = [
             c for c in self._candidates(exclude) if (turn or not c.waiting) and c.agent not in keep
         ]
@@ -185,8 +186,10 @@ class Demotion:
         )
         demotable = {c.agent for c in candidates}
         spare = sum(self._entries[a].kv.ready_bytes for _, a in ready if a not in demotable)
-        if spare + sum(c.nbytes for c in candidates) < missing:
+        if self.ready.reserved + spare + sum(c.nbytes for c in candidates) < missing:
             return False
+        # Ready copies being built go first of all (a bet on a turn to come), then built ones.
+        missing -= self.ready.give_up(missing)
         for _, agent in ready:
             if missing <= 0:
                 break

@@ -83,6 +83,15 @@ class ReadyCopies:
             return True
         return False
 
+    def give_up(self, need: int) -> int:
+        """Give up copies being built, the newest first, until ``need`` bytes of their
+        reservations are freed (room is needed now: a copy built ahead is only a bet);
+        the bytes freed."""
+        freed = 0
+        while self._builds and freed < need:
+            freed += self._builds.pop().nbytes
+        return freed
+
     def drop(self, kv: AgentKV) -> int:
         """Drop ``kv``'s ready copy for room (the stored form stays); the bytes freed."""
         freed = kv.drop_ready()

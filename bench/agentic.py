@@ -241,6 +241,8 @@ async def shape_results(
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     model = _model(args.model)
     results: dict[str, Any] = {"model": args.model, "quick": args.quick, "shapes": {}}
+    if args.quick:
+        results["note"] = "--quick: a tiny model's turns take ms, the ratios are noise"
     with tempfile.TemporaryDirectory(prefix="kvactor-agentic-") as tmp:
         for shape in args.shapes:
             results["shapes"][shape] = await shape_results(shape, args, model, Path(tmp))
@@ -313,5 +315,7 @@ if __name__ == "__main__":
     for key in keys:
         print(f"{key}: {out[key]}")
     print(f"within_budget: {out['within_budget']}  total {out['total_s']:.0f}s")
+    if "note" in out:
+        print(out["note"])
     if arguments.json:
         write_json(arguments.json, out)
