@@ -208,3 +208,24 @@ def test_the_hint_book_stays_bounded_whatever_it_is_told() -> None:
     book.apply(Hint(expect_in_s=tuple((n, 5.0) for n in names)), 0.0)
     assert max(len(book._at), len(book._priority), len(book._done)) == BOOK_LIMIT
     assert book.next_use(names[-1], 0.0) == 5.0 and book.next_use(names[0], 0.0) is None
+
+
+def test_room_comes_first_from_ready_copies_still_being_built(lm: LoadedModel) -> None:
+    from kvactor.actors.pool import CachePool
+    from kvactor.kernels.qcodec import DEFAULT_CODEC
+
+    pool = CachePool(
+        None, WorkflowPolicy(), persistent=True, codec=DEFAULT_CODEC, geometry=lm.geometry
+    )
+    for agent in ("a", "b"):
+        turn(pool, lm, agent, 30, persist=True)
+        entry = pool.get(agent)
+        assert entry is not None
+        pool.ready.drop(entry.kv)  # kept at the turn's end: dropped, to be built again
+    pool.hint(Hint(next=("a",)))  # builds a's ready copy ahead, one layer a step
+    building = pool.ready.reserved
+    assert building > 0 and pool.ready.building
+    pool.limit = pool.committed()
+    assert pool.make_room(building // 2)
+    assert "a" in pool and "b" in pool and pool.demotions[Tier.WARM] == 0
+    assert not pool.ready.building
