@@ -229,3 +229,52 @@ def test_room_comes_first_from_ready_copies_still_being_built(lm: LoadedModel) -
     assert pool.make_room(building // 2)
     assert "a" in pool and "b" in pool and pool.demotions[Tier.WARM] == 0
     assert not pool.ready.building
+
+
+async def concurrent_load(root: Path | None, budget: int | None, hints: bool) -> dict[Any, Any]:
+    """Six agents, three turns each, all at once (max_batch 4); with ``hints``, random
+    advice (next, expect_in_s, priority, done: mostly wrong) sent all the while."""
+    rng = random.Random(11)
+    outcomes: dict[Any, Any] = {}
+    options: dict[str, Any] = {"budget_bytes": budget, "cache_dir": root}
+    options["deterministic"] = True  # a row's answer never depends on its batch
+    async with kvactor.open(tiny(), max_batch=4, attention="dequantized", **options) as kv:
+        names = [f"c{i}" for i in range(6)]
+        agents = [await kv.spawn_agent(n) for n in names]
+        finished = anyio.Event()
+
+        async def advise() -> None:
+            while not finished.is_set():
+                await kv.hint(
+                    next=rng.sample(names, 3),
+                    expect_in_s={rng.choice(names): rng.uniform(0, 3)},
+                    priority={rng.choice(names): rng.randint(-2, 2)},
+                    done=rng.sample(names, 1),
+                )
+                await anyio.sleep(0.002)  # the load under test: advice at random moments
+
+        async def run(i: int) -> None:
+            for r in range(3):
+                with anyio.fail_after(60):
+                    done = await agents[i].generate(
+                        f"{'ab'[i % 2] * (i + 3)} {i}.{r}", max_tokens=5
+                    )
+                outcomes[i, r] = done.token_ids
+
+        async with anyio.create_task_group() as tg:
+            if hints:
+                tg.start_soon(advise)
+            async with anyio.create_task_group() as turns:
+                for i in range(6):
+                    turns.start_soon(run, i)
+            finished.set()
+        assert budget is None or (await kv.stats()).peak_bytes <= budget
+    return outcomes
+
+
+async def test_random_advice_under_a_tight_budget_changes_no_answer(tmp_path: Path) -> None:
+    reference = await concurrent_load(tmp_path / "ref", None, hints=False)
+    need = one_turn_need(False)
+    for n, budget in enumerate((need, 2 * need)):
+        got = await concurrent_load(tmp_path / f"b{n}", budget, hints=True)
+        assert got == reference, budget
