@@ -186,10 +186,11 @@ class Demotion:
         )
         demotable = {c.agent for c in candidates}
         spare = sum(self._entries[a].kv.ready_bytes for _, a in ready if a not in demotable)
-        if self.ready.reserved + spare + sum(c.nbytes for c in candidates) < missing:
+        bets = self.ready.reserved_except(keep)
+        if bets + spare + sum(c.nbytes for c in candidates) < missing:
             return False
         # Ready copies being built go first of all (a bet on a turn to come), then built ones.
-        missing -= self.ready.give_up(missing)
+        missing -= self.ready.give_up(missing, keep)
         for _, agent in ready:
             if missing <= 0:
                 break

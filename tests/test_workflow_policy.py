@@ -278,3 +278,23 @@ async def test_random_advice_under_a_tight_budget_changes_no_answer(tmp_path: Pa
     for n, budget in enumerate((need, 2 * need)):
         got = await concurrent_load(tmp_path / f"b{n}", budget, hints=True)
         assert got == reference, budget
+
+
+def test_a_prefetch_gives_up_no_ready_copy_of_an_agent_hinted_sooner(lm: LoadedModel) -> None:
+    from kvactor.actors.pool import CachePool
+    from kvactor.kernels.qcodec import DEFAULT_CODEC
+
+    pool = CachePool(
+        None, WorkflowPolicy(), persistent=True, codec=DEFAULT_CODEC, geometry=lm.geometry
+    )
+    turn(pool, lm, "a", 30, persist=True)
+    entry = pool.get("a")
+    assert entry is not None
+    pool.ready.drop(entry.kv)
+    pool.hint(Hint(next=("a", "later")))  # builds a's ready copy ahead
+    assert pool.ready.building
+    pool.limit = pool.committed()
+    assert pool.reserve("later", 1000, prefetch=True) is Room.NO_ROOM
+    assert pool.ready.building and "a" in pool  # a runs first: its copy stays
+    assert pool.reserve("later", 1000) is Room.RESERVED  # for a waiting turn: it may go
+    assert not pool.ready.building
