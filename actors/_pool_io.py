@@ -47,14 +47,20 @@ class WarmTraffic:
 
         def busy(self, agent: str) -> bool: ...
         def make_room(
-            self, need: int, exclude: HotEntry | None = None, *, turn: bool = False
+            self,
+            need: int,
+            exclude: HotEntry | None = None,
+            *,
+            turn: bool = False,
+            ahead_of: str | None = None,
         ) -> bool: ...
         def measure(self) -> int: ...
         def _add(self, agent: str, entry: HotEntry) -> HotEntry: ...
 
     # -- staging warm caches ----------------------------------------------------------
-    def reserve(self, agent: str, nbytes: int) -> Room:
-        """Room for staging ``nbytes`` of the agent's warm cache, now or not at all."""
+    def reserve(self, agent: str, nbytes: int, *, prefetch: bool = False) -> Room:
+        """Room for staging ``nbytes`` of the agent's warm cache, now or not at all;
+        ``prefetch``: staged ahead of need, so it displaces no agent hinted to run sooner."""
         entry = self._entries.get(agent)
         if entry is not None:
             if not self.busy(agent):
@@ -64,7 +70,7 @@ class WarmTraffic:
             return Room.RESERVED
         if self.limit is not None and nbytes > self.limit:
             return Room.TOO_BIG
-        if not self.make_room(nbytes):
+        if not self.make_room(nbytes, ahead_of=agent if prefetch else None):
             return Room.NO_ROOM
         self._staged[agent] = nbytes
         self.measure()

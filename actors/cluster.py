@@ -34,6 +34,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from ._host_calls import Host, HostCalls, unwrap
 from .cluster_agent import ClusterAgent
 from .config import ModelSpec
 from .errors import HostLost
+from .hints import make_hint, split_hint
 from .host import EngineHost, HostInfo
 from .opening import Opening
 from .placement import ClusterStats, Migration, MostFreeBudget, PlacementPolicy
@@ -323,6 +325,29 @@ class ClusterSession(HostCalls):
 
     async def prefetch(self, name: str) -> None:
         await self._call(self._host_of(name), "prefetch", name)
+
+    async def hint(
+        self,
+        next: Sequence[str] = (),
+        *,
+        expect_in_s: Mapping[str, float] | None = None,
+        priority: Mapping[str, int] | None = None,
+        done: Sequence[str] = (),
+        prefetch: int = 2,
+    ) -> None:
+        """``Session.hint``, each part sent to the host that holds its agents (agents not
+        placed are left out). Raises what ``Session.hint`` raises."""
+        hint = make_hint(next, expect_in_s=expect_in_s, priority=priority, done=done)
+        for host, part in split_hint(hint, self._where).items():
+            await self._call(
+                self._host(host),
+                "hint",
+                list(part.next),
+                dict(part.expect_in_s),
+                dict(part.priority),
+                list(part.done),
+                prefetch,
+            )
 
     async def place(self, name: str, host: str) -> Migration | None:
         """Move agent ``name`` to ``host`` with its cache (None when it is there already).

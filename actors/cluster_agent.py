@@ -120,3 +120,14 @@ class ClusterAgent(AgentTurns):
             self._session._host_of(self.name), "history", self.name
         )
         return history
+
+    async def hint(self, *, expect_in_s: float | None = None, priority: int | None = None) -> None:
+        """Advice about this agent, sent to its host (``Agent.hint``)."""
+        await self._session.hint(
+            expect_in_s=None if expect_in_s is None else {self.name: expect_in_s},
+            priority=None if priority is None else {self.name: priority},
+        )
+
+    async def done(self) -> None:
+        """Advice: this agent is done for now (``Agent.done``)."""
+        await self._session.hint(done=[self.name])

@@ -14,7 +14,7 @@ from ..kernels.geometry import CacheGeometry
 from ..kernels.qcodec import KVCodec
 from ..kernels.turn_cache import FloatTurnCache, QuantizedTurnCache
 from .model import LoadedModel
-from .policy import EvictionPolicy, LRUPolicy
+from .policy import EvictionPolicy, WorkflowPolicy
 
 __all__ = ("Attention", "EngineConfig", "ModelSpec", "turn_reserve_bytes")
 
@@ -73,7 +73,7 @@ class EngineConfig:
     codec: KVCodec | None = None
     budget_bytes: int | None = None
     persistent: bool = False
-    policy: EvictionPolicy = field(default_factory=LRUPolicy)
+    policy: EvictionPolicy = field(default_factory=WorkflowPolicy)
     attention: Attention = "auto"
     ready_copies: bool = True
     share_prefixes: bool = True

@@ -38,6 +38,7 @@ from .protocol import (
     Fork,
     Generate,
     GetModelInfo,
+    Hint,
     Install,
     ModelInfo,
     Release,
@@ -198,7 +199,7 @@ class EngineActor(ThreadActor):
             case Written(agent, export_id, upto, failed):
                 return pool.written(agent, export_id, upto, failed=failed)
             case Reserve(agent, nbytes, wait):
-                room = pool.reserve(agent, nbytes)
+                room = pool.reserve(agent, nbytes, prefetch=not wait)
                 if room is Room.NO_ROOM and wait:
                     assert self.reply is not None
                     return pool.wait_for_room(agent, nbytes, self.reply.detach())
@@ -225,6 +226,8 @@ class EngineActor(ThreadActor):
             case ToolWait(agent, ttl_s):
                 pool.tool_wait(agent, self.config.tool_wait_s if ttl_s is None else ttl_s)
                 return None
+            case Hint():
+                return pool.hint(message)
             case StatsQuery():
                 return self._stats()
         raise TypeError(f"the engine does not handle {type(message).__name__}")

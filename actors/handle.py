@@ -128,6 +128,19 @@ class Agent(AgentTurns):
     async def history(self) -> list[dict[str, Any]]:
         return (await self.state()).messages
 
+    async def hint(self, *, expect_in_s: float | None = None, priority: int | None = None) -> None:
+        """Advice about this agent (``Session.hint``): its next turn comes in about
+        ``expect_in_s`` seconds; ``priority``: higher stays hot longer (0: the default).
+        Raises TypeError / ValueError as ``Session.hint``."""
+        await self._session.hint(
+            expect_in_s=None if expect_in_s is None else {self.name: expect_in_s},
+            priority=None if priority is None else {self.name: priority},
+        )
+
+    async def done(self) -> None:
+        """Advice: this agent is done for now, so its cache is demoted before others'."""
+        await self._session.hint(done=[self.name])
+
     async def cache_info(self) -> CacheInfo:
         info: CacheInfo = await self._session.engine_for(self.name).ask(CacheQuery(self.name))
         return info

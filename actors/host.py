@@ -231,6 +231,20 @@ class EngineHost:
     async def prefetch(self, name: str) -> None:
         await (await self._open()).prefetch(name)
 
+    async def hint(
+        self,
+        next: list[str],
+        expect_in_s: dict[str, float],
+        priority: dict[str, int],
+        done: list[str],
+        prefetch: int,
+    ) -> None:
+        """The part of a cluster's hint about this host's agents (``Session.hint``)."""
+        session = await self._open()
+        await session.hint(
+            next, expect_in_s=expect_in_s, priority=priority, done=done, prefetch=prefetch
+        )
+
     async def forget(self, name: str) -> Forgotten:
         return await (await self._open()).forget(name)
 

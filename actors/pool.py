@@ -5,7 +5,8 @@ accounting: every agent's stored cache, the working caches of running turns (cou
 their reserved maximum), room reserved for warm caches being staged, and exports pinned
 until the store has written them. The engine asks it for room; it demotes idle agents
 through an :class:`EvictionPolicy` (hot → warm when the warm copy is complete, hot → cold
-without a warm tier) and answers with typed results.
+without a warm tier), weighing the application's hints (``_pool_demote.py``), and answers
+with typed results.
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ from ..kernels.agent_cache import DEFAULT_CHECKPOINTS, AgentKV
 from ..kernels.geometry import CacheGeometry
 from ..kernels.qcodec import KVCodec
 from ..kernels.turn_cache import FloatTurnCache, TurnCache
+from ._pool_demote import Demotion
 from ._pool_io import Waiter, WarmTraffic
 from ._prefix_index import PrefixIndex
 from .enums import Tier
 from .errors import AgentBusy, UnknownAgent
+from .hints import HintBook
 from .hot_entry import HotEntry, common_prefix
-from .policy import Candidate, EvictionPolicy, Rates
+from .policy import EvictionPolicy, Rates
 from .protocol import CacheInfo
 from .ready import ReadyCopies
 
 __all__ = ("CachePool",)
 
 
-class CachePool(WarmTraffic):
+class CachePool(Demotion, WarmTraffic):
     """The hot tier's byte budget and residents.
 
     ``limit``: the budget (None: unbounded). ``persistent``: a warm tier exists, so only
@@ -62,6 +65,7 @@ class CachePool(WarmTraffic):
         self._codec, self._geometry, self._turn_cache = codec, geometry, turn_cache
         self.ready = ReadyCopies(turn_cache, enabled=ready_copies)
         self.rates = Rates()
+        self.hints = HintBook()  # the application's advice (Demotion.hint)
         self.used = 0
         self.peak = 0
         self.demotions = {Tier.WARM: 0, Tier.COLD: 0}
@@ -81,6 +85,7 @@ class CachePool(WarmTraffic):
         self._turns: set[str] = set()  # agents with a turn queued or running: "busy"
         self._waiters: deque[Waiter] = deque()
         self._batch_bytes = 0  # the engine's running batch (working caches out of entries)
+        self._turn_room = 0  # the reserve of the last turn that started (Demotion.make_room)
 
     # -- residents --------------------------------------------------------------------
     def get(self, agent: str) -> HotEntry | None:
@@ -175,6 +180,7 @@ class CachePool(WarmTraffic):
             entry = self._add(agent, HotEntry(self.new_kv()))
         elif hit:
             entry._hits += 1
+        self.hints.queued(agent)
         entry._pinned = False
         entry._write_due = False
         entry._tool_wait_until = 0.0  # the turn that brings the results is here
@@ -187,6 +193,7 @@ class CachePool(WarmTraffic):
         if agent in self._turns:
             raise AgentBusy(f"agent {agent!r} is generating; cancel it first")
         self._staged.pop(agent, None)
+        self.hints.forget(agent)
         dropped = self._remove(agent) is not None
         self._scopes.pop(agent, None)
         self.measure()
@@ -251,130 +258,6 @@ class CachePool(WarmTraffic):
     def ready_bytes(self) -> int:
         return sum(e.kv.ready_bytes for e in self._entries.values())
 
-    def _waiting(self, agent: str, entry: HotEntry) -> bool:
-        """A turn of it is queued, it was staged for one, or it waits on its tool calls'
-        results (within their TTL): a reload would come soon."""
-        return agent in self._turns or entry._pinned or self._tool_waiting(entry)
-
-    @staticmethod
-    def _tool_waiting(entry: HotEntry) -> bool:
-        return entry._tool_wait_until > time.monotonic()
-
-    def tool_wait(self, agent: str, ttl_s: float) -> None:
-        """``agent``'s turn ended in tool calls: keep its cache ahead of idle ones for
-        ``ttl_s`` seconds, or until its next turn is queued (no cache: nothing to keep)."""
-        entry = self._entries.get(agent)
-        if entry is not None:
-            entry._tool_wait_until = time.monotonic() + max(ttl_s, 0.0)
-
-    @property
-    def tool_waits(self) -> int:
-        """Hot agents waiting on tool results now."""
-        return sum(self._tool_waiting(e) for e in self._entries.values())
-
-    def _candidates(self, exclude: HotEntry | None = None) -> list[Candidate]:
-        """Every cache that may be demoted now: all but running turns' (and ``exclude``),
-        and those whose new tokens are being written or about to be."""
-        writing = {agent for agent, _ in self._pins.values()}
-        holders: dict[int, int] = {}  # stored array id -> how many sharing caches hold it
-        for e in self._entries.values():
-            if e.kv.shared:
-                for a in e.kv.stored_arrays():
-                    holders[id(a)] = holders.get(id(a), 0) + 1
-        out = []
-        for agent, e in self._entries.items():
-            if e is exclude or e.running or e._write_due or agent in writing:
-                continue
-            # What demoting it frees: arrays another cache holds too stay.
-            own = (
-                sum(a.nbytes for a in e.kv.stored_arrays() if holders[id(a)] == 1)
-                if e.kv.shared
-                else e.kv.stored_bytes
-            )
-            nbytes = own + e.kv.work_bytes + e.kv.ready_bytes
-            # A cache not complete on disk (a cancelled turn's, or one whose write failed)
-            # goes cold: its warm copy, if any, is older.
-            warm = self.persistent and e.clean
-            if warm:
-                reload_s = nbytes / self.rates.disk_bytes_s
-                if not e.kv.turn_cache.quantized:
-                    reload_s += nbytes / self.rates.dequantize_bytes_s
-            else:
-                reload_s = len(e.kv.tokens) / self.rates.prefill_tokens_s
-            out.append(
-                Candidate(
-                    agent=agent,
-                    nbytes=nbytes,
-                    tokens=len(e.kv.tokens),
-                    last_used=e._last_used,
-                    hits=e._hits,
-                    clean=e.clean,
-                    demote_to=Tier.WARM if warm else Tier.COLD,
-                    reload_s=reload_s,
-                    next_use=e._next_use,
-                    waiting=self._waiting(agent, e),
-                    tool_wait=self._tool_waiting(e),
-                )
-            )
-        return out
-
-    def idle_bytes(self) -> int:
-        """What demoting every idle cache (no turn queued, staged or awaited) frees now."""
-        return sum(c.nbytes for c in self._candidates() if not c.waiting)
-
-    def make_room(self, need: int, exclude: HotEntry | None = None, *, turn: bool = False) -> bool:
-        """Demote caches (never ``exclude``) until ``need`` more bytes fit; False (demoting
-        nobody) when even demoting every candidate would not make enough room now.
-
-        Only a starting ``turn`` may demote the caches of turns that wait (queued, or staged
-        for one): stagings taking them from each other could go on forever, while every
-        turn that starts is progress."""
-        if self.limit is None:
-            return True
-        missing = self.committed() + need - self.limit
-        if missing <= 0:
-            return True
-        candidates = [c for c in self._candidates(exclude) if turn or not c.waiting]
-        # Ready copies go first (least recently used first, those of waiting turns last):
-        # the stored form stays, so bringing one back costs a dequantize, not a reload.
-        ready = sorted(
-            (
-                (self._waiting(agent, e), e._last_used, agent)
-                for agent, e in self._entries.items()
-                if e.kv.ready is not None
-                and e is not exclude
-                and not e.running
-                and (turn or not self._waiting(agent, e))
-            ),
-        )
-        demotable = {c.agent for c in candidates}
-        spare = sum(self._entries[a].kv.ready_bytes for *_, a in ready if a not in demotable)
-        if spare + sum(c.nbytes for c in candidates) < missing:
-            return False
-        for *_, agent in ready:
-            if missing <= 0:
-                break
-            missing -= self.ready.drop(self._entries[agent].kv)
-        if missing > 0:
-            candidates = [c for c in self._candidates(exclude) if turn or not c.waiting]
-            tiers = {c.agent: c.demote_to for c in candidates}
-            for agent in self.policy.victims(candidates, missing):
-                self._remove(agent)
-                self.demotions[tiers[agent]] += 1
-        return self.committed() + need <= self.limit
-
-    def stuck(self, exclude: HotEntry | None = None) -> bool:
-        """Nothing is on its way to free room: no running turn (but ``exclude``'s), no write,
-        staging, export or ready copy being built about to end. A request that does not
-        fit now never will."""
-        others = (e for e in self._entries.values() if e is not exclude)
-        return not (
-            any(e.running or e._write_due for e in others)
-            or self._pins
-            or self._staged
-            or self.ready.building
-        )
-
     # -- turns ------------------------------------------------------------------------
     def base(
         self, agent: str, entry: HotEntry, prompt: list[int], *, share: bool
@@ -435,6 +318,7 @@ class CachePool(WarmTraffic):
             return False
         entry._turn_reserve = reserve
         entry._turn_stored = entry.kv.stored_bytes
+        self._turn_room = reserve
         return True
 
     def store_so_far(self, agent: str, entry: HotEntry) -> None:
@@ -458,6 +342,7 @@ class CachePool(WarmTraffic):
         self._turns.discard(agent)
         entry._turn_reserve = None
         entry._next_use = None
+        self.hints.turn_took(time.monotonic() - entry._last_used)  # queued at _last_used
         entry._last_used = time.monotonic()
         entry._write_due = finished and self.persistent and not entry.clean
         self.measure()

@@ -32,6 +32,7 @@ __all__ = (
     "Generate",
     "GetModelInfo",
     "GetState",
+    "Hint",
     "Install",
     "ModelInfo",
     "Piece",
@@ -184,6 +185,18 @@ class ToolWait(msgspec.Struct, frozen=True, tag=True):
     ttl_s: float | None = None
 
 
+class Hint(msgspec.Struct, frozen=True, tag=True):
+    """The application's advice for the hot tier (answers None; ``kvactor.actors.hints``).
+    ``next``: agents that run next, soonest first; ``expect_in_s``: (agent, seconds until
+    its next turn); ``priority``: (agent, priority), higher stays hot longer; ``done``:
+    agents done for now (their caches go first)."""
+
+    next: tuple[str, ...] = ()
+    expect_in_s: tuple[tuple[str, float], ...] = ()
+    priority: tuple[tuple[str, int], ...] = ()
+    done: tuple[str, ...] = ()
+
+
 class GetModelInfo(msgspec.Struct, frozen=True, tag=True):
     """Answers ``(ModelInfo, Tokenizer)``. The tokenizer is a live object, not data: agents
     render prompts and match prefixes on the event loop without a round trip per call, and
@@ -205,6 +218,7 @@ EngineMessage = (
     | CacheQuery
     | Fork
     | ToolWait
+    | Hint
     | GetModelInfo
     | StatsQuery
 )

@@ -13,7 +13,7 @@ working cache can be kept (``TurnCache.keeps_ready``: dequantized attention).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from ..kernels.agent_cache import AgentKV
@@ -82,6 +82,26 @@ class ReadyCopies:
                 kv.set_ready(copy)
             return True
         return False
+
+    def reserved_except(self, keep: Collection[str]) -> int:
+        """Bytes reserved for copies being built of agents not in ``keep``."""
+        return sum(b.nbytes for b in self._builds if b.agent not in keep)
+
+    def give_up(self, need: int, keep: Collection[str] = ()) -> int:
+        """Give up copies being built (but those of agents in ``keep``), the newest first,
+        until ``need`` bytes of their reservations are freed (room is needed now: a copy
+        built ahead is only a bet); the bytes freed."""
+        freed = 0
+        gone: set[int] = set()
+        for build in reversed(self._builds):
+            if freed >= need:
+                break
+            if build.agent not in keep:
+                gone.add(id(build))
+                freed += build.nbytes
+        if gone:
+            self._builds = deque(b for b in self._builds if id(b) not in gone)
+        return freed
 
     def drop(self, kv: AgentKV) -> int:
         """Drop ``kv``'s ready copy for room (the stored form stays); the bytes freed."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -21,6 +22,7 @@ from .api import drain
 from .config import EngineConfig, ModelSpec
 from .errors import UnknownAgent
 from .handle import Agent
+from .hints import make_hint, send_hint, split_hint
 from .models_protocol import ModelRef
 from .prefetch import Prefetch, PrefetchMessage
 from .protocol import (
@@ -432,6 +434,34 @@ class Session(SessionModels):
         prefetcher = self._part(self._agent_models.get(name)).prefetcher
         if prefetcher is not None:
             await prefetcher.tell(Prefetch(name))
+
+    async def hint(
+        self,
+        next: Sequence[str] = (),
+        *,
+        expect_in_s: Mapping[str, float] | None = None,
+        priority: Mapping[str, int] | None = None,
+        done: Sequence[str] = (),
+        prefetch: int = 2,
+    ) -> None:
+        """Advice for the hot tier (docs: memory-policy): ``next``, the agents that run
+        next, soonest first; ``expect_in_s``, seconds until an agent's next turn;
+        ``priority``, higher stays hot longer; ``done``, agents done for now (demoted
+        first). The first ``prefetch`` agents of ``next`` are staged from the warm tier.
+        Wrong or missing hints cost time, never change an answer. Raises what
+        :func:`~kvactor.actors.hints.make_hint` raises."""
+        hint = make_hint(next, expect_in_s=expect_in_s, priority=priority, done=done)
+        if len(self._parts) == 1:
+            await send_hint(self.engine, self.prefetcher, hint, prefetch)
+            return
+        # Several models: each model's engine part and warm tier hear of their own agents.
+        named = {*hint.next, *hint.done, *(a for a, _ in hint.expect_in_s)}
+        named.update(a for a, _ in hint.priority)
+        first = self._part(None).name
+        where = {a: self._agent_models.get(a, first) for a in named}
+        for model, part_hint in split_hint(hint, where).items():
+            part = self._part(model)
+            await send_hint(part.engine, part.prefetcher, part_hint, prefetch)
 
     async def warm_agents(self) -> list[WarmInfo]:
         """Every agent with a warm cache under ``cache_dir`` (refused ones say why), of

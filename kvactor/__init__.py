@@ -48,6 +48,7 @@ from .actors.placement import PlacementPolicy as PlacementPolicy
 from .actors.policy import Candidate as Candidate
 from .actors.policy import EvictionPolicy as EvictionPolicy
 from .actors.policy import LRUPolicy as LRUPolicy
+from .actors.policy import WorkflowPolicy as WorkflowPolicy
 from .actors.protocol import CacheInfo as CacheInfo
 from .actors.protocol import Completion as Completion
 from .actors.protocol import EngineStats as EngineStats
@@ -110,6 +111,7 @@ __all__ = (
     "UnknownAgent",
     "UnsafeCachePath",
     "WarmInfo",
+    "WorkflowPolicy",
     "default_cache_dir",
     "open",
     "open_cluster",

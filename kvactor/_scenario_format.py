@@ -16,7 +16,7 @@ from ._scenario_models import models_problem
 from .actors import make_tiny_model
 from .actors.config import Attention, ModelSpec
 from .actors.errors import InvalidAgentId
-from .actors.policy import EvictionPolicy, LRUPolicy
+from .actors.policy import EvictionPolicy, LRUPolicy, WorkflowPolicy
 from .actors.protocol import check_agent_id
 from .actors.store import default_cache_dir
 
@@ -52,7 +52,10 @@ PLACEHOLDERS: Mapping[str, str] = {
     "outputs": "the other agents' latest outputs as of the start of the phase",
     "own": "this agent's own latest output",
 }
-POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy}
+POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "workflow": WorkflowPolicy,
+}
 NO_OUTPUTS = "(nothing yet)"
 CONTEXT_AGENT = "shared"  # the shared context's name in the session (and its warm cache)
 
@@ -121,7 +124,8 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     - ``budget_mb`` (10^6 bytes) bounds the hot tier; ``hot_agents`` instead sizes it for
       the running turns plus that many idle agents' caches, estimated from the model and
       the prompts. Neither: unbounded.
-    - ``policy``: whom to demote ("lru"); ``max_batch`` / ``prefill_chunk`` / ``attention``
+    - ``policy``: whom to demote ("workflow", fed the plan's order as hints; or "lru");
+      ``max_batch`` / ``prefill_chunk`` / ``attention``
       ("auto", "quantized" or "dequantized": see ``kvactor.open``): the engine's;
       ``concurrency``: turns in flight at once within a phase; ``prefetch``: hint the next
       agent's warm cache into memory while the current turn decodes.
@@ -149,7 +153,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     resume_max_tokens: Positive | None = None
     budget_mb: PositiveFloat | None = None
     hot_agents: Annotated[float, msgspec.Meta(ge=0)] | None = None
-    policy: str = "lru"
+    policy: str = "workflow"
     max_batch: Positive = 8
     prefill_chunk: Positive = 256
     attention: Attention = "auto"

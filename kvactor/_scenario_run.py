@@ -50,6 +50,9 @@ if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10
 
 __all__ = ("run_scenario",)
 
+#: How many of the next turns (in plan order) each turn's hint names.
+HINT_AHEAD = 4
+
 
 class _Outcome(msgspec.Struct, kw_only=True):
     found: list[str]
@@ -159,6 +162,8 @@ class _Runner:
         self.forked: set[str] = set()  # forks before their first turn
         self.plan = turn_plan(s)
         self.total = sum(len(names) for *_, names in self.plan)
+        # Every turn in plan order: what the hints say comes next (``hint_order``).
+        self.order = [name for *_, names in self.plan for name in names]
         self.outputs: dict[str, str] = {}
         self.records: list[TurnRecord] = []
         self.last: dict[str, TurnRecord] = {}
@@ -224,6 +229,18 @@ class _Runner:
             self.hinted_cold.add(name)
         await self.kv.prefetch(name)
 
+    async def hint_order(self, index: int, name: str, *, ended: bool = False) -> None:
+        """Before turn ``index`` (of ``name``): hint the agents of the next turns in plan
+        order; once it ``ended``, ``name`` done if it has no turn left. Staging stays
+        ``hint``'s (the scenario's ``prefetch``)."""
+        later = self.order[index + 1 :]
+        if ended:
+            if name not in later:
+                await self.kv.hint(done=[name], prefetch=0)
+            return
+        upcoming = list(dict.fromkeys(a for a in later[:HINT_AHEAD] if a != name))
+        await self.kv.hint(next=upcoming, prefetch=0)
+
     async def run(self) -> None:
         self.t0 = time.perf_counter()
         for index, phase, names in self.plan:
@@ -283,6 +300,7 @@ class _Runner:
         }
         index = self.started
         self.started += 1
+        await self.hint_order(index, name)
         self.emit(TurnStarted(phase_index=phase_index, agent=name, index=index, total=self.total))
         agent = self.kv.agent(name)
         started = time.perf_counter()
@@ -294,6 +312,7 @@ class _Runner:
                     await self.hint(after)
         if not hinted:
             await self.hint(after)
+        await self.hint_order(index, name, ended=True)
         done = pieces.completion
         assert done is not None
         wall = time.perf_counter() - started

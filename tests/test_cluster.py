@@ -74,6 +74,18 @@ def _corrupt(files: dict[str, bytes]) -> dict[str, bytes]:
     return {**files, seg: bytes(data)}
 
 
+async def test_a_host_takes_hints_about_its_agents(tmp_path: Path) -> None:
+    host = EngineHost("a", tiny, tmp_path / "a")
+    try:
+        await host.spawn("x", system="You help.")
+        await _talk(host, "x", "first question")
+        await host.hint(["x", "ghost"], {"x": 1.0}, {"x": 2}, ["y"], 1)
+        again = await _talk(host, "x", "second question")
+        assert again.path == kvactor.Tier.HOT
+    finally:
+        await host.close()
+
+
 async def test_hostile_or_corrupted_files_in_transit_are_refused(tmp_path: Path) -> None:
     a = EngineHost("a", tiny, tmp_path / "a")
     b = EngineHost("b", tiny, tmp_path / "b")
@@ -240,6 +252,12 @@ async def test_placement_affinity_and_migration_on_a_local_cluster(tmp_path: Pat
         assert [m.agent for m in stats.migrations] == ["a0"]
         where = {a: h.name for h in stats.hosts for a in h.agents}
         assert where["a0"] == target and where["twin"] == home
+        # Hints reach the host of each agent they name (strangers are left out).
+        await kv.hint(next=["a1", "a0", "ghost"], expect_in_s={"twin": 5.0}, done=["fork"])
+        await agents[1].hint(priority=3)
+        await agents[1].done()
+        again = await agents[1].generate("after the hints", **GREEDY)
+        assert again.path == kvactor.Tier.HOT
     # Affinity across sessions: a new session finds each agent on the host whose disk has it.
     async with _cluster(tmp_path) as kv:
         assert kv.agent("a0").host == target

@@ -20,15 +20,17 @@ cached prefixes only with each other, and are all that its listing, forget, pref
 anonymous routing see; an admin key sees every agent and reads ``/metrics``. See
 docs/serving-others.md.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``POST /v1/messages`` (Anthropic), ``GET /health``, ``GET /v1/agents``,
-``DELETE /v1/agents/{id}``, ``POST /v1/agents/{id}/prefetch``, ``GET /metrics``
-(Prometheus text). Errors come in each API's own shape: 400 for malformed JSON (nested
-too deep, too many values), unknown fields, a field of the wrong type, bad values, hostile
-agent ids and a prompt over the model's context (saying the limit), 401 without a valid
-key, 403 for /metrics without an admin key, 404 for an unknown model or agent, 409 for
-forgetting an agent that is answering a request, 413 for a body over ``max_body_bytes``,
-429 (with ``Retry-After``) when ``max_pending`` requests are already in flight, 503 (with
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``POST
+/v1/messages`` (Anthropic), ``GET /health``, ``GET /v1/agents``, ``DELETE /v1/agents/{id}``,
+``POST /v1/agents/{id}/prefetch``, ``POST /v1/agents/{id}/hint`` (``expect_in_s``,
+``priority``, ``done``), ``GET /metrics`` (Prometheus text). A turn request may say which
+agents run after it (``X-KVActor-Next``) and which are done for now (``X-KVActor-Done``):
+hints for the memory policy. Errors come in each API's own shape: 400 for malformed JSON
+(nested too deep, too many values), unknown fields, a field of the wrong type, bad values,
+hostile agent ids and a prompt over the model's context (saying the limit), 401 without a
+valid key, 403 for /metrics without an admin key, 404 for an unknown model or agent, 409 for
+forgetting an agent that is answering a request, 413 for a body over ``max_body_bytes``, 429
+(with ``Retry-After``) when ``max_pending`` requests are already in flight, 503 (with
 ``Retry-After``) when the hot budget cannot hold a turn. A client that disconnects, before
 or during its turn, streaming or not, cancels it, which frees its batch slot. Bodies are
 parsed on a worker thread: nothing a client sends holds the event loop.

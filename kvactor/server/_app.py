@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..actors import Session
-from . import _agents, _anthropic, _openai, _status
+from . import _agents, _anthropic, _hints, _openai, _status
 from ._errors import Api, ApiError, error_response
 from ._state import ServerState, server_state
 from ._tenants import Keys
@@ -65,6 +65,7 @@ ROUTES = (
     _route("/v1/agents", "agents", "GET", _O, _agents.agents),
     _route("/v1/agents/{agent_id}", "forget", "DELETE", _O, _agents.forget),
     _route("/v1/agents/{agent_id}/prefetch", "prefetch", "POST", _O, _agents.prefetch),
+    _route("/v1/agents/{agent_id}/hint", "hint", "POST", _O, _hints.agent_hint),
     _route("/metrics", "metrics", "GET", _O, _status.metrics),
 )
 

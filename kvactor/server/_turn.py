@@ -24,6 +24,7 @@ from ..actors import Agent, Completion, ContextOverflow
 from ..actors.api import TurnStream
 from ..actors.protocol import ToolCallDelta
 from ._errors import ApiError, ClientGone
+from ._hints import header_hints
 from ._routing import Conversation
 from ._state import server_state, tenant_of
 from ._tools import GRAMMAR_ERRORS, ToolAsk
@@ -307,8 +308,10 @@ class TurnRequest:
 @contextlib.asynccontextmanager
 async def admitted(request: Request) -> AsyncIterator[TurnRequest]:
     """A turn request for the block, holding one admission slot (a streamed reply takes
-    it along). Raises ApiError (429) when ``max_pending`` requests are in flight."""
+    it along), its hint headers given (``_hints``). Raises ApiError (429) when
+    ``max_pending`` requests are in flight, a 400 for a malformed hint header."""
     state = server_state(request)
+    await header_hints(request)
     async with contextlib.AsyncExitStack() as held:
         await held.enter_async_context(state.admission.slot())
         yield TurnRequest(request, held)

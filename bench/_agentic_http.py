@@ -1,0 +1,173 @@
+"""The HTTP part of ``bench/agentic.py``: a round-robin trace replayed over HTTP against
+``kvactor serve`` and ``mlx_lm.server`` (its default prompt cache of 10, and again with
+``--prompt-cache-size`` set to the number of agents), each server restarted two thirds of
+the way through the trace.
+
+Both servers run as their own processes on 127.0.0.1 (free ports) and are stopped with
+SIGTERM at the end of their block. mlx-lm's serves an mlx-lm folder exported from the
+default model (the same float32 weights); both run MLX over the same optimized BLAS
+(mlx-lm's through ``import kvactor``). Each step sends the agent's whole conversation with
+the ``openai`` client (streaming, greedy); kvactor's requests name their agent
+(``X-Agent-Id``) and the agents that run after it (``X-KVActor-Next``). Summed time to
+first token before the restart gives ``vs_mlx_lm_server`` / ``vs_mlx_lm_server_sized``,
+after it ``after_restart_vs_mlx_lm_server``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _agentic_trace import Trace, lookahead
+from openai import OpenAI
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def server(kind: str, model_dir: Path, cache_dir: Path, cache_size: int | None) -> Iterator[str]:
+    """A server process on a free port of 127.0.0.1; yields its base URL, then stops it
+    with SIGTERM (killed if it has not stopped within a minute)."""
+    port = free_port()
+    if kind == "kvactor":
+        command = [sys.executable, "-m", "kvactor", "serve", "--port", str(port)]
+        command += ["--cache-dir", str(cache_dir), "--model-id", "m"]
+        ready = "/health"
+    else:
+        command = [sys.executable, "-c", "import kvactor; from mlx_lm.server import main; main()"]
+        command += ["--model", str(model_dir), "--port", str(port), "--log-level", "WARNING"]
+        if cache_size is not None:
+            command += ["--prompt-cache-size", str(cache_size)]
+        ready = "/v1/models"
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{kind} server exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + ready, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{kind} server did not start")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _steps(
+    base: str,
+    kind: str,
+    model: str,
+    trace: Trace,
+    span: range,
+    histories: dict[str, list[dict[str, str]]],
+    max_tokens: int,
+) -> list[dict[str, Any]]:
+    records = []
+    client: Any  # typed loosely: plain dict messages
+    with OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=900) as client:
+        for at in span:
+            step = trace.steps[at]
+            history = histories[step.agent]
+            history.append({"role": "user", "content": step.text})
+            headers = None
+            if kind == "kvactor":
+                following = lookahead(trace.order, at, len(trace.agents))
+                headers = {"X-Agent-Id": step.agent, "X-KVActor-Next": ",".join(following)}
+            t0 = time.perf_counter()
+            first, text = None, ""
+            stream = client.chat.completions.create(
+                model=model,
+                messages=history,
+                max_tokens=max_tokens,
+                temperature=0.0,
+                stream=True,
+                extra_headers=headers,
+            )
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first = first or time.perf_counter()
+                    text += chunk.choices[0].delta.content
+            history.append({"role": "assistant", "content": text})
+            records.append({"agent": step.agent, "ttft_s": (first or time.perf_counter()) - t0})
+            records[-1]["text"] = text
+    return records
+
+
+def replay_http(
+    kind: str,
+    trace: Trace,
+    model_dir: Path,
+    cache_dir: Path,
+    *,
+    cache_size: int | None,
+    max_tokens: int,
+) -> dict[str, Any]:
+    """The trace against one server, restarted two thirds of the way through."""
+    cut = len(trace.steps) * 2 // 3
+    model = "m" if kind == "kvactor" else str(model_dir)
+    histories = {a: [{"role": "system", "content": trace.system}] for a in trace.agents}
+    began = time.perf_counter()
+    with server(kind, model_dir, cache_dir, cache_size) as base:
+        before = _steps(base, kind, model, trace, range(cut), histories, max_tokens)
+    with server(kind, model_dir, cache_dir, cache_size) as base:
+        after = _steps(
+            base, kind, model, trace, range(cut, len(trace.steps)), histories, max_tokens
+        )
+    return {
+        "turns": before + after,
+        "summed_ttft_s": sum(r["ttft_s"] for r in before + after),
+        "before_restart_ttft_s": sum(r["ttft_s"] for r in before),
+        "after_restart_ttft_s": sum(r["ttft_s"] for r in after),
+        "wall_s": time.perf_counter() - began,
+    }
+
+
+def http_results(trace: Trace, tmp: Path, max_tokens: int) -> dict[str, Any]:
+    """kvactor against mlx-lm's server, default and sized, and the ratios."""
+    from kvactor.actors._export import export_mlx_dir
+    from kvactor.actors.model import default_model_path
+
+    model_dir = tmp / "mlx-model"
+    export_mlx_dir(default_model_path(), model_dir)
+    runs = {
+        "kvactor": ("kvactor", None),
+        "mlx_lm_server": ("mlx_lm", None),
+        "mlx_lm_server_sized": ("mlx_lm", len(trace.agents)),
+    }
+    out: dict[str, Any] = {
+        name: replay_http(
+            kind, trace, model_dir, tmp / f"http-{name}", cache_size=size, max_tokens=max_tokens
+        )
+        for name, (kind, size) in runs.items()
+    }
+    ours, theirs, sized = out["kvactor"], out["mlx_lm_server"], out["mlx_lm_server_sized"]
+    out["vs_mlx_lm_server"] = ours["before_restart_ttft_s"] / theirs["before_restart_ttft_s"]
+    out["vs_mlx_lm_server_sized"] = ours["before_restart_ttft_s"] / sized["before_restart_ttft_s"]
+    out["after_restart_vs_mlx_lm_server"] = (
+        ours["after_restart_ttft_s"] / theirs["after_restart_ttft_s"]
+    )
+    pairs = zip(ours["turns"], theirs["turns"], strict=True)
+    out["answers_equal"] = sum(a["text"] == b["text"] for a, b in pairs)
+    out["agents"], out["steps"] = len(trace.agents), len(trace.steps)
+    return out

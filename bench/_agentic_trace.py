@@ -1,0 +1,167 @@
+"""Seeded multi-agent tool-loop traces for ``bench/agentic.py``, and the oracle policy that
+knows a trace's future.
+
+A trace is N agents with one shared system prompt plus a role each (said in the agent's
+first message), and a list of steps: an agent's turn whose message adds a tool result or a
+message of a sampled length, and which may end in a tool call (its agent then waits for a
+sampled time). Three shapes:
+
+- ``round_robin``: a team speaks in turn, round after round;
+- ``pipeline``: a planner, then each worker, then a reviewer, again and again;
+- ``fanout``: a coordinator hands out work, every worker answers, the coordinator merges.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvactor import Candidate
+
+SHAPES = ("round_robin", "pipeline", "fanout")
+
+_SENTENCE = (
+    "file parser cache token budget agent worker result review plan error test queue "
+    "latency memory index schema request reply branch merge commit build deploy metric "
+    "vector batch thread socket buffer record field value input output config module"
+)
+_WORDS = tuple(_SENTENCE.split(" "))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One turn: ``agent`` reads ``text`` (a tool result or a message); with
+    ``tool_wait_s`` > 0 its turn ends in a tool call it waits that long for."""
+
+    agent: str
+    text: str
+    tool_wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Trace:
+    shape: str
+    system: str
+    roles: dict[str, str]
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def agents(self) -> list[str]:
+        return list(self.roles)
+
+    @property
+    def order(self) -> list[str]:
+        return [s.agent for s in self.steps]
+
+
+def _text(rng: random.Random, words: int, kind: str) -> str:
+    body = " ".join(rng.choice(_WORDS) for _ in range(words))
+    return f"{kind}: {body}."
+
+
+def _order(shape: str, agents: list[str], rounds: int) -> list[str]:
+    if shape == "round_robin":
+        return [a for _ in range(rounds) for a in agents]
+    if shape == "pipeline":  # planner -> workers -> reviewer
+        planner, *workers, reviewer = agents
+        return [a for _ in range(rounds) for a in (planner, *workers, reviewer)]
+    if shape == "fanout":  # coordinator -> every worker -> coordinator merges
+        coordinator, *workers = agents
+        return [a for _ in range(rounds) for a in (coordinator, *workers, coordinator)]
+    raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+
+
+def make_trace(
+    shape: str,
+    *,
+    agents: int,
+    rounds: int,
+    seed: int,
+    words: tuple[int, int] = (30, 500),
+    system_words: int = 120,
+    tool_p: float = 0.4,
+    tool_wait_s: tuple[float, float] = (0.5, 5.0),
+) -> Trace:
+    """A seeded trace of ``shape`` for ``agents`` agents over ``rounds`` rounds; each step
+    adds ``words`` (a range) words, ends in a tool call with probability ``tool_p``,
+    waiting a log-uniform time in ``tool_wait_s``. Raises ValueError for an unknown shape
+    or fewer than 3 agents."""
+    if agents < 3:
+        raise ValueError("a trace needs at least 3 agents")
+    rng = random.Random(seed)
+    names = [f"{shape[:2]}{i:02d}" for i in range(agents)]
+    system = "You are one of a team of agents. " + _text(rng, system_words, "Shared brief")
+    roles = {n: f"Your role: {_text(rng, 12, n)}" for n in names}
+    steps: list[Step] = []
+    waiting: set[str] = set()
+    lo, hi = tool_wait_s
+    for agent in _order(shape, names, rounds):
+        kind = "Tool result" if agent in waiting else "Message"
+        waiting.discard(agent)
+        text = _text(rng, rng.randint(*words), kind)
+        if all(s.agent != agent for s in steps):
+            text = f"{roles[agent]}\n{text}"
+        wait = 0.0
+        if rng.random() < tool_p:
+            wait = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+            waiting.add(agent)
+        steps.append(Step(agent, text, wait))
+    return Trace(shape, system, roles, steps)
+
+
+def lookahead(order: Sequence[str], at: int, count: int) -> list[str]:
+    """The next ``count`` distinct agents after step ``at``, soonest first (the agent of
+    step ``at`` itself only once it comes again after others)."""
+    out: list[str] = []
+    for agent in order[at + 1 :]:
+        if agent not in out:
+            out.append(agent)
+            if len(out) == count:
+                break
+    return out
+
+
+def wrong(names: list[str], agents: Sequence[str], rng: random.Random, p: float) -> list[str]:
+    """``names`` with each replaced by a random other agent with probability ``p``."""
+    out = []
+    for name in names:
+        if rng.random() < p:
+            name = rng.choice([a for a in agents if a != name])
+        if name not in out:
+            out.append(name)
+    return out
+
+
+class OraclePolicy:
+    """Belady's rule on cost-weighted bytes, from the trace: demote first the cache whose
+    next use lies furthest ahead in steps times bytes freed per second of reload (never
+    used again: first of all); caches whose turn waits last. The replay sets
+    ``position`` to the step about to run. For measuring only: it knows the future."""
+
+    def __init__(self, order: Sequence[str]) -> None:
+        self.order = list(order)
+        self.position = 0
+
+    def _ahead(self, agent: str) -> float:
+        for j in range(self.position, len(self.order)):
+            if self.order[j] == agent:
+                return j - self.position + 1
+        return math.inf
+
+    def victims(self, candidates: Sequence[Candidate], need: int) -> list[str]:
+        def key(c: Candidate) -> tuple[bool, float]:
+            ahead = self._ahead(c.agent)
+            if math.isinf(ahead):
+                return c.waiting, -math.inf
+            return c.waiting, -ahead * max(c.nbytes, 1) / max(c.reload_s, 1e-9)
+
+        chosen: list[str] = []
+        freed = 0
+        for c in sorted(candidates, key=key):
+            if freed >= need:
+                break
+            chosen.append(c.agent)
+            freed += c.nbytes
+        return chosen

@@ -1,0 +1,321 @@
+"""Memory policies on agentic traces: LRU, the workflow-aware default fed right hints and
+30% wrong ones, and an oracle (Belady on cost-weighted bytes, from the trace), replayed
+through the Python API at hot budgets of 25% and 50% of the working set.
+
+Each trace (``bench/_agentic_trace.py``: seeded; shapes round_robin, pipeline, fanout; a
+shared system prompt plus a role per agent; steps of tool results or messages; tool waits)
+is replayed once unbounded first: every turn's time to first token there is its
+``bound_s`` (the new tokens' prefill on a hot cache, then one step: what no policy can
+avoid), and its greedy tokens the reference. Then per budget and policy: per turn
+``ttft_s`` and ``excess_s = ttft_s - bound_s``; per run ``summed_ttft_s``,
+``summed_excess_s``, ``p95_ttft_s``, ``wall_s``, ``reloads`` (warm caches installed from
+disk, prefetches included), ``warm_bytes_read``, ``re_prefilled_tokens`` (prefilled beyond
+the unbounded run's), ``hot_hits``, ``peak_bytes`` (never above the budget); per budget
+``identical_outputs``. Top level, on summed excess at 25% (the worst shape):
+``workflow_vs_lru``, ``workflow_vs_oracle``, ``wrong_vs_lru``.
+
+The budget is the room one turn needs (its working-cache reserve and the largest agent's
+stored cache) plus the fraction of the working set (every agent's stored cache at the end).
+The shared system prompt is a shared context (``Session.context``: prefilled once, its
+cache shared by every agent's first turn); each agent's role comes in its first message.
+Turns run one at a time (as a workflow engine runs its steps); a tool wait is announced
+to the engine as the server does (``ToolWait``), and the replay does not sleep through it.
+Hints (workflow, oracle): before each step, the distinct agents of the steps after it, as
+many as there are agents, soonest first (its first two staged), and ``done`` for an agent
+with no step left.
+
+Then over HTTP (``bench/_agentic_http.py``; ``--no-http`` skips it): a round-robin trace of
+``--http-agents`` (16) agents against ``kvactor serve`` and ``mlx_lm.server`` (default
+prompt cache, and sized to the agents), restarted two thirds of the way through:
+``vs_mlx_lm_server``, ``vs_mlx_lm_server_sized``, ``after_restart_vs_mlx_lm_server`` on
+summed TTFT (before the restart for the first two, after it for the third).
+
+    python bench/agentic.py [--quick] [--model default|tiny] [--no-http] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import kvactor
+
+# isort: split
+import anyio
+from _agentic_http import http_results
+from _agentic_trace import SHAPES, OraclePolicy, Trace, lookahead, make_trace, wrong
+from _results import write_json  # bench/ is the script's folder: on sys.path
+
+from kvactor.actors.config import turn_reserve_bytes
+from kvactor.actors.model import make_tiny_model
+from kvactor.actors.protocol import ToolWait
+from kvactor.kernels.geometry import CacheGeometry
+
+POLICIES = ("lru", "workflow", "workflow_wrong", "oracle")
+FRACTIONS = {"25%": 0.25, "50%": 0.5}
+WRONG_P = 0.3
+BRIEF = "brief"  # the shared context's name
+
+
+def _model(name: str) -> Any:
+    if name == "tiny":
+        return functools.partial(make_tiny_model, 0, head_dim=64)
+    return None  # the default model
+
+
+def _policy(name: str, trace: Trace) -> Any:
+    if name == "lru":
+        return kvactor.LRUPolicy()
+    if name == "oracle":
+        return OraclePolicy(trace.order)
+    return kvactor.WorkflowPolicy()
+
+
+async def replay(
+    trace: Trace,
+    model: Any,
+    root: Path,
+    *,
+    policy: str,
+    budget: int | None,
+    max_tokens: int,
+    seed: int,
+) -> dict[str, Any]:
+    """One replay of ``trace``: per-turn records and the run's counters."""
+    rng = random.Random(seed)
+    chosen = _policy(policy, trace)
+    hinting = policy != "lru"
+    order = trace.order
+    turns: list[dict[str, Any]] = []
+    options: dict[str, Any] = {"cache_dir": root, "budget_bytes": budget, "policy": chosen}
+    async with kvactor.open(model, **options) as kv:
+        await kv.context(BRIEF, trace.system)  # the shared system prompt, prefilled once
+        agents = {n: await kv.spawn_agent(n, context=BRIEF) for n in trace.agents}
+        began = time.perf_counter()
+        for at, step in enumerate(trace.steps):
+            if isinstance(chosen, OraclePolicy):
+                chosen.position = at
+            if hinting:
+                upcoming = lookahead(order, at, len(agents))
+                if policy == "workflow_wrong":
+                    upcoming = wrong(upcoming, trace.agents, rng, WRONG_P)
+                await kv.hint(next=upcoming)
+            sent = time.perf_counter()
+            first = None
+            async with agents[step.agent].stream(step.text, max_tokens=max_tokens) as pieces:
+                async for _ in pieces:
+                    first = first or time.perf_counter()
+            done = pieces.completion
+            assert done is not None
+            ttft = (first or time.perf_counter()) - sent
+            if step.tool_wait_s:
+                await kv.engine.ask(ToolWait(step.agent, step.tool_wait_s))
+            if hinting and step.agent not in order[at + 1 :]:
+                await kv.hint(done=[step.agent])
+            turns.append(
+                {
+                    "agent": step.agent,
+                    "ttft_s": ttft,
+                    "path": str(done.path),
+                    "prefilled_tokens": done.timings.prefilled_tokens,
+                    "tokens": done.token_ids,
+                }
+            )
+        wall = time.perf_counter() - began
+        stats = await kv.stats()
+        warm = await kv.warm_stats()
+        stored = {w.agent: (w.nbytes, w.tokens) for w in await kv.warm_agents() if w.agent != BRIEF}
+        assert kv.identity is not None
+        geometry = CacheGeometry.from_description(kv.identity.layer_geometry(), kv.model.states)
+    return {
+        "turns": turns,
+        "wall_s": wall,
+        "reloads": stats.installs,
+        "warm_bytes_read": warm.bytes_read,
+        "peak_bytes": stats.peak_bytes,
+        "stored": stored,
+        "geometry": geometry,
+    }
+
+
+def budget_for(reference: dict[str, Any], fraction: float, max_tokens: int) -> tuple[int, int]:
+    """(budget, working set): one turn's room plus ``fraction`` of every agent's stored
+    cache at the end of the unbounded run."""
+    stored = reference["stored"]
+    working = sum(n for n, _ in stored.values())
+    longest = max(t for _, t in stored.values())
+    reserve = turn_reserve_bytes(reference["geometry"], longest + max_tokens)
+    room = reserve + max(n for n, _ in stored.values())
+    return room + int(fraction * working), working
+
+
+def summary(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """A run's figures against the unbounded run's per-turn bounds."""
+    per_turn = []
+    re_prefilled = 0
+    for turn, ref in zip(run["turns"], reference["turns"], strict=True):
+        bound = ref["ttft_s"]
+        per_turn.append(
+            {
+                "agent": turn["agent"],
+                "path": turn["path"],
+                "ttft_s": turn["ttft_s"],
+                "bound_s": bound,
+                "excess_s": turn["ttft_s"] - bound,
+            }
+        )
+        re_prefilled += max(turn["prefilled_tokens"] - ref["prefilled_tokens"], 0)
+    ttfts = sorted(t["ttft_s"] for t in per_turn)
+    return {
+        "summed_ttft_s": sum(ttfts),
+        "summed_excess_s": sum(t["excess_s"] for t in per_turn),
+        "p95_ttft_s": ttfts[min(len(ttfts) - 1, math.ceil(0.95 * len(ttfts)) - 1)],
+        "wall_s": run["wall_s"],
+        "reloads": run["reloads"],
+        "warm_bytes_read": run["warm_bytes_read"],
+        "re_prefilled_tokens": re_prefilled,
+        "hot_hits": sum(t["path"] == "hot" for t in per_turn),
+        "peak_bytes": run["peak_bytes"],
+        "turns": per_turn,
+    }
+
+
+def ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Summed excess of run ``a`` over run ``b``'s, each floored at 2% of its run's summed
+    bound (an excess near 0, or a little below from noise, is all the same: no policy
+    can do better than that)."""
+
+    def floored(run: dict[str, Any]) -> float:
+        bound = sum(t["bound_s"] for t in run["turns"])
+        return max(run["summed_excess_s"], 0.02 * bound, 1e-3)
+
+    return floored(a) / floored(b)
+
+
+async def shape_results(
+    shape: str, args: argparse.Namespace, model: Any, tmp: Path
+) -> dict[str, Any]:
+    trace = make_trace(
+        shape,
+        agents=args.agents,
+        rounds=args.rounds,
+        seed=args.seed,
+        words=(args.min_words, args.max_words),
+        system_words=args.system_words,
+    )
+    run = functools.partial(replay, trace, model, max_tokens=args.max_tokens, seed=args.seed)
+    reference = await run(tmp / f"{shape}-ref", policy="lru", budget=None)
+    out: dict[str, Any] = {"agents": args.agents, "steps": len(trace.steps), "budgets": {}}
+    for label, fraction in FRACTIONS.items():
+        budget, working = budget_for(reference, fraction, args.max_tokens)
+        runs = {}
+        for policy in POLICIES:
+            got = await run(tmp / f"{shape}-{label[:2]}-{policy}", policy=policy, budget=budget)
+            runs[policy] = summary(got, reference)
+            runs[policy]["tokens"] = [t["tokens"] for t in got["turns"]]
+            print(
+                f"{shape:12} {label} {policy:15} excess {runs[policy]['summed_excess_s']:7.2f}s"
+                f" ttft {runs[policy]['summed_ttft_s']:7.2f}s hot {runs[policy]['hot_hits']:3}"
+                f" reloads {runs[policy]['reloads']:3} peak/budget"
+                f" {runs[policy]['peak_bytes'] / budget:.2f}",
+                flush=True,
+            )
+        expected = [t["tokens"] for t in reference["turns"]]
+        identical = all(r.pop("tokens") == expected for r in runs.values())
+        out["budgets"][label] = {
+            "budget_bytes": budget,
+            "working_set_bytes": working,
+            "within_budget": all(r["peak_bytes"] <= budget for r in runs.values()),
+            "identical_outputs": identical,
+            "policies": runs,
+        }
+    return out
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    model = _model(args.model)
+    results: dict[str, Any] = {"model": args.model, "quick": args.quick, "shapes": {}}
+    if args.quick:
+        results["note"] = "--quick: a tiny model's turns take ms, the ratios are noise"
+    with tempfile.TemporaryDirectory(prefix="kvactor-agentic-") as tmp:
+        for shape in args.shapes:
+            results["shapes"][shape] = await shape_results(shape, args, model, Path(tmp))
+    at = [s["budgets"]["25%"]["policies"] for s in results["shapes"].values()]
+
+    def worst(a: str, b: str) -> float:
+        return max(ratio(p[a], p[b]) for p in at)
+
+    results["workflow_vs_lru"] = worst("workflow", "lru")
+    results["workflow_vs_oracle"] = worst("workflow", "oracle")
+    results["wrong_vs_lru"] = worst("workflow_wrong", "lru")
+    results["identical_outputs"] = all(
+        b["identical_outputs"] for s in results["shapes"].values() for b in s["budgets"].values()
+    )
+    results["within_budget"] = all(
+        b["within_budget"] for s in results["shapes"].values() for b in s["budgets"].values()
+    )
+    return results
+
+
+def http_part(args: argparse.Namespace) -> dict[str, Any]:
+    trace = make_trace(
+        "round_robin",
+        agents=args.http_agents,
+        rounds=args.http_rounds,
+        seed=args.seed,
+        words=(args.min_words, args.max_words),
+        system_words=args.system_words,
+    )
+    with tempfile.TemporaryDirectory(prefix="kvactor-agentic-http-") as tmp:
+        return http_results(trace, Path(tmp), args.max_tokens)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a tiny model and a small trace")
+    p.add_argument("--model", choices=("default", "tiny"), default="default")
+    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    p.add_argument("--agents", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--min-words", type=int, default=30)
+    p.add_argument("--max-words", type=int, default=100)
+    p.add_argument("--system-words", type=int, default=80)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-http", action="store_true", help="skip the part over HTTP")
+    p.add_argument("--http-agents", type=int, default=16)
+    p.add_argument("--http-rounds", type=int, default=3)
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.agents, args.rounds = "tiny", 5, 2
+        args.min_words, args.max_words, args.system_words, args.max_tokens = 4, 16, 20, 4
+        args.http_agents = 4
+    return args
+
+
+if __name__ == "__main__":
+    arguments = parse()
+    began = time.perf_counter()
+    out = anyio.run(main, arguments)
+    if not arguments.no_http:
+        out["http"] = http_part(arguments)
+        for key in ("vs_mlx_lm_server", "vs_mlx_lm_server_sized", "after_restart_vs_mlx_lm_server"):
+            out[key] = out["http"][key]
+    out["total_s"] = time.perf_counter() - began
+    keys = ["workflow_vs_lru", "workflow_vs_oracle", "wrong_vs_lru", "identical_outputs"]
+    if not arguments.no_http:
+        keys += ["vs_mlx_lm_server", "vs_mlx_lm_server_sized", "after_restart_vs_mlx_lm_server"]
+    for key in keys:
+        print(f"{key}: {out[key]}")
+    print(f"within_budget: {out['within_budget']}  total {out['total_s']:.0f}s")
+    if "note" in out:
+        print(out["note"])
+    if arguments.json:
+        write_json(arguments.json, out)

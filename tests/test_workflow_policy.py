@@ -1,0 +1,300 @@
+"""The workflow-aware policy and the application's hints: LRU order without hints, hinted
+agents kept hot where LRU demotes them, done / priority / overdue hints, prefetches that
+never displace a sooner agent, and on a real engine with a warm tier (tiny model): greedy
+answers the same under LRU, right hints and wrong hints, the budget never exceeded."""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from test_budget import one_turn_need
+from test_pool import new_pool, turn
+
+import kvactor
+from kvactor import Candidate, LRUPolicy, WorkflowPolicy
+from kvactor.actors.enums import Room, Tier
+from kvactor.actors.hints import HintBook, make_hint
+from kvactor.actors.model import LoadedModel, make_tiny_model
+from kvactor.actors.protocol import Hint
+from kvactor.kernels.turn_cache import FloatTurnCache
+
+
+@pytest.fixture(scope="module")
+def lm() -> LoadedModel:
+    loaded = make_tiny_model(0, head_dim=64)
+    FloatTurnCache.prepare(loaded.model)
+    return loaded
+
+
+def test_without_hints_the_order_is_lrus() -> None:
+    rng = random.Random(3)
+    for _ in range(50):
+        candidates = [
+            Candidate(
+                agent=f"a{i}",
+                nbytes=rng.randrange(1, 10_000),
+                tokens=10,
+                last_used=rng.random(),
+                hits=0,
+                clean=rng.random() < 0.7,
+                demote_to=Tier.WARM,
+                reload_s=rng.random(),
+                next_use=rng.random() if rng.random() < 0.3 else None,  # prefetch marks
+                waiting=rng.random() < 0.2,
+            )
+            for i in range(8)
+        ]
+        need = rng.randrange(1, 40_000)
+        assert WorkflowPolicy().victims(candidates, need) == LRUPolicy().victims(candidates, need)
+
+
+def test_hinted_next_agents_stay_hot_where_lru_demotes_them(lm: LoadedModel) -> None:
+    kept = {}
+    for policy in (LRUPolicy(), WorkflowPolicy()):
+        pool = new_pool(lm, None, policy=policy)
+        sizes = {a: turn(pool, lm, a, 30, persist=True) for a in ("next", "b", "c", "d")}
+        pool.hint(Hint(next=("next",)))  # the oldest runs next
+        pool.limit = sum(sizes.values())
+        assert pool.make_room(sizes["next"])
+        kept[type(policy).__name__] = "next" in pool
+        assert pool.peak <= pool.limit
+    assert kept == {"LRUPolicy": False, "WorkflowPolicy": True}
+
+
+def test_furthest_first_then_done_priority_and_overdue_hints(lm: LoadedModel) -> None:
+    pool = new_pool(lm, None, policy=WorkflowPolicy())
+    sizes = {a: turn(pool, lm, a, 30, persist=True) for a in ("soon", "later", "free")}
+    pool.hint(Hint(expect_in_s=(("soon", 1.0), ("later", 100.0))))
+    order = [c.agent for c in WorkflowPolicy().order(pool._candidates())]
+    assert order == ["free", "later", "soon"]  # unhinted (LRU), then furthest first
+    pool.hint(Hint(done=("soon",), priority=(("free", 5),)))
+    order = [c.agent for c in WorkflowPolicy().order(pool._candidates())]
+    assert order == ["soon", "later", "free"]  # done first; priority last
+    # A tool-waiting cache stays ahead of idle ones until its TTL, whatever the hints.
+    pool.tool_wait("soon", 60.0)
+    assert [c.agent for c in WorkflowPolicy().order(pool._candidates())][-1] == "soon"
+    # A hint long overdue is forgotten: the agent ranks as unhinted again.
+    book = HintBook()
+    book.apply(Hint(next=("x",)), now=0.0)
+    assert book.next_use("x", 5.0) == 0.0 and book.next_use("x", 60.0) is None
+    assert sizes["soon"] > 0
+
+
+def test_a_prefetch_never_displaces_an_agent_hinted_to_run_sooner(lm: LoadedModel) -> None:
+    pool = new_pool(lm, None, policy=WorkflowPolicy())
+    size = turn(pool, lm, "first", 30, persist=True)
+    pool.limit = size + size // 2
+    pool.hint(Hint(next=("first", "second")))
+    assert pool.reserve("second", size, prefetch=True) is Room.NO_ROOM
+    assert "first" in pool
+    # Staged for a waiting turn (not a prefetch), the same room is made.
+    assert pool.reserve("second", size) is Room.RESERVED and "first" not in pool
+
+
+def test_make_hint_checks_what_it_is_given() -> None:
+    hint = make_hint(["a", "b"], expect_in_s={"c": 2}, priority={"d": -3}, done=["e"])
+    assert hint == Hint(("a", "b"), (("c", 2.0),), (("d", -3),), ("e",))
+    with pytest.raises(TypeError):
+        make_hint("ab")
+    with pytest.raises(ValueError):
+        make_hint(expect_in_s={"a": -1.0})
+    with pytest.raises(ValueError):
+        make_hint(priority={"a": 5000})
+    with pytest.raises(TypeError):
+        make_hint(priority={"a": 1.5})  # type: ignore[dict-item]
+    with pytest.raises(kvactor.InvalidAgentId):
+        make_hint(["../etc"])
+
+
+AGENTS = 6
+ROUNDS = 3
+
+
+def tiny() -> Any:
+    return functools.partial(make_tiny_model, 0, head_dim=64)
+
+
+async def round_robin(root: Path, policy: Any, hints: str, budget: int) -> tuple[Any, ...]:
+    """Every agent in turn, ROUNDS times, one turn at a time; before each, the hint
+    ``hints`` says (``right``: the next two in order, ``wrong``: two random others,
+    ``none``). Returns (answers, hot turns, peak bytes, peak seen between turns)."""
+    rng = random.Random(7)
+    order = [f"a{i}" for r in range(ROUNDS) for i in range(AGENTS)]
+    answers: list[list[int]] = []
+    hot = 0
+    async with kvactor.open(
+        tiny(), cache_dir=root, budget_bytes=budget, policy=policy, attention="dequantized"
+    ) as kv:
+        agents = {f"a{i}": await kv.spawn_agent(f"a{i}") for i in range(AGENTS)}
+        for step, name in enumerate(order):
+            if hints == "right":
+                await kv.hint(next=order[step + 1 : step + 3])
+            elif hints == "wrong":
+                await kv.hint(next=rng.sample(sorted(agents), 2))
+            with anyio.fail_after(60):
+                done = await agents[name].generate(
+                    f"step {step} says {'xy' * (step % 4)}", max_tokens=6
+                )
+            answers.append(done.token_ids)
+            hot += done.path is Tier.HOT
+            stats = await kv.stats()
+            assert stats.cache_bytes <= budget and stats.peak_bytes <= budget
+        return answers, hot, (await kv.stats()).peak_bytes
+
+
+async def test_answers_are_the_same_under_lru_right_and_wrong_hints_within_budget(
+    tmp_path: Path,
+) -> None:
+    # Room for one turn and about two idle caches besides: a round robin of six thrashes.
+    stored = 40_000
+    budget = one_turn_need(False) + 2 * stored
+    runs = {}
+    for n, (policy, hints) in enumerate(
+        [(LRUPolicy(), "none"), (WorkflowPolicy(), "right"), (WorkflowPolicy(), "wrong")]
+    ):
+        runs[hints] = await round_robin(tmp_path / f"r{n}", policy, hints, budget)
+        assert runs[hints][2] <= budget
+    assert runs["right"][0] == runs["none"][0] == runs["wrong"][0]
+    assert runs["right"][1] > runs["none"][1]  # the hinted next agent was found hot
+
+
+def test_the_hint_book_turns_an_order_into_times() -> None:
+    book = HintBook()
+    book.turn_s = 2.0
+    now = time.monotonic()
+    book.apply(Hint(next=("a", "b", "c")), now)
+    assert [book.next_use(a, now) for a in "abc"] == [now, now + 2.0, now + 4.0]
+    assert book.soonest(now, 2) == ["a", "b"]
+    book.queued("a")
+    assert book.next_use("a", now) is None and book.soonest(now, 5) == ["b", "c"]
+
+
+def test_a_clusters_hint_is_split_by_the_host_of_each_agent() -> None:
+    from kvactor.actors.hints import split_hint
+
+    hint = make_hint(["a", "b", "c", "x"], expect_in_s={"b": 1.0}, priority={"c": 2}, done=["a"])
+    parts = split_hint(hint, {"a": "h1", "b": "h2", "c": "h1"})
+    assert parts == {
+        "h1": Hint(("a", "c"), (), (("c", 2),), ("a",)),
+        "h2": Hint(("b",), (("b", 1.0),), (), ()),
+    }
+
+
+async def test_agents_hint_and_say_done_and_hints_about_strangers_break_nothing() -> None:
+    async with kvactor.open(tiny(), attention="dequantized") as kv:
+        agent = await kv.spawn_agent("a")
+        await kv.hint(next=["ghost", "a"], expect_in_s={"nobody": 5.0}, done=["other"])
+        await agent.hint(expect_in_s=1.0, priority=2)
+        first = await agent.generate("hello", max_tokens=4)
+        await agent.done()
+        again = await agent.generate("hello again", max_tokens=4)
+        assert first.token_ids and again.path is Tier.HOT
+        with pytest.raises(ValueError):
+            await kv.hint(next=["a"], prefetch=-1)
+
+
+def test_the_hint_book_stays_bounded_whatever_it_is_told() -> None:
+    from kvactor.actors.hints import BOOK_LIMIT
+
+    book = HintBook()
+    names = tuple(f"n{i}" for i in range(BOOK_LIMIT + 50))
+    book.apply(Hint(next=names, priority=tuple((n, 1) for n in names), done=names), 0.0)
+    book.apply(Hint(expect_in_s=tuple((n, 5.0) for n in names)), 0.0)
+    assert max(len(book._at), len(book._priority), len(book._done)) == BOOK_LIMIT
+    assert book.next_use(names[-1], 0.0) == 5.0 and book.next_use(names[0], 0.0) is None
+
+
+def test_room_comes_first_from_ready_copies_still_being_built(lm: LoadedModel) -> None:
+    from kvactor.actors.pool import CachePool
+    from kvactor.kernels.qcodec import DEFAULT_CODEC
+
+    pool = CachePool(
+        None, WorkflowPolicy(), persistent=True, codec=DEFAULT_CODEC, geometry=lm.geometry
+    )
+    for agent in ("a", "b"):
+        turn(pool, lm, agent, 30, persist=True)
+        entry = pool.get(agent)
+        assert entry is not None
+        pool.ready.drop(entry.kv)  # kept at the turn's end: dropped, to be built again
+    pool.hint(Hint(next=("a",)))  # builds a's ready copy ahead, one layer a step
+    building = pool.ready.reserved
+    assert building > 0 and pool.ready.building
+    pool.limit = pool.committed()
+    assert pool.make_room(building // 2)
+    assert "a" in pool and "b" in pool and pool.demotions[Tier.WARM] == 0
+    assert not pool.ready.building
+
+
+async def concurrent_load(root: Path | None, budget: int | None, hints: bool) -> dict[Any, Any]:
+    """Six agents, three turns each, all at once (max_batch 4); with ``hints``, random
+    advice (next, expect_in_s, priority, done: mostly wrong) sent all the while."""
+    rng = random.Random(11)
+    outcomes: dict[Any, Any] = {}
+    options: dict[str, Any] = {"budget_bytes": budget, "cache_dir": root}
+    options["deterministic"] = True  # a row's answer never depends on its batch
+    async with kvactor.open(tiny(), max_batch=4, attention="dequantized", **options) as kv:
+        names = [f"c{i}" for i in range(6)]
+        agents = [await kv.spawn_agent(n) for n in names]
+        finished = anyio.Event()
+
+        async def advise() -> None:
+            while not finished.is_set():
+                await kv.hint(
+                    next=rng.sample(names, 3),
+                    expect_in_s={rng.choice(names): rng.uniform(0, 3)},
+                    priority={rng.choice(names): rng.randint(-2, 2)},
+                    done=rng.sample(names, 1),
+                )
+                await anyio.sleep(0.002)  # the load under test: advice at random moments
+
+        async def run(i: int) -> None:
+            for r in range(3):
+                with anyio.fail_after(60):
+                    done = await agents[i].generate(
+                        f"{'ab'[i % 2] * (i + 3)} {i}.{r}", max_tokens=5
+                    )
+                outcomes[i, r] = done.token_ids
+
+        async with anyio.create_task_group() as tg:
+            if hints:
+                tg.start_soon(advise)
+            async with anyio.create_task_group() as turns:
+                for i in range(6):
+                    turns.start_soon(run, i)
+            finished.set()
+        assert budget is None or (await kv.stats()).peak_bytes <= budget
+    return outcomes
+
+
+async def test_random_advice_under_a_tight_budget_changes_no_answer(tmp_path: Path) -> None:
+    reference = await concurrent_load(tmp_path / "ref", None, hints=False)
+    need = one_turn_need(False)
+    for n, budget in enumerate((need, 2 * need)):
+        got = await concurrent_load(tmp_path / f"b{n}", budget, hints=True)
+        assert got == reference, budget
+
+
+def test_a_prefetch_gives_up_no_ready_copy_of_an_agent_hinted_sooner(lm: LoadedModel) -> None:
+    from kvactor.actors.pool import CachePool
+    from kvactor.kernels.qcodec import DEFAULT_CODEC
+
+    pool = CachePool(
+        None, WorkflowPolicy(), persistent=True, codec=DEFAULT_CODEC, geometry=lm.geometry
+    )
+    turn(pool, lm, "a", 30, persist=True)
+    entry = pool.get("a")
+    assert entry is not None
+    pool.ready.drop(entry.kv)
+    pool.hint(Hint(next=("a", "later")))  # builds a's ready copy ahead
+    assert pool.ready.building
+    pool.limit = pool.committed()
+    assert pool.reserve("later", 1000, prefetch=True) is Room.NO_ROOM
+    assert pool.ready.building and "a" in pool  # a runs first: its copy stays
+    assert pool.reserve("later", 1000) is Room.RESERVED  # for a waiting turn: it may go
+    assert not pool.ready.building
