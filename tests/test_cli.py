@@ -134,6 +134,7 @@ def test_ages_read_as_words() -> None:
 
 
 # ------------------------------------------------------------------------- scenarios
+@pytest.mark.slow  # a subprocess or a long load: the whole suite's
 def test_scenarios_lists_the_shipped_ones_and_shows_one(tmp_path: Path) -> None:
     names = shipped_names()
     assert names == ["code_review", "debate", "demo", "shared_doc"]
@@ -159,6 +160,7 @@ def test_scenarios_lists_the_shipped_ones_and_shows_one(tmp_path: Path) -> None:
     assert unknown.returncode == 2 and "code_review, debate, demo, shared_doc" in unknown.stderr
 
 
+@pytest.mark.slow  # a subprocess or a long load: the whole suite's
 def test_run_takes_a_shipped_scenario_by_name(tmp_path: Path) -> None:
     root = tmp_path / "root"
     done = kvactor_cli("run", "code_review", "--model", "tiny", "--json", root=root, cwd=tmp_path)
@@ -176,6 +178,7 @@ def test_run_takes_a_shipped_scenario_by_name(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- run, then inspect
+@pytest.mark.slow  # a subprocess or a long load: the whole suite's
 def test_runs_closing_commands_work_when_pasted(tmp_path: Path) -> None:
     root = tmp_path / "cache root"  # a space: the printed paths must be quoted
     (tmp_path / "team.toml").write_text(TEAM)
@@ -209,6 +212,7 @@ def test_runs_closing_commands_work_when_pasted(tmp_path: Path) -> None:
     assert again.returncode == 1 and again.stderr.count("no warm cache for") == 2
 
 
+@pytest.mark.slow  # a subprocess or a long load: the whole suite's
 def test_the_demos_caches_are_found_and_its_commands_work(tmp_path: Path) -> None:
     # The random tiny model's replies are long in bytes: a budget in MB (see test_scenario).
     root = tmp_path / "root"

@@ -48,6 +48,7 @@ OPEN_ELSEWHERE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess or a long load: the whole suite's
 @LOCKS
 def test_a_second_process_cannot_open_a_cache_dir_in_use(tmp_path: Path) -> None:
     async def main() -> None:

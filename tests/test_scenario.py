@@ -169,6 +169,7 @@ def _kvactor(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # a subprocess or a long load: the whole suite's
 def test_kvactor_run_writes_json_results(tmp_path: Path) -> None:
     (tmp_path / "team.toml").write_text(TINY.replace("max_tokens = 8", "max_tokens = 4"))
     done = _kvactor("run", "team.toml", cwd=tmp_path)
@@ -192,6 +193,7 @@ def test_kvactor_run_writes_json_results(tmp_path: Path) -> None:
     assert "run it again: a new process resumes every agent from disk" in fresh.stdout
 
 
+@pytest.mark.slow  # a subprocess or a long load: the whole suite's
 def test_the_demo_command_on_the_tiny_model(tmp_path: Path) -> None:
     # The random tiny model's replies are invalid UTF-8 that quotes back as 3 bytes per
     # token, beyond what the hot_agents estimate assumes: give it a budget in MB.

@@ -35,6 +35,7 @@ def test_the_default_budget_is_a_quarter_of_memory_at_most_8_gib() -> None:
     assert default_budget_bytes() == min(total // 4, BUDGET_CAP)
 
 
+@pytest.mark.slow  # a subprocess or a long load: the whole suite's
 async def test_1000_anonymous_conversations_stay_within_a_memory_bound(tmp_path: Path) -> None:
     with serve_process(tmp_path, "--no-cache-dir", "--model-id", "tiny") as server:
         assert server.start["budget_bytes"] == default_budget_bytes()

@@ -285,6 +285,7 @@ def _check_loadable(root: Path) -> int:
     return sum(not w.rejected for w in infos)
 
 
+@pytest.mark.slow  # a subprocess or a long load: the whole suite's
 @pytest.mark.parametrize("delay", [0.7, 2.0])
 def test_kill_9_during_shares_and_forks_leaves_every_agent_loadable(
     tmp_path: Path, delay: float
