@@ -16,24 +16,15 @@ after it ``after_restart_vs_mlx_lm_server``.
 from __future__ import annotations
 
 import contextlib
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 from _agentic_trace import Trace, lookahead
+from _process import free_port, server_process
 from openai import OpenAI
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -51,27 +42,8 @@ def server(kind: str, model_dir: Path, cache_dir: Path, cache_size: int | None) 
         if cache_size is not None:
             command += ["--prompt-cache-size", str(cache_size)]
         ready = "/v1/models"
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{kind} server exited with {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + ready, timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{kind} server did not start")
-            time.sleep(0.2)
+    with server_process(kind, command, port, ready) as base:
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _steps(

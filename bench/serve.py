@@ -31,10 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,8 +42,8 @@ from typing import Any
 import kvactor  # first: it loads an optimized BLAS before mlx.core
 
 # isort: split
-import httpx
-from _results import write_json  # bench/ is the script's folder: on sys.path
+from _process import free_port, server_process  # bench/ is the script's folder: on sys.path
+from _results import write_json
 from openai import OpenAI
 
 from kvactor._scenario_format import Scenario, load_scenario, turn_plan, turn_prompt
@@ -55,12 +52,6 @@ from kvactor.actors.model import default_model_path
 
 DEMO = Path(kvactor.__file__).parent / "scenarios" / "demo.toml"
 MAX_TOKENS = 32
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -102,27 +93,8 @@ def server(
             "WARNING",
         ]
         ready = "/v1/models"
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{kind} server exited with {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + ready, timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{kind} server did not start")
-            time.sleep(0.2)
+    with server_process(kind, command, port, ready) as base:
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run_phases(
