@@ -64,13 +64,14 @@ def make_hint(
     )
 
 
-def split_hint(hint: Hint, where: Mapping[str, str]) -> dict[str, Hint]:
+def split_hint(hint: Hint, where: Mapping[str, str], default: str | None = None) -> dict[str, Hint]:
     """``hint`` in parts by the host (``where``: agent -> host) that holds each agent it
-    names, each part keeping its agents' order; agents held nowhere are left out."""
+    names, each part keeping its agents' order; agents held nowhere go to ``default``
+    (None: they are left out)."""
     parts: dict[str, dict[str, list[Any]]] = {}
 
     def part(agent: str) -> dict[str, list[Any]] | None:
-        host = where.get(agent)
+        host = where.get(agent, default)
         if host is None:
             return None
         return parts.setdefault(host, {"next": [], "wait": [], "rank": [], "done": []})

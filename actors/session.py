@@ -454,12 +454,10 @@ class Session(SessionModels):
         if len(self._parts) == 1:
             await send_hint(self.engine, self.prefetcher, hint, prefetch)
             return
-        # Several models: each model's engine part and warm tier hear of their own agents.
-        named = {*hint.next, *hint.done, *(a for a, _ in hint.expect_in_s)}
-        named.update(a for a, _ in hint.priority)
+        # Several models: each model's engine part and warm tier hear of their own agents
+        # (an agent not running: the first model's, as prefetch has it).
         first = self._part(None).name
-        where = {a: self._agent_models.get(a, first) for a in named}
-        for model, part_hint in split_hint(hint, where).items():
+        for model, part_hint in split_hint(hint, self._agent_models, first).items():
             part = self._part(model)
             await send_hint(part.engine, part.prefetcher, part_hint, prefetch)
 

@@ -286,3 +286,20 @@ async def test_models_take_turns_under_contention_and_answer_as_alone(
     assert together == alone
     assert stats.model_loads > 2  # they alternated, not one model's agents all first
     assert stats.memory_peak_bytes <= limit and stats.mlx_peak_bytes <= limit
+
+
+async def test_hints_reach_each_models_part_and_change_no_answer(tmp_path: Path) -> None:
+    alone = await _solo(A, ["r1"]) | await _solo(B, ["c1"])
+    async with kvactor.open(models=MODELS, cache_dir=tmp_path) as session:
+        agents = {
+            n: await session.spawn_agent(n, system=f"you are {n}", model=m)
+            for n, m in (("r1", "router"), ("c1", "coder"))
+        }
+        got: dict[str, list[str]] = {n: [] for n in agents}
+        for prompt in PROMPTS:
+            await session.hint(next=["c1", "r1", "ghost"], expect_in_s={"c1": 1.0}, done=["x"])
+            for name, agent in agents.items():
+                got[name].append((await agent.generate(prompt, max_tokens=6)).text)
+        assert got == alone
+        with pytest.raises(ValueError):
+            await session.hint(next=["c1"], prefetch=-1)

@@ -184,6 +184,12 @@ def test_a_clusters_hint_is_split_by_the_host_of_each_agent() -> None:
         "h1": Hint(("a", "c"), (), (("c", 2),), ("a",)),
         "h2": Hint(("b",), (("b", 1.0),), (), ()),
     }
+    # With a default, agents held nowhere go to it (a session's first model).
+    parts = split_hint(hint, {"b": "h2"}, "h1")
+    assert parts == {
+        "h1": Hint(("a", "c", "x"), (), (("c", 2),), ("a",)),
+        "h2": Hint(("b",), (("b", 1.0),), (), ()),
+    }
 
 
 async def test_agents_hint_and_say_done_and_hints_about_strangers_break_nothing() -> None:
