@@ -29,6 +29,7 @@ from .errors import KvactorError as KvactorError
 from .errors import ModelExportError as ModelExportError
 from .errors import ModelLoadError as ModelLoadError
 from .errors import StoreWriteError as StoreWriteError
+from .errors import TurnEnded as TurnEnded
 from .errors import UnknownAgent as UnknownAgent
 from .errors import UnsafeCachePath as UnsafeCachePath
 from .handle import Agent as Agent
@@ -89,6 +90,7 @@ __all__ = (
     "TextStream",
     "Tier",
     "Timings",
+    "TurnEnded",
     "TurnPath",
     "Tokenizer",
     "UnknownAgent",

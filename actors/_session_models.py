@@ -19,7 +19,7 @@ from .memory_limit import record_limit
 from .models_engine import ModelsEngine
 from .models_protocol import ModelRef, ModelsQuery, ModelState
 from .prefetch import PrefetchMessage
-from .protocol import EngineMessage, EngineStats, ModelInfo
+from .protocol import EndTurns, EngineMessage, EngineStats, ModelInfo
 from .store import CacheIdentity, ExpectFn, StoreMessage
 from .warm_tier import ActorWarmTier
 
@@ -149,6 +149,15 @@ class SessionModels:
             return [ModelState(name, True, True, stats.weights_bytes, 1, 0.0)]
         states: list[ModelState] = await self._multi_ref().ask(ModelsQuery())
         return states
+
+    async def end_turns(self) -> int:
+        """End every turn, for a close to come (a server stopping): a decoding turn ends
+        at its next step with finish_reason ``"ended"`` and is saved as any turn; a turn
+        not decoding yet, and any asked for later, fails with TurnEnded. Returns how many
+        turns it ended."""
+        ref = self._multi_ref() if isinstance(self.engine, ModelRef) else self.engine
+        ended: int = await ref.ask(EndTurns())
+        return ended
 
     def _multi_ref(self) -> ActorRef[object]:
         engine = self.engine

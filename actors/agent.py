@@ -94,8 +94,9 @@ class AgentEnv:
 
 def _finish(reason: FinishReason, calls: list[ToolCall], reader: ToolStream | None) -> FinishReason:
     """TOOL_CALLS when the turn ended in whole calls; LENGTH when the token limit cut one
-    off (the whole ones before it are still given), as OpenAI reports it."""
-    if reader is not None and reader.cut_off and reason == FinishReason.LENGTH:
+    off (the whole ones before it are still given), as OpenAI reports it; ENDED always."""
+    cut_off = reader is not None and reader.cut_off and reason == FinishReason.LENGTH
+    if cut_off or reason == FinishReason.ENDED:
         return reason
     return FinishReason.TOOL_CALLS if calls else reason
 

@@ -12,7 +12,7 @@ from typing import Any, cast
 import mlx.core as mx
 import msgspec
 
-from ..kernels.agent_cache import AgentKV, StoredRange, segment_layout
+from ..kernels.agent_cache import AgentKV, segment_layout
 from ..kernels.memory import keep_freed_buffers, release_thread
 from ..kernels.qcodec import DEFAULT_CODEC
 from ..kernels.rowwise import bind_rows
@@ -21,8 +21,15 @@ from ._batch import DecodeBatch
 from ._model_check import check_turns
 from ._picking import host_bound, pick, pick_in_graph
 from .config import EngineConfig, ModelSpec, turn_reserve_bytes
-from .enums import Room, Tier
-from .errors import BudgetExceeded, CacheMiss, ContextOverflow, EngineStopped, ModelLoadError
+from .enums import FinishReason, Room, Tier
+from .errors import (
+    BudgetExceeded,
+    CacheMiss,
+    ContextOverflow,
+    EngineStopped,
+    ModelLoadError,
+    TurnEnded,
+)
 from .generation import Generation
 from .grammar import GrammarCompiler
 from .hot_entry import HotEntry
@@ -32,6 +39,7 @@ from .pool import CachePool
 from .protocol import (
     CacheQuery,
     DropCache,
+    EndTurns,
     EngineMessage,
     EngineStats,
     Export,
@@ -40,7 +48,6 @@ from .protocol import (
     GetModelInfo,
     Hint,
     Install,
-    ModelInfo,
     Release,
     Reserve,
     StatsQuery,
@@ -91,6 +98,7 @@ class EngineActor(ThreadActor):
         self._generated = 0  # first tokens, sampled at the end of a prefill
         self._grammars: GrammarCompiler  # compiles Generate.constraint (set at start)
         self._ready_turns = 0
+        self._ending = False  # EndTurns came: turns end, new ones are refused
 
     # -- lifecycle --------------------------------------------------------------------
     def on_start(self) -> None:
@@ -216,7 +224,7 @@ class EngineActor(ThreadActor):
             case Release(agent):
                 return pool.release(agent)
             case GetModelInfo():
-                return self._model_info(), self.lm.tokenizer
+                return self.lm.info(self.codec), self.lm.tokenizer
             case DropCache(agent):
                 return pool.drop(agent)
             case Fork(source, new, tokens):
@@ -230,21 +238,9 @@ class EngineActor(ThreadActor):
                 return pool.hint(message)
             case StatsQuery():
                 return self._stats()
+            case EndTurns():
+                return self.end_turns()
         raise TypeError(f"the engine does not handle {type(message).__name__}")
-
-    def _model_info(self) -> ModelInfo:
-        return ModelInfo(
-            name=self.lm.name,
-            fingerprint=self.lm.fingerprint,
-            context_length=self.lm.context_length,
-            n_layers=self.lm.n_layers,
-            n_kv_heads=self.lm.n_kv_heads,
-            head_dim=self.lm.head_dim,
-            codec=self.codec.describe(),
-            vocab_size=self._vocab_size,
-            geometry=self.lm.geometry.describe(),
-            states=self.lm.geometry.describe_states(),
-        )
 
     def _stats(self) -> EngineStats:
         pool, batch = self.pool, self.batch
@@ -276,9 +272,28 @@ class EngineActor(ThreadActor):
             warm_write_failures=pool.write_failures,
         )
 
+    def end_turns(self) -> int:
+        """End every turn (``EndTurns``); the count. A decoding turn ends at its next step,
+        or now when it waits for a batch slot; a turn not decoding yet fails."""
+        self._ending = True
+        for request in self.batch.rows:
+            request.ending = True
+        for request in self._ready:
+            request.finish(FinishReason.ENDED)
+            self._park(request, finished=True)
+        for request in self._prefilling:
+            self._park(request)
+            request.reply.fail(TurnEnded("the session ended its turns before this one decoded"))
+        ended = len(self.batch) + len(self._ready) + len(self._prefilling)
+        self._ready.clear()
+        self._prefilling.clear()
+        return ended
+
     def _admit(self, msg: Generate) -> None:
         """Queue a generation; every check happens before any state changes."""
         agent = check_agent_id(msg.agent)
+        if self._ending:
+            raise TurnEnded("the session ended its turns: no turn starts now")
         assert self.reply is not None
         if not msg.tokens:
             raise ValueError("the prompt is empty")
@@ -364,25 +379,7 @@ class EngineActor(ThreadActor):
     def _staged(self, tokens: list[int], ranges: list[tuple[int, int, dict[str, Any]]]) -> AgentKV:
         """A staged warm cache (host arrays) as a hot one (one copy into MLX)."""
         kv = self.pool.new_kv()
-        kv.tokens = list(tokens)
-        geometry = self.lm.geometry
-        sliding = geometry.sliding
-        kv.ranges = [
-            StoredRange.from_numpy(start, stop, geometry, tensors, sliding)
-            for start, stop, tensors in ranges
-        ]
-        if kv.stored_tokens != len(tokens):
-            raise ValueError("staged ranges do not cover the staged tokens")
-        if kv.ranges and kv.reusable(len(tokens)) != len(tokens):
-            raise ValueError("staged recurrent states lack the checkpoint at the last token")
-        # The warm tier keeps sliding layers' tensors for the last ranges only.
-        lacking = [r for r in kv.ranges if any(not r.holds_layer(i) for i in sliding)]
-        if lacking:
-            if lacking != kv.ranges[: len(lacking)]:
-                raise ValueError("staged sliding-layer tensors are not the last ranges")
-            kv.window_start = lacking[-1].stop
-        kv.slide(len(tokens))  # what it read is on disk
-        mx.eval(list(kv.stored_arrays()))
+        kv.fill_staged(tokens, ranges)
         return kv
 
     # -- the work loop ----------------------------------------------------------------

@@ -57,6 +57,7 @@ class FinishReason(_StrEnum):
     STOP = "stop"  # a stop string
     LENGTH = "length"  # max_tokens (or the context) reached
     TOOL_CALLS = "tool_calls"  # the turn ended in tool calls (Completion.tool_calls)
+    ENDED = "ended"  # the session ended it early (Session.end_turns: a server stopping)
 
 
 class Room(_StrEnum):

@@ -24,6 +24,7 @@ __all__ = (
     "ModelExportError",
     "ModelLoadError",
     "StoreWriteError",
+    "TurnEnded",
     "UnknownAgent",
     "UnsafeCachePath",
 )
@@ -55,6 +56,11 @@ class ContextOverflow(KvactorError, ValueError):
 
 class EngineStopped(KvactorError):
     """The engine stopped (shutdown or crash) while a generation was in flight."""
+
+
+class TurnEnded(EngineStopped):
+    """The session is ending its turns (``Session.end_turns``, a server stopping): this
+    turn had not begun to decode, or came after, and was not run."""
 
 
 class CacheMiss(KvactorError):

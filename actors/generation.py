@@ -46,6 +46,7 @@ class Generation:
     grammar: RowGrammar | None = None  # its constraint's state (Generate.constraint)
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (penalties)
     finished: bool = False  # its Finished was sent
+    ending: bool = False  # the session ends its turns: this one ends at its next token
 
     @property
     def tokens(self) -> list[int]:
@@ -94,6 +95,8 @@ class Generation:
             return self.finish(FinishReason.STOP)  # the grammar is complete
         if len(self.generated) >= self.sampling.max_tokens:
             return self.finish(FinishReason.LENGTH)
+        if self.ending:
+            return self.finish(FinishReason.ENDED)
         return True
 
     def finish(self, reason: FinishReason) -> bool:

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..kernels.geometry import CacheGeometry
+from ..kernels.qcodec import KVCodec
 from . import _gguf
 from ._bpe import tiny_byte_tokenizer
 from ._fetch import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
@@ -42,6 +43,7 @@ from ._tiny import ONE_PLUS_NORMS
 from ._tiny import TINY_FAMILIES as TINY_FAMILIES
 from ._tokenizer import MlxLmTokenizer, Tokenizer
 from .errors import ModelLoadError
+from .protocol import ModelInfo
 
 __all__ = (
     "DEFAULT_MODEL_NAME",
@@ -106,6 +108,22 @@ class LoadedModel:
         0: none)."""
         kv = self.geometry.kv_layers
         return self.geometry.layer(kv[0]).key_dim if kv else 0
+
+    def info(self, codec: KVCodec) -> ModelInfo:
+        """What agents and the warm tier know of this model, its caches stored with
+        ``codec``."""
+        return ModelInfo(
+            name=self.name,
+            fingerprint=self.fingerprint,
+            context_length=self.context_length,
+            n_layers=self.n_layers,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            codec=codec.describe(),
+            vocab_size=self.tokenizer.vocab_size,
+            geometry=self.geometry.describe(),
+            states=self.geometry.describe_states(),
+        )
 
     def make_cache(self) -> list[Any]:
         """A fresh mlx-lm prompt cache (one entry per layer)."""

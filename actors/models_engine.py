@@ -28,7 +28,7 @@ from ..runtime import Reply, ThreadActor
 from .config import EngineConfig, ModelSpec
 from .engine import EngineActor, _settle_random_state
 from .enums import Room
-from .errors import BudgetExceeded, ModelLoadError, UnknownAgent
+from .errors import BudgetExceeded, ModelLoadError, TurnEnded, UnknownAgent
 from .memory_limit import (
     activation_bytes,
     kept_buffer_bytes,
@@ -40,6 +40,7 @@ from .models_protocol import ForModel, ModelsQuery, ModelState, sum_stats
 from .protocol import (
     CacheQuery,
     DropCache,
+    EndTurns,
     EngineStats,
     Export,
     Fork,
@@ -128,6 +129,7 @@ class ModelsEngine(ThreadActor):
         self.peak = 0  # the count's peak
         self.mlx_peak = 0  # MLX's peak active bytes plus what it keeps, sampled
         self.started = False  # on_start ended: the open's loads are behind
+        self._ending = False  # EndTurns came: no turn starts now
 
     # -- lifecycle --------------------------------------------------------------------
     def on_start(self) -> None:
@@ -289,9 +291,19 @@ class ModelsEngine(ThreadActor):
                 ]
             case StatsQuery():
                 return self.stats()
+            case EndTurns():  # every model's; a turn waiting for its model to load fails
+                self._ending = True
+                ended = sum(
+                    isinstance(m, Generate) for s in self._slots.values() for m, *_ in s.pending
+                )
+                for slot in self._slots.values():
+                    self._fail_pending(slot, TurnEnded("the session ended its turns"))
+                return ended + sum(s.engine.end_turns() for s in self._loaded())
         raise TypeError(f"the engine does not handle {type(message).__name__}")
 
     def _for(self, slot: _Slot, message: Any) -> Any:
+        if self._ending and isinstance(message, Generate):
+            raise TurnEnded("the session ended its turns: no turn starts now")
         if self._behind(slot, message):
             # A model waiting to load for FAIR_WAIT_S goes first: this turn waits behind
             # it, so that a model busy all the time never keeps another out for long.

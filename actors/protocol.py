@@ -29,6 +29,7 @@ __all__ = (
     "Export",
     "Exported",
     "Finished",
+    "EndTurns",
     "Generate",
     "GetModelInfo",
     "GetState",
@@ -207,6 +208,12 @@ class StatsQuery(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
+class EndTurns(msgspec.Struct, frozen=True, tag=True):
+    """The session is about to close (answers how many turns it ended): a decoding turn
+    ends at its next step (``FinishReason.ENDED``; its agent saves it as any turn), one
+    not decoding yet, and every later one, fails with TurnEnded."""
+
+
 EngineMessage = (
     Generate
     | Export
@@ -221,6 +228,7 @@ EngineMessage = (
     | Hint
     | GetModelInfo
     | StatsQuery
+    | EndTurns
 )
 
 

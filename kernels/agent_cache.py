@@ -28,8 +28,8 @@ to the same token (:meth:`AgentKV.reusable`), or from nothing when none is left.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import cast
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -77,6 +77,33 @@ class AgentKV:
         self.window_start = 0
         # Some stored arrays may be another cache's too (a fork, or its source).
         self.shared = False
+
+    def fill_staged(
+        self, tokens: list[int], ranges: Sequence[tuple[int, int, Mapping[str, Any]]]
+    ) -> None:
+        """Fill this empty cache with a staged warm cache: ``ranges`` of host arrays
+        (numpy, one copy into MLX) covering ``tokens``. Raises ValueError when they do
+        not cover the tokens, lack the recurrent checkpoint at the last token, or hold
+        sliding-window layers' tensors for other than the last ranges."""
+        self.tokens = list(tokens)
+        geometry = self.geometry
+        sliding = geometry.sliding
+        self.ranges = [
+            StoredRange.from_numpy(start, stop, geometry, tensors, sliding)
+            for start, stop, tensors in ranges
+        ]
+        if self.stored_tokens != len(tokens):
+            raise ValueError("staged ranges do not cover the staged tokens")
+        if self.ranges and self.reusable(len(tokens)) != len(tokens):
+            raise ValueError("staged recurrent states lack the checkpoint at the last token")
+        # The warm tier keeps sliding layers' tensors for the last ranges only.
+        lacking = [r for r in self.ranges if any(not r.holds_layer(i) for i in sliding)]
+        if lacking:
+            if lacking != self.ranges[: len(lacking)]:
+                raise ValueError("staged sliding-layer tensors are not the last ranges")
+            self.window_start = lacking[-1].stop
+        self.slide(len(tokens))  # what it read is on disk
+        mx.eval(list(self.stored_arrays()))
 
     # -- sizes ------------------------------------------------------------------------
     @property

@@ -67,9 +67,12 @@ class RotatedBasis:
         a batch attends row by row (``kernels.rowwise``). Sinks are per-head logits: no
         basis."""
         self._unattended = False
-        q = rotate(queries.astype(mx.float32))
+        # A batch that attends row by row turns each row on its own too: a BLAS matmul
+        # may round a row differently with the number of rows beside it (AMD EPYC here).
+        turn = rotate_rows if getattr(self, "rowwise", False) else rotate
+        q = turn(queries.astype(mx.float32))
         out = self._attend(q, keys, values, scale=scale, mask=mask, sinks=sinks, sdpa=sdpa)
-        return rotate(out).astype(queries.dtype)
+        return turn(out).astype(queries.dtype)
 
     def _attend(
         self,

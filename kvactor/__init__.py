@@ -37,6 +37,7 @@ from .actors.errors import InvalidAgentId as InvalidAgentId
 from .actors.errors import KvactorError as KvactorError
 from .actors.errors import ModelLoadError as ModelLoadError
 from .actors.errors import StoreWriteError as StoreWriteError
+from .actors.errors import TurnEnded as TurnEnded
 from .actors.errors import UnknownAgent as UnknownAgent
 from .actors.errors import UnsafeCachePath as UnsafeCachePath
 from .actors.handle import Agent as Agent
@@ -107,6 +108,7 @@ __all__ = (
     "TextStream",
     "Tier",
     "Timings",
+    "TurnEnded",
     "TurnStream",
     "UnknownAgent",
     "UnsafeCachePath",

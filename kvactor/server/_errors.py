@@ -9,7 +9,7 @@ import enum
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
-from ..actors import BudgetExceeded, ContextOverflow, EngineStopped, InvalidAgentId
+from ..actors import BudgetExceeded, ContextOverflow, EngineStopped, InvalidAgentId, TurnEnded
 
 
 class Api(enum.Enum):
@@ -61,6 +61,17 @@ _ANTHROPIC_KINDS = {
 CLIENT_CLOSED = 499
 
 
+def ended() -> ApiError:
+    """What a turn that the server's drain ended answers (a 503)."""
+    return ApiError(
+        503,
+        "the server is shutting down: this turn was ended",
+        kind="server_error",
+        code="shutting_down",
+        retry_after=5,
+    )
+
+
 def as_api_error(exc: Exception) -> ApiError:
     """What ``exc``, raised while answering a request, tells the client."""
     if isinstance(exc, ApiError):
@@ -74,6 +85,8 @@ def as_api_error(exc: Exception) -> ApiError:
         return ApiError(400, str(exc), param="agent_id")
     if isinstance(exc, TypeError | ValueError):
         return ApiError(400, str(exc))
+    if isinstance(exc, TurnEnded):
+        return ended()
     if isinstance(exc, EngineStopped):
         return ApiError(503, "the engine stopped", kind="server_error")
     return ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error")

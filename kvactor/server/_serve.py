@@ -145,7 +145,7 @@ async def _stop_on_signals(
 
         async def end_turns() -> None:
             await anyio.sleep(drain_s)
-            state.end_turns()
+            await state.end_turns()
 
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
@@ -176,14 +176,14 @@ async def serve(
     """Open a session (``model`` and ``options`` as ``kvactor.open`` takes them; without
     ``budget_bytes``, :func:`default_budget_bytes`) and serve it until SIGINT / SIGTERM:
     then the server stops taking connections, lets in-flight turns finish (their warm
-    writes included) for up to ``drain_s`` seconds, cancels the rest (what they generated
-    is not saved; their earlier turns are), and the session closes (a second signal
-    stops at once). ``api_keys`` / ``admin_keys``, ``strict_model``: as ``create_app``
-    takes them (no keys: no authentication, said at start). ``port`` 0 picks a free one. Once it
-    listens it prints its start line on stderr (:func:`start_line`; one JSON object with
-    ``json_start``) and calls ``ready(port)``. Raises ValueError for a malformed key
-    entry (before anything starts), what ``kvactor.open`` raises, and OSError when the
-    address cannot be bound."""
+    writes included) for up to ``drain_s`` seconds, ends the rest (``Session.end_turns``:
+    a decoding turn at its next step, saved; one not decoding yet unrun), and the session
+    closes (a second signal stops at once). ``api_keys`` / ``admin_keys``,
+    ``strict_model``: as ``create_app`` takes them (no keys: no authentication, said at
+    start). ``port`` 0 picks a free one. Once it listens it prints its start line on
+    stderr (:func:`start_line`; one JSON object with ``json_start``) and calls
+    ``ready(port)``. Raises ValueError for a malformed key entry (before anything
+    starts), what ``kvactor.open`` raises, and OSError when the address cannot be bound."""
     from ..actors import open as open_session
 
     keys = Keys(api_keys, admin_keys)  # malformed entries fail before the model loads

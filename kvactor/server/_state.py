@@ -4,6 +4,7 @@ clients name, the keys, the limits, the metrics, admission and the agent routing
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -11,11 +12,13 @@ from dataclasses import dataclass, field
 import anyio
 from starlette.requests import Request
 
-from ..actors import Agent, Completion, Session
+from ..actors import Agent, Completion, FinishReason, Session
 from ._admission import Admission
 from ._metrics import Metrics
 from ._routing import AgentRouter, Conversation
 from ._tenants import Keys, Tenant
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,7 +40,8 @@ class ServerState:
     prefetched: set[str] = field(default_factory=set)
     # Invariant: the scopes of the turns a drain would end now; only drainable() adds.
     _drainable: set[anyio.CancelScope] = field(default_factory=set)
-    draining: bool = False  # end_turns() was called: turns end at once
+    draining: bool = False  # end_turns() was called: no turn starts now
+    cutting: bool = False  # end_turns()'s grace is over: every turn is cancelled at once
     # Big bodies are parsed one at a time (``_request.parse_off_loop``).
     big_bodies: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
 
@@ -69,10 +73,11 @@ class ServerState:
         )
 
     @contextlib.contextmanager
-    def drainable(self) -> Iterator[anyio.CancelScope]:
-        """A scope :meth:`end_turns` cancels (see its ``cancelled_caught`` after)."""
+    def drainable(self, *, starting: bool = False) -> Iterator[anyio.CancelScope]:
+        """A scope :meth:`end_turns` cancels (see its ``cancelled_caught`` after): at once
+        for a turn ``starting`` once the drain ended turns, else once its grace is over."""
         scope = anyio.CancelScope()
-        if self.draining:
+        if self.cutting or (starting and self.draining):
             scope.cancel()
         self._drainable.add(scope)
         try:
@@ -81,10 +86,20 @@ class ServerState:
         finally:
             self._drainable.discard(scope)
 
-    def end_turns(self) -> None:
-        """The server is stopping and its drain time is up: end every turn now, and any
-        that starts later at once (each answers so, in its API's shape)."""
+    async def end_turns(self, grace_s: float = 3.0) -> None:
+        """The server is stopping and its drain time is up: no turn starts now, and the
+        session ends the running ones (``Session.end_turns``: a decoding turn at its next
+        step, saved as any turn); each is answered as ended in its API's shape. What
+        still runs ``grace_s`` later is cancelled."""
         self.draining = True
+        deadline = anyio.current_time() + grace_s
+        with anyio.move_on_after(grace_s):
+            try:
+                await self.session.end_turns()
+            except Exception as exc:  # the engine is gone: the cancel below ends them
+                log.warning("could not end the turns in the engine: %s", exc)
+        await anyio.sleep_until(deadline)  # meanwhile turns end and their agents save them
+        self.cutting = True
         for scope in list(self._drainable):
             scope.cancel()
 
@@ -94,8 +109,10 @@ class ServerState:
         return info.vocab_size
 
     def finished(self, agent: Agent, done: Completion, conversation: Conversation) -> None:
-        """A turn is over: remember its conversation (anonymous routing), count it."""
-        self.agents.remember(agent, conversation)
+        """A turn is over: remember its conversation (anonymous routing; not of a turn the
+        drain ended, which its client will not send again), count it."""
+        if done.finish_reason != FinishReason.ENDED:
+            self.agents.remember(agent, conversation)
         prefetched = agent.name in self.prefetched
         self.prefetched.discard(agent.name)
         self.metrics.turn(done, prefetched)

@@ -20,27 +20,16 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..actors import Agent, Completion, ContextOverflow
+from ..actors import Agent, Completion, ContextOverflow, FinishReason
 from ..actors.api import TurnStream
 from ..actors.protocol import ToolCallDelta
-from ._errors import ApiError, ClientGone
+from ._errors import ApiError, ClientGone, ended
 from ._hints import header_hints
 from ._routing import Conversation
 from ._state import server_state, tenant_of
 from ._tools import GRAMMAR_ERRORS, ToolAsk
 
 T = TypeVar("T")
-
-
-def ended() -> ApiError:
-    """What a turn that the server's drain ended answers (a 503)."""
-    return ApiError(
-        503,
-        "the server is shutting down: this turn was ended",
-        kind="server_error",
-        code="shutting_down",
-        retry_after=5,
-    )
 
 
 @dataclass(frozen=True)
@@ -131,6 +120,8 @@ class StreamedTurn:
                 self.cut = True
                 return
             if piece is None:
+                # Ended by the drain at a decode step: saved, counted, answered as ended.
+                self.cut = self.finished().finish_reason == FinishReason.ENDED
                 return
             yield piece
 
@@ -261,13 +252,14 @@ class TurnRequest:
                 state.finished(agent, done, ask.after(done))
             return agent, done
 
-        with state.drainable() as scope:
+        with state.drainable(starting=True):
             try:
-                return await self._unless_gone(run, "whole")
+                agent, done = await self._unless_gone(run, "whole")
             except (TypeError, ValueError) as exc:
                 raise ask.error(exc) from None
-        assert scope.cancelled_caught
-        raise ended()
+            if done.finish_reason != FinishReason.ENDED:
+                return agent, done
+        raise ended()  # by the drain: at a decode step (saved), or cancelled
 
     async def streamed(self, agent_id: str | None, ask: Ask, events: Events) -> StreamingResponse:
         """The turn as server-sent ``events``, once its first piece is there: an error
@@ -284,7 +276,7 @@ class TurnRequest:
             pieces = stream.events()
             return agent, stream, pieces, await anext(pieces, None)
 
-        with state.drainable() as scope:
+        with state.drainable(starting=True) as scope:
             try:
                 agent, stream, pieces, first = await self._unless_gone(begin, "stream")
             except (TypeError, ValueError) as exc:
