@@ -3,11 +3,14 @@
 through the Python API at hot budgets of 25% and 50% of the working set.
 
 Each trace (``bench/_agentic_trace.py``: seeded; shapes round_robin, pipeline, fanout; a
-shared system prompt plus a role per agent; steps of tool results or messages; tool waits)
-is replayed once unbounded first: every turn's time to first token there is its
-``bound_s`` (the new tokens' prefill on a hot cache, then one step: what no policy can
-avoid), and its greedy tokens the reference. Then per budget and policy: per turn
-``ttft_s`` and ``excess_s = ttft_s - bound_s``; per run ``summed_ttft_s``,
+long shared system prompt plus a role per agent; steps of tool results or messages; tool
+waits) is replayed once unbounded first: its greedy tokens are the reference, and what
+each turn prefilled there is what no policy can avoid (the tokens new to the
+conversation). Then per budget and policy: per turn ``ttft_s``, ``bound_s`` (timed in
+the same run: the prefill of the unbounded run's count of new tokens at this turn's own
+prefill rate, its last chunk giving the first token) and ``excess_s = ttft_s - bound_s``
+(getting the cache back: staging, dequantizing, re-prefilling, queueing); per run
+``summed_ttft_s``,
 ``summed_excess_s``, ``p95_ttft_s``, ``wall_s``, ``reloads`` (warm caches installed from
 disk, prefetches included), ``warm_bytes_read``, ``re_prefilled_tokens`` (prefilled beyond
 the unbounded run's), ``hot_hits``, ``peak_bytes`` (never above the budget); per budget
@@ -15,9 +18,16 @@ the unbounded run's), ``hot_hits``, ``peak_bytes`` (never above the budget); per
 ``workflow_vs_lru``, ``workflow_vs_oracle``, ``wrong_vs_lru``.
 
 The budget is the room one turn needs (its working-cache reserve and the largest agent's
-stored cache) plus the fraction of the working set (every agent's stored cache at the end).
-The shared system prompt is a shared context (``Session.context``: prefilled once, its
-cache shared by every agent's first turn); each agent's role comes in its first message.
+stored cache) plus the fraction of the working set: the hot tier's peak in the unbounded
+run, where every agent is hot as the tier keeps one it has room for (its stored cache and
+its float ready copy, from which a turn starts without dequantizing; ``stored_bytes``: the
+stored caches alone).
+The shared system prompt (``--system-words``, ~2,000 tokens: an agent framework's
+instructions and tool definitions) is a shared context (``Session.context``), prefilled
+once for the whole bench and copied into each replay's cache directory as its warm cache;
+its cache is shared by every agent's first turn, so each agent's context is a few
+thousand tokens and a reload costs what it costs there. Each agent's role comes in its
+first message.
 Turns run one at a time (as a workflow engine runs its steps); a tool wait is announced
 to the engine as the server does (``ToolWait``), and the replay does not sleep through it.
 Hints (workflow, oracle): before each step, the distinct agents of the steps after it, as
@@ -153,10 +163,12 @@ async def replay(
 
 
 def budget_for(reference: dict[str, Any], fraction: float, max_tokens: int) -> tuple[int, int]:
-    """(budget, working set): one turn's room plus ``fraction`` of every agent's stored
-    cache at the end of the unbounded run."""
+    """(budget, working set): one turn's room plus ``fraction`` of the working set, what
+    the hot tier held at the peak of the unbounded run (every agent hot as the tier keeps
+    an agent it has room for: its stored cache and its float ready copy, which lets a
+    turn start without dequantizing)."""
     stored = reference["stored"]
-    working = sum(n for n, _ in stored.values())
+    working = reference["peak_bytes"]
     longest = max(t for _, t in stored.values())
     reserve = turn_reserve_bytes(reference["geometry"], longest + max_tokens)
     room = reserve + max(n for n, _ in stored.values())
@@ -263,6 +275,7 @@ async def shape_results(
         out["budgets"][label] = {
             "budget_bytes": budget,
             "working_set_bytes": working,
+            "stored_bytes": sum(n for n, _ in reference["stored"].values()),
             "within_budget": all(r["peak_bytes"] <= budget for r in runs.values()),
             "identical_outputs": identical,
             "policies": runs,
@@ -302,7 +315,7 @@ def http_part(args: argparse.Namespace) -> dict[str, Any]:
         rounds=args.http_rounds,
         seed=args.seed,
         words=(args.min_words, args.max_words),
-        system_words=args.system_words,
+        system_words=args.http_system_words,
     )
     with tempfile.TemporaryDirectory(prefix="kvactor-agentic-http-") as tmp:
         return http_results(trace, Path(tmp), args.max_tokens)
@@ -314,20 +327,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=("default", "tiny"), default="default")
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     p.add_argument("--agents", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--min-words", type=int, default=30)
-    p.add_argument("--max-words", type=int, default=100)
-    p.add_argument("--system-words", type=int, default=80)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--min-words", type=int, default=25)
+    p.add_argument("--max-words", type=int, default=60)
+    p.add_argument("--system-words", type=int, default=1800)
+    p.add_argument("--http-system-words", type=int, default=80)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-http", action="store_true", help="skip the part over HTTP")
     p.add_argument("--http-agents", type=int, default=16)
-    p.add_argument("--http-rounds", type=int, default=3)
+    p.add_argument("--http-rounds", type=int, default=2)
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.agents, args.rounds = "tiny", 5, 2
         args.min_words, args.max_words, args.system_words, args.max_tokens = 4, 16, 20, 4
+        args.http_system_words = 20
         args.http_agents = 4
     return args
 
