@@ -142,6 +142,11 @@ async def replay(
                     "prefilled_tokens": done.timings.prefilled_tokens,
                     # The prefill's own compute (its working copy made before it excluded).
                     "prefill_s": done.timings.prefill_s - done.timings.dequantize_s,
+                    "parts": {  # where the time to first token went (the engine's figures)
+                        "load_s": done.timings.load_s,
+                        "queue_s": done.timings.queue_s,
+                        "dequantize_s": done.timings.dequantize_s,
+                    },
                     "tokens": done.token_ids,
                 }
             )
@@ -191,6 +196,7 @@ def summary(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
                 "ttft_s": turn["ttft_s"],
                 "bound_s": bound,
                 "excess_s": turn["ttft_s"] - bound,
+                **turn["parts"],
             }
         )
         re_prefilled += max(turn["prefilled_tokens"] - ref["prefilled_tokens"], 0)
