@@ -362,7 +362,8 @@ if __name__ == "__main__":
         for key in ("vs_mlx_lm_server", "vs_mlx_lm_server_sized", "after_restart_vs_mlx_lm_server"):
             out[key] = out["http"][key]
     out["total_s"] = time.perf_counter() - began
-    keys = ["workflow_vs_lru", "workflow_vs_oracle", "wrong_vs_lru", "identical_outputs"]
+    keys = ["workflow_vs_lru", "workflow_vs_oracle", "wrong_vs_lru", "oracle_vs_lru"]
+    keys += ["identical_outputs"]
     if not arguments.no_http:
         keys += ["vs_mlx_lm_server", "vs_mlx_lm_server_sized", "after_restart_vs_mlx_lm_server"]
     for key in keys:
