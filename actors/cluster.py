@@ -141,6 +141,7 @@ class ClusterSession(HostCalls):
                     str(self.cache_dir / "hosts" / name),
                     self._options,
                     str(node["NodeID"]),
+                    self._hosts_per_node,
                 )
                 self._hosts[name] = Host(name, handle, str(node["NodeID"]))
         if not self._hosts:

@@ -47,6 +47,7 @@ from .api import TURN_KINDS, TurnKind
 from .config import ModelSpec
 from .errors import CacheRejected, UnknownAgent
 from .handle import Agent
+from .memory_limit import default_memory_limit
 from .opening import open as open_session
 from .protocol import Completion, EngineStats, check_agent_id
 from .session import Session
@@ -84,7 +85,9 @@ class HostInfo(msgspec.Struct, frozen=True):
 
 class EngineHost:
     """One session on this machine: ``model`` with its warm tier in ``cache_dir`` (local
-    disk), opened with ``options`` (``kvactor.open``'s keywords)."""
+    disk), opened with ``options`` (``kvactor.open``'s keywords). Without a
+    ``memory_limit`` among them, the host's is its share of its node's default limit
+    (``hosts_on_node`` hosts share the node's RAM)."""
 
     def __init__(
         self,
@@ -93,11 +96,14 @@ class EngineHost:
         cache_dir: str | os.PathLike[str],
         options: dict[str, Any] | None = None,
         node: str = "",
+        hosts_on_node: int = 1,
     ) -> None:
         self.name = name
         self._model = model
         self.cache_dir = Path(cache_dir)
         self._options = dict(options or {})
+        if "memory_limit" not in self._options:
+            self._options["memory_limit"] = default_memory_limit() // max(1, hosts_on_node)
         self._node = node or os.uname().nodename
         self._session: Session | None = None
         self._opening = asyncio.Lock()

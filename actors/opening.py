@@ -158,8 +158,9 @@ def open(
     (``spawn_agent(name, model="coder")``), each model's agents batch together, and each
     model's warm tier is ``cache_dir/models/<name>``. ``memory_limit``: the bytes the
     session may hold for its models, all counted: weights, activations, hot tiers, MLX's
-    kept buffers (default with ``models``: ``MEMORY_SHARE``, 3/4, of the machine's RAM;
-    given with one ``model``, that model runs under it too). A turn that needs room
+    kept buffers (default: ``MEMORY_SHARE``, 3/4, of the machine's RAM, with one model
+    or several; ``None`` with one model: no limit over the whole, only ``budget_bytes``
+    over its hot tier). A turn that needs room
     demotes idle caches to warm, then unloads an idle model (least recently used; never
     one of ``pin_models``; ``model_ttl_s``: unload one idle that long anyway); a model
     that cannot fit with one turn of its own fails ``open`` with ModelLoadError saying
@@ -167,7 +168,8 @@ def open(
     ``cluster``: the session's engines run as Ray actors over a cluster ("auto", "local",
     an address or ``ray://host:port``), one engine host per node; the keywords then go to
     ``kvactor.actors.cluster.open_cluster`` (``cache_dir`` required; ``hosts_per_node``,
-    ``placement``, ``ray_options``, ``replicas``) and every host's own session. Without it
+    ``placement``, ``ray_options``, ``replicas``) and every host's own session
+    (``memory_limit`` is then each host's; default: its share of its node's). Without it
     Ray is never imported.
 
     Raises TypeError for an unknown keyword, ValueError for a bad value (an
@@ -180,8 +182,10 @@ def open(
     if cluster is not None:
         from .cluster import open_cluster
 
-        if set(options) & set(_MODELS_KEYS):
-            raise TypeError("a cluster session serves one model: no models= or memory_limit=")
+        if set(options) & (set(_MODELS_KEYS) - {"memory_limit"}):
+            raise TypeError(
+                "a cluster session serves one model: no models=, pin_models= or model_ttl_s="
+            )
         if options.get("cache_dir") is None:
             raise ValueError("a cluster keeps each host's warm tier under cache_dir: give one")
         return open_cluster(model, cluster=cluster, **options)
@@ -190,12 +194,14 @@ def open(
         del engine["policy"]  # the default policy
     cache_dir = options.get("cache_dir")
     config = EngineConfig(**engine, persistent=cache_dir is not None)
-    models, limit = options.get("models"), options.get("memory_limit")
+    models = options.get("models")
+    # Absent: MEMORY_SHARE of RAM; None given: no limit over the whole (one model only).
+    limit = options.get("memory_limit", default_memory_limit())
     if models is not None:
         if model is not None:
             raise ValueError("give model or models, not both")
         if limit is None:
-            limit = default_memory_limit()
+            raise ValueError("several models need a memory limit: give bytes or leave it out")
     elif options.get("pin_models") or options.get("model_ttl_s") is not None:
         raise ValueError("pin_models and model_ttl_s are for several models (models=)")
     if limit is not None and (not isinstance(limit, int) or limit < 1):

@@ -1,7 +1,9 @@
 """Decode tokens/s through the actors vs mlx-lm's generate_step called directly on the same
 model and prompt, in the same process; and the engine's pipelined decode (step n+1 built
 and launched before step n's tokens are read) vs reading each step first, at batch 1 and
-batch 8. Rounds alternate the variants against drift; each figure is its best round.
+batch 8; and the default session (under its memory limit over everything: 3/4 of RAM) vs
+one opened with ``memory_limit=None`` (only the hot budget), batch 1 and 8. Rounds alternate
+the variants against drift; each figure is its best round.
 
     python bench/engine_overhead.py [--model PATH] [--tokens 48] [--rounds 3] [--json PATH]
 """
@@ -60,13 +62,26 @@ async def actor_tok_s(session: kvactor.Session, n: int, tag: str, agents: int = 
 async def main(model: str | None, n: int, rounds: int) -> dict[str, Any]:
     lm = load_model(model)  # the direct side's own copy, on this thread
     runs: dict[str, list[float]] = {
-        k: [] for k in ("direct", "pipelined", "unpipelined", "b8_pipelined", "b8_unpipelined")
+        k: []
+        for k in (
+            "direct",
+            "pipelined",
+            "unpipelined",
+            "b8_pipelined",
+            "b8_unpipelined",
+            "unlimited",
+            "b8_unlimited",
+        )
     }
-    async with kvactor.open(model, max_batch=BATCH) as session:
+    async with (
+        kvactor.open(model, max_batch=BATCH) as session,
+        kvactor.open(model, max_batch=BATCH, memory_limit=None) as unlimited,
+    ):
         tokens = session.tokenizer.encode(
             session.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
         )
         await actor_tok_s(session, 4, "warmup")
+        await actor_tok_s(unlimited, 4, "warmup")
         for r in range(rounds):  # alternate the variants against drift
             runs["direct"].append(direct_tok_s(lm, tokens, n))  # blocks the loop: alone
             for pipelined in (True, False):
@@ -74,6 +89,8 @@ async def main(model: str | None, n: int, rounds: int) -> dict[str, Any]:
                 key = "pipelined" if pipelined else "unpipelined"
                 runs[key].append(await actor_tok_s(session, n, f"{key}{r}"))
                 runs[f"b8_{key}"].append(await actor_tok_s(session, n, f"b8{key}{r}", BATCH))
+            runs["unlimited"].append(await actor_tok_s(unlimited, n, f"free{r}"))
+            runs["b8_unlimited"].append(await actor_tok_s(unlimited, n, f"b8free{r}", BATCH))
         DecodeBatch.pipelined = True
     best = {k: max(v) for k, v in runs.items()}
     return {
@@ -86,6 +103,10 @@ async def main(model: str | None, n: int, rounds: int) -> dict[str, Any]:
         "b8_pipelined_tok_s": round(best["b8_pipelined"], 2),
         "b8_unpipelined_tok_s": round(best["b8_unpipelined"], 2),
         "pipeline_gain_b8": round(best["b8_pipelined"] / best["b8_unpipelined"], 3),
+        "unlimited_tok_s": round(best["unlimited"], 2),
+        "b8_unlimited_tok_s": round(best["b8_unlimited"], 2),
+        "limit_vs_unlimited_b1": round(best["pipelined"] / best["unlimited"], 3),
+        "limit_vs_unlimited_b8": round(best["b8_pipelined"] / best["b8_unlimited"], 3),
         "tokens": n,
         "rounds": rounds,
         "runs": {k: [round(x, 2) for x in v] for k, v in runs.items()},
@@ -113,9 +134,16 @@ if __name__ == "__main__":
     )
     print(f"| batch {BATCH}, pipelined | {result['b8_pipelined_tok_s']:.1f} | |")
     print(f"| batch {BATCH}, each step read first | {result['b8_unpipelined_tok_s']:.1f} | |")
+    print(f"| memory_limit=None, batch 1 | {result['unlimited_tok_s']:.1f} | |")
+    print(f"| memory_limit=None, batch {BATCH} | {result['b8_unlimited_tok_s']:.1f} | |")
     print(
         f"pipelined / unpipelined: batch 1 {result['pipeline_gain_b1']:.3f}, "
         f"batch {BATCH} {result['pipeline_gain_b8']:.3f}"
+    )
+    print(
+        f"default memory limit / memory_limit=None: batch 1 "
+        f"{result['limit_vs_unlimited_b1']:.3f}, batch {BATCH} "
+        f"{result['limit_vs_unlimited_b8']:.3f}"
     )
     if args.json:
         write_json(args.json, result)

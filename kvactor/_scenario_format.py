@@ -142,7 +142,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     - ``models``: several models in one session, by name (``{ router = "tiny", coder =
       "tiny:1" }``: "tiny:SEED" is a tiny model of other weights); each agent's ``model``
       picks one. ``memory_limit_mb`` (10^6 bytes): the session's limit over weights and
-      caches (``kvactor.open(memory_limit=...)``; default with models: 3/4 of RAM).
+      caches (``kvactor.open(memory_limit=...)``; default: 3/4 of RAM).
     """
 
     name: str

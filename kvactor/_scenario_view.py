@@ -132,12 +132,17 @@ def format_summary(results: Results) -> list[str]:
         f"{stats.generated_tokens} tokens generated; wall time {results.wall_s:.1f} s."
     )
     if stats.memory_limit_bytes is not None:
-        paragraphs.append(
+        memory = (
             f"memory: peak {size(stats.memory_peak_bytes)} counted (weights, activations, "
-            f"caches, MLX's kept buffers) of a {size(stats.memory_limit_bytes)} limit; "
-            f"{stats.models_loaded} models loaded at the end, {stats.model_loads} loads and "
-            f"{stats.model_unloads} unloads for room (median swap {stats.swap_s:.2f} s)."
+            f"caches, MLX's kept buffers) of a {size(stats.memory_limit_bytes)} limit"
         )
+        if stats.models_loaded > 1 or stats.model_loads or stats.model_unloads:
+            memory += (
+                f"; {stats.models_loaded} model(s) loaded at the end, {stats.model_loads} "
+                f"loads and {stats.model_unloads} unloads for room (median swap "
+                f"{stats.swap_s:.2f} s)"
+            )
+        paragraphs.append(memory + ".")
     if stats.warm_write_failures:
         paragraphs.append(
             f"warm tier: {stats.warm_write_failures} of "

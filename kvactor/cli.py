@@ -142,6 +142,11 @@ def _size(text: str) -> int:
     return int(value * units[unit])
 
 
+def _memory_limit(text: str) -> int:
+    """``_size``, or 0 for ``none`` (no limit over the whole: only the hot budget)."""
+    return 0 if text.strip().lower() == "none" else _size(text)
+
+
 _CODECS = ("default", "q8", "fp16")  # kvactor serve --codec (kvactor.server._cli.CODECS)
 
 
@@ -325,9 +330,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     serve.add_argument(
         "--memory-limit",
-        type=_size,
+        type=_memory_limit,
         help="bytes the session may hold for models, caches and MLX, with K, M, G "
-        "(default with several models: 3/4 of memory)",
+        "(default: 3/4 of memory; 'none': one model bounded by its hot budget only)",
     )
     serve.add_argument(
         "--tool-wait-s",

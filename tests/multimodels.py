@@ -40,3 +40,14 @@ def swap_limit() -> int:
     assert room <= limit - kept_buffer_bytes(limit)
     assert fixed_a + fixed_b + turn // 4 > limit - kept_buffer_bytes(limit)
     return limit
+
+
+def hot_pool(kv: Any, model: str | None = None) -> Any:
+    """Looking inside: the hot tier (``Pool``) of ``model`` (None: the session's first)
+    in ``kv``'s engine actor, one model's engine or a ``ModelsEngine``'s slot."""
+    actor: Any = kv.engine._cell._actor
+    slots = getattr(actor, "_slots", None)
+    if slots is not None:
+        name = model if model is not None else next(iter(slots))
+        actor = slots[name].engine
+    return actor.pool

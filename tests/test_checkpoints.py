@@ -16,6 +16,7 @@ import anyio
 import mlx.core as mx
 import pytest
 import safetensors.numpy
+from multimodels import hot_pool
 
 import kvactor
 from kvactor.actors._batch import DecodeBatch
@@ -40,7 +41,7 @@ def tiny(family: str) -> Any:
 
 
 def _pool(kv: Any) -> Any:
-    return kv.engine._cell._actor.pool  # looking inside: the engine actor's hot tier
+    return hot_pool(kv)
 
 
 def _prompts(first: kvactor.Completion, second: kvactor.Completion | None = None) -> list[str]:

@@ -20,6 +20,7 @@ import pytest
 import kvactor
 from kvactor._inspect import format_table, inspect_rows
 from kvactor.actors.host import EngineHost
+from kvactor.actors.memory_limit import default_memory_limit
 from kvactor.actors.model import make_tiny_model
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
@@ -84,6 +85,17 @@ async def test_a_host_takes_hints_about_its_agents(tmp_path: Path) -> None:
         assert again.path == kvactor.Tier.HOT
     finally:
         await host.close()
+
+
+async def test_a_hosts_memory_limit_is_its_share_of_its_nodes(tmp_path: Path) -> None:
+    shared = EngineHost("a", tiny, tmp_path / "a", hosts_on_node=2)
+    given = EngineHost("b", tiny, tmp_path / "b", {"memory_limit": 1 << 30}, hosts_on_node=2)
+    try:
+        assert (await shared.info()).stats.memory_limit_bytes == default_memory_limit() // 2
+        assert (await given.info()).stats.memory_limit_bytes == 1 << 30
+    finally:
+        await shared.close()
+        await given.close()
 
 
 async def test_hostile_or_corrupted_files_in_transit_are_refused(tmp_path: Path) -> None:

@@ -10,9 +10,9 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
+from multimodels import hot_pool
 
 import kvactor
 from kvactor.actors.enums import Tier
@@ -30,8 +30,7 @@ async def test_a_fork_resumes_from_the_source_cache_and_then_goes_its_own_way() 
         engine_before = (await kv.stats()).installs
         fork = await kv.fork("src", "copy")
         # Hot at once, no copy: the fork's stored arrays are the source's own objects.
-        engine: Any = kv.engine._cell._actor  # looking inside: the engine actor's pool
-        pool = engine.pool
+        pool = hot_pool(kv)  # looking inside: the engine actor's hot tier
         src_kv, fork_kv = pool.get("src").kv, pool.get("copy").kv
         assert fork_kv.tokens == src_kv.tokens and fork_kv is not src_kv
         assert fork_kv.ranges[0].layers[0][0]["q"] is src_kv.ranges[0].layers[0][0]["q"]

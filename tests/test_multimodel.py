@@ -20,6 +20,7 @@ from kvactor.actors.config import turn_reserve_bytes
 from kvactor.actors.memory_limit import (
     attention_heads,
     attention_score_bytes,
+    default_memory_limit,
 )
 
 PROMPTS = ["hello there", "and now something else", "a third turn"]
@@ -187,6 +188,19 @@ async def test_memory_limit_options_are_checked() -> None:
         kvactor.open(models=MODELS, pin_models=["nope"])
     with pytest.raises(ValueError, match="several models"):
         kvactor.open(A, pin_models=["x"])
+
+
+async def test_every_session_has_the_default_memory_limit_unless_told_none() -> None:
+    async with kvactor.open(A) as session:  # one model, no limit given: 3/4 of RAM
+        await (await session.spawn_agent("a")).generate("hello", max_tokens=3)
+        stats = await session.stats()
+        assert stats.memory_limit_bytes == default_memory_limit()
+        assert 0 < stats.memory_bytes <= stats.memory_limit_bytes
+    async with kvactor.open(A, memory_limit=None) as session:  # opted out
+        await (await session.spawn_agent("a")).generate("hello", max_tokens=3)
+        assert (await session.stats()).memory_limit_bytes is None
+    with pytest.raises(ValueError, match="several models need a memory limit"):
+        kvactor.open(models=MODELS, memory_limit=None)
 
 
 async def test_one_model_under_a_memory_limit() -> None:

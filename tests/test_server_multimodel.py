@@ -13,7 +13,7 @@ from multimodels import MODELS, A, B, swap_limit
 from serving import metric, running
 
 import kvactor
-from kvactor.server._cli import served_models
+from kvactor.server._cli import _options, served_models
 
 ASK = [{"role": "user", "content": "write a haiku"}]
 
@@ -115,3 +115,7 @@ def test_the_serve_command_line_takes_several_models_and_a_limit() -> None:
     assert args.memory_limit == 64 << 20
     one = build_parser().parse_args(["serve", "--model", "a.gguf"])
     assert served_models(one) == ("a.gguf", None) and one.memory_limit is None
+    assert "memory_limit" not in _options(one)  # open()'s default: 3/4 of RAM
+    unbounded = build_parser().parse_args(["serve", "a.gguf", "--memory-limit", "none"])
+    assert _options(unbounded)["memory_limit"] is None
+    assert _options(args)["memory_limit"] == 64 << 20

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import safetensors.numpy
+from multimodels import hot_pool
 
 import kvactor
 from kvactor.actors.enums import Tier
@@ -31,7 +32,7 @@ MODES: list[kvactor.Attention] = ["dequantized", "quantized"]
 
 
 def _pool(kv: Any) -> Any:
-    return kv.engine._cell._actor.pool  # looking inside: the engine actor's hot tier
+    return hot_pool(kv)
 
 
 async def _run(

@@ -70,8 +70,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options["deterministic"] = True
     if args.tool_wait_s is not None:
         options["tool_wait_s"] = args.tool_wait_s
-    if getattr(args, "memory_limit", None) is not None:
-        options["memory_limit"] = args.memory_limit
+    if getattr(args, "memory_limit", None) is not None:  # 0: 'none', no limit
+        options["memory_limit"] = args.memory_limit or None
     return options
 
 
