@@ -24,6 +24,7 @@ class HotEntry:
     through the pool's methods."""
 
     __slots__ = (
+        "_due_bytes",
         "_hits",
         "_last_used",
         "_next_use",
@@ -55,6 +56,7 @@ class HotEntry:
         self._turn_reserve: int | None = None  # while its turn's working cache exists
         self._turn_stored = 0  # its stored bytes when the turn started (what it adds counts)
         self._write_due = False  # its turn ended: the agent is about to export new tokens
+        self._due_bytes = 0  # what that export will pin, held in the budget until it does
         # Its first ranges are another agent's (source, tokens) shared at a turn's start,
         # and nothing of it is on disk yet: its first write may link that agent's segments.
         self._shared_from: tuple[str, int] | None = None

@@ -222,7 +222,7 @@ class CachePool(Demotion, WarmTraffic):
         seen: set[int] = set()
         used = self._batch_bytes
         for e in self._entries.values():
-            used += e.kv.work_bytes + e.kv.ready_bytes
+            used += e.kv.work_bytes + e.kv.ready_bytes + (e._due_bytes if e._write_due else 0)
             if not e.kv.shared:  # the common case, per decode step: no set of ids
                 used += e.kv.stored_bytes
                 continue
@@ -345,6 +345,8 @@ class CachePool(Demotion, WarmTraffic):
         self.hints.turn_took(time.monotonic() - entry._last_used)  # queued at _last_used
         entry._last_used = time.monotonic()
         entry._write_due = finished and self.persistent and not entry.clean
+        if entry._write_due:  # its export pins these: the room stays taken until it does
+            entry._due_bytes = sum(r.nbytes for r in kv.ranges_from(entry.persisted))
         self.measure()
         self.grant_waiters()
 

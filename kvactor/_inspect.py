@@ -256,11 +256,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         out = {"root": str(root), "directories": directories, "memory": memory}
         print(json.dumps(out, indent=2, default=str))
         return code
-    if memory is not None:
-        models = ", ".join(str(m) for m in memory.get("models", []))
-        limit = int(memory.get("memory_limit_bytes", 0))
-        print(f"memory limit {size(limit)} over models {models} (the last session here)")
-    if args.dir is not None and not several:  # one directory: its table alone
+    if args.dir is not None and not several:  # one directory: its table alone (for scripts)
         if not directories[0].get("error"):
             print(format_table(directories[0]["agents"], verbose=args.verbose))
         return code
@@ -270,4 +266,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     for i, directory in enumerate(shown):
         table_text = format_table(directory["agents"], verbose=args.verbose)
         print(*([""] if i else []), _heading(directory), table_text, sep="\n")
+    if memory is not None:
+        models = ", ".join(str(m) for m in memory.get("models", []))
+        limit = int(memory.get("memory_limit_bytes", 0))
+        print(f"\nmemory limit {size(limit)} over models {models} (the last session here)")
     return code

@@ -58,15 +58,16 @@ def turn(pool: CachePool, lm: LoadedModel, agent: str, n: int, *, persist: bool)
 def test_room_answers_are_typed_and_count_in_the_budget(lm: LoadedModel) -> None:
     pool = new_pool(lm, 100_000)
     size = turn(pool, lm, "hot", 20, persist=False)
+    held = 2 * size  # its stored cache, and the room its export (to come) will pin
     assert pool.reserve("hot", 10) is Room.HOT
     assert pool.reserve("big", 100_001) is Room.TOO_BIG
     assert pool.reserve("a", 50_000) is Room.RESERVED
     assert pool.reserve("a", 50_000) is Room.RESERVED  # held already
-    assert pool.measure() == size + 50_000
+    assert pool.measure() == held + 50_000
     # "hot" is not on disk: it cannot be demoted, so there is no room for another staging.
-    assert pool.reserve("b", 100_000 - size - 49_999) is Room.NO_ROOM
+    assert pool.reserve("b", 100_000 - held - 49_999) is Room.NO_ROOM
     pool.release("a")
-    assert pool.measure() == size
+    assert pool.measure() == held
     assert pool.reserve("b", 40_000) is Room.RESERVED
     installed = pool.install("b", 0, lambda: AgentKV(DEFAULT_CODEC, lm.geometry), pin=True)
     assert installed and pool.installs == 1 and "b" in pool
@@ -74,12 +75,27 @@ def test_room_answers_are_typed_and_count_in_the_budget(lm: LoadedModel) -> None
         pool.install("c", 200_000, lambda: AgentKV(DEFAULT_CODEC, lm.geometry), pin=False)
 
 
+def test_a_finished_turns_export_holds_its_room_from_the_turns_end(lm: LoadedModel) -> None:
+    # Between a turn's end and its agent's export, the bytes the export will pin count: a
+    # staging granted in that gap would put the budget over once the export pins them.
+    size = turn(new_pool(lm, None), lm, "x", 20, persist=False)
+    pool = new_pool(lm, 2 * size + 10)
+    assert turn(pool, lm, "a", 20, persist=False) == size  # ended; its write is due
+    assert pool.measure() == 2 * size  # stored, and its export to come
+    assert pool.reserve("b", size) is Room.NO_ROOM  # "a" cannot go: it is being written
+    exported = pool.export("a")
+    assert pool.measure() == 2 * size  # the pin took the held room's place
+    pool.written("a", exported.export_id, len(exported.tokens))
+    assert pool.measure() == size
+    assert pool.reserve("b", size) is Room.RESERVED
+
+
 def test_demotion_is_least_recent_first_and_counted_by_tier(lm: LoadedModel) -> None:
     for persistent, tier in ((True, Tier.WARM), (False, Tier.COLD)):
         pool = new_pool(lm, None, persistent=persistent)
         sizes = {a: turn(pool, lm, a, 30, persist=True) for a in ("old", "mid", "new")}
-        unsaved = turn(pool, lm, "unsaved", 30, persist=False)
-        pool.limit = sum(sizes.values()) + unsaved  # full
+        turn(pool, lm, "unsaved", 30, persist=False)
+        pool.limit = pool.measure()  # full (with unsaved's export to come, when persistent)
         assert pool.make_room(sizes["old"])
         assert "old" not in pool and {"mid", "new", "unsaved"} <= {
             a for a in ("mid", "new", "unsaved") if a in pool
