@@ -11,8 +11,8 @@ session swaps models at every turn of the other model.
   of one turn and what loading it holds at its peak beyond the weights (measured), and a
   sixteenth for MLX's kept buffers, plus 1/8 of a turn for the caches: room for one model
   at a time).
-- separate: two sessions (one per model, no limit, their own ``cache_dir``), open at the
-  same time, the same turns in the same order.
+- separate: two sessions (one per model, ``memory_limit=None``, their own ``cache_dir``),
+  open at the same time, the same turns in the same order.
 
 Output (``--json PATH``): ``limit_bytes``; ``peak_bytes``: the larger of the session's own
 count's peak (``stats().memory_peak_bytes``: weights, activations, hot tiers, MLX's kept
@@ -146,8 +146,8 @@ async def separate(models: dict[str, Any], args: argparse.Namespace, root: Path)
     roles = _roles(models, args.agents)
     mx.reset_peak_memory()
     async with (
-        kvactor.open(models["router"], cache_dir=root / "router") as a,
-        kvactor.open(models["coder"], cache_dir=root / "coder") as b,
+        kvactor.open(models["router"], cache_dir=root / "router", memory_limit=None) as a,
+        kvactor.open(models["coder"], cache_dir=root / "coder", memory_limit=None) as b,
     ):
         sessions = {"router": a, "coder": b}
         agents = {
