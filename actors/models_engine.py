@@ -30,6 +30,7 @@ from .engine import EngineActor, _settle_random_state
 from .enums import Room
 from .errors import BudgetExceeded, ModelLoadError, TurnEnded, UnknownAgent
 from .memory_limit import (
+    MEMORY_SHARE,
     activation_bytes,
     kept_buffer_bytes,
     mlx_memory,
@@ -163,7 +164,8 @@ class ModelsEngine(ThreadActor):
                     f"(weights {slot.weights}, activations {slot.fixed - slot.weights}, "
                     f"the larger of one turn {slot.turn} and loading's transient "
                     f"{slot.load_extra}, MLX's kept buffers {self._kept}); the memory "
-                    f"limit is {self.limit} bytes"
+                    f"limit is {self.limit} bytes (memory_limit= sets it; by default "
+                    f"{MEMORY_SHARE:.0%} of RAM)"
                 )
         for other in sorted(self._loaded(), key=lambda s: s.last_used):
             if self.count() + max(s.turn for s in self._loaded()) <= self.limit:
