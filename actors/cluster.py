@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any
 import anyio
 
 from ._host_calls import Host, HostCalls, unwrap
+from ._ray_connect import connect, loopback_before_import
 from .cluster_agent import ClusterAgent
 from .config import ModelSpec
 from .errors import HostLost
@@ -121,7 +121,7 @@ class ClusterSession(HostCalls):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if not ray.is_initialized():
-            self._started_ray = _connect(self._cluster, self._ray_options)
+            self._started_ray = connect(self._cluster, self._ray_options)
         nodes = sorted(
             (n for n in ray.nodes() if n.get("Alive")), key=lambda n: str(n.get("NodeID"))
         )
@@ -350,6 +350,21 @@ class ClusterSession(HostCalls):
                 prefetch,
             )
 
+    async def end_turns(self) -> int:
+        """``Session.end_turns`` on every host still here, for a close to come: decoding
+        turns end at their next step and are saved; others fail with TurnEnded. Returns
+        how many turns the hosts ended."""
+        ended = 0
+        for host in list(self._hosts.values()):
+            if host.name in self._lost:
+                continue
+            try:
+                ended += await self._call(host, "end_turns")
+            except HostLost:
+                if host.name not in self._lost:
+                    raise
+        return ended
+
     async def place(self, name: str, host: str) -> Migration | None:
         """Move agent ``name`` to ``host`` with its cache (None when it is there already).
         Its host saves and releases it, the new host verifies and adopts its files, then
@@ -400,66 +415,6 @@ class ClusterSession(HostCalls):
                 moves.append(moved)
 
 
-# Ray gives a local node this machine's network address even when told 127.0.0.1, and its
-# GCS, raylet, workers and agents listen there or on every interface. Unless this is set
-# when Ray is imported: then the node's address is the loopback one, and every server of
-# the local cluster listens on 127.0.0.1 only (checked with Ray 2.40 and 2.60:
-# tests/test_cluster_loopback.py).
-LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-def _loopback_before_import(cluster: str) -> None:
-    """Before Ray is imported for ``cluster``: a cluster that may start here ("auto",
-    "local") will listen on 127.0.0.1 only (an explicit setting of LOOPBACK_ENV stays)."""
-    if cluster in ("auto", "local") and "ray" not in sys.modules:
-        os.environ.setdefault(LOOPBACK_ENV, "0")
-
-
-def _loopback_in_effect() -> bool:
-    """Whether a local node started now takes 127.0.0.1 (LOOPBACK_ENV was set when Ray
-    was imported); read from Ray, which reads the variable once."""
-    from ray._private import ray_constants
-
-    return not ray_constants.ENABLE_RAY_CLUSTER
-
-
-def _connect(cluster: str, options: dict[str, Any]) -> bool:
-    """Connect to the Ray cluster ``cluster`` ("auto": a running one, else a new local one;
-    "local": a new local one; else an address or ``ray://host:port``). Returns whether a
-    local cluster was started here: it listens on 127.0.0.1 only (its dashboard off) and
-    stops with the session. A local cluster started after Ray was imported without
-    LOOPBACK_ENV listens on the machine's address: said in a warning."""
-    import ray
-
-    local = {
-        "include_dashboard": False,
-        "log_to_driver": False,
-        "_node_ip_address": "127.0.0.1",
-        **options,
-    }
-
-    def start_local() -> bool:
-        if not _loopback_in_effect():
-            log.warning(
-                "Ray was imported before kvactor started a local cluster, without %s=0: "
-                "the cluster listens on this machine's network address, not only 127.0.0.1",
-                LOOPBACK_ENV,
-            )
-        ray.init(**local)
-        return True
-
-    if cluster == "auto":
-        try:
-            ray.init(address="auto", log_to_driver=False)
-            return False
-        except ConnectionError:
-            return start_local()
-    if cluster == "local":
-        return start_local()
-    ray.init(address=cluster, log_to_driver=False)
-    return False
-
-
 def open_cluster(
     model: ModelSpec = None,
     *,
@@ -480,7 +435,7 @@ def open_cluster(
     turn, so that a host gone for good loses no cache; ``options`` go to each host's
     ``kvactor.open`` (``budget_bytes``, ``max_batch`` ...). Raises ImportError without Ray
     (``pip install 'kvactor[ray]'``)."""
-    _loopback_before_import(cluster)
+    loopback_before_import(cluster)
     try:
         import ray  # noqa: F401
     except ImportError:

@@ -254,6 +254,10 @@ class EngineHost:
     async def forget(self, name: str) -> Forgotten:
         return await (await self._open()).forget(name)
 
+    async def end_turns(self) -> int:
+        """End this host's turns (``Session.end_turns``); 0 when its session is not open."""
+        return 0 if self._session is None else await self._session.end_turns()
+
     # -- migration --------------------------------------------------------------------
     async def export(self, name: str) -> dict[str, bytes]:
         """Release agent ``name`` (its last turn saved, its hot cache dropped) and hand over

@@ -87,6 +87,19 @@ async def test_a_host_takes_hints_about_its_agents(tmp_path: Path) -> None:
         await host.close()
 
 
+async def test_a_host_ends_its_turns(tmp_path: Path) -> None:
+    host = EngineHost("a", tiny, tmp_path / "a")
+    try:
+        assert await host.end_turns() == 0  # not open yet: nothing to end
+        await host.spawn("x", system="You help.")
+        await _talk(host, "x", "first question")
+        assert await host.end_turns() == 0  # open, nothing running
+        with pytest.raises(kvactor.TurnEnded):
+            await _talk(host, "x", "second question")
+    finally:
+        await host.close()
+
+
 async def test_a_hosts_memory_limit_is_its_share_of_its_nodes(tmp_path: Path) -> None:
     shared = EngineHost("a", tiny, tmp_path / "a", hosts_on_node=2)
     given = EngineHost("b", tiny, tmp_path / "b", {"memory_limit": 1 << 30}, hosts_on_node=2)
@@ -275,6 +288,12 @@ async def test_placement_affinity_and_migration_on_a_local_cluster(tmp_path: Pat
         assert kv.agent("a0").host == target
         again = await kv.agent("a0").generate("third question", **GREEDY)
         assert again.path == kvactor.Tier.WARM and again.timings.reused_tokens > 0
+        # Ending the turns (a close to come) reaches every host: nothing starts after it.
+        ends = [await kv.spawn_agent(f"end{i}", host=f"h{i}") for i in range(2)]
+        assert await kv.end_turns() == 0  # none was running
+        for agent in ends:
+            with pytest.raises(kvactor.TurnEnded):
+                await agent.generate("one more", **GREEDY)
 
 
 @pytest.mark.ray
