@@ -150,21 +150,19 @@ def open(
     its agent's cache hot ahead of idle agents, for the turn that brings the results.
     ``deterministic`` (False): a row's greedy answer never depends on what else runs in
     its batch (batch-invariant decode, ~10% slower on a CPU; see EngineConfig).
-    EngineConfig). ``checkpoints`` (models with recurrent layers: Qwen3.5, Mamba-2 ...): how
-    many stored ranges of an agent keep the recurrent states at their end (default 4: the
-    last two turns' prompts and answers), where a diverging turn can resume.
-    ``models``: several models in one session, by name (``{"router": path_a, "coder":
-    path_b}``; give no ``model`` then): one engine holds them all, each agent runs one
-    (``spawn_agent(name, model="coder")``), each model's agents batch together, and each
-    model's warm tier is ``cache_dir/models/<name>``. ``memory_limit``: the bytes the
-    session may hold for its models, all counted: weights, activations, hot tiers, MLX's
-    kept buffers (default: ``MEMORY_SHARE``, 3/4, of the machine's RAM, with one model
-    or several; ``None`` with one model: no limit over the whole, only ``budget_bytes``
-    over its hot tier). A turn that needs room
-    demotes idle caches to warm, then unloads an idle model (least recently used; never
-    one of ``pin_models``; ``model_ttl_s``: unload one idle that long anyway); a model
-    that cannot fit with one turn of its own fails ``open`` with ModelLoadError saying
-    what it needs.
+    ``checkpoints`` (recurrent layers: Qwen3.5, Mamba-2 ...): how many stored ranges of an
+    agent keep the recurrent states at their end (default 4: the last two turns' prompts
+    and answers), where a diverging turn can resume.
+    ``models``: several models in one session, by name (``{"router": path_a, "coder": path_b}``;
+    give no ``model`` then): one engine holds them all, each agent runs one (``spawn_agent(name,
+    model="coder")``), each model's agents batch together, and each model's warm tier is
+    ``cache_dir/models/<name>``. ``memory_limit``: the bytes the session may hold for its
+    models, all counted: weights, activations, hot tiers, MLX's kept buffers (default:
+    ``MEMORY_SHARE``, 3/4, of the machine's RAM, with one model or several; ``None`` with one
+    model: no limit over the whole, only ``budget_bytes`` over its hot tier). A turn that needs
+    room demotes idle caches to warm, then unloads an idle model (least recently used; never one
+    of ``pin_models``; ``model_ttl_s``: unload one idle that long anyway); a model that cannot
+    fit with one turn of its own fails ``open`` with ModelLoadError saying what it needs.
     ``cluster``: the session's engines run as Ray actors over a cluster ("auto", "local",
     an address or ``ray://host:port``), one engine host per node; the keywords then go to
     ``kvactor.actors.cluster.open_cluster`` (``cache_dir`` required; ``hosts_per_node``,
