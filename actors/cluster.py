@@ -240,18 +240,22 @@ class ClusterSession(HostCalls):
             return said
 
     # -- the Session API --------------------------------------------------------------
-    async def hosts(self) -> list[HostInfo]:
-        """What every host says of itself, by name."""
-        infos = []
+    async def _each_host(self, method: str) -> list[Any]:
+        """``method``'s answer from every host still here (one lost meanwhile is left out)."""
+        answers = []
         for host in list(self._hosts.values()):
             if host.name in self._lost:
                 continue
             try:
-                infos.append(await self._call(host, "info"))
+                answers.append(await self._call(host, method))
             except HostLost:
                 if host.name not in self._lost:
                     raise
-        return infos
+        return answers
+
+    async def hosts(self) -> list[HostInfo]:
+        """What every host says of itself, by name."""
+        return await self._each_host("info")
 
     async def stats(self) -> ClusterStats:
         return ClusterStats(
@@ -354,16 +358,7 @@ class ClusterSession(HostCalls):
         """``Session.end_turns`` on every host still here, for a close to come: decoding
         turns end at their next step and are saved; others fail with TurnEnded. Returns
         how many turns the hosts ended."""
-        ended = 0
-        for host in list(self._hosts.values()):
-            if host.name in self._lost:
-                continue
-            try:
-                ended += await self._call(host, "end_turns")
-            except HostLost:
-                if host.name not in self._lost:
-                    raise
-        return ended
+        return sum(await self._each_host("end_turns"))
 
     async def place(self, name: str, host: str) -> Migration | None:
         """Move agent ``name`` to ``host`` with its cache (None when it is there already).
