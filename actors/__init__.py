@@ -6,11 +6,10 @@ from __future__ import annotations
 if __name__ != "kvactor.actors":  # one import name per file: see docs/layout.md
     raise ImportError(f"import kvactor.actors, not {__name__}: each file has one import name")
 
-from ._tokenizer import Detokenizer as Detokenizer
-from ._tokenizer import Tokenizer as Tokenizer
-from .config import Attention as Attention
-from .config import EngineConfig as EngineConfig
+from ..runtime import KvactorError as KvactorError
+from .engine import Attention as Attention
 from .engine import EngineActor as EngineActor
+from .engine import EngineConfig as EngineConfig
 from .enums import FinishReason as FinishReason
 from .enums import Match as Match
 from .enums import Room as Room
@@ -25,34 +24,35 @@ from .errors import CacheRejected as CacheRejected
 from .errors import ContextOverflow as ContextOverflow
 from .errors import EngineStopped as EngineStopped
 from .errors import InvalidAgentId as InvalidAgentId
-from .errors import KvactorError as KvactorError
 from .errors import ModelExportError as ModelExportError
 from .errors import ModelLoadError as ModelLoadError
 from .errors import StoreWriteError as StoreWriteError
 from .errors import TurnEnded as TurnEnded
 from .errors import UnknownAgent as UnknownAgent
 from .errors import UnsafeCachePath as UnsafeCachePath
-from .handle import Agent as Agent
-from .handle import TextStream as TextStream
-from .model import LoadedModel as LoadedModel
-from .model import default_model_path as default_model_path
-from .model import fetch_default_model as fetch_default_model
-from .model import load_model as load_model
-from .model import make_tiny_model as make_tiny_model
+from .hot import CachePool as CachePool
+from .hot import Candidate as Candidate
+from .hot import EvictionPolicy as EvictionPolicy
+from .hot import LRUPolicy as LRUPolicy
+from .models import Detokenizer as Detokenizer
+from .models import LoadedModel as LoadedModel
+from .models import Tokenizer as Tokenizer
+from .models import default_model_path as default_model_path
+from .models import fetch_default_model as fetch_default_model
+from .models import load_model as load_model
+from .models import make_tiny_model as make_tiny_model
 from .opening import open as open
-from .policy import Candidate as Candidate
-from .policy import EvictionPolicy as EvictionPolicy
-from .policy import LRUPolicy as LRUPolicy
-from .pool import CachePool as CachePool
-from .protocol import CacheInfo as CacheInfo
-from .protocol import Completion as Completion
-from .protocol import EngineStats as EngineStats
-from .protocol import ModelInfo as ModelInfo
-from .protocol import Sampling as Sampling
-from .protocol import Timings as Timings
+from .options import Sampling as Sampling
+from .records import CacheInfo as CacheInfo
+from .records import Completion as Completion
+from .records import EngineStats as EngineStats
+from .records import ModelInfo as ModelInfo
+from .records import Timings as Timings
+from .session import Agent as Agent
 from .session import Session as Session
-from .store import WarmInfo as WarmInfo
-from .store import default_cache_dir as default_cache_dir
+from .session import TextStream as TextStream
+from .warm import WarmInfo as WarmInfo
+from .warm import default_cache_dir as default_cache_dir
 
 __all__ = (
     "Agent",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ..runtime import KvactorError
 
 if TYPE_CHECKING:
-    from .protocol import Completion
+    from .records import Completion
 
 __all__ = (
     "AgentBusy",

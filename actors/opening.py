@@ -1,108 +1,18 @@
-"""``kvactor.open()``: a session on a model, in this process or over a cluster.
-
-Its keywords are declared once, in :class:`OpenOptions` (and :class:`ClusterOptions` for
-the cluster's own); their defaults are :class:`~kvactor.actors.config.EngineConfig`'s and
-the session's.
-"""
+"""``kvactor.open()``: a session on a model, in this process or over a cluster: the one
+entry that chooses between the two (the top of ``kvactor.actors``' layers)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, overload
+from typing import TYPE_CHECKING, Any, overload
 
-from ..kernels.qcodec import KVCodec
-from .config import Attention, EngineConfig, ModelSpec
-from .memory_limit import default_memory_limit
-from .policy import EvictionPolicy
-from .session import OnSaveError, Session
+from .cluster import CLUSTER_KEYS, ClusterOptions, ClusterSession, open_cluster
+from .engine import ModelSpec
+from .session import MODELS_KEYS, Opening, OpenOptions, Session, open_session
 
 if TYPE_CHECKING:
     from typing import Unpack
 
-    from .cluster import ClusterSession
-    from .placement import PlacementPolicy
-
-__all__ = ("ClusterOptions", "OpenOptions", "Opening", "open")
-
-_T = TypeVar("_T")
-
-
-class OpenOptions(TypedDict, total=False):
-    """The keywords of ``kvactor.open`` (see its doc for what each does)."""
-
-    max_batch: int
-    prefill_chunk: int
-    weights: str
-    mailbox_size: int
-    budget_bytes: int | None
-    codec: KVCodec | None
-    policy: EvictionPolicy | None
-    cache_dir: str | os.PathLike[str] | None
-    delete_rejected: bool
-    attention: Attention
-    on_save_error: OnSaveError
-    ready_copies: bool
-    share_prefixes: bool
-    deterministic: bool
-    tool_wait_s: float
-    checkpoints: int
-    models: Mapping[str, ModelSpec] | None
-    memory_limit: int | None
-    pin_models: tuple[str, ...] | list[str]
-    model_ttl_s: float | None
-
-
-class ClusterOptions(OpenOptions, total=False):
-    """``kvactor.open``'s keywords with ``cluster=``: each host's, plus the cluster's own
-    (``kvactor.actors.cluster.open_cluster``)."""
-
-    hosts_per_node: int
-    placement: PlacementPolicy | None
-    ray_options: dict[str, Any] | None
-    replicas: int
-
-
-_SESSION_KEYS = ("mailbox_size", "cache_dir", "delete_rejected", "on_save_error")
-_MODELS_KEYS = ("models", "memory_limit", "pin_models", "model_ttl_s")
-_ENGINE_KEYS = tuple(
-    k for k in OpenOptions.__annotations__ if k not in _SESSION_KEYS + _MODELS_KEYS
-)
-_CLUSTER_KEYS = tuple(
-    k for k in ClusterOptions.__annotations__ if k not in OpenOptions.__annotations__
-)
-
-
-class Opening(Generic[_T]):
-    """What ``open()`` returns: await it (the started session), or use it as ``async
-    with`` (closed on the way out). ``start`` starts the session; ``close`` is its
-    ``__aexit__``."""
-
-    def __init__(
-        self,
-        start: Callable[[], Coroutine[Any, Any, _T]],
-        close: Callable[
-            [type[BaseException] | None, BaseException | None, TracebackType | None],
-            Awaitable[object],
-        ],
-    ) -> None:
-        self._start = start
-        self._close = close
-
-    def __await__(self) -> Generator[Any, None, _T]:
-        return self._start().__await__()
-
-    async def __aenter__(self) -> _T:
-        return await self._start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._close(exc_type, exc, tb)
+__all__ = ("open",)
 
 
 @overload
@@ -175,44 +85,14 @@ def open(
     known = ClusterOptions.__annotations__ if cluster is not None else OpenOptions.__annotations__
     unknown = sorted(set(options) - set(known))
     if unknown:
-        hint = " (cluster options need cluster=...)" if set(unknown) & set(_CLUSTER_KEYS) else ""
+        hint = " (cluster options need cluster=...)" if set(unknown) & set(CLUSTER_KEYS) else ""
         raise TypeError(f"open() got unexpected keywords {unknown}{hint}")
     if cluster is not None:
-        from .cluster import open_cluster
-
-        if set(options) & (set(_MODELS_KEYS) - {"memory_limit"}):
+        if set(options) & (set(MODELS_KEYS) - {"memory_limit"}):
             raise TypeError(
                 "a cluster session serves one model: no models=, pin_models= or model_ttl_s="
             )
         if options.get("cache_dir") is None:
             raise ValueError("a cluster keeps each host's warm tier under cache_dir: give one")
         return open_cluster(model, cluster=cluster, **options)
-    engine = {k: options[k] for k in _ENGINE_KEYS if k in options}
-    if engine.get("policy", 0) is None:
-        del engine["policy"]  # the default policy
-    cache_dir = options.get("cache_dir")
-    config = EngineConfig(**engine, persistent=cache_dir is not None)
-    models = options.get("models")
-    # Absent: MEMORY_SHARE of RAM; None given: no limit over the whole (one model only).
-    limit = options.get("memory_limit", default_memory_limit())
-    if models is not None:
-        if model is not None:
-            raise ValueError("give model or models, not both")
-        if limit is None:
-            raise ValueError("several models need a memory limit: give bytes or leave it out")
-    elif options.get("pin_models") or options.get("model_ttl_s") is not None:
-        raise ValueError("pin_models and model_ttl_s are for several models (models=)")
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"memory_limit must be a positive int of bytes, not {limit!r}")
-    session = Session(
-        dict(models) if models is not None else model,
-        config,
-        options.get("mailbox_size", 64),
-        cache_dir,
-        options.get("delete_rejected", False),
-        options.get("on_save_error", "report"),
-        memory_limit=limit,
-        pins=frozenset(options.get("pin_models", ())),
-        model_ttl_s=options.get("model_ttl_s"),
-    )
-    return Opening(session.start, session.__aexit__)
+    return open_session(model, **options)

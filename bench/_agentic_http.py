@@ -117,8 +117,7 @@ def replay_http(
 
 def http_results(trace: Trace, tmp: Path, max_tokens: int) -> dict[str, Any]:
     """kvactor against mlx-lm's server, default and sized, and the ratios."""
-    from kvactor.actors._export import export_mlx_dir
-    from kvactor.actors.model import default_model_path
+    from kvactor.actors.models import default_model_path, export_mlx_dir
 
     model_dir = tmp / "mlx-model"
     export_mlx_dir(default_model_path(), model_dir)

@@ -18,7 +18,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvactor import Candidate
+from kvactor.actors.hot import Candidate
 
 SHAPES = ("round_robin", "pipeline", "fanout")
 

@@ -64,9 +64,9 @@ from _agentic_http import http_results
 from _agentic_trace import SHAPES, OraclePolicy, Trace, lookahead, make_trace, wrong
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
-from kvactor.actors.config import turn_reserve_bytes
-from kvactor.actors.model import make_tiny_model
-from kvactor.actors.protocol import ToolWait
+from kvactor.actors.engine import turn_reserve_bytes
+from kvactor.actors.messages import ToolWait
+from kvactor.actors.models import make_tiny_model
 from kvactor.kernels.geometry import CacheGeometry
 
 POLICIES = ("lru", "workflow", "workflow_wrong", "oracle")

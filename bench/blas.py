@@ -24,7 +24,7 @@ def _worker(sizes: list[int], min_seconds: float) -> None:
     # Select the BLAS before anything imports mlx.core; the reference run warns by design.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from kvactor.kernels import ensure_blas
+        from kvactor.kernels.blas import ensure_blas
 
         info = ensure_blas()
     import mlx.core as mx

@@ -36,9 +36,10 @@ import mlx.core as mx
 from _lineup import LINEUP  # bench/ is the script's folder: on sys.path
 from _results import write_json
 
-from kvactor.kernels.agent_cache import DEFAULT_CHECKPOINTS, cache_nbytes
+from kvactor.kernels.agent_cache import DEFAULT_CHECKPOINTS
 from kvactor.kernels.geometry import CacheGeometry, LayerGeometry
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec, Role
+from kvactor.kernels.stored import cache_nbytes
 
 __all__ = ("CODECS", "main", "measured_nbytes")
 

@@ -20,7 +20,7 @@ import anyio
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
 import kvactor
-from kvactor import Attention
+from kvactor.actors.engine import Attention
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper.",

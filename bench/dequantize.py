@@ -29,10 +29,11 @@ import kvactor  # noqa: F401 - first: it loads an optimized BLAS before mlx.core
 import mlx.core as mx
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
-from kvactor.kernels.agent_cache import AgentKV, StoredRange
+from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.geometry import CacheGeometry
 from kvactor.kernels.memory import keep_freed_buffers
 from kvactor.kernels.qcodec import DEFAULT_CODEC
+from kvactor.kernels.stored import StoredRange
 
 LAYERS, HEADS, DIM = 30, 3, 64
 

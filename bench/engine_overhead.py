@@ -22,8 +22,8 @@ import mlx.core as mx
 from _results import write_json  # bench/ is the script's folder: on sys.path
 from mlx_lm.generate import generate_step
 
-from kvactor.actors._batch import DecodeBatch
-from kvactor.actors.model import LoadedModel, load_model
+from kvactor.actors.engine._batch import DecodeBatch
+from kvactor.actors.models import LoadedModel, load_model
 
 PROMPT = "Write a long story about a lighthouse keeper and the storm."
 BATCH = 8

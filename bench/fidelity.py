@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
-from kvactor.actors.model import load_model
+from kvactor.actors.models import load_model
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec, Role
 
 __all__ = ("VARIANTS", "RoundTrip", "StoredPastCache", "main", "score")

@@ -140,7 +140,7 @@ def exits(count: int) -> int:
     """Short processes (open, concurrent turns over warm caches, exit) that exit with 0."""
     script = (
         "import functools, anyio, kvactor, sys\n"
-        "from kvactor.actors.model import make_tiny_model\n"
+        "from kvactor.actors.models import make_tiny_model\n"
         "async def main():\n"
         "    m = functools.partial(make_tiny_model, 0, head_dim=64)\n"
         "    async with kvactor.open(m, cache_dir=sys.argv[1]) as s:\n"

@@ -48,14 +48,14 @@ import anyio
 import mlx.core as mx
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
-from kvactor.actors.config import EngineConfig
-from kvactor.actors.memory_limit import (
+from kvactor.actors.engine import EngineConfig
+from kvactor.actors.engine._memory import (
     activation_bytes,
     kept_buffer_bytes,
     one_turn_bytes,
     weights_bytes,
 )
-from kvactor.actors.model import load_model, make_tiny_model
+from kvactor.actors.models import load_model, make_tiny_model
 
 PROMPTS = [
     "Say hello to the team.",

@@ -46,9 +46,9 @@ from _process import free_port, server_process  # bench/ is the script's folder:
 from _results import write_json
 from openai import OpenAI
 
-from kvactor._scenario_format import Scenario, load_scenario, turn_plan, turn_prompt
-from kvactor.actors._export import export_mlx_dir
-from kvactor.actors.model import default_model_path
+from kvactor.actors.models import default_model_path, export_mlx_dir
+from kvactor.scenario import Scenario
+from kvactor.scenario._format import load_scenario, turn_plan, turn_prompt
 
 DEMO = Path(kvactor.__file__).parent / "scenarios" / "demo.toml"
 MAX_TOKENS = 32

@@ -76,7 +76,7 @@ import anyio
 from _results import write_json  # bench/ is the script's folder: on sys.path
 from ttft import drop_page_cache  # bench/ is the script's folder: on sys.path
 
-from kvactor.actors.store import disk_footprint
+from kvactor.actors.warm import disk_footprint
 
 TEXT = Path(__file__).with_name("data") / "fidelity.txt"
 CONTEXT = "doc"  # the shared context's name

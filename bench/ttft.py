@@ -39,7 +39,7 @@ import kvactor  # first: it loads an optimized BLAS before mlx.core
 import anyio
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
-from kvactor.actors.prefetch import Stage
+from kvactor.actors.warm._prefetch import Stage
 
 COLD, WARM, HOT = kvactor.Tier.COLD, kvactor.Tier.WARM, kvactor.Tier.HOT
 TEXT = Path(__file__).with_name("data") / "fidelity.txt"
@@ -198,7 +198,7 @@ def seed_path_s(prompt: str, root: Path) -> tuple[float, float]:
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-    from kvactor.actors.model import load_model
+    from kvactor.actors.models import load_model
 
     lm = load_model(None)
     ids = lm.tokenizer.encode(prompt)

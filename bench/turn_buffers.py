@@ -28,7 +28,7 @@ import kvactor  # first: it loads an optimized BLAS before mlx.core
 import anyio
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
-from kvactor.kernels.turn_cache import FloatTurnCache
+from kvactor.kernels.float_turn import FloatTurnCache
 
 TEXT = Path(__file__).with_name("data") / "fidelity.txt"
 WAYS = {"kept": True, "copied": False}

@@ -39,14 +39,15 @@ import numpy as np
 from _results import write_json  # bench/ is the script's folder: on sys.path
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-from kvactor.actors import _durable
-from kvactor.actors._checksum import file_checksum
-from kvactor.actors.model import make_tiny_model
-from kvactor.actors.store import CacheIdentity, append_cache, read_cache
-from kvactor.kernels.agent_cache import AgentKV, StoredRange, segment_layout
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.warm import CacheIdentity, _durable, read_cache
+from kvactor.actors.warm._checksum import file_checksum
+from kvactor.actors.warm._write import append_cache
+from kvactor.kernels.agent_cache import AgentKV
+from kvactor.kernels.float_turn import FloatTurnCache
 from kvactor.kernels.geometry import CacheGeometry
 from kvactor.kernels.qcodec import DEFAULT_CODEC
-from kvactor.kernels.turn_cache import FloatTurnCache
+from kvactor.kernels.stored import StoredRange, segment_layout
 
 LAYERS, HEADS, DIM = 30, 3, 64
 

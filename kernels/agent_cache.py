@@ -34,10 +34,11 @@ from typing import Any, cast
 import mlx.core as mx
 
 from ._qmath import affine
+from ._turn_base import TurnCache
+from .float_turn import FloatTurnCache
 from .geometry import CacheGeometry
 from .qcodec import KVCodec, Role
 from .stored import Parts, StoredRange, cache_nbytes, segment_layout
-from .turn_cache import FloatTurnCache, TurnCache
 
 __all__ = ("DEFAULT_CHECKPOINTS", "AgentKV", "StoredRange", "cache_nbytes", "segment_layout")
 

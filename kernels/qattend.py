@@ -10,7 +10,7 @@ from typing import Literal
 
 import mlx.core as mx
 
-from .qcodec import dequantize_reference, rotate
+from ._qmath import dequantize_reference, rotate
 
 __all__ = ("Coded", "Kernel", "attend_parts", "row_parts")
 

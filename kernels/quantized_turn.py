@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
+from ._qparts import concat_parts
 from ._turn_base import Entries, TurnCache, geometry_slots, state_layer, stored_values
 from .attention import bind_attention
 from .geometry import CacheGeometry
-from .qbatch import Kernel, QuantizedBatchCache
-from .qcodec import concat_parts
+from .qattend import Kernel
+from .qbatch import QuantizedBatchCache
 from .recurrent import RecurrentCache
 
 if TYPE_CHECKING:

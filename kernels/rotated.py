@@ -27,8 +27,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from ._qmath import rotate, rotate_rows
 from ._shared_kv import note_fetched
-from .qcodec import KVCodec, rotate, rotate_rows
+from .qcodec import KVCodec
 from .rowwise import RowwiseBatch, sdpa_call
 
 __all__ = ("RotatedBasis", "RotatedBatchKVCache", "RotatedKVCache", "works_rotated")

@@ -28,11 +28,12 @@ The protocol and what both classes share: ``kernels._turn_base``; the classes:
 
 from __future__ import annotations
 
-from ._turn_base import TurnCache
+from ._turn_base import Entries, TurnCache
 from .float_turn import FloatTurnCache
 from .quantized_turn import QuantizedTurnCache
 
 __all__ = (
+    "Entries",
     "FloatTurnCache",
     "QuantizedTurnCache",
     "TurnCache",

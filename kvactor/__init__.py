@@ -16,12 +16,11 @@ BLAS = _ensure_blas()
 """Which BLAS MLX's CPU matmuls run on (a ``kvactor.kernels.BlasInfo``)."""
 
 # ruff: noqa: E402  (MLX, imported by everything below, must come after the BLAS)
-from .actors.api import AgentAPI as AgentAPI
-from .actors.api import SessionAPI as SessionAPI
-from .actors.api import TurnStream as TurnStream
 from .actors.cluster import ClusterSession as ClusterSession
+from .actors.cluster import MostFreeBudget as MostFreeBudget
+from .actors.cluster import PlacementPolicy as PlacementPolicy
 from .actors.cluster import open_cluster as open_cluster
-from .actors.config import Attention as Attention
+from .actors.engine import Attention as Attention
 from .actors.enums import FinishReason as FinishReason
 from .actors.enums import Match as Match
 from .actors.enums import Tier as Tier
@@ -34,37 +33,38 @@ from .actors.errors import ContextOverflow as ContextOverflow
 from .actors.errors import EngineStopped as EngineStopped
 from .actors.errors import HostLost as HostLost
 from .actors.errors import InvalidAgentId as InvalidAgentId
-from .actors.errors import KvactorError as KvactorError
 from .actors.errors import ModelLoadError as ModelLoadError
 from .actors.errors import StoreWriteError as StoreWriteError
 from .actors.errors import TurnEnded as TurnEnded
 from .actors.errors import UnknownAgent as UnknownAgent
 from .actors.errors import UnsafeCachePath as UnsafeCachePath
-from .actors.handle import Agent as Agent
-from .actors.handle import TextStream as TextStream
-from .actors.models_protocol import ModelState as ModelState
+from .actors.hot import Candidate as Candidate
+from .actors.hot import EvictionPolicy as EvictionPolicy
+from .actors.hot import LRUPolicy as LRUPolicy
+from .actors.hot import WorkflowPolicy as WorkflowPolicy
 from .actors.opening import open as open
-from .actors.placement import MostFreeBudget as MostFreeBudget
-from .actors.placement import PlacementPolicy as PlacementPolicy
-from .actors.policy import Candidate as Candidate
-from .actors.policy import EvictionPolicy as EvictionPolicy
-from .actors.policy import LRUPolicy as LRUPolicy
-from .actors.policy import WorkflowPolicy as WorkflowPolicy
-from .actors.protocol import CacheInfo as CacheInfo
-from .actors.protocol import Completion as Completion
-from .actors.protocol import EngineStats as EngineStats
-from .actors.protocol import ModelInfo as ModelInfo
-from .actors.protocol import Sampling as Sampling
-from .actors.protocol import Timings as Timings
+from .actors.options import Sampling as Sampling
+from .actors.records import CacheInfo as CacheInfo
+from .actors.records import Completion as Completion
+from .actors.records import EngineStats as EngineStats
+from .actors.records import ModelInfo as ModelInfo
+from .actors.records import ModelState as ModelState
+from .actors.records import Timings as Timings
+from .actors.session import Agent as Agent
+from .actors.session import AgentAPI as AgentAPI
 from .actors.session import Session as Session
-from .actors.store import Forgotten as Forgotten
-from .actors.store import SharedFile as SharedFile
-from .actors.store import WarmInfo as WarmInfo
-from .actors.store import default_cache_dir as default_cache_dir
+from .actors.session import SessionAPI as SessionAPI
+from .actors.session import TextStream as TextStream
+from .actors.session import TurnStream as TurnStream
+from .actors.warm import Forgotten as Forgotten
+from .actors.warm import SharedFile as SharedFile
+from .actors.warm import WarmInfo as WarmInfo
+from .actors.warm import default_cache_dir as default_cache_dir
 from .kernels.qcodec import DEFAULT_CODEC as DEFAULT_CODEC
 from .kernels.qcodec import KVCodec as KVCodec
 from .runtime import ActorDeadError as ActorDeadError
 from .runtime import AskTimeout as AskTimeout
+from .runtime import KvactorError as KvactorError
 
 __all__ = (
     "BLAS",

@@ -13,7 +13,8 @@ from typing import Any
 import mlx_lm.models
 from mlx.utils import tree_flatten
 
-from kvactor.actors.model import TINY_FAMILIES, _tiny_fields
+from kvactor.actors.models._load import _tiny_fields
+from kvactor.actors.models._tiny import TINY_FAMILIES
 
 #: A tiny model's parameters at most.
 MAX_PARAMETERS = 2_000_000

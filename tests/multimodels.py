@@ -6,14 +6,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvactor.actors.config import EngineConfig
-from kvactor.actors.memory_limit import (
+from kvactor.actors.engine import EngineConfig
+from kvactor.actors.engine._memory import (
     activation_bytes,
     kept_buffer_bytes,
     one_turn_bytes,
     weights_bytes,
 )
-from kvactor.actors.model import make_tiny_model
+from kvactor.actors.models import make_tiny_model
 
 # The same cache geometry per token (2 layers, 2 KV heads of 64), so one turn reserves the
 # same in both; weights large enough that the two never fit with a turn's needs.

@@ -24,8 +24,8 @@ from anyio.abc import SocketStream
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvactor
-from kvactor.actors.model import make_tiny_model
-from kvactor.server import create_app
+from kvactor.actors.models import make_tiny_model
+from kvactor.server._app import create_app
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 

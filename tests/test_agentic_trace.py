@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvactor import Candidate
 from kvactor.actors.enums import Tier
+from kvactor.actors.hot import Candidate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from _agentic_trace import (  # bench/ is not a package: its folder on sys.path

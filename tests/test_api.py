@@ -64,15 +64,15 @@ def _sessions_implement_one_api(
     local: kvactor.Session,
     cluster: kvactor.ClusterSession,
     agent: kvactor.Agent,
-    remote: kvactor.actors.cluster_agent.ClusterAgent,
+    remote: kvactor.actors.cluster.ClusterAgent,
 ) -> tuple[kvactor.SessionAPI, kvactor.SessionAPI, kvactor.AgentAPI, kvactor.AgentAPI]:
     """Checked by mypy (tools/typecheck.py): both sessions and both agents have the API."""
     return local, cluster, agent, remote
 
 
 def test_in_process_and_cluster_agents_share_their_turn_methods() -> None:
-    from kvactor.actors.api import AgentTurns
-    from kvactor.actors.cluster_agent import ClusterAgent
+    from kvactor.actors.cluster import ClusterAgent
+    from kvactor.actors.session import AgentTurns
 
     for cls in (kvactor.Agent, ClusterAgent):
         assert issubclass(cls, AgentTurns)

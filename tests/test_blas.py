@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import kvactor.kernels
-from kvactor.kernels import BlasInfo, SlowBlasWarning, ensure_blas
+from kvactor.kernels.blas import BlasInfo, SlowBlasWarning, ensure_blas
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux BLAS logic")
 

@@ -17,12 +17,11 @@ import mlx.core as mx
 import pytest
 
 import kvactor
-from kvactor import Attention
-from kvactor.actors.config import turn_reserve_bytes
-from kvactor.actors.model import make_tiny_model
+from kvactor.actors.engine import Attention, turn_reserve_bytes
+from kvactor.actors.models import make_tiny_model
 from kvactor.kernels.agent_cache import AgentKV
+from kvactor.kernels.float_turn import FloatTurnCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC
-from kvactor.kernels.turn_cache import FloatTurnCache
 
 AGENTS = 10
 ROUNDS = 3

@@ -19,10 +19,11 @@ import safetensors.numpy
 from multimodels import hot_pool
 
 import kvactor
-from kvactor.actors._batch import DecodeBatch
+from kvactor.actors.engine._batch import DecodeBatch
 from kvactor.actors.enums import Match, StageOutcome, Tier
-from kvactor.actors.model import TINY_FAMILIES, make_tiny_model
-from kvactor.actors.prefetch import Stage
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.models._tiny import TINY_FAMILIES
+from kvactor.actors.warm._prefetch import Stage
 
 RECURRENT = [
     f

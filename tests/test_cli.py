@@ -17,12 +17,12 @@ import anyio
 import pytest
 
 import kvactor
-from kvactor._inspect import codec_short
-from kvactor._scenario_shipped import shipped_names
-from kvactor._text import age
-from kvactor.cli import build_parser
+from kvactor.cli._inspect import codec_short
+from kvactor.cli._main import build_parser
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec
-from kvactor.scenario import load_scenario, parse_scenario, resolve_model
+from kvactor.scenario._format import load_scenario, parse_scenario, resolve_model
+from kvactor.scenario._shipped import shipped_names
+from kvactor.text import age
 
 BIN = Path(sys.executable).parent  # where the kvactor script a pasted command runs lives
 

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 import kvactor
-from kvactor._inspect import format_table, inspect_rows
-from kvactor.actors.host import EngineHost
-from kvactor.actors.memory_limit import default_memory_limit
-from kvactor.actors.model import make_tiny_model
+from kvactor.actors.cluster._host import EngineHost
+from kvactor.actors.engine import default_memory_limit
+from kvactor.actors.models import make_tiny_model
+from kvactor.cli._inspect import format_table, inspect_rows
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 other = functools.partial(make_tiny_model, 1, head_dim=64)  # other weights: another model
@@ -215,7 +215,7 @@ async def test_inspect_lists_each_hosts_warm_caches(tmp_path: Path) -> None:
 def test_an_application_without_a_cluster_never_imports_ray() -> None:
     code = (
         "import sys, anyio, kvactor\n"
-        "from kvactor.actors.model import make_tiny_model\n"
+        "from kvactor.actors.models import make_tiny_model\n"
         "async def main():\n"
         "    async with kvactor.open(lambda: make_tiny_model(0, head_dim=64)) as kv:\n"
         "        await (await kv.spawn_agent('a')).generate('hi', max_tokens=2)\n"

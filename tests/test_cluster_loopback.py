@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import kvactor
-from kvactor.actors.model import make_tiny_model
+from kvactor.actors.models import make_tiny_model
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 

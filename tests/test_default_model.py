@@ -12,9 +12,9 @@ import kvactor  # noqa: F401 - first: it selects the BLAS, which must precede ml
 import mlx.core as mx
 import pytest
 
-from kvactor.actors import LoadedModel, load_model
-from kvactor.actors._export import EXPORT_MARKER, WEIGHTS_FILE, export_mlx_dir
-from kvactor.actors.model import DEFAULT_MODEL_NAME, default_model_path
+from kvactor.actors.models import LoadedModel, default_model_path, export_mlx_dir, load_model
+from kvactor.actors.models._export import EXPORT_MARKER, WEIGHTS_FILE
+from kvactor.actors.models._fetch import DEFAULT_MODEL_NAME
 from kvactor.cli import main as cli
 
 pytestmark = pytest.mark.slow

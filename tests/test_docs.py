@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from kvactor.actors import default_model_path
+from kvactor.actors.models import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -206,7 +206,7 @@ def test_every_page_has_examples_and_the_markers_are_known() -> None:
 
 def test_scenario_blocks_parse() -> None:
     """The TOML in the scenarios guide is valid, and a whole scenario there is accepted."""
-    from kvactor.scenario import parse_scenario
+    from kvactor.scenario._format import parse_scenario
 
     if sys.version_info >= (3, 11):
         import tomllib

@@ -14,7 +14,7 @@ import pytest
 from multimodels import MODELS
 
 import kvactor
-from kvactor.actors.model import make_tiny_model
+from kvactor.actors.models import make_tiny_model
 
 SYSTEM = "You are a careful writer."
 ASK = "Write a very long story about a lighthouse."

@@ -9,18 +9,14 @@ import anyio
 import pytest
 
 import kvactor
-from kvactor import (
-    AgentBusy,
-    Attention,
-    ContextOverflow,
-    InvalidAgentId,
-    Session,
-    UnknownAgent,
-)
-from kvactor.actors._batch import DecodeBatch
+from kvactor.actors.engine import Attention
+from kvactor.actors.engine._batch import DecodeBatch
 from kvactor.actors.enums import FinishReason
-from kvactor.actors.model import make_tiny_model
-from kvactor.actors.protocol import Generate, Sampling
+from kvactor.actors.errors import AgentBusy, ContextOverflow, InvalidAgentId, UnknownAgent
+from kvactor.actors.messages import Generate
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.options import Sampling
+from kvactor.actors.session import Session
 
 PROMPTS = [
     "hello there",

@@ -13,7 +13,7 @@ import pytest
 from _every_model import model_types, tiny_config
 
 import kvactor
-from kvactor.actors.model import tiny_model
+from kvactor.actors.models._load import tiny_model
 
 MODES: tuple[kvactor.Attention, ...] = ("dequantized", "quantized")
 

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(
     import functools, sys
     import anyio
     import kvactor
-    from kvactor.actors.model import make_tiny_model
+    from kvactor.actors.models import make_tiny_model
 
     async def main(cache_dir, close):
         tiny = functools.partial(make_tiny_model, 0, head_dim=64)

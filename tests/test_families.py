@@ -25,14 +25,16 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 import kvactor
-from kvactor import Attention
-from kvactor.actors.config import turn_reserve_bytes
+from kvactor.actors.engine import Attention, turn_reserve_bytes
 from kvactor.actors.enums import Match, StageOutcome, Tier
-from kvactor.actors.model import TINY_FAMILIES, make_tiny_model, probe_geometry
-from kvactor.actors.prefetch import Stage
-from kvactor.kernels.agent_cache import DEFAULT_CHECKPOINTS, cache_nbytes
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.models._probe import probe_geometry
+from kvactor.actors.models._tiny import TINY_FAMILIES
+from kvactor.actors.warm._prefetch import Stage
+from kvactor.kernels.agent_cache import DEFAULT_CHECKPOINTS
 from kvactor.kernels.geometry import LayerGeometry, StateGeometry
 from kvactor.kernels.qcodec import DEFAULT_CODEC
+from kvactor.kernels.stored import cache_nbytes
 
 FAMILIES = sorted(TINY_FAMILIES)
 #: Families refused at open() (in both attention modes, with the default codec), and why.
@@ -144,7 +146,7 @@ def _first_turn_elsewhere(family: str, attention: str, root: Path) -> list[int]:
     script = textwrap.dedent(
         f"""
         import anyio, functools, json, kvactor
-        from kvactor.actors.model import make_tiny_model
+        from kvactor.actors.models import make_tiny_model
         extra = {{"head_dim": 64}} if {family!r} == "llama" else {{}}
         model = functools.partial(make_tiny_model, 0, {family!r}, **extra)
         async def main():
@@ -382,7 +384,7 @@ async def test_a_manifest_with_window_segments_that_do_not_fit_is_refused(
 ) -> None:
     import msgspec
 
-    from kvactor.actors._manifest import CacheManifest, encode_manifest, load_manifest
+    from kvactor.actors.warm._manifest import CacheManifest, encode_manifest, load_manifest
 
     async with kvactor.open(tiny("gemma3_text"), cache_dir=tmp_path) as kv:
         agent = await kv.spawn_agent("w")

@@ -16,7 +16,7 @@ from multimodels import hot_pool
 
 import kvactor
 from kvactor.actors.enums import Tier
-from kvactor.actors.model import make_tiny_model
+from kvactor.actors.models import make_tiny_model
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 SYSTEM = "You are agent seven."
@@ -99,7 +99,7 @@ async def test_on_disk_a_fork_links_the_source_files_and_outlives_it(tmp_path: P
     script = textwrap.dedent(
         f"""
         import anyio, functools, json, kvactor
-        from kvactor.actors.model import make_tiny_model
+        from kvactor.actors.models import make_tiny_model
         model = functools.partial(make_tiny_model, 0, head_dim=64)
         async def main():
             async with kvactor.open(model, cache_dir={str(tmp_path)!r}) as kv:

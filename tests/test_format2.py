@@ -14,7 +14,7 @@ import pytest
 
 import kvactor
 from kvactor.actors.enums import Tier
-from kvactor.actors.model import make_tiny_model
+from kvactor.actors.models import make_tiny_model
 
 DATA = Path(__file__).parent / "data" / "format2"
 EXPECTED = json.loads((DATA / "expected.json").read_text())

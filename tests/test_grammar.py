@@ -15,12 +15,13 @@ import jsonschema
 import pytest
 
 import kvactor
-from kvactor.actors._batch import DecodeBatch
+from kvactor.actors.engine._batch import DecodeBatch
 from kvactor.actors.enums import FinishReason
-from kvactor.actors.grammar import closed_objects
-from kvactor.actors.model import make_tiny_model
-from kvactor.actors.options import MAX_GRAMMAR_CHARS
-from kvactor.actors.protocol import Constraint, Finished, Generate, Sampling
+from kvactor.actors.messages import Generate
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.options import MAX_GRAMMAR_CHARS, Constraint, Sampling
+from kvactor.actors.records import Finished
+from kvactor.actors.tools import closed_objects
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 import kvactor
-from kvactor._inspect import format_table
-from kvactor.actors.model import make_tiny_model
-from kvactor.actors.store import Manifest
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.warm._store import Manifest
+from kvactor.cli._inspect import format_table
 
 
 def tiny() -> Any:

@@ -12,11 +12,13 @@ import mlx.core as mx
 import pytest
 
 import kvactor
-from kvactor.actors.model import LoadedModel, make_tiny_model
+from kvactor.actors.models import LoadedModel, make_tiny_model
+from kvactor.kernels._turn_base import TurnCache
 from kvactor.kernels.agent_cache import AgentKV
+from kvactor.kernels.float_turn import FloatTurnCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec
+from kvactor.kernels.quantized_turn import QuantizedTurnCache
 from kvactor.kernels.rowwise import bind_rows
-from kvactor.kernels.turn_cache import FloatTurnCache, QuantizedTurnCache, TurnCache
 
 LENGTHS = [5, 70, 33, 140, 9, 257, 64, 101]
 CLASSES: list[type[TurnCache]] = [FloatTurnCache, QuantizedTurnCache]

@@ -11,13 +11,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 from packaging.specifiers import SpecifierSet
 
-from kvactor.kernels.mlx_lm_compat import (
-    CHECKED,
-    SDPA_NAME,
-    SDPA_PARAMETERS,
-    batch_of_one,
-    row_of,
-)
+from kvactor.kernels.mlx_lm_compat import CHECKED, SDPA_NAME, SDPA_PARAMETERS, batch_of_one, row_of
 
 
 def test_the_installed_mlx_lm_is_a_checked_version() -> None:
@@ -54,7 +48,7 @@ def test_recurrent_layers_replace_their_arrays_cache_entries_once_a_forward() ->
     # What RecurrentCache relies on to take a pipelined step back (kernels.recurrent).
     from mlx_lm.models.cache import ArraysCache, CacheList
 
-    from kvactor.actors.model import make_tiny_model
+    from kvactor.actors.models import make_tiny_model
     from kvactor.kernels.recurrent import RecurrentCache
 
     writes: list[int] = []

@@ -17,9 +17,17 @@ import pytest
 from mlx.utils import tree_flatten
 
 import kvactor.actors
-from kvactor.actors import LoadedModel, ModelLoadError, load_model, make_tiny_model
-from kvactor.actors._bpe import TINY_CHAT_TEMPLATE, ByteLevelBPETokenizer, tiny_vocab
-from kvactor.actors.model import _to_fp32, default_model_path, fetch_default_model, model_dir
+from kvactor.actors.errors import ModelLoadError
+from kvactor.actors.models import (
+    LoadedModel,
+    default_model_path,
+    fetch_default_model,
+    load_model,
+    make_tiny_model,
+)
+from kvactor.actors.models._bpe import TINY_CHAT_TEMPLATE, ByteLevelBPETokenizer, tiny_vocab
+from kvactor.actors.models._fetch import model_dir
+from kvactor.actors.models._load import _to_fp32
 
 TEXTS = [
     "Hello world",

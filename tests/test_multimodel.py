@@ -14,14 +14,11 @@ import pytest
 from multimodels import MODELS, A, B, need, swap_limit
 
 import kvactor
-from kvactor import ModelLoadError, Tier
-from kvactor._inspect import run_inspect
-from kvactor.actors.config import turn_reserve_bytes
-from kvactor.actors.memory_limit import (
-    attention_heads,
-    attention_score_bytes,
-    default_memory_limit,
-)
+from kvactor.actors.engine import default_memory_limit, turn_reserve_bytes
+from kvactor.actors.engine._memory import attention_heads, attention_score_bytes
+from kvactor.actors.enums import Tier
+from kvactor.actors.errors import ModelLoadError
+from kvactor.cli._inspect import run_inspect
 
 PROMPTS = ["hello there", "and now something else", "a third turn"]
 
@@ -286,7 +283,7 @@ async def test_the_default_model_beside_a_tiny_one(anyio_backend: str) -> None:
 async def test_models_take_turns_under_contention_and_answer_as_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvactor.actors import models_engine
+    from kvactor.actors.engine import _engine as models_engine
 
     # No fair wait: a loaded model's new turns wait behind the other model's at once, so
     # the two alternate (a turn staged for its cache still runs: no turn goes cold).

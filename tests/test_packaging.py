@@ -78,8 +78,9 @@ def test_every_file_imports_under_its_one_name() -> None:
 def test_editable_install_maps_the_folders(tmp_path: Path) -> None:
     # from outside the repository: only the installed package can resolve these names
     probe = (
-        "import json, kvactor.runtime._actor, kvactor.actors.engine, kvactor.kernels.qcodec as q\n"
-        "print(json.dumps([kvactor.runtime._actor.__file__, kvactor.actors.engine.__file__,"
+        "import json, kvactor.runtime._actor, kvactor.actors.engine._runner\n"
+        "import kvactor.kernels.qcodec as q\n"
+        "print(json.dumps([kvactor.runtime._actor.__file__, kvactor.actors.engine._runner.__file__,"
         " q.__file__]))"
     )
     done = _run([sys.executable, "-c", probe], cwd=tmp_path)
@@ -87,7 +88,7 @@ def test_editable_install_maps_the_folders(tmp_path: Path) -> None:
     files = [Path(f) for f in json.loads(done.stdout.splitlines()[-1])]
     assert files == [
         REPO / "runtime/_actor.py",
-        REPO / "actors/engine.py",
+        REPO / "actors/engine/_runner.py",
         REPO / "kernels/qcodec.py",
     ]
 
@@ -138,7 +139,7 @@ def test_wheel_installs_and_imports(wheel: Path, tmp_path: Path) -> None:
     probe = (
         "import json, sys, importlib.resources, kvactor\n"
         "demo = importlib.resources.files('kvactor').joinpath('scenarios/demo.toml')\n"
-        "from kvactor._scenario_shipped import shipped_names, shipped_scenario\n"
+        "from kvactor.scenario._shipped import shipped_names, shipped_scenario\n"
         "shipped = {n: shipped_scenario(n).name for n in shipped_names()}\n"  # kvactor scenarios
         "files = {n: m.__file__ for n, m in sys.modules.items() if n.startswith('kvactor')}\n"
         "print(json.dumps({'open': callable(kvactor.open), 'demo': str(demo), 'files': files,\n"
@@ -151,5 +152,5 @@ def test_wheel_installs_and_imports(wheel: Path, tmp_path: Path) -> None:
     assert found["shipped"]["shared_doc"] == "shared-doc"  # its document read beside it
     assert Path(found["demo"]).is_file()
     assert Path(found["files"]["kvactor.runtime"]) == target / "kvactor/runtime/__init__.py"
-    assert {"kvactor.actors.engine", "kvactor.kernels.qcodec"} <= set(found["files"])
+    assert {"kvactor.actors.engine._runner", "kvactor.kernels.qcodec"} <= set(found["files"])
     assert all(Path(f).is_relative_to(target) for f in [found["demo"], *found["files"].values()])

@@ -19,7 +19,7 @@ import pytest
 
 import kvactor
 from kvactor.actors.enums import Tier
-from kvactor.actors.model import LoadedModel, make_tiny_model
+from kvactor.actors.models import LoadedModel, make_tiny_model
 
 SYSTEM = "You are agent seven."
 LOCKS = pytest.mark.skipif(sys.platform == "win32", reason="no flock on Windows")
@@ -33,7 +33,7 @@ def tiny() -> Any:
 OPEN_ELSEWHERE = textwrap.dedent(
     """
     import anyio, functools, json, sys, kvactor
-    from kvactor.actors.model import make_tiny_model
+    from kvactor.actors.models import make_tiny_model
     async def main():
         try:
             model = functools.partial(make_tiny_model, 0, head_dim=64)
@@ -115,7 +115,7 @@ async def test_a_second_session_of_this_process_is_refused_before_loading(
 FULL_DISK = textwrap.dedent(
     """
     import anyio, functools, json, resource, signal, sys, kvactor
-    from kvactor.actors.model import make_tiny_model
+    from kvactor.actors.models import make_tiny_model
 
     root, mode, system = sys.argv[1], sys.argv[2], sys.argv[3]
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write, do not kill the process

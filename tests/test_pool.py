@@ -8,13 +8,13 @@ from collections.abc import Sequence
 import mlx.core as mx
 import pytest
 
-from kvactor import AgentBusy, BudgetExceeded, Candidate, LRUPolicy
 from kvactor.actors.enums import Room, Tier
-from kvactor.actors.model import LoadedModel, make_tiny_model
-from kvactor.actors.pool import CachePool, EvictionPolicy
+from kvactor.actors.errors import AgentBusy, BudgetExceeded
+from kvactor.actors.hot import CachePool, Candidate, EvictionPolicy, LRUPolicy
+from kvactor.actors.models import LoadedModel, make_tiny_model
 from kvactor.kernels.agent_cache import AgentKV
+from kvactor.kernels.float_turn import FloatTurnCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC
-from kvactor.kernels.turn_cache import FloatTurnCache
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_a_cache_no_write_will_save_may_go_cold_but_one_being_written_waits(
 
 
 def test_the_prefix_index_finds_the_longest_boundary_and_checks_every_hit() -> None:
-    from kvactor.actors._prefix_index import PrefixIndex
+    from kvactor.actors.hot._prefix_index import PrefixIndex
 
     index = PrefixIndex()
     caches = {"a": [1, 2, 3, 4, 5, 6], "b": [1, 2, 3, 9, 9]}

@@ -9,14 +9,15 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvactor.actors.config import EngineConfig
-from kvactor.actors.model import LoadedModel, make_tiny_model
+from kvactor.actors.engine import EngineConfig
+from kvactor.actors.models import LoadedModel, make_tiny_model
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.attention import bind_attention
+from kvactor.kernels.float_turn import FloatTurnCache
 from kvactor.kernels.qbatch import QuantizedBatchCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC, KVCodec
+from kvactor.kernels.quantized_turn import QuantizedTurnCache
 from kvactor.kernels.rotated import RotatedBasis
-from kvactor.kernels.turn_cache import FloatTurnCache, QuantizedTurnCache
 
 CODECS = [
     DEFAULT_CODEC,  # K5/V3 + rotation + 8-bit sinks

@@ -13,14 +13,8 @@ import numpy as np
 import pytest
 
 from kvactor.kernels import qcodec
-from kvactor.kernels.qcodec import (
-    DEFAULT_CODEC,
-    FP16_CODEC,
-    KVCodec,
-    Role,
-    concat_parts,
-    parts_tokens,
-)
+from kvactor.kernels._qparts import concat_parts, parts_tokens
+from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec, Role
 
 H, D = 3, 64
 ROLES: tuple[Role, ...] = ("key", "value")
@@ -546,8 +540,9 @@ def test_pieces_are_bitwise_the_same_at_scale() -> None:
 def test_dequantize_with_room_joins_ranges_bit_for_bit(rotated: bool) -> None:
     # AgentKV.dequantize joins the integer codes of every range (sinks in the first) and the
     # room before one scale pass: the same bits as dequantizing each range and joining floats.
-    from kvactor.kernels.agent_cache import AgentKV, StoredRange
+    from kvactor.kernels.agent_cache import AgentKV
     from kvactor.kernels.geometry import CacheGeometry
+    from kvactor.kernels.stored import StoredRange
 
     codec = KVCodec(bits=3, key_bits=5, rotate=True, sink_tokens=4)
     x = with_outliers(20)

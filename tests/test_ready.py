@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 import kvactor
-from kvactor.actors.config import turn_reserve_bytes
+from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.enums import Tier
-from kvactor.actors.model import make_tiny_model
-from kvactor.actors.prefetch import Stage
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.warm._prefetch import Stage
 from kvactor.kernels.agent_cache import AgentKV
+from kvactor.kernels.float_turn import FloatTurnCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC
 from kvactor.kernels.rotated import RotatedKVCache
-from kvactor.kernels.turn_cache import FloatTurnCache
 
 TURNS = ["hello there", "tell me more", "tell me more", "and something else entirely"]
 

@@ -15,16 +15,12 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import kvactor
-from kvactor.actors.model import LoadedModel, load_model, make_tiny_model
+from kvactor.actors.models import LoadedModel, load_model, make_tiny_model
+from kvactor.kernels._turn_base import TurnCache
 from kvactor.kernels.agent_cache import AgentKV
+from kvactor.kernels.float_turn import FloatTurnCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC, KVCodec
-from kvactor.kernels.rotated import (
-    RotatedBasis,
-    RotatedBatchKVCache,
-    RotatedKVCache,
-    works_rotated,
-)
-from kvactor.kernels.turn_cache import FloatTurnCache, TurnCache
+from kvactor.kernels.rotated import RotatedBasis, RotatedBatchKVCache, RotatedKVCache, works_rotated
 
 TURNS = (40, 9, 300)  # the last outgrows the first ready copy's spare room
 

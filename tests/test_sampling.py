@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 import kvactor
-from kvactor.actors._picking import _penalized
+from kvactor.actors.engine._picking import _penalized
 from kvactor.actors.enums import FinishReason
-from kvactor.actors.model import make_tiny_model
-from kvactor.actors.protocol import Finished, Generate, Sampling
+from kvactor.actors.messages import Generate
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.options import Sampling
+from kvactor.actors.records import Finished
 from kvactor.kernels.sampling import (
     adjust_logits,
     apply_bitmask,

@@ -16,28 +16,31 @@ import pytest
 
 import kvactor  # noqa: F401 - first: it loads the BLAS, which must precede mlx.core
 from kvactor import scenario as sc
-from kvactor._demo import LiveView, demo_scenario, format_summary, plot_ttft
 from kvactor.actors.enums import FinishReason, Match, Tier, TurnPath
-from kvactor.actors.store import list_agents
+from kvactor.actors.warm import list_agents
 from kvactor.cli import main
+from kvactor.cli._demo import demo_scenario, plot_ttft
 from kvactor.scenario import (
+    LiveView,
+    Scenario,
+    ScenarioError,
+    format_summary,
+    run_scenario,
+    write_results,
+)
+from kvactor.scenario._format import load_scenario, parse_scenario
+from kvactor.scenario._results import (
     Event,
     PhaseStarted,
     RunStarted,
-    Scenario,
-    ScenarioError,
     TurnFinished,
     TurnRecord,
     TurnStarted,
     load_results,
-    load_scenario,
-    parse_scenario,
-    run_scenario,
     summarize,
-    write_results,
 )
 
-SCENARIOS = Path(sc.__file__).parent / "scenarios"
+SCENARIOS = Path(sc.__file__).parent.parent / "scenarios"
 
 TINY = """
 name = "tiny-team"

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 import kvactor  # noqa: F401 - first: it loads the BLAS, which must precede mlx.core
-from kvactor._demo import format_summary
-from kvactor._scenario_view import agent_table
-from kvactor.scenario import Event, RunStarted, ScenarioError, parse_scenario, run_scenario
+from kvactor.scenario import ScenarioError, format_summary, run_scenario
+from kvactor.scenario._format import parse_scenario
+from kvactor.scenario._results import Event, RunStarted
+from kvactor.scenario._view import agent_table
 
 TWO = """
 name = "two-models"

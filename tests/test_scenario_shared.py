@@ -11,18 +11,9 @@ import pytest
 
 import kvactor
 from kvactor.actors.enums import Match, Tier
-from kvactor.scenario import (
-    CONTEXT_AGENT,
-    Scenario,
-    ScenarioError,
-    load_results,
-    load_scenario,
-    parse_scenario,
-    resolve_model,
-    run_scenario,
-    turn_prompt,
-    write_results,
-)
+from kvactor.scenario import CONTEXT_AGENT, Scenario, ScenarioError, run_scenario, write_results
+from kvactor.scenario._format import load_scenario, parse_scenario, resolve_model, turn_prompt
+from kvactor.scenario._results import load_results
 
 SHARED = '''
 name = "tiny-shared"
@@ -273,7 +264,9 @@ def test_a_bad_fork_or_shared_context_names_the_field(
 
 
 def test_the_shipped_shared_document_scenario() -> None:
-    s = load_scenario(Path(kvactor.scenario.__file__).parent / "scenarios" / "shared_doc.toml")
+    s = load_scenario(
+        Path(kvactor.scenario.__file__).parent.parent / "scenarios" / "shared_doc.toml"
+    )
     text = kvactor.scenario.shared_text(s)
     assert text is not None and len(text) > 6000  # ~1,700 tokens of the default model
     reviewers = [a for a in s.agents if a.fork is None]

@@ -22,9 +22,9 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvactor
-from kvactor.actors.model import make_tiny_model
-from kvactor.actors.prefetch import Stage
-from kvactor.server import create_app
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.warm._prefetch import Stage
+from kvactor.server._app import create_app
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 SYSTEM = "You are terse."
@@ -456,7 +456,7 @@ def test_kvactor_serve_answers_and_stops_on_sigterm_with_caches_committed(
 def test_serve_takes_a_budget_in_bytes_or_with_a_unit() -> None:
     import argparse
 
-    from kvactor.cli import _size, build_parser
+    from kvactor.cli._main import _size, build_parser
 
     assert [_size(t) for t in ("1000", "512M", "2G", "1.5GB", "64KiB")] == [
         1000,
@@ -576,7 +576,7 @@ async def test_serve_prints_a_json_start_line_answers_and_stops_on_sigterm(
     import os
     import signal
 
-    from kvactor.server import serve
+    from kvactor.server._serve import serve
 
     listening = anyio.Event()
     ports: list[int] = []

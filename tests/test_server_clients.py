@@ -23,7 +23,7 @@ import pytest
 from pydantic import BaseModel, Field
 from serving import ServeProcess, metric, serve_process
 
-from kvactor.actors.model import default_model_path
+from kvactor.actors.models import default_model_path
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from test_budget import one_turn_need
 from test_server import oai, running
 
 import kvactor
-from kvactor.actors.config import turn_reserve_bytes
-from kvactor.actors.model import make_tiny_model
+from kvactor.actors.engine import turn_reserve_bytes
+from kvactor.actors.models import make_tiny_model
 
 
 @pytest.fixture

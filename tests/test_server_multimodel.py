@@ -106,7 +106,7 @@ def test_serve_takes_one_model_or_several_named() -> None:
 
 
 def test_the_serve_command_line_takes_several_models_and_a_limit() -> None:
-    from kvactor.cli import build_parser
+    from kvactor.cli._main import build_parser
 
     args = build_parser().parse_args(
         ["serve", "--model", "router=a.gguf", "--model", "coder=b", "--memory-limit", "64M"]

@@ -502,7 +502,7 @@ async def test_a_call_cut_off_by_max_tokens_finishes_with_length() -> None:
 
 
 async def test_serve_deterministic_answers_alike_alone_and_together(tmp_path: Path) -> None:
-    from kvactor.cli import build_parser
+    from kvactor.cli._main import build_parser
     from kvactor.server._cli import _options
 
     args = build_parser().parse_args(["serve", "tiny", "--deterministic", "--no-cache-dir"])

@@ -23,8 +23,8 @@ from multimodels import hot_pool
 
 import kvactor
 from kvactor.actors.enums import Tier
-from kvactor.actors.model import make_tiny_model
-from kvactor.actors.store import collect, list_agents
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.warm import collect, list_agents
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 DOC = " ".join(f"Clause {i}: the service keeps record {i} for {i % 7} days." for i in range(40))
@@ -181,7 +181,7 @@ async def test_on_disk_shared_segments_are_one_file_and_load_in_another_process(
     script = textwrap.dedent(
         f"""
         import anyio, functools, json, kvactor
-        from kvactor.actors.model import make_tiny_model
+        from kvactor.actors.models import make_tiny_model
         model = functools.partial(make_tiny_model, 0, head_dim=64)
         async def main():
             out = []
@@ -255,7 +255,7 @@ async def test_context_errors_and_a_second_call_returns_it() -> None:
 _CHURN = textwrap.dedent(
     """
     import anyio, functools, sys, kvactor
-    from kvactor.actors.model import make_tiny_model
+    from kvactor.actors.models import make_tiny_model
     model = functools.partial(make_tiny_model, 0, head_dim=64)
     DOC = sys.argv[2]
     async def main():
@@ -315,7 +315,7 @@ def test_kill_9_during_shares_and_forks_leaves_every_agent_loadable(
     script = textwrap.dedent(
         f"""
         import anyio, functools, kvactor
-        from kvactor.actors.model import make_tiny_model
+        from kvactor.actors.models import make_tiny_model
         model = functools.partial(make_tiny_model, 0, head_dim=64)
         async def main():
             async with kvactor.open(model, cache_dir={str(tmp_path)!r}) as kv:
@@ -351,7 +351,7 @@ def test_the_collector_removes_only_what_no_manifest_names_and_survives_kill_9(
         [
             sys.executable,
             "-c",
-            "import sys; from kvactor.actors.store import collect; print(1, flush=True); "
+            "import sys; from kvactor.actors.warm import collect; print(1, flush=True); "
             "collect(sys.argv[1])",
             str(tmp_path),
         ],

@@ -20,28 +20,26 @@ import pytest
 import safetensors.numpy
 import xxhash
 
-from kvactor._inspect import format_table, inspect_rows
-from kvactor.actors import _durable
-from kvactor.actors import store as store_module
-from kvactor.actors._checksum import body_checksum, file_checksum
 from kvactor.actors.enums import Tier
 from kvactor.actors.errors import CacheRejected, InvalidAgentId, StoreWriteError, UnknownAgent
-from kvactor.actors.store import (
-    Append,
+from kvactor.actors.warm import (
     CacheIdentity,
     Forget,
     ListAgents,
-    Load,
-    Loaded,
-    Manifest,
     StoreActor,
-    append_cache,
+    _durable,
     default_cache_dir,
     forget,
     list_agents,
     read_cache,
     read_manifest,
 )
+from kvactor.actors.warm import _store as store_module
+from kvactor.actors.warm._checksum import body_checksum, file_checksum
+from kvactor.actors.warm._manifest import Loaded
+from kvactor.actors.warm._store import Append, Load, Manifest
+from kvactor.actors.warm._write import append_cache
+from kvactor.cli._inspect import format_table, inspect_rows
 from kvactor.runtime import Runtime
 
 L, H, D = 2, 2, 64  # layers, kv heads, head dim of the toy "model"
@@ -335,7 +333,7 @@ def test_non_contiguous_arrays_are_stored(tmp_path: Path) -> None:
 LOAD_ELSEWHERE = """
 import sys, zlib
 import kvactor
-from kvactor.actors.store import CacheIdentity, read_cache
+from kvactor.actors.warm import CacheIdentity, read_cache
 L, H, D = 2, 2, 64
 def expect(start, stop):
     n = stop - start

@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 
 import kvactor
-from kvactor import InvalidAgentId, UnsafeCachePath
-from kvactor._inspect import inspect_rows
-from kvactor.actors._checksum import body_checksum
 from kvactor.actors.enums import Tier
-from kvactor.actors.model import make_tiny_model, tiny_byte_tokenizer
-from kvactor.actors.store import forget
+from kvactor.actors.errors import InvalidAgentId, UnsafeCachePath
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.models._bpe import tiny_byte_tokenizer
+from kvactor.actors.warm import forget
+from kvactor.actors.warm._checksum import body_checksum
 from kvactor.cli import main as cli
+from kvactor.cli._inspect import inspect_rows
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 

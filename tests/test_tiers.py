@@ -16,11 +16,11 @@ import pytest
 from test_budget import one_turn_need
 
 import kvactor
-from kvactor import Attention
-from kvactor.actors.agent import match_prefix
+from kvactor.actors.agent._prefix_match import match_prefix
+from kvactor.actors.engine import Attention
 from kvactor.actors.enums import Match, StageOutcome, Tier
-from kvactor.actors.model import make_tiny_model
-from kvactor.actors.prefetch import Stage, StageResult
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.warm._prefetch import Stage, StageResult
 from kvactor.cli import main as cli_main
 
 
@@ -91,7 +91,7 @@ def test_a_cache_saved_by_one_process_loads_in_another(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import anyio, functools, json, kvactor
-        from kvactor.actors.model import make_tiny_model
+        from kvactor.actors.models import make_tiny_model
         model = functools.partial(make_tiny_model, 0, head_dim=64)
         async def main():
             async with kvactor.open(model, cache_dir={str(tmp_path)!r}) as kv:

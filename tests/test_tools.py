@@ -16,14 +16,14 @@ import pytest
 from pydantic import BaseModel
 
 import kvactor
-from kvactor.actors._bpe import ByteLevelBPETokenizer, tiny_byte_tokenizer, tiny_vocab
-from kvactor.actors._messages import check_history
-from kvactor.actors._tool_formats import ToolFormat, detect_format
-from kvactor.actors._tool_parse import ToolStream, parse_tool_calls
+from kvactor.actors.agent import check_history
 from kvactor.actors.enums import FinishReason, Match
-from kvactor.actors.model import LoadedModel, make_tiny_model
-from kvactor.actors.protocol import ToolCallDelta
-from kvactor.actors.tools import response_constraint, tool_definition, tool_request
+from kvactor.actors.models import LoadedModel, make_tiny_model
+from kvactor.actors.models._bpe import ByteLevelBPETokenizer, tiny_byte_tokenizer, tiny_vocab
+from kvactor.actors.records import ToolCallDelta
+from kvactor.actors.tools import ToolFormat, ToolStream, detect_format, tool_request
+from kvactor.actors.tools._parse import parse_tool_calls
+from kvactor.actors.tools._request import response_constraint, tool_definition
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 
@@ -324,10 +324,9 @@ async def test_a_response_format_constrains_the_answer() -> None:
 def test_a_cache_waiting_on_tools_is_demoted_after_idle_ones_until_its_ttl_ends() -> None:
     import mlx.core as mx
 
-    from kvactor import LRUPolicy
-    from kvactor.actors.pool import CachePool
+    from kvactor.actors.hot import CachePool, LRUPolicy
+    from kvactor.kernels.float_turn import FloatTurnCache
     from kvactor.kernels.qcodec import DEFAULT_CODEC
-    from kvactor.kernels.turn_cache import FloatTurnCache
 
     lm = tiny()
     FloatTurnCache.prepare(lm.model)
@@ -361,7 +360,7 @@ def test_a_cache_waiting_on_tools_is_demoted_after_idle_ones_until_its_ttl_ends(
 
 @pytest.mark.parametrize("name", sorted(REALISTIC))
 def test_each_format_grammar_accepts_the_calls_it_parses(name: str) -> None:
-    from kvactor.actors.grammar import GrammarCompiler
+    from kvactor.actors.tools import GrammarCompiler
 
     tokenizer = tiny_byte_tokenizer()
     fmt = FORMATS[name]

@@ -17,12 +17,12 @@ from test_budget import one_turn_need
 from test_pool import new_pool, turn
 
 import kvactor
-from kvactor import Candidate, LRUPolicy, WorkflowPolicy
 from kvactor.actors.enums import Room, Tier
-from kvactor.actors.hints import HintBook, make_hint
-from kvactor.actors.model import LoadedModel, make_tiny_model
-from kvactor.actors.protocol import Hint
-from kvactor.kernels.turn_cache import FloatTurnCache
+from kvactor.actors.hot import Candidate, LRUPolicy, WorkflowPolicy, make_hint
+from kvactor.actors.hot._hints import HintBook
+from kvactor.actors.messages import Hint
+from kvactor.actors.models import LoadedModel, make_tiny_model
+from kvactor.kernels.float_turn import FloatTurnCache
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_the_hint_book_turns_an_order_into_times() -> None:
 
 
 def test_a_clusters_hint_is_split_by_the_host_of_each_agent() -> None:
-    from kvactor.actors.hints import split_hint
+    from kvactor.actors.hot import split_hint
 
     hint = make_hint(["a", "b", "c", "x"], expect_in_s={"b": 1.0}, priority={"c": 2}, done=["a"])
     parts = split_hint(hint, {"a": "h1", "b": "h2", "c": "h1"})
@@ -207,7 +207,7 @@ async def test_agents_hint_and_say_done_and_hints_about_strangers_break_nothing(
 
 
 def test_the_hint_book_stays_bounded_whatever_it_is_told() -> None:
-    from kvactor.actors.hints import BOOK_LIMIT
+    from kvactor.actors.hot._hints import BOOK_LIMIT
 
     book = HintBook()
     names = tuple(f"n{i}" for i in range(BOOK_LIMIT + 50))
@@ -218,7 +218,7 @@ def test_the_hint_book_stays_bounded_whatever_it_is_told() -> None:
 
 
 def test_room_comes_first_from_ready_copies_still_being_built(lm: LoadedModel) -> None:
-    from kvactor.actors.pool import CachePool
+    from kvactor.actors.hot import CachePool
     from kvactor.kernels.qcodec import DEFAULT_CODEC
 
     pool = CachePool(
@@ -288,7 +288,7 @@ async def test_random_advice_under_a_tight_budget_changes_no_answer(tmp_path: Pa
 
 
 def test_a_prefetch_gives_up_no_ready_copy_of_an_agent_hinted_sooner(lm: LoadedModel) -> None:
-    from kvactor.actors.pool import CachePool
+    from kvactor.actors.hot import CachePool
     from kvactor.kernels.qcodec import DEFAULT_CODEC
 
     pool = CachePool(

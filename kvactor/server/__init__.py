@@ -56,6 +56,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 from ._app import create_app as create_app
+from ._cli import run_serve as run_serve
 from ._serve import serve as serve
 
-__all__ = ("create_app", "serve")
+__all__ = ("create_app", "run_serve", "serve")

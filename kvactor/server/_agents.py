@@ -14,8 +14,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..actors import Session, UnknownAgent, WarmInfo
-from ..actors.store import Forgotten
+from ..actors.errors import UnknownAgent
+from ..actors.session import Session
+from ..actors.warm import Forgotten, WarmInfo
 from ._errors import ApiError
 from ._state import server_state, tenant_of
 from ._tenants import Tenant

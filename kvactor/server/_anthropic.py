@@ -15,7 +15,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..actors import Completion, FinishReason
+from ..actors.enums import FinishReason
+from ..actors.records import Completion
 from ._conversation import anthropic_messages, anthropic_system
 from ._errors import ApiError
 from ._request import (

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..actors import Session
+from ..actors.session import Session
 from . import _agents, _anthropic, _hints, _openai, _status
 from ._errors import Api, ApiError, error_response
 from ._state import ServerState, server_state

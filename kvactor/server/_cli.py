@@ -21,7 +21,7 @@ def _model(spec: str | None) -> Any:
     """The model ``serve`` opens: a path, None (the default model) or ``tiny`` (a random
     2-layer test model, for trying the server out)."""
     if spec == "tiny":
-        from ..actors.model import make_tiny_model
+        from ..actors.models import make_tiny_model
 
         return functools.partial(make_tiny_model, 0, head_dim=64)
     return spec
@@ -51,7 +51,7 @@ def served_models(args: argparse.Namespace) -> tuple[Any, dict[str, Any] | None]
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """``kvactor.open``'s options from the arguments."""
-    from ..actors.store import default_cache_dir
+    from ..actors.warm import default_cache_dir
 
     cache_dir = None if args.no_cache_dir else (args.cache_dir or default_cache_dir())
     options: dict[str, Any] = {"cache_dir": cache_dir, "attention": args.attention}
@@ -78,7 +78,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``kvactor serve``: 0 once stopped by a signal, 1 when it cannot start (model,
     cache directory, address), 2 for bad keys or a ``--tool-wait-s`` out of [0, 86400]."""
-    from ..actors.errors import KvactorError
+    from ..runtime import KvactorError
     from ._tenants import Keys
 
     wait = args.tool_wait_s

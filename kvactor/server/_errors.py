@@ -9,7 +9,13 @@ import enum
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
-from ..actors import BudgetExceeded, ContextOverflow, EngineStopped, InvalidAgentId, TurnEnded
+from ..actors.errors import (
+    BudgetExceeded,
+    ContextOverflow,
+    EngineStopped,
+    InvalidAgentId,
+    TurnEnded,
+)
 
 
 class Api(enum.Enum):

@@ -9,7 +9,9 @@ from typing import Any
 import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..actors import Completion, Session, Tier
+from ..actors.enums import Tier
+from ..actors.records import Completion
+from ..actors.session import Session
 
 # How long /metrics waits for the engine's figures: the engine answers between steps, and
 # a step of a long prefill takes seconds on a CPU; past this the last figures are shown.

@@ -15,8 +15,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..actors import Completion, FinishReason
-from ..actors.protocol import ToolCall, ToolCallDelta
+from ..actors.enums import FinishReason
+from ..actors.records import Completion, ToolCall, ToolCallDelta
 from ._conversation import openai_messages
 from ._errors import ApiError
 from ._request import (

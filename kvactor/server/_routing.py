@@ -19,8 +19,8 @@ from typing import Any
 import anyio
 from starlette.requests import Request
 
-from ..actors import Agent, Session
-from ..actors.store import Forgotten
+from ..actors.session import Agent, Session
+from ..actors.warm import Forgotten
 from ._errors import ApiError
 from ._tenants import Tenant
 

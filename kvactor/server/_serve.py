@@ -184,7 +184,7 @@ async def serve(
     stderr (:func:`start_line`; one JSON object with ``json_start``) and calls
     ``ready(port)``. Raises ValueError for a malformed key entry (before anything
     starts), what ``kvactor.open`` raises, and OSError when the address cannot be bound."""
-    from ..actors import open as open_session
+    from ..actors.opening import open as open_session
 
     keys = Keys(api_keys, admin_keys)  # malformed entries fail before the model loads
     options.setdefault("budget_bytes", default_budget_bytes())

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 import anyio
 from starlette.requests import Request
 
-from ..actors import Agent, Completion, FinishReason, Session
+from ..actors.enums import FinishReason
+from ..actors.records import Completion
+from ..actors.session import Agent, Session
 from ._admission import Admission
 from ._metrics import Metrics
 from ._routing import AgentRouter, Conversation

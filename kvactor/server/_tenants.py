@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..actors.protocol import AGENT_ID_MAX, check_agent_id
+from ..actors.ids import AGENT_ID_MAX, check_agent_id
 from ._errors import ApiError
 
 __all__ = ("OPEN", "Keys", "Tenant", "key_entries")

@@ -16,10 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..actors.grammar import JSON_FORMAT, closed_objects
 from ..actors.options import MAX_GRAMMAR_CHARS
-from ..actors.protocol import ToolRequest
-from ..actors.tools import tool_request
+from ..actors.records import ToolRequest
+from ..actors.tools import JSON_FORMAT, closed_objects, tool_request
 from ._errors import ApiError
 from ._request import shown
 

@@ -20,9 +20,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..actors import Agent, Completion, ContextOverflow, FinishReason
-from ..actors.api import TurnStream
-from ..actors.protocol import ToolCallDelta
+from ..actors.enums import FinishReason
+from ..actors.errors import ContextOverflow
+from ..actors.records import Completion, ToolCallDelta
+from ..actors.session import Agent, TurnStream
 from ._errors import ApiError, ClientGone, ended
 from ._hints import header_hints
 from ._routing import Conversation

@@ -1,0 +1,466 @@
+"""More than one machine: engine hosts as Ray actors, agents placed and moved with their caches.
+
+``kvactor.open(model, cluster="auto")`` (or :func:`open_cluster`) connects to a Ray cluster,
+or starts a local one on 127.0.0.1, and starts one :class:`~kvactor.actors.host.EngineHost`
+per node (``hosts_per_node`` for more): a Ray actor that owns MLX on its node, runs a kvactor
+session there and keeps that node's warm tier under ``<cache_dir>/hosts/<host>`` on its
+local disk. The :class:`ClusterSession` it returns has the ``Session`` API (spawn, agents and
+their turns, forget, prefetch, stats) plus :meth:`ClusterSession.place` and
+:meth:`ClusterSession.rebalance`. Ray is imported here only: an application that never asks
+for a cluster never imports it.
+
+- **Placement**: a new agent goes where its ``PlacementPolicy`` says (default
+  :class:`MostFreeBudget`); forks and agents of a shared context go to their source's host;
+  an agent stays where its cache is (a session that connects again finds each agent on the
+  host whose disk holds it).
+- **Migration** (``place``): the old host releases the agent (its last turn saved) and hands
+  its committed warm files to the new host through Ray's object store (host to host, not via
+  the caller); the new host verifies them as a warm load does before it moves them into
+  place; only then does the old host forget them. A migration that fails leaves the agent
+  where it was, whole.
+- **Failures**: a host process that dies fails its pending turns at once with
+  :class:`HostLost`; Ray restarts it, and its agents resume from their warm caches on the
+  next call (the disk is the node's own), while agents on other hosts never notice.
+- **Replicas** (``replicas=2``): after each turn the agent's new warm files go to a second
+  host (another node first), which verifies them as a warm load does (kept segments whose
+  manifest entry is unchanged are only checked to be there) before it swaps the replica in. A
+  host gone for good (Ray says it is dead, and a call to it fails so again) hands each of
+  its agents with a replica to the replica's host, which verifies and resumes it there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from ..engine import ModelSpec
+from ..errors import HostLost
+from ..hot import make_hint, split_hint
+from ..ids import check_agent_id
+from ..session import Opening, OpenOptions
+from ..warm import Forgotten
+from ._agent import ClusterAgent
+from ._calls import Host, HostCalls, unwrap
+from ._connect import connect, loopback_before_import
+from ._host import EngineHost, HostInfo
+from ._placement import ClusterStats, Migration, MostFreeBudget, PlacementPolicy
+
+__all__ = ("CLUSTER_KEYS", "ClusterOptions", "ClusterSession", "open_cluster")
+
+log = logging.getLogger("kvactor.cluster")
+
+
+class ClusterOptions(OpenOptions, total=False):
+    """``kvactor.open``'s keywords with ``cluster=``: each host's, plus the cluster's own
+    (``kvactor.actors.cluster.open_cluster``)."""
+
+    hosts_per_node: int
+    placement: PlacementPolicy | None
+    ray_options: dict[str, Any] | None
+    replicas: int
+
+
+#: The keywords only a cluster takes.
+CLUSTER_KEYS = tuple(
+    k for k in ClusterOptions.__annotations__ if k not in OpenOptions.__annotations__
+)
+
+
+class ClusterSession(HostCalls):
+    """Agents on several engine hosts (see the module doc). Use ``open_cluster`` or
+    ``kvactor.open(..., cluster=...)``."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: str,
+        cache_dir: str | os.PathLike[str],
+        *,
+        hosts_per_node: int = 1,
+        placement: PlacementPolicy | None = None,
+        ray_options: dict[str, Any] | None = None,
+        options: dict[str, Any] | None = None,
+        replicas: int = 1,
+    ) -> None:
+        if hosts_per_node < 1:
+            raise ValueError("hosts_per_node must be >= 1")
+        if replicas not in (1, 2):
+            raise ValueError("replicas must be 1 (each cache on its host only) or 2")
+        self._model = model
+        self._cluster = cluster
+        self.cache_dir = Path(cache_dir)
+        self._hosts_per_node = hosts_per_node
+        self.placement: PlacementPolicy = placement or MostFreeBudget()
+        self._ray_options = dict(ray_options or {})
+        self._options = dict(options or {})
+        self._hosts: dict[str, Host] = {}
+        self._where: dict[str, str] = {}  # agent -> host
+        self._migrations: list[Migration] = []
+        self.replicas = replicas
+        self._replica: dict[str, str] = {}  # agent -> the host that keeps its replica
+        self._lost: set[str] = set()  # hosts gone for good
+        self._failover = anyio.Lock()
+        self._replication_failures = 0
+        self._started_ray = False
+        self._closed = False
+
+    # -- start and stop ---------------------------------------------------------------
+    async def start(self) -> ClusterSession:
+        """Connect to Ray (or start it), start the hosts, find the agents on their disks.
+        Connecting blocks the event loop for the seconds it takes (Ray wants the main
+        thread for its signal handlers); the hosts start in the background."""
+        self._start_hosts()
+        try:
+            if self.replicas > len(self._hosts):
+                raise ValueError(f"replicas={self.replicas} needs as many hosts")
+            infos = await self.hosts()
+            for info in infos:
+                for agent in info.warm_agents:
+                    self._where.setdefault(agent, info.name)
+            for info in infos:
+                for agent in info.replicas:
+                    if self._where.get(agent, info.name) != info.name:
+                        self._replica.setdefault(agent, info.name)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    def _start_hosts(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if not ray.is_initialized():
+            self._started_ray = connect(self._cluster, self._ray_options)
+        nodes = sorted(
+            (n for n in ray.nodes() if n.get("Alive")), key=lambda n: str(n.get("NodeID"))
+        )
+        remote = ray.remote(EngineHost)
+        for node in nodes:
+            cpus = max(1, int(node.get("Resources", {}).get("CPU", 1)) // self._hosts_per_node)
+            for _ in range(self._hosts_per_node):
+                name = f"h{len(self._hosts)}"
+                handle = remote.options(
+                    num_cpus=cpus,
+                    max_restarts=-1,
+                    max_task_retries=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+                ).remote(
+                    name,
+                    self._model,
+                    str(self.cache_dir / "hosts" / name),
+                    self._options,
+                    str(node["NodeID"]),
+                    self._hosts_per_node,
+                )
+                self._hosts[name] = Host(name, handle, str(node["NodeID"]))
+        if not self._hosts:
+            raise RuntimeError("the Ray cluster has no live node")
+
+    async def aclose(self) -> None:
+        """Close every host (each agent saves its last turn), stop them, and stop Ray if
+        this session started it. Closing twice does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        for host in self._hosts.values():
+            try:
+                await self._call(host, "close")
+            except Exception:  # a host that is gone has nothing left to save
+                pass
+            ray.kill(host.handle)
+        if self._started_ray:
+            await anyio.to_thread.run_sync(ray.shutdown)
+
+    async def __aenter__(self) -> ClusterSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- replicas and lost hosts ------------------------------------------------------
+    async def _replicate(self, agent: str) -> None:
+        """With ``replicas=2``: bring the replica of ``agent``'s warm cache on another host
+        up to date (its new files only, host to host), after each of its turns. A failure
+        is logged and counted (``stats().replication_failures``), never the turn's."""
+        if self.replicas < 2 or agent not in self._where:
+            return
+        home = self._hosts[self._where[agent]]
+        holder = self._replica.get(agent)
+        try:
+            if holder is None or holder in self._lost:
+                live = (h for h in self._hosts.values() if h.name not in self._lost)
+                others = [h for h in live if h is not home]
+                if not others:
+                    return
+                counts = {h.name: 0 for h in others}
+                for held in self._replica.values():
+                    if held in counts:
+                        counts[held] += 1
+                # Another node first (a replica on the same node survives no node loss).
+                best = min(others, key=lambda h: (h.node == home.node, counts[h.name], h.name))
+                holder = best.name
+            have = await self._call(self._hosts[holder], "replica_files", agent)
+            update = home.handle.files.remote(agent, have)  # host to host
+            await self._call(self._hosts[holder], "keep_replica", agent, update)
+            self._replica[agent] = holder
+        except Exception as exc:  # the turn is done and saved on its host
+            self._replication_failures += 1
+            log.warning("replica of agent %r on host %r not updated: %s", agent, holder, exc)
+
+    async def _drop_replica(self, agent: str) -> None:
+        holder = self._replica.pop(agent, None)
+        if holder is not None and holder not in self._lost:
+            try:
+                await self._call(self._hosts[holder], "drop_replica", agent)
+            except Exception as exc:  # a stale replica is never promoted over a live agent
+                log.warning("replica of agent %r on host %r not deleted: %s", agent, holder, exc)
+
+    async def _host_gone(self, host: Host) -> str:
+        """Mark ``host`` gone for good; each of its agents with a replica becomes an agent
+        of the replica's host (verified as a warm load, then resumed there). Says where
+        they went."""
+        async with self._failover:
+            if host.name in self._lost:
+                return "its agents went where the first report said"
+            self._lost.add(host.name)
+            moved, stranded = [], []
+            for agent in sorted(a for a, h in self._where.items() if h == host.name):
+                holder = self._replica.pop(agent, None)
+                if holder is None or holder in self._lost:
+                    stranded.append(agent)
+                    continue
+                try:
+                    await self._call(self._hosts[holder], "promote", agent)
+                except Exception as exc:
+                    log.warning("replica of %r on %r not promoted: %s", agent, holder, exc)
+                    stranded.append(agent)
+                    continue
+                self._where[agent] = holder
+                moved.append(f"{agent} -> {holder}")
+            for agent, holder in list(self._replica.items()):
+                if holder == host.name:
+                    del self._replica[agent]  # made again on the agent's next turn
+            said = f"agents resumed from their replicas: {', '.join(moved) or 'none'}"
+            if stranded:
+                said += f"; without a replica: {', '.join(stranded)}"
+            log.warning("engine host %r is gone: %s", host.name, said)
+            return said
+
+    # -- the Session API --------------------------------------------------------------
+    async def _each_host(self, method: str) -> list[Any]:
+        """``method``'s answer from every host still here (one lost meanwhile is left out)."""
+        answers = []
+        for host in list(self._hosts.values()):
+            if host.name in self._lost:
+                continue
+            try:
+                answers.append(await self._call(host, method))
+            except HostLost:
+                if host.name not in self._lost:
+                    raise
+        return answers
+
+    async def hosts(self) -> list[HostInfo]:
+        """What every host says of itself, by name."""
+        return await self._each_host("info")
+
+    async def stats(self) -> ClusterStats:
+        return ClusterStats(
+            hosts=await self.hosts(),
+            migrations=list(self._migrations),
+            lost_hosts=sorted(self._lost),
+            replication_failures=self._replication_failures,
+        )
+
+    async def spawn_agent(
+        self,
+        name: str,
+        *,
+        system: str | None = None,
+        fork_of: str | None = None,
+        context: str | None = None,
+        scope: str | None = None,
+        host: str | None = None,
+    ) -> ClusterAgent:
+        """A new agent (``Session.spawn_agent``) on ``host``, or where a fork's source or a
+        shared context is, or where the placement policy says. Raises as
+        ``Session.spawn_agent`` does, and ValueError for an unknown host."""
+        check_agent_id(name)
+        if name in self._where:
+            raise ValueError(f"agent {name!r} already exists (on host {self._where[name]!r})")
+        source = fork_of if fork_of is not None else context
+        if source is not None:
+            home = self._host_of(source)
+            if host is not None and host != home.name:
+                raise ValueError(f"{source!r} is on host {home.name!r}, not {host!r}")
+            target = home
+        elif host is not None:
+            target = self._host(host)
+        else:
+            target = self._host(self.placement.choose(name, await self.hosts()))
+        await self._call(target, "spawn", name, system, fork_of, context, scope)
+        self._where[name] = target.name
+        return ClusterAgent(self, name)
+
+    async def context(
+        self, name: str, text: str, *, scope: str = "", host: str | None = None
+    ) -> ClusterAgent:
+        """A shared context (``Session.context``) on ``host`` or where placement says; its
+        agents go to the same host."""
+        check_agent_id(name)
+        if name in self._where:
+            raise ValueError(f"agent {name!r} already exists")
+        target = self._host(host or self.placement.choose(name, await self.hosts()))
+        await self._call(target, "context", name, text, scope)
+        self._where[name] = target.name
+        return ClusterAgent(self, name)
+
+    async def fork(self, source: str, name: str, *, scope: str | None = None) -> ClusterAgent:
+        return await self.spawn_agent(name, fork_of=source, scope=scope)
+
+    def agent(self, name: str) -> ClusterAgent:
+        """The agent called ``name``, on whichever host; raises UnknownAgent."""
+        self._host_of(name)
+        return ClusterAgent(self, name)
+
+    @property
+    def agents(self) -> dict[str, ClusterAgent]:
+        return {name: ClusterAgent(self, name) for name in self._where}
+
+    async def forget(self, name: str) -> Forgotten:
+        """Delete every byte of the agent on its host (``Session.forget``)."""
+        host = self._host_of(name)
+        done: Forgotten = await self._call(host, "forget", name)
+        del self._where[name]
+        await self._drop_replica(name)
+        return done
+
+    async def prefetch(self, name: str) -> None:
+        await self._call(self._host_of(name), "prefetch", name)
+
+    async def hint(
+        self,
+        next: Sequence[str] = (),
+        *,
+        expect_in_s: Mapping[str, float] | None = None,
+        priority: Mapping[str, int] | None = None,
+        done: Sequence[str] = (),
+        prefetch: int = 2,
+    ) -> None:
+        """``Session.hint``, each part sent to the host that holds its agents (agents not
+        placed are left out). Raises what ``Session.hint`` raises."""
+        hint = make_hint(next, expect_in_s=expect_in_s, priority=priority, done=done)
+        for host, part in split_hint(hint, self._where).items():
+            await self._call(
+                self._host(host),
+                "hint",
+                list(part.next),
+                dict(part.expect_in_s),
+                dict(part.priority),
+                list(part.done),
+                prefetch,
+            )
+
+    async def end_turns(self) -> int:
+        """``Session.end_turns`` on every host still here, for a close to come: decoding
+        turns end at their next step and are saved; others fail with TurnEnded. Returns
+        how many turns the hosts ended."""
+        return sum(await self._each_host("end_turns"))
+
+    async def place(self, name: str, host: str) -> Migration | None:
+        """Move agent ``name`` to ``host`` with its cache (None when it is there already).
+        Its host saves and releases it, the new host verifies and adopts its files, then
+        the old one forgets them: the last committed turn is never lost. Raises what
+        verification raises (CacheRejected: the agent stays where it was)."""
+        source = self._host_of(name)
+        target = self._host(host)
+        if source is target:
+            return None
+        import ray
+
+        began = time.perf_counter()
+        files = source.handle.export.remote(name)  # stays in the object store
+        try:
+            adopted = target.handle.adopt.remote(name, files)
+            nbytes: int = await anyio.to_thread.run_sync(ray.get, adopted)
+        except Exception as exc:
+            # The source keeps its files; it resumes the agent on its next call.
+            raise unwrap(exc, target.name) from None
+        self._where[name] = target.name
+        await self._call(source, "forget", name)
+        moved = Migration(
+            agent=name,
+            source=source.name,
+            target=target.name,
+            nbytes=nbytes,
+            seconds=time.perf_counter() - began,
+        )
+        self._migrations.append(moved)
+        if self._replica.get(name) == target.name:  # its replica is now its own host
+            await self._drop_replica(name)
+            await self._replicate(name)
+        return moved
+
+    async def rebalance(self) -> list[Migration]:
+        """Move agents from the host with the most (running or warm) to the one with the
+        fewest until they differ by at most one; the moves made."""
+        moves: list[Migration] = []
+        while True:
+            infos = await self.hosts()
+            counts = {i.name: [a for a, h in self._where.items() if h == i.name] for i in infos}
+            most = max(counts, key=lambda h: (len(counts[h]), h))
+            least = min(counts, key=lambda h: (len(counts[h]), h))
+            if len(counts[most]) - len(counts[least]) <= 1:
+                return moves
+            moved = await self.place(sorted(counts[most])[-1], least)
+            if moved is not None:
+                moves.append(moved)
+
+
+def open_cluster(
+    model: ModelSpec = None,
+    *,
+    cluster: str = "auto",
+    cache_dir: str | os.PathLike[str],
+    hosts_per_node: int = 1,
+    placement: PlacementPolicy | None = None,
+    ray_options: dict[str, Any] | None = None,
+    replicas: int = 1,
+    **options: Any,
+) -> Opening[ClusterSession]:
+    """A session over engine hosts on a Ray cluster (see the module doc): ``cluster`` is
+    "auto" (a running cluster, else a local one on 127.0.0.1), "local", an address, or
+    ``ray://host:port``; ``cache_dir`` the folder each host keeps its warm tier under (on
+    its own node's disk: ``<cache_dir>/hosts/<host>``); ``ray_options`` go to ``ray.init``
+    of a local cluster (``num_cpus`` ...); ``replicas=2`` keeps a copy of every agent's
+    warm cache on a second host (another node where there is one), updated after each
+    turn, so that a host gone for good loses no cache; ``options`` go to each host's
+    ``kvactor.open`` (``budget_bytes``, ``max_batch`` ...). Raises ImportError without Ray
+    (``pip install 'kvactor[ray]'``)."""
+    loopback_before_import(cluster)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ImportError("a cluster needs Ray: pip install 'kvactor[ray]'") from None
+    if "cluster" in options:
+        raise TypeError("cluster is given once")
+    session = ClusterSession(
+        model,
+        cluster,
+        cache_dir,
+        hosts_per_node=hosts_per_node,
+        placement=placement,
+        ray_options=ray_options,
+        options=options,
+        replicas=replicas,
+    )
+    return Opening(session.start, session.__aexit__)

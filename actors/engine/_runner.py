@@ -1,0 +1,494 @@
+"""The engine actor: the only owner of MLX. Message dispatch and scheduling: chunked
+prefill and continuous batched decode. The hot tier's accounting is the CachePool's."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import time
+from collections import deque
+from typing import Any, cast
+
+import mlx.core as mx
+import msgspec
+
+from ...kernels.agent_cache import AgentKV
+from ...kernels.memory import keep_freed_buffers, release_thread
+from ...kernels.qcodec import DEFAULT_CODEC
+from ...kernels.rowwise import bind_rows
+from ...kernels.stored import segment_layout
+from ...runtime import ThreadActor
+from ..enums import FinishReason, Room, Tier
+from ..errors import (
+    BudgetExceeded,
+    CacheMiss,
+    ContextOverflow,
+    EngineStopped,
+    ModelLoadError,
+    TurnEnded,
+)
+from ..hot import CachePool, HotEntry
+from ..ids import check_agent_id
+from ..messages import (
+    CacheQuery,
+    DropCache,
+    EndTurns,
+    EngineMessage,
+    Export,
+    Fork,
+    Generate,
+    GetModelInfo,
+    Hint,
+    Install,
+    Release,
+    Reserve,
+    StatsQuery,
+    ToolWait,
+    Written,
+)
+from ..models import LoadedModel, load_model
+from ..records import EngineStats
+from ..tools import GrammarCompiler
+from ._batch import DecodeBatch
+from ._config import EngineConfig, ModelSpec, turn_reserve_bytes
+from ._generation import Generation
+from ._memory import attention_heads, attention_score_bytes
+from ._model_check import check_turns
+from ._picking import host_bound, pick, pick_in_graph
+
+__all__ = ("EngineActor",)
+
+
+# The main thread's MLX streams, last of all at exit (the runtime's stop_threads, which
+# ends the engine threads still alive, is registered later and runs first).
+atexit.register(release_thread)
+
+
+def _settle_random_state() -> None:
+    """Evaluate MLX's global random key: building a model splits it lazily on this thread,
+    and a lazy array tied to a thread that has exited aborts the process at exit."""
+    mx.eval(list(cast(Any, mx.random.state)))
+
+
+class EngineActor(ThreadActor):
+    """Owns the model and every MLX array, on its own OS thread.
+
+    ``Generate`` requests are queued; ``on_idle`` alternates one prefill chunk of the oldest
+    prefilling request with one batched decode step of every decoding agent (pipelined:
+    ``DecodeBatch``), so long prompts never starve decodes and new agents join the batch
+    while others decode. Each agent's cache stays in the engine between turns, quantized; a
+    turn reads it through a working cache of the attention mode's class
+    (``EngineConfig.attention``). The CachePool owns every hot cache and keeps every byte of
+    it, and of staged and exported caches, within one budget; the engine runs turns on
+    them through the pool's methods.
+    """
+
+    def __init__(self, model: ModelSpec = None, config: EngineConfig | None = None) -> None:
+        self._spec = model
+        self.config = config or EngineConfig()
+        self.codec = self.config.codec or DEFAULT_CODEC
+        self.turn_cache = self.config.turn_cache()
+        if self.config.deterministic:  # batches attend row by row (kernels.rowwise)
+            self.turn_cache = self.turn_cache.invariant()
+        self.lm: LoadedModel
+        self.pool: CachePool
+        self.batch: DecodeBatch
+        self._prefilling: deque[Generation] = deque()
+        self._ready: deque[Generation] = deque()  # prefilled, waiting for a batch slot
+        self._generated = 0  # first tokens, sampled at the end of a prefill
+        self._grammars: GrammarCompiler  # compiles Generate.constraint (set at start)
+        self._ready_turns = 0
+        self._ending = False  # EndTurns came: turns end, new ones are refused
+
+    # -- lifecycle --------------------------------------------------------------------
+    def on_start(self) -> None:
+        spec = self._spec
+        keep_freed_buffers()  # turns reuse freed pages instead of faulting in fresh ones
+        self.lm = spec() if callable(spec) else load_model(spec, weights=self.config.weights)
+        _settle_random_state()
+        config = self.config
+        self.pool = CachePool(
+            config.budget_bytes,
+            config.policy,
+            persistent=config.persistent,
+            codec=self.codec,
+            geometry=self.lm.geometry,
+            turn_cache=self.turn_cache,
+            ready_copies=config.ready_copies,
+            checkpoints=config.checkpoints,
+        )
+        self.batch = DecodeBatch(self.lm.model)
+        self._eos = frozenset(self.lm.tokenizer.eos_token_ids)
+        # The ids a turn may hold (the GGUF loader checks the embedding has a row for each);
+        # ModelInfo says it, so that the warm tier refuses a cache of other ids.
+        self._vocab_size = self.lm.tokenizer.vocab_size
+        self._grammars = GrammarCompiler(self.lm.tokenizer)
+        try:
+            self.turn_cache.prepare(self.lm.model, self.lm.geometry)
+        except TypeError as exc:
+            family = getattr(self.lm.model, "model_type", self.lm.name)
+            raise ModelLoadError(f"model family {family!r}: {exc}") from exc
+        if self.config.deterministic:
+            # A decode step's projections of few rows round as a batch's (kernels.rowwise).
+            bind_rows(self.lm.model, self.config.max_batch)
+        # A codec or geometry this engine cannot store fails here, not mid-turn; and so
+        # does a model whose layers cannot run over this attention mode's caches.
+        try:
+            segment_layout(self.codec, self.lm.geometry)(0, 1)
+        except ValueError as exc:
+            family = getattr(self.lm.model, "model_type", self.lm.name)
+            raise ValueError(f"model family {family!r}: {exc}") from None
+        check_turns(self.lm, self.codec, self.turn_cache)
+
+    def on_stop(self) -> None:
+        # MLX arrays made on this thread must die before it exits: MLX aborts the process
+        # when such an array outlives its thread (seen with mlx 0.32 on CPU).
+        self.unload()
+        gc.collect()
+        _settle_random_state()
+        release_thread()  # this thread's streams go with it, not at the process's exit
+
+    def unload(self) -> None:
+        """Fail the turns still here and drop the model, its hot caches and its batch (a
+        multi-model engine unloads an idle model this way; ``on_start`` loads it again)."""
+        batch = self.__dict__.get("batch")
+        rows = batch.clear() if batch is not None else []
+        for request in (*self._prefilling, *self._ready, *rows):
+            request.reply.fail(EngineStopped("the engine stopped before this generation ended"))
+        self._prefilling.clear()
+        self._ready.clear()
+        if "pool" in self.__dict__:
+            self.pool.close()
+        self.__dict__.pop("pool", None)
+        self.__dict__.pop("batch", None)
+        self.__dict__.pop("lm", None)
+        self._generated = self._ready_turns = 0  # counted anew by a later load
+
+    def queued_need(self) -> int | None:
+        """None when no turn is queued; else the bytes the oldest queued turn's working
+        cache needs beyond its hot tier's room now (0: it runs, or it fits)."""
+        if not self._prefilling:
+            return None
+        head, pool = self._prefilling[0], self.pool
+        if head.active or pool.limit is None:
+            return 0
+        return max(head.reserve + pool.committed() - pool.limit, 0)
+
+    def attention_bytes(self) -> int:
+        """A bound on the fp32 attention scores (and their softmax) of the work here now:
+        a prefill chunk over the longest queued prompt, a decode step over its rows."""
+        if "lm" not in self.__dict__:
+            return 0
+        heads = attention_heads(self.lm)
+        prompt = max((len(r.prompt) for r in self._prefilling), default=0)
+        rows = [*self.batch.rows, *self._ready]
+        longest = max((len(r.prompt) + r.sampling.max_tokens for r in rows), default=0)
+        chunk = min(self.config.prefill_chunk, prompt)
+        scores = attention_score_bytes(heads, chunk, prompt)
+        return scores + attention_score_bytes(heads, len(rows), longest)
+
+    def settled(self) -> bool:
+        """No turn is queued or running and nothing is being written, staged or built:
+        dropping the hot tier now loses nothing that is not on disk (or re-prefillable)."""
+        pool = self.__dict__.get("pool")
+        return pool is None or (
+            not (self._prefilling or self._ready or len(self.batch)) and pool.stuck()
+        )
+
+    # -- messages ---------------------------------------------------------------------
+    def receive(self, message: EngineMessage) -> Any:
+        pool = self.pool
+        match message:
+            case Generate():
+                self._admit(message)
+                return None
+            case Export(agent):
+                return pool.export(agent)
+            case Written(agent, export_id, upto, failed):
+                return pool.written(agent, export_id, upto, failed=failed)
+            case Reserve(agent, nbytes, wait):
+                room = pool.reserve(agent, nbytes, prefetch=not wait)
+                if room is Room.NO_ROOM and wait:
+                    assert self.reply is not None
+                    return pool.wait_for_room(agent, nbytes, self.reply.detach())
+                return room
+            case Install(agent, tokens, ranges, pin, read_s):
+                nbytes = sum(int(a.nbytes) for *_, t in ranges for a in t.values())
+                pool.rates.disk(nbytes, read_s)
+                installed = pool.install(
+                    agent, nbytes, lambda: self._staged(tokens, ranges), pin=pin
+                )
+                if installed and not pin:
+                    pool.ready_ahead(agent)  # a hint: make the turn to come start ready
+                return installed
+            case Release(agent):
+                return pool.release(agent)
+            case GetModelInfo():
+                return self.lm.info(self.codec), self.lm.tokenizer
+            case DropCache(agent):
+                return pool.drop(agent)
+            case Fork(source, new, tokens):
+                return pool.fork(check_agent_id(source), check_agent_id(new), tokens)
+            case CacheQuery(agent):
+                return pool.info(agent)
+            case ToolWait(agent, ttl_s):
+                pool.tool_wait(agent, self.config.tool_wait_s if ttl_s is None else ttl_s)
+                return None
+            case Hint():
+                return pool.hint(message)
+            case StatsQuery():
+                return self._stats()
+            case EndTurns():
+                return self.end_turns()
+        raise TypeError(f"the engine does not handle {type(message).__name__}")
+
+    def _stats(self) -> EngineStats:
+        pool, batch = self.pool, self.batch
+        pool.measure()
+        return EngineStats(
+            agents_cached=len(pool),
+            cache_bytes=pool.used,
+            budget_bytes=pool.limit,
+            peak_bytes=pool.peak,
+            prefilling=len(self._prefilling),
+            decoding=len(batch),
+            waiting=len(self._ready),
+            steps=batch.steps,
+            generated_tokens=self._generated + batch.generated,
+            max_batch_seen=batch.max_seen,
+            demoted_warm=pool.demotions[Tier.WARM],
+            demoted_cold=pool.demotions[Tier.COLD],
+            ready_agents=pool.ready_agents,
+            ready_bytes=pool.ready_bytes,
+            dropped_ready=pool.ready.drops,
+            ready_turns=self._ready_turns,
+            shared_turns=pool.shared_turns,
+            shared_tokens=pool.shared_tokens,
+            tool_waits=pool.tool_waits,
+            constrained_tokens=batch.masked,
+            mask_s=batch.mask_s,
+            installs=pool.installs,
+            warm_writes=pool.writes,
+            warm_write_failures=pool.write_failures,
+        )
+
+    def end_turns(self) -> int:
+        """End every turn (``EndTurns``); the count. A decoding turn ends at its next step,
+        or now when it waits for a batch slot; a turn not decoding yet fails."""
+        self._ending = True
+        for request in self.batch.rows:
+            request.ending = True
+        for request in self._ready:
+            request.finish(FinishReason.ENDED)
+            self._park(request, finished=True)
+        for request in self._prefilling:
+            self._park(request)
+            request.reply.fail(TurnEnded("the session ended its turns before this one decoded"))
+        ended = len(self.batch) + len(self._ready) + len(self._prefilling)
+        self._ready.clear()
+        self._prefilling.clear()
+        return ended
+
+    def _admit(self, msg: Generate) -> None:
+        """Queue a generation; every check happens before any state changes."""
+        agent = check_agent_id(msg.agent)
+        if self._ending:
+            raise TurnEnded("the session ended its turns: no turn starts now")
+        assert self.reply is not None
+        if not msg.tokens:
+            raise ValueError("the prompt is empty")
+        vocab = self._vocab_size
+        if min(msg.tokens) < 0 or max(msg.tokens) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        limit = self.lm.context_length
+        if len(msg.tokens) >= limit:
+            raise ContextOverflow(
+                f"prompt of {len(msg.tokens)} tokens does not fit the context of {limit} tokens"
+            )
+        cuts = msg.cuts
+        if any(not 0 < c < len(msg.tokens) for c in cuts) or list(cuts) != sorted(set(cuts)):
+            raise ValueError("cuts must increase and lie inside the prompt")
+        if self.lm.geometry.recurrent and len(msg.tokens) > 1:
+            # A checkpoint of the recurrent states where the next turn most likely diverges
+            # (a redo of this answer, a template that renders it anew) or resumes.
+            cuts = tuple(sorted({*cuts, len(msg.tokens) - 1}))
+        if msg.warm and agent not in self.pool:
+            raise CacheMiss(f"agent {agent!r} is not hot: stage its warm cache first")
+        sampling = msg.sampling
+        sampling.validate()
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        # Compiled before any state changes: a bad grammar fails here, nothing kept.
+        grammar = None if msg.constraint is None else self._grammars.compile(msg.constraint)
+        if len(msg.tokens) + sampling.max_tokens > limit:
+            sampling = msgspec.structs.replace(sampling, max_tokens=limit - len(msg.tokens))
+        key = None
+        if sampling.temperature > 0:
+            seed = sampling.seed if sampling.seed is not None else time.time_ns() % (1 << 63)
+            key = mx.random.key(seed)
+        self._drop_cancelled()  # a cancelled turn of this agent ends before the new one
+        entry = self.pool.claim(agent, msg.scope)  # the first change of state
+        request = Generation(
+            agent=agent,
+            prompt=list(msg.tokens),
+            sampling=sampling,
+            reply=self.reply.detach(),
+            sent_at=msg.sent_at,
+            entry=entry,
+            todo=[],
+            reused=0,
+            key=key,
+            detok=self.lm.tokenizer.detokenizer(),
+            eos=self._eos,
+            reserve=0,
+            warm=msg.warm,
+            cuts=cuts,
+            grammar=grammar,
+        )
+        self._reuse(request, entry)
+        # In the order the agents sent them: a turn sent again after a CacheMiss (its cache
+        # was demoted while it waited) keeps its place.
+        at = len(self._prefilling)
+        while (
+            at > 0
+            and not self._prefilling[at - 1].active
+            and self._prefilling[at - 1].sent_at > request.sent_at
+        ):
+            at -= 1
+        self._prefilling.insert(at, request)
+
+    def _reuse(self, request: Generation, entry: HotEntry) -> None:
+        """Base the request on ``entry`` (what of its cache, or of another's, the prompt
+        reuses: ``CachePool.base``) and size the working cache the rest needs."""
+        prompt = request.prompt
+        keep, request.shared = self.pool.base(
+            request.agent, entry, prompt, share=self.config.share_prefixes
+        )
+        kv = entry.kv
+        quantized = self.turn_cache.quantized
+        request.entry = entry
+        request.todo = list(prompt[keep:])
+        request.reused = keep
+        request.reserve = turn_reserve_bytes(
+            kv.geometry,
+            (len(prompt) - keep if quantized else len(prompt)) + request.sampling.max_tokens,
+            stored_bytes=kv.stored_bytes - kv.checkpoint_bytes if quantized else None,
+            checkpoints=1 + sum(c > keep for c in request.cuts),
+        )
+
+    def _staged(self, tokens: list[int], ranges: list[tuple[int, int, dict[str, Any]]]) -> AgentKV:
+        """A staged warm cache (host arrays) as a hot one (one copy into MLX)."""
+        kv = self.pool.new_kv()
+        kv.fill_staged(tokens, ranges)
+        return kv
+
+    # -- the work loop ----------------------------------------------------------------
+    def on_idle(self) -> bool:
+        self._drop_cancelled()
+        self.pool.grant_waiters()  # stagings waiting for room: whatever changed may help
+        progressed = False
+        if self._prefilling:
+            progressed = self._prefill_step(self._prefilling[0])
+        batch = self.batch
+        while self._ready and len(batch) < self.config.max_batch:
+            batch.join(self._ready.popleft())
+        if len(batch):
+            done = batch.step()
+            self.pool.batch_bytes(batch.nbytes)  # before the rows that left count again
+            for request in done:
+                self._park(request, finished=True)
+            progressed = True
+        building = self.pool.build_ready_step()  # one layer at a time, between steps
+        # Waiting only for memory (writes to disk to finish): sleep until a message comes.
+        return building or (progressed and bool(self._prefilling or self._ready or len(batch)))
+
+    def _drop_cancelled(self) -> None:
+        for queue in (self._prefilling, self._ready):
+            for request in [r for r in queue if r.reply.cancelled]:
+                queue.remove(request)
+                self._park(request)
+        batch = self.batch
+        gone = [i for i, r in enumerate(batch.rows) if r.reply.cancelled]
+        if gone:
+            left = batch.leave(gone)
+            self.pool.batch_bytes(batch.nbytes)
+            for request in left:
+                self._park(request)
+
+    def _park(self, request: Generation, *, finished: bool = False) -> None:
+        """The turn is over: its new tokens stored quantized, its working copy dropped or
+        kept ready (``CachePool.end_turn``). ``finished``: it ended normally, so its agent
+        writes the new tokens next."""
+        self.pool.end_turn(request.agent, request.entry, finished=finished)
+
+    def _start(self, request: Generation) -> bool | None:
+        """Make room for the head request's working cache: True when it may start, False to
+        wait for running turns or writes to free room, None when it was answered (failed)."""
+        pool = self.pool
+        if pool.get(request.agent) is not request.entry:
+            # Its cache was demoted while it waited. With a warm copy the agent stages it
+            # and sends the turn again (keeping its place); else what is hot now is used.
+            if request.warm and request.agent not in pool:
+                self._prefilling.popleft()
+                self._park(request)
+                request.reply.fail(
+                    CacheMiss(f"agent {request.agent!r} was demoted while its turn waited")
+                )
+                return None
+            self._reuse(request, pool.adopt(request.agent))
+        if pool.start_turn(request.entry, request.reserve):
+            return True
+        if not pool.stuck(request.entry):
+            return False  # running turns, writes or stagings will free room
+        self._prefilling.popleft()
+        self._park(request)
+        request.reply.fail(
+            BudgetExceeded(
+                f"this turn may need {request.reserve} bytes of working cache besides "
+                f"{request.entry.kv.stored_bytes} bytes of its own stored cache; the hot "
+                f"budget is {pool.limit} bytes"
+            )
+        )
+        return None
+
+    def _prefill_step(self, request: Generation) -> bool:
+        if not request.active:
+            started = self._start(request)
+            if started is not True:
+                return started is None
+            kv = request.entry.kv
+            request.prefill_start = time.perf_counter()
+            self._ready_turns += kv.ready is not None
+            kv.activate()
+            request.dequantize_s = time.perf_counter() - request.prefill_start
+            if kv.ranges and not kv.turn_cache.quantized:
+                self.pool.rates.dequantize(kv.stored_bytes, request.dequantize_s)
+        kv = request.entry.kv
+        at = len(kv.tokens)
+        size = min([self.config.prefill_chunk] + [c - at for c in request.cuts if c > at])
+        chunk = request.todo[:size]
+        del request.todo[: len(chunk)]
+        work = kv.activate()
+        logits = self.lm.model(mx.array(chunk, dtype=mx.uint32)[None], cache=work.layers)
+        request.tokens.extend(chunk)
+        if request.todo:
+            if len(kv.tokens) in request.cuts:
+                self.pool.store_so_far(request.agent, request.entry)
+            mx.eval(work.arrays())
+            self.pool.measure()
+            return True
+        self._prefilling.popleft()
+        last = logits[:, -1, :]
+        rows = [request]
+        picked = pick(last, rows, [True]) if host_bound(rows) else pick_in_graph(last, rows)
+        token = cast(int, picked.item())
+        request.prefill_end = time.perf_counter()
+        self.pool.rates.prefill(
+            len(request.prompt) - request.reused, request.prefill_end - request.prefill_start
+        )
+        self._generated += 1
+        if request.emit(token):
+            self._ready.append(request)
+        else:
+            self._park(request, finished=True)
+        return True

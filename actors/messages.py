@@ -1,0 +1,219 @@
+"""Messages between the actors (sessions, agents, the engine): plain msgspec Structs,
+tagged unions. The records they answer with are in ``records``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .options import Constraint, Sampling
+from .records import ToolRequest
+
+__all__ = (
+    "AgentMessage",
+    "CacheQuery",
+    "DropCache",
+    "EndTurns",
+    "EngineMessage",
+    "Export",
+    "ForModel",
+    "Fork",
+    "Generate",
+    "GetModelInfo",
+    "GetState",
+    "Hint",
+    "Install",
+    "ModelsQuery",
+    "Release",
+    "Reserve",
+    "Snapshot",
+    "StatsQuery",
+    "ToolWait",
+    "Turn",
+    "Written",
+)
+
+
+class Generate(msgspec.Struct, frozen=True, tag=True):
+    """Continue ``agent``'s cache so that it holds ``tokens``, then generate.
+
+    The engine reuses the longest common prefix of ``tokens`` and what the agent's cache
+    holds, trims the rest, and prefills only the difference. The reply is a stream of
+    Piece items ending with one Finished.
+
+    ``cuts``: token counts, increasing, inside ``tokens``, where the prefill stores what it
+    holds as a range of its own before it goes on (the end of a system prompt): another
+    cache may share up to there, and the tokens after a cut are computed from the stored
+    values before it, whether this cache prefilled them or shared them.
+
+    ``constraint``: a grammar the generated tokens must follow (compiled at admission: a
+    bad one fails the request with ValueError at once); the turn ends when it is complete.
+    """
+
+    agent: str
+    tokens: list[int]
+    sampling: Sampling
+    sent_at: float
+    warm: bool = False  # the agent has a warm copy: fail with CacheMiss instead of starting cold
+    cuts: tuple[int, ...] = ()
+    # Its cache shares stored ranges only with caches of agents of the same scope (a
+    # tenant of a server): what one scope caches is never visible to another.
+    scope: str = ""
+    constraint: Constraint | None = None
+
+
+class Export(msgspec.Struct, frozen=True, tag=True):
+    """Host views of an idle agent's stored ranges not yet known to be in the warm tier."""
+
+    agent: str
+
+
+class Written(msgspec.Struct, frozen=True, tag=True):
+    """The store has made an export durable up to ``upto`` tokens (releases its pin);
+    ``failed``: writing the rest failed (disk full, I/O error), so the agent's next export
+    starts at ``upto`` again."""
+
+    agent: str
+    export_id: int
+    upto: int
+    failed: bool = False
+
+
+class Reserve(msgspec.Struct, frozen=True, tag=True):
+    """Ask for hot-tier room for a warm cache about to be staged. Answers a Room; with
+    ``wait``, instead of NO_ROOM it answers once running turns have made room."""
+
+    agent: str
+    nbytes: int
+    wait: bool = False
+
+
+class Install(msgspec.Struct, frozen=True, tag=True):
+    """A staged warm cache (host arrays) to make hot. ``pin`` keeps it from being demoted
+    until the agent's next turn starts (an on-demand load for a turn that is waiting);
+    without it, it was a prefetch hint. ``read_s``: how long reading it took (the pool's
+    reload estimates learn the disk's rate from it). Answers whether it was installed."""
+
+    agent: str
+    tokens: list[int]
+    ranges: list[tuple[int, int, dict[str, Any]]]
+    pin: bool = False
+    read_s: float = 0.0
+
+
+class Release(msgspec.Struct, frozen=True, tag=True):
+    """Give back a reservation whose staging failed."""
+
+    agent: str
+
+
+class DropCache(msgspec.Struct, frozen=True, tag=True):
+    agent: str
+
+
+class CacheQuery(msgspec.Struct, frozen=True, tag=True):
+    agent: str
+
+
+class Fork(msgspec.Struct, frozen=True, tag=True):
+    """Make ``new``'s hot cache the ``source``'s, sharing its stored arrays (they are never
+    written in place), if the source is hot, idle and holds exactly ``tokens``: answers
+    whether it did."""
+
+    source: str
+    new: str
+    tokens: list[int]
+
+
+class ToolWait(msgspec.Struct, frozen=True, tag=True):
+    """``agent``'s turn ended in tool calls: its next turn brings their results, so its
+    cache is kept hot ahead of idle agents' for ``ttl_s`` seconds (None: the engine's
+    ``tool_wait_s``), or until that turn comes."""
+
+    agent: str
+    ttl_s: float | None = None
+
+
+class Hint(msgspec.Struct, frozen=True, tag=True):
+    """The application's advice for the hot tier (answers None; ``kvactor.actors.hints``).
+    ``next``: agents that run next, soonest first; ``expect_in_s``: (agent, seconds until
+    its next turn); ``priority``: (agent, priority), higher stays hot longer; ``done``:
+    agents done for now (their caches go first)."""
+
+    next: tuple[str, ...] = ()
+    expect_in_s: tuple[tuple[str, float], ...] = ()
+    priority: tuple[tuple[str, int], ...] = ()
+    done: tuple[str, ...] = ()
+
+
+class GetModelInfo(msgspec.Struct, frozen=True, tag=True):
+    """Answers ``(ModelInfo, Tokenizer)``. The tokenizer is a live object, not data: agents
+    render prompts and match prefixes on the event loop without a round trip per call, and
+    it holds no MLX arrays, so sharing it with the engine's thread is safe."""
+
+
+class StatsQuery(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class EndTurns(msgspec.Struct, frozen=True, tag=True):
+    """The session is about to close (answers how many turns it ended): a decoding turn
+    ends at its next step (``FinishReason.ENDED``; its agent saves it as any turn), one
+    not decoding yet, and every later one, fails with TurnEnded."""
+
+
+EngineMessage = (
+    Generate
+    | Export
+    | Written
+    | Reserve
+    | Install
+    | Release
+    | DropCache
+    | CacheQuery
+    | Fork
+    | ToolWait
+    | Hint
+    | GetModelInfo
+    | StatsQuery
+    | EndTurns
+)
+
+
+class Turn(msgspec.Struct, frozen=True, tag=True):
+    """A user message (``raw=False``) or a whole raw prompt (``raw=True``); or, with
+    ``history``, the whole conversation as the caller keeps it (an HTTP client resending
+    every message: ``text`` is unused), which replaces the agent's. ``prime``: no message;
+    the cache is filled with the conversation as it is (its system prompt: a shared
+    context), one token sampled and dropped. The reply streams text pieces, then one
+    Completion."""
+
+    text: str
+    sampling: Sampling
+    raw: bool = False
+    history: list[dict[str, Any]] | None = None
+    prime: bool = False  # fill the cache with the conversation so far (a shared context)
+    tools: ToolRequest | None = None  # tools offered, tool choice, response format
+
+
+class GetState(msgspec.Struct, frozen=True, tag=True):
+    """Answers an AgentState."""
+
+
+class Snapshot(msgspec.Struct, frozen=True, tag=True):
+    """Answers the agent's AgentSnapshot between turns (what a fork starts from)."""
+
+
+AgentMessage = Turn | GetState | Snapshot
+
+
+class ForModel(msgspec.Struct, frozen=True, tag=True):
+    """An engine message for the model called ``model``."""
+
+    model: str
+    message: Any
+
+
+class ModelsQuery(msgspec.Struct, frozen=True, tag=True):
+    """Ask the engine for every model's :class:`ModelState`."""

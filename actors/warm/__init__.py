@@ -1,0 +1,78 @@
+"""The warm tier: each agent's folder on local disk (manifest, segment files, checksums),
+reading and verifying it, writing, linking forks and shared prefixes, forgetting and the
+collector; the store and prefetch actors, the lock on a cache directory, and the warm
+tier as an agent sees it."""
+
+from __future__ import annotations
+
+from ._dirlock import CacheDirLock as CacheDirLock
+from ._dirlock import lock_cache_dir as lock_cache_dir
+from ._durable import link_or_copy as link_or_copy
+from ._forget import Forgotten as Forgotten
+from ._forget import SharedFile as SharedFile
+from ._forget import collect as collect
+from ._forget import forget as forget
+from ._forget import forget_cache as forget_cache
+from ._manifest import MANIFEST as MANIFEST
+from ._manifest import SEGMENT_FILES as SEGMENT_FILES
+from ._manifest import CacheIdentity as CacheIdentity
+from ._manifest import ExpectFn as ExpectFn
+from ._manifest import SegmentEntry as SegmentEntry
+from ._manifest import WarmInfo as WarmInfo
+from ._manifest import read_manifest as read_manifest
+from ._paths import agent_dir as agent_dir
+from ._paths import contained as contained
+from ._paths import default_cache_dir as default_cache_dir
+from ._prefetch import Prefetch as Prefetch
+from ._prefetch import PrefetchActor as PrefetchActor
+from ._prefetch import PrefetchMessage as PrefetchMessage
+from ._read import disk_footprint as disk_footprint
+from ._read import list_agents as list_agents
+from ._read import read_cache as read_cache
+from ._read import verify_cache as verify_cache
+from ._store import Forget as Forget
+from ._store import ForkCache as ForkCache
+from ._store import ListAgents as ListAgents
+from ._store import StoreActor as StoreActor
+from ._store import StoreMessage as StoreMessage
+from ._store import StoreStats as StoreStats
+from ._store import StoreStatsQuery as StoreStatsQuery
+from ._tier import ActorWarmTier as ActorWarmTier
+from ._tier import WarmTier as WarmTier
+
+__all__ = (
+    "ActorWarmTier",
+    "CacheDirLock",
+    "CacheIdentity",
+    "ExpectFn",
+    "Forget",
+    "Forgotten",
+    "ForkCache",
+    "ListAgents",
+    "MANIFEST",
+    "Prefetch",
+    "PrefetchActor",
+    "PrefetchMessage",
+    "SEGMENT_FILES",
+    "SegmentEntry",
+    "SharedFile",
+    "StoreActor",
+    "StoreMessage",
+    "StoreStats",
+    "StoreStatsQuery",
+    "WarmInfo",
+    "WarmTier",
+    "agent_dir",
+    "collect",
+    "contained",
+    "default_cache_dir",
+    "disk_footprint",
+    "forget",
+    "forget_cache",
+    "link_or_copy",
+    "list_agents",
+    "lock_cache_dir",
+    "read_cache",
+    "read_manifest",
+    "verify_cache",
+)

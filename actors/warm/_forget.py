@@ -1,0 +1,151 @@
+"""Removing from the warm tier: forget an agent (every byte of its own), and collect what
+no manifest names (what a process killed mid-write, mid-fork or mid-share left).
+
+A segment file may have several names (forks and shared prefixes hard-link it into other
+agents' folders): its bytes go with the last name, so removing one agent never takes a
+file another agent's manifest names. Everything here blocks: StoreActor runs it off the
+event loop, and the CLI may call it directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import msgspec
+
+from ..errors import CacheRejected, StoreWriteError
+from ._durable import fsync_dir, orphans, remove_path
+from ._manifest import load_manifest
+from ._paths import agent_dir, contained, rejected_dir
+from ._read import tree_bytes
+
+__all__ = ("Collected", "Forgotten", "SharedFile", "collect", "forget", "forget_cache")
+
+
+# ---------------------------------------------------------------------------- forget
+class SharedFile(msgspec.Struct, frozen=True):
+    """A file of a forgotten agent's cache that stays on disk: ``users`` (other agents:
+    forks, agents that shared a prefix, their sources) name it too. It goes with the last
+    of them."""
+
+    file: str
+    nbytes: int
+    users: list[str]
+
+
+class Forgotten(msgspec.Struct, frozen=True):
+    """What ``forget`` did: ``freed`` bytes deleted (0: the agent had no warm cache), and
+    the agent's files that stay because other agents' caches use them (``kept``)."""
+
+    agent: str
+    freed: int = 0
+    kept: list[SharedFile] = []
+
+
+def _shared_files(folder: Path) -> list[SharedFile]:
+    """The files in ``folder`` that other agents' folders name too (hard links)."""
+    linked: dict[tuple[int, int], tuple[str, int]] = {}
+    for name in sorted(os.listdir(folder)):
+        with contextlib.suppress(OSError):
+            info = os.lstat(folder / name)
+            if info.st_nlink > 1 and not name.startswith("."):
+                linked[(info.st_dev, info.st_ino)] = (name, info.st_size)
+    if not linked:
+        return []
+    users: dict[tuple[int, int], set[str]] = {key: set() for key in linked}
+    base = folder.parent
+    for other in os.listdir(base):
+        there = base / other
+        if there == folder or other.startswith(".") or not there.is_dir() or there.is_symlink():
+            continue
+        for name in os.listdir(there):
+            with contextlib.suppress(OSError):
+                info = os.lstat(there / name)
+                key = (info.st_dev, info.st_ino)
+                if key in users:
+                    users[key].add(other)
+    return [
+        SharedFile(file=name, nbytes=size, users=sorted(users[key]))
+        for key, (name, size) in linked.items()
+    ]
+
+
+def forget(root: str | os.PathLike[str], agent: str) -> int:
+    """``forget_cache``'s bytes freed (0 for an unknown agent)."""
+    return forget_cache(root, agent).freed
+
+
+def forget_cache(root: str | os.PathLike[str], agent: str) -> Forgotten:
+    """Delete every byte of the agent's warm cache that is its own (a refused copy set
+    aside included). Segment files that other agents' caches name too (forks of it, the
+    agent it forked or shared a prefix from, agents that shared one from it) stay for
+    them: ``kept`` lists them with their users, and they do not count in ``freed``.
+
+    Raises InvalidAgentId for an unsafe id and UnsafeCachePath when ``agents/``,
+    ``rejected/`` or the agent's folder in either is a symlink, both before touching the
+    disk; StoreWriteError when a file cannot be removed.
+    """
+    # Both checked before anything is deleted: a refusal leaves the cache whole.
+    folders = (agent_dir(root, agent), rejected_dir(root, agent))
+    freed = 0
+    kept: list[SharedFile] = []
+    try:
+        for n, folder in enumerate(folders):
+            if os.path.lexists(folder):
+                if n == 0 and folder.is_dir():
+                    kept = _shared_files(folder)
+                freed += tree_bytes(folder, owned=True)
+                remove_path(folder)
+                fsync_dir(folder.parent)
+    except OSError as exc:
+        raise StoreWriteError(f"forgetting agent {agent!r} failed: {exc}") from exc
+    return Forgotten(agent=agent, freed=freed, kept=kept)
+
+
+# --------------------------------------------------------------------------- collect
+class Collected(msgspec.Struct, frozen=True):
+    """What ``collect`` removed: files (paths under the root) and their bytes."""
+
+    removed: list[str] = []
+    freed: int = 0
+
+
+def collect(root: str | os.PathLike[str]) -> Collected:
+    """Remove what no manifest names: segment and temporary files in an agent's folder
+    that its manifest does not list (left by a process killed mid-write, mid-fork or
+    mid-share), and folders that never got a manifest. A file's bytes go when its last
+    name does, so a segment another agent's manifest names is never lost. Idempotent;
+    safe to kill at any point. A refused cache is left alone (its owner's next write
+    sets it aside). Run it while holding the root's lock (a session does, at start).
+
+    Raises UnsafeCachePath when ``agents/`` is a symlink; StoreWriteError when a file
+    cannot be removed.
+    """
+    base = contained(root, "agents")
+    removed: list[str] = []
+    freed = 0
+    try:
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return Collected()
+    try:
+        for agent in names:
+            folder = base / agent
+            if agent.startswith(".") or folder.is_symlink() or not folder.is_dir():
+                continue
+            try:
+                loaded = load_manifest(folder, None, agent)
+            except CacheRejected:
+                continue
+            for name in orphans(folder, None if loaded is None else loaded[0]):
+                freed += tree_bytes(folder / name, owned=True)
+                os.unlink(folder / name)
+                removed.append(f"agents/{agent}/{name}")
+            if loaded is None and not os.listdir(folder):
+                folder.rmdir()
+                removed.append(f"agents/{agent}")
+    except OSError as exc:
+        raise StoreWriteError(f"collecting unreferenced cache files failed: {exc}") from exc
+    return Collected(removed=removed, freed=freed)

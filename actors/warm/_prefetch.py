@@ -1,0 +1,126 @@
+"""The prefetch actor: stages warm caches from disk into the engine ahead of need."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import anyio
+import msgspec
+
+from ...runtime import Actor, ActorRef
+from ..enums import Room, StageOutcome
+from ..errors import CacheRejected, UnknownAgent
+from ..messages import EngineMessage, Install, Release, Reserve
+from ._manifest import CacheManifest, Loaded
+from ._store import Load, Manifest, StoreMessage
+
+__all__ = ("Prefetch", "PrefetchActor", "PrefetchMessage", "Stage", "StageResult")
+
+log = logging.getLogger("kvactor.prefetch")
+
+# The engine's answers to Reserve other than RESERVED: nothing is staged.
+_NOT_STAGED = {
+    Room.HOT: StageOutcome.HOT,
+    Room.NO_ROOM: StageOutcome.NO_ROOM,
+    Room.TOO_BIG: StageOutcome.TOO_BIG,
+}
+
+
+class Stage(msgspec.Struct, frozen=True, tag=True):
+    """Make the agent's warm cache hot now (ask): an agent needs it for its next turn."""
+
+    agent: str
+
+
+class Prefetch(msgspec.Struct, frozen=True, tag=True):
+    """A hint (tell): the agent probably runs next; stage its warm cache if there is room."""
+
+    agent: str
+
+
+PrefetchMessage = Stage | Prefetch
+
+
+class StageResult(msgspec.Struct, frozen=True):
+    """What staging ``agent``'s warm cache came to, with the bytes and seconds it took."""
+
+    agent: str
+    outcome: StageOutcome
+    detail: str = ""  # why the store refused the cache (REJECTED), else ""
+    nbytes: int = 0  # bytes read from disk
+    read_s: float = 0.0  # asking the store to read and verify the cache
+    install_s: float = 0.0  # the engine copying it in
+
+    @property
+    def staged(self) -> bool:
+        """Whether the cache is hot now (staged here, or already hot)."""
+        return self.outcome.hot
+
+
+class PrefetchActor(Actor):
+    """Asks the store for a warm cache, read and verified into host memory off the event
+    loop and off the engine's thread, then hands the arrays to the engine, which only
+    copies them in. Room is reserved in the hot budget before reading, so staged bytes
+    always count. A cache the store refuses is the store's to handle: it says why in
+    ListAgents and sets the cache aside (or deletes it, with ``delete_rejected``)."""
+
+    def __init__(self, engine: ActorRef[EngineMessage], store: ActorRef[StoreMessage]) -> None:
+        self.engine = engine
+        self.store = store
+        self.staged = 0
+        self.hints = 0
+
+    async def receive(self, message: Stage | Prefetch) -> Any:
+        match message:
+            case Stage(agent):
+                return await self._stage(agent, wait=True)
+            case Prefetch(agent):
+                self.hints += 1
+                try:
+                    result = await self._stage(agent, wait=False)
+                except Exception as exc:  # a hint must never crash the actor
+                    log.warning("prefetch of %r failed: %s", agent, exc)
+                    return None
+                log.debug("prefetch %s: %s %s", agent, result.outcome, result.detail)
+                return result
+        raise TypeError(f"the prefetch actor does not handle {type(message).__name__}")
+
+    async def _stage(self, agent: str, *, wait: bool) -> StageResult:
+        try:
+            manifest: CacheManifest | None = await self.store.ask(Manifest(agent), timeout=None)
+        except CacheRejected as exc:
+            return StageResult(agent, StageOutcome.REJECTED, exc.reason)
+        if manifest is None:
+            return StageResult(agent, StageOutcome.NO_WARM_CACHE)
+        nbytes = sum(s.nbytes for s in manifest.all_segments)  # window and state files too
+        room = Room(await self.engine.ask(Reserve(agent, nbytes, wait), timeout=None))
+        if room != Room.RESERVED:
+            return StageResult(agent, _NOT_STAGED[room])
+        try:
+            t0 = time.perf_counter()
+            loaded: Loaded = await self.store.ask(Load(agent), timeout=None)
+            t1 = time.perf_counter()
+            await self.engine.ask(
+                Install(
+                    agent,
+                    list(loaded.manifest.token_ids),
+                    loaded.ranges(),
+                    pin=wait,
+                    read_s=t1 - t0,
+                ),
+                timeout=None,
+            )
+        except (CacheRejected, UnknownAgent) as exc:
+            await self.engine.ask(Release(agent))
+            if isinstance(exc, CacheRejected):
+                return StageResult(agent, StageOutcome.REJECTED, exc.reason)
+            return StageResult(agent, StageOutcome.NO_WARM_CACHE)  # forgotten meanwhile
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.engine.ask(Release(agent))
+            raise
+        self.staged += 1
+        t2 = time.perf_counter()
+        return StageResult(agent, StageOutcome.STAGED, "", loaded.nbytes, t1 - t0, t2 - t1)

@@ -1,0 +1,355 @@
+"""Reading the warm tier: read and verify an agent's whole cache, list every agent folder.
+
+Every function here blocks; StoreActor runs them off the event loop, and the CLI, the
+scenario runner or a benchmark may call them directly. Reads may run while one writer
+appends: segment files are never rewritten, and a manifest is replaced atomically before
+orphans are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import stat
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CacheRejected, InvalidAgentId, UnknownAgent
+from ..ids import check_agent_id
+from ._checksum import segment_matches, segment_version
+from ._fileio import ShortRead, file_kind, open_regular, read_whole
+from ._manifest import (
+    CacheIdentity,
+    CacheManifest,
+    ExpectFn,
+    Loaded,
+    SegmentEntry,
+    WarmInfo,
+    load_manifest,
+    segment_holds,
+    segment_metadata,
+    warm_info,
+)
+from ._paths import agent_dir, contained
+from ._safetensors import MAX_HEADER_BYTES, Expected, parse_segment
+
+__all__ = ("disk_footprint", "list_agents", "read_cache", "tree_bytes", "verify_cache")
+
+_READ_ATTEMPTS = 8
+
+
+# ------------------------------------------------------------------------------ read
+def _expect(expect: ExpectFn, start: int, stop: int, path: Path) -> Expected:
+    try:
+        return expect(start, stop)
+    except ValueError as exc:
+        raise CacheRejected(
+            f"the codec refuses tokens [{start}, {stop}): {exc}", str(path)
+        ) from None
+
+
+def _prefix(
+    tensors: dict[str, np.ndarray[Any, Any]], want: Expected
+) -> dict[str, np.ndarray[Any, Any]]:
+    """The leading tokens of a segment: each wanted part sliced to its wanted shape."""
+    out: dict[str, np.ndarray[Any, Any]] = {}
+    for name, (shape, _) in want.items():
+        array = tensors.get(name)
+        if (
+            array is None
+            or array.ndim != len(shape)
+            or any(w > h for w, h in zip(shape, array.shape, strict=True))
+        ):
+            raise ValueError(f"the codec's part {name!r} cannot be cut to a token prefix")
+        out[name] = array[tuple(slice(0, w) for w in shape)]
+    return out
+
+
+def _read_segment(
+    path: Path,
+    entry: SegmentEntry,
+    expected: Expected,
+    identity: CacheIdentity,
+    agent: str,
+    version: int,
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Read and verify one segment file. FileNotFoundError propagates (a concurrent
+    rewrite may have removed it); every other problem is a CacheRejected."""
+
+    def refuse(reason: str) -> CacheRejected:
+        return CacheRejected(f"{entry.file}: {reason}", str(path))
+
+    need = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expected.values())
+    fd, size = open_regular(path, need + 8 + MAX_HEADER_BYTES)
+    try:
+        if size < entry.nbytes:
+            raise refuse(f"truncated: {size} of {entry.nbytes} bytes")
+        if size != entry.nbytes:
+            raise refuse(f"{size} bytes, the manifest says {entry.nbytes}")
+        try:
+            buffer, pieces = read_whole(fd, size)
+        except ShortRead as exc:
+            raise refuse(f"truncated while reading: {exc.got} of {size} bytes") from None
+        except OSError as exc:
+            raise refuse(f"cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    # The sum covers the header too: nothing of the file is parsed before it matches.
+    found = segment_matches(entry.checksum, buffer, pieces)
+    if found is not None:
+        raise refuse(f"checksum mismatch: the file has {found}, manifest says {entry.checksum}")
+    try:
+        parsed = parse_segment(buffer, expected)
+    except CacheRejected as exc:
+        raise refuse(exc.reason) from None
+    # A fork's segments are its source's files (linked): their header names the source.
+    # A segment says the format it was written in: the manifest's, or an older one that
+    # an append to that cache kept (format 2 files in a format 3 cache).
+    owner = entry.owner or agent
+    # Each segment says the format it was written in; its checksum's kind says which
+    # (a format-3 manifest may name the format-2 segments of a cache written before).
+    written = segment_version(entry.checksum)
+    if written > version:
+        raise refuse(f"a format {written} segment in a format {version} cache")
+    for key, value in segment_metadata(identity, owner, entry.start, entry.stop, written).items():
+        said = parsed.metadata.get(key)
+        if said != value:
+            raise refuse(f"metadata {key} is {str(said)[:80]!r}, expected {value!r}")
+    return parsed.tensors
+
+
+def _planned(
+    folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
+) -> Iterator[tuple[int, SegmentEntry, Path, Callable[[int, int], Expected]]]:
+    """Each segment file the manifest names, its kind (0: a segment, 1: a window segment,
+    2: a state segment), its path, and the tensors expected of it for a range of tokens."""
+    geometry = identity.layer_geometry()
+    kinds = (manifest.segments, manifest.window_segments, manifest.state_segments)
+    for window, entries in enumerate(kinds):
+        keep = segment_holds(geometry, window)
+        for entry in entries:
+            path = folder / entry.file
+
+            def layout(
+                start: int, stop: int, path: Path = path, keep: Callable[[str], bool] = keep
+            ) -> Expected:
+                return {k: v for k, v in _expect(expect, start, stop, path).items() if keep(k)}
+
+            yield window, entry, path, layout
+
+
+def _read_segments(
+    folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
+) -> Loaded:
+    out: tuple[list[dict[str, np.ndarray[Any, Any]]], ...] = ([], [], [])
+    for kind, entry, path, layout in _planned(folder, manifest, identity, expect):
+        tensors = _read_segment(
+            path,
+            entry,
+            layout(entry.start, entry.stop),
+            identity,
+            manifest.agent,
+            manifest.format_version,
+        )
+        if entry.use < entry.stop - entry.start:
+            tensors = _prefix(tensors, layout(entry.start, entry.start + entry.use))
+        out[kind].append(tensors)
+    nbytes = sum(s.nbytes for s in manifest.all_segments)
+    return Loaded(manifest, out[0], nbytes, windows=out[1], states=out[2])
+
+
+def verify_cache(
+    root: str | os.PathLike[str],
+    identity: CacheIdentity,
+    expect: ExpectFn,
+    agent: str,
+    *,
+    trusted: Mapping[str, SegmentEntry] | None = None,
+) -> CacheManifest:
+    """``read_cache``'s checks of the agent's warm cache, its arrays not kept; its
+    manifest. A file of ``trusted`` (verified before, as the manifest entry given there:
+    a segment kept unchanged, files are never rewritten) is read only when the manifest
+    now says another checksum or size of it; else it must still be a regular file of
+    its size. Raises as ``read_cache`` does (without setting anything aside)."""
+    folder = agent_dir(root, agent)
+    loaded = load_manifest(folder, identity, agent)
+    if loaded is None:
+        raise UnknownAgent(f"agent {agent!r} has no warm cache under {root}")
+    manifest = loaded[0]
+    known = trusted or {}
+    for _, entry, path, layout in _planned(folder, manifest, identity, expect):
+        before = known.get(entry.file)
+        same = before is not None and (before.checksum, before.nbytes) == (
+            entry.checksum,
+            entry.nbytes,
+        )
+        if same:
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                raise CacheRejected(f"{entry.file}: missing", str(path)) from None
+            if not stat.S_ISREG(info.st_mode) or info.st_size != entry.nbytes:
+                raise CacheRejected(f"{entry.file}: not the file the manifest names", str(path))
+            continue
+        _read_segment(
+            path,
+            entry,
+            layout(entry.start, entry.stop),
+            identity,
+            manifest.agent,
+            manifest.format_version,
+        )
+    return manifest
+
+
+def read_cache(
+    root: str | os.PathLike[str],
+    identity: CacheIdentity,
+    expect: ExpectFn,
+    agent: str,
+    *,
+    delete_rejected: bool = False,
+) -> Loaded:
+    """Read and verify the agent's whole warm cache.
+
+    Raises InvalidAgentId for an unsafe id (before touching the disk), UnsafeCachePath when
+    ``agents/`` or the agent's folder is a symlink (before touching it), UnknownAgent when
+    the agent has no warm cache, CacheRejected (its message names the reason and path) for
+    anything the cache cannot be trusted for: a file that is not a regular file (FIFO,
+    directory, symlink, device), another model, codec or format version, a malformed,
+    oversized or altered manifest (its checksum), token ids outside the vocabulary,
+    segments that do not tile the tokens, a short file, a hostile header, unexpected
+    tensors, metadata or checksum (whole file) mismatches. A refused cache is left where
+    it is (``append_cache`` sets it aside) unless ``delete_rejected``, which deletes it.
+    """
+    folder = agent_dir(root, agent)
+    try:
+        for _ in range(_READ_ATTEMPTS):
+            loaded = load_manifest(folder, identity, agent)
+            if loaded is None:
+                raise UnknownAgent(f"agent {agent!r} has no warm cache under {root}")
+            try:
+                return _read_segments(folder, loaded[0], identity, expect)
+            except (FileNotFoundError, CacheRejected) as exc:
+                # A concurrent append may have replaced the manifest and removed what the
+                # old one listed: look again, unless nothing changed.
+                if load_manifest(folder, identity, agent) != loaded:
+                    continue
+                if isinstance(exc, CacheRejected):
+                    raise
+                raise CacheRejected("segment file missing", exc.filename or "") from None
+        raise CacheRejected("the cache kept changing while being read", str(folder))
+    except CacheRejected as exc:
+        if not delete_rejected:
+            raise CacheRejected(f"agent {agent!r}: {exc.reason}; kept", exc.path) from None
+        with contextlib.suppress(OSError):
+            shutil.rmtree(folder)
+        raise CacheRejected(f"agent {agent!r}: {exc.reason}; deleted", exc.path) from None
+
+
+# ------------------------------------------------------------------------------ list
+def tree_bytes(path: Path, *, owned: bool = False) -> int:
+    """The bytes of every file under ``path``; of ``path`` itself when it is not a folder.
+    ``owned``: only files with no other name (what deleting ``path`` frees: a fork's
+    segments are hard links that keep their bytes while another agent names them)."""
+
+    def size(file: str | Path) -> int:
+        with contextlib.suppress(OSError):
+            info = os.lstat(file)
+            return 0 if owned and info.st_nlink > 1 else info.st_size
+        return 0
+
+    if not os.path.isdir(path) or os.path.islink(path):
+        return size(path)
+    return sum(
+        size(os.path.join(folder, name)) for folder, _, files in os.walk(path) for name in files
+    )
+
+
+def disk_footprint(
+    root: str | os.PathLike[str] | None, names: Sequence[str]
+) -> tuple[int, int, int]:
+    """(files, bytes with each hard-linked file once, bytes with every name counted) of
+    the regular files in the warm caches of ``names`` (agents sharing files, forks)."""
+    if root is None:
+        return 0, 0, 0
+    seen: set[tuple[int, int]] = set()
+    files = once = each = 0
+    for name in names:
+        for folder, _, filenames in os.walk(agent_dir(root, name)):
+            for filename in filenames:
+                info = os.lstat(os.path.join(folder, filename))
+                if not stat.S_ISREG(info.st_mode):
+                    continue
+                each += info.st_size
+                if (info.st_dev, info.st_ino) not in seen:
+                    seen.add((info.st_dev, info.st_ino))
+                    files += 1
+                    once += info.st_size
+    return files, once, each
+
+
+def _refused_info(agent: str, folder: Path, reason: str) -> WarmInfo:
+    try:
+        updated = os.lstat(folder).st_mtime
+    except OSError:
+        updated = 0.0
+    return WarmInfo(
+        agent=agent,
+        tokens=0,
+        nbytes=0 if os.path.islink(folder) else tree_bytes(folder),
+        segments=0,
+        updated=updated,
+        rejected=reason,
+    )
+
+
+def list_agents(
+    root: str | os.PathLike[str], identity: CacheIdentity | None = None
+) -> list[WarmInfo]:
+    """Every agent folder under the root, sorted by id, without raising for bad ones.
+
+    Cheap checks only: the manifest (and, given ``identity``, that it matches) and the
+    kind and size of each segment file; ``read_cache`` verifies contents. A folder that
+    fails has ``rejected`` set to the reason. Raises UnsafeCachePath when ``agents/`` is a
+    symlink, OSError when it cannot be listed.
+    """
+    base = contained(root, "agents")
+    try:
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        folder = base / name
+        if name.startswith(".") or not folder.is_dir():
+            continue
+        try:
+            check_agent_id(name)
+            loaded = load_manifest(contained(root, "agents", name), identity, name)
+            if loaded is None:
+                raise CacheRejected("no manifest.json (an interrupted first write?)")
+            manifest, size = loaded
+            for s in manifest.all_segments:
+                try:
+                    info = os.lstat(folder / s.file)
+                except OSError as exc:
+                    raise CacheRejected(f"{s.file}: {exc.strerror}") from None
+                if not stat.S_ISREG(info.st_mode):
+                    kind = file_kind(info.st_mode)
+                    raise CacheRejected(f"{s.file} is {kind}, not a regular file")
+                if info.st_size != s.nbytes:
+                    raise CacheRejected(
+                        f"{s.file}: {info.st_size} bytes, the manifest says {s.nbytes}"
+                    )
+        except (CacheRejected, InvalidAgentId) as exc:
+            reason = exc.reason if isinstance(exc, CacheRejected) else str(exc)
+            out.append(_refused_info(name, folder, reason))
+            continue
+        out.append(warm_info(manifest, size))
+    return out

@@ -1,0 +1,117 @@
+"""The warm tier as an agent sees it: restore its conversation, stage its cache into the
+engine, append the new tokens of a turn, link a shared prefix. :class:`WarmTier` is the
+protocol the agent actor is written against; :class:`ActorWarmTier` is it over the store
+and prefetch actors."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from ...runtime import ActorRef
+from ..errors import CacheRejected
+from ..records import AgentSnapshot
+from ._prefetch import Prefetch, PrefetchMessage, Stage, StageResult
+from ._store import Append, Manifest, ShareCache, StoreMessage
+
+__all__ = ("ActorWarmTier", "WarmTier")
+
+log = logging.getLogger("kvactor.session")
+
+
+class WarmTier(Protocol):
+    """What an agent actor asks of the warm tier."""
+
+    async def restore(self, agent: str) -> AgentSnapshot | None:
+        """The agent's saved state (None: nothing saved, or refused: it starts cold)."""
+        ...
+
+    async def stage(self, agent: str) -> bool:
+        """Stage its warm cache into the hot tier for a turn; False: it starts cold."""
+        ...
+
+    async def append(
+        self,
+        agent: str,
+        start: int,
+        tensors: dict[str, Any],
+        *,
+        tokens: list[int],
+        text: str,
+        messages: list[dict[str, Any]],
+    ) -> None:
+        """Write a stored range from token ``start`` and commit the agent's state. Raises
+        StoreWriteError when it could not be written."""
+        ...
+
+    async def share(
+        self,
+        agent: str,
+        source: str,
+        *,
+        tokens: list[int],
+        text: str,
+        messages: list[dict[str, Any]],
+    ) -> bool:
+        """Give ``agent`` (nothing on disk yet) a warm cache of ``tokens`` linked from
+        ``source``'s segments; False when that cannot be done (write them instead)."""
+        ...
+
+    async def hot(self, agent: str) -> None:
+        """Stage ``agent``'s warm cache into the hot tier if it is not hot and there is
+        room (a shared context an agent is about to reuse); never waits for room."""
+        ...
+
+
+class ActorWarmTier:
+    """The warm tier backed by the store and prefetch actors."""
+
+    def __init__(self, store: ActorRef[StoreMessage], prefetch: ActorRef[PrefetchMessage]) -> None:
+        self.store = store
+        self.prefetch = prefetch
+
+    async def restore(self, agent: str) -> AgentSnapshot | None:
+        try:
+            manifest = await self.store.ask(Manifest(agent))
+        except CacheRejected as exc:
+            log.warning("agent %r starts cold: %s", agent, exc)
+            return None
+        if manifest is None:
+            return None
+        return AgentSnapshot(
+            list(manifest.token_ids), manifest.text, [dict(m) for m in manifest.messages]
+        )
+
+    async def stage(self, agent: str) -> bool:
+        result: StageResult = await self.prefetch.ask(Stage(agent), timeout=None)
+        if not result.staged:
+            why = f"{result.outcome}: {result.detail}" if result.detail else result.outcome
+            log.warning("agent %r: warm cache not staged (%s): starting cold", agent, why)
+        return result.staged
+
+    async def append(
+        self,
+        agent: str,
+        start: int,
+        tensors: dict[str, Any],
+        *,
+        tokens: list[int],
+        text: str,
+        messages: list[dict[str, Any]],
+    ) -> None:
+        await self.store.ask(Append(agent, start, tensors, tokens, text, messages), timeout=120)
+
+    async def share(
+        self,
+        agent: str,
+        source: str,
+        *,
+        tokens: list[int],
+        text: str,
+        messages: list[dict[str, Any]],
+    ) -> bool:
+        info = await self.store.ask(ShareCache(source, agent, tokens, text, messages), timeout=120)
+        return info is not None
+
+    async def hot(self, agent: str) -> None:
+        await self.prefetch.ask(Prefetch(agent), timeout=None)
