@@ -11,6 +11,8 @@ from .options import Constraint, Sampling
 from .records import ToolRequest
 
 __all__ = (
+    "MakeContext",
+    "SpawnAgent",
     "AgentMessage",
     "CacheQuery",
     "DropCache",
@@ -217,3 +219,30 @@ class ForModel(msgspec.Struct, frozen=True, tag=True):
 
 class ModelsQuery(msgspec.Struct, frozen=True, tag=True):
     """Ask the engine for every model's :class:`ModelState`."""
+
+
+# -- a session's requests, as the session API checked them (to a host of a cluster too) --
+
+
+class SpawnAgent(msgspec.Struct, frozen=True, kw_only=True):
+    """A new agent (``SessionAPI.spawn_agent``, checked there): ``name``, and at most one
+    of ``system``, ``fork_of`` and ``context``; ``scope`` None: its source's or ``""``."""
+
+    name: str
+    system: str | None = None
+    fork_of: str | None = None
+    context: str | None = None
+    scope: str | None = None
+    tool_wait_s: float | None = None
+    model: str | None = None
+    host: str | None = None
+
+
+class MakeContext(msgspec.Struct, frozen=True, kw_only=True):
+    """A shared context (``SessionAPI.context``, checked there)."""
+
+    name: str
+    text: str
+    scope: str = ""
+    model: str | None = None
+    host: str | None = None

@@ -7,6 +7,7 @@ if __name__ != "kvactor.runtime":  # one import name per file: see docs/layout.m
 
 from ._actor import Actor as Actor
 from ._actor import ThreadActor as ThreadActor
+from ._debug import DEBUG as DEBUG
 from ._errors import ActorDeadError as ActorDeadError
 from ._errors import ActorError as ActorError
 from ._errors import AskTimeout as AskTimeout
@@ -21,6 +22,7 @@ from ._runtime import Runtime as Runtime
 from ._supervision import RestartPolicy as RestartPolicy
 
 __all__ = (
+    "DEBUG",
     "DEFAULT_ASK_TIMEOUT",
     "Actor",
     "ActorDeadError",

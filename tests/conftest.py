@@ -2,6 +2,10 @@ from __future__ import annotations
 
 import os
 
+# The owners of state re-check their invariants (kvactor.runtime.DEBUG): set before kvactor
+# is imported, here and in every process a test starts.
+os.environ.setdefault("KVACTOR_DEBUG", "1")
+
 import pytest
 
 import kvactor  # noqa: F401 - first: it loads the BLAS, which must precede mlx.core

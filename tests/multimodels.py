@@ -43,11 +43,9 @@ def swap_limit() -> int:
 
 
 def hot_pool(kv: Any, model: str | None = None) -> Any:
-    """Looking inside: the hot tier (``Pool``) of ``model`` (None: the session's first)
-    in ``kv``'s engine actor, one model's engine or a ``ModelsEngine``'s slot."""
+    """Looking inside: the hot tier (``CachePool``) of ``model`` (None: the session's
+    first) in ``kv``'s engine actor (its slot's runner)."""
     actor: Any = kv.engine._cell._actor
-    slots = getattr(actor, "_slots", None)
-    if slots is not None:
-        name = model if model is not None else next(iter(slots))
-        actor = slots[name].engine
-    return actor.pool
+    slots = actor._slots
+    name = model if model is not None else next(iter(slots))
+    return slots[name].runner.pool

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgspec
 
@@ -65,7 +66,7 @@ def _sessions_implement_one_api(
     cluster: kvactor.ClusterSession,
     agent: kvactor.Agent,
     remote: kvactor.actors.cluster.ClusterAgent,
-) -> tuple[kvactor.SessionAPI, kvactor.SessionAPI, kvactor.AgentAPI, kvactor.AgentAPI]:
+) -> tuple[kvactor.SessionAPI[Any], kvactor.SessionAPI[Any], kvactor.AgentAPI, kvactor.AgentAPI]:
     """Checked by mypy (tools/typecheck.py): both sessions and both agents have the API."""
     return local, cluster, agent, remote
 
@@ -78,3 +79,30 @@ def test_in_process_and_cluster_agents_share_their_turn_methods() -> None:
         assert issubclass(cls, AgentTurns)
         for name in ("stream", "stream_raw", "stream_chat", "generate", "complete", "chat"):
             assert getattr(cls, name) is getattr(AgentTurns, name)  # written once
+
+
+def test_spawn_fork_context_and_hint_are_declared_once_for_both_sessions() -> None:
+    """One declaration per operation: both sessions inherit SessionAPI's, so their
+    signatures cannot drift; the parts that differ are the abstract _spawn & co."""
+    import inspect
+
+    from kvactor.actors.cluster import EngineHost
+    from kvactor.actors.messages import MakeContext, SpawnAgent
+
+    operations = ("spawn_agent", "fork", "context", "hint")
+    for cls in (kvactor.Session, kvactor.ClusterSession):
+        assert issubclass(cls, kvactor.SessionAPI)
+        for name in operations:
+            assert getattr(cls, name) is getattr(kvactor.SessionAPI, name), (cls, name)
+    local, cluster = (
+        {n: inspect.signature(getattr(cls, n)) for n in operations}
+        for cls in (kvactor.Session, kvactor.ClusterSession)
+    )
+    assert local == cluster
+    # What spawn_agent and context take is what a host is sent: every keyword, typed.
+    spawn = inspect.signature(kvactor.SessionAPI.spawn_agent).parameters
+    assert set(spawn) - {"self"} == set(SpawnAgent.__struct_fields__)
+    made = inspect.signature(kvactor.SessionAPI.context).parameters
+    assert set(made) - {"self"} == set(MakeContext.__struct_fields__)
+    host = inspect.signature(EngineHost.spawn).parameters
+    assert [p.annotation for p in host.values()][1:] == ["SpawnAgent"]

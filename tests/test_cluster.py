@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 
 import kvactor
-from kvactor.actors.cluster._host import EngineHost
+from kvactor.actors.cluster import EngineHost
 from kvactor.actors.engine import default_memory_limit
+from kvactor.actors.hot import make_hint
+from kvactor.actors.messages import SpawnAgent
 from kvactor.actors.models import make_tiny_model
 from kvactor.cli._inspect import format_table, inspect_rows
 
@@ -44,7 +46,7 @@ async def test_an_agent_moves_between_hosts_with_its_cache(tmp_path: Path) -> No
     stay = EngineHost("stay", tiny, tmp_path / "stay")
     try:
         for host in (a, stay):
-            await host.spawn("x", system="You help.")
+            await host.spawn(SpawnAgent(name="x", system="You help."))
             await _talk(host, "x", "first question")
         files = await a.export("x")
         assert "manifest.json" in files and any(f.startswith("seg-") for f in files)
@@ -78,9 +80,11 @@ def _corrupt(files: dict[str, bytes]) -> dict[str, bytes]:
 async def test_a_host_takes_hints_about_its_agents(tmp_path: Path) -> None:
     host = EngineHost("a", tiny, tmp_path / "a")
     try:
-        await host.spawn("x", system="You help.")
+        await host.spawn(SpawnAgent(name="x", system="You help."))
         await _talk(host, "x", "first question")
-        await host.hint(["x", "ghost"], {"x": 1.0}, {"x": 2}, ["y"], 1)
+        await host.hint(
+            make_hint(["x", "ghost"], expect_in_s={"x": 1.0}, priority={"x": 2}, done=["y"]), 1
+        )
         again = await _talk(host, "x", "second question")
         assert again.path == kvactor.Tier.HOT
     finally:
@@ -91,7 +95,7 @@ async def test_a_host_ends_its_turns(tmp_path: Path) -> None:
     host = EngineHost("a", tiny, tmp_path / "a")
     try:
         assert await host.end_turns() == 0  # not open yet: nothing to end
-        await host.spawn("x", system="You help.")
+        await host.spawn(SpawnAgent(name="x", system="You help."))
         await _talk(host, "x", "first question")
         assert await host.end_turns() == 0  # open, nothing running
         with pytest.raises(kvactor.TurnEnded):
@@ -116,10 +120,10 @@ async def test_hostile_or_corrupted_files_in_transit_are_refused(tmp_path: Path)
     b = EngineHost("b", tiny, tmp_path / "b")
     foreign = EngineHost("f", other, tmp_path / "f")
     try:
-        await a.spawn("x")
+        await a.spawn(SpawnAgent(name="x"))
         await _talk(a, "x", "hello")
         files = await a.export("x")
-        await foreign.spawn("x")
+        await foreign.spawn(SpawnAgent(name="x"))
         await _talk(foreign, "x", "hello")
         cases: list[tuple[dict[str, bytes], str]] = [
             (_corrupt(files), "checksum"),
@@ -155,7 +159,7 @@ async def test_a_replica_takes_the_new_files_verified_and_resumes_as_its_source(
     source = tmp_path / "a" / "agents" / "x"
     replica = tmp_path / "b" / "replicas" / "agents" / "x"
     try:
-        await a.spawn("x", system="You help.")
+        await a.spawn(SpawnAgent(name="x", system="You help."))
         await _talk(a, "x", "first question")
         assert await b.replica_files("x") == []
         await b.keep_replica("x", await a.files("x", []))
@@ -190,7 +194,7 @@ async def test_inspect_lists_each_hosts_warm_caches(tmp_path: Path) -> None:
     hosts = [EngineHost(n, tiny, tmp_path / "hosts" / n) for n in ("h0", "h1")]
     try:
         for i, host in enumerate(hosts):
-            await host.spawn(f"agent{i}")
+            await host.spawn(SpawnAgent(name=f"agent{i}"))
             await _talk(host, f"agent{i}", "hello")
     finally:
         for host in hosts:
@@ -345,7 +349,7 @@ async def test_replicas_hand_the_agents_of_a_host_gone_for_good_to_another(
         history = await a.history()
         # h0's node is lost: Ray does not bring the host back. The next call finds it gone
         # (a clear error, saying where its agents went), and a is h1's agent from then on.
-        ray.kill(kv._hosts["h0"].handle, no_restart=True)
+        ray.kill(kv.engine_hosts.any("h0").handle, no_restart=True)
         with pytest.raises(kvactor.HostLost, match=r"gone for good.*a -> h1"):
             await a.generate("third question", **GREEDY)
         stats = await kv.stats()

@@ -361,7 +361,7 @@ async def test_a_prompt_too_long_for_any_tokenization_is_refused_before_it_is_to
     at once (ContextOverflow naming the limit), and the session keeps serving."""
     async with kvactor.open(tiny()) as session:
         agent = await session.spawn_agent("a")
-        limit = session._env.max_prompt_chars
+        limit = session.max_prompt_chars
         with anyio.fail_after(5):  # tokenizing this many characters would take far longer
             with pytest.raises(ContextOverflow, match=str(limit)):
                 await agent.generate("x" * (limit + 1), max_tokens=2)

@@ -207,7 +207,9 @@ async def test_one_model_under_a_memory_limit() -> None:
         stats = await session.stats()
         assert stats.memory_limit_bytes == 1 << 30
         assert 0 < stats.memory_bytes <= 1 << 30
-        assert list(session.models) == ["default"]
+        # One model is named after itself, with a limit or without: one engine path.
+        assert list(session.models) == [session.model.name]
+        assert [s.name for s in await session.model_states()] == [session.model.name]
 
 
 async def test_a_turn_of_one_model_demotes_the_others_idle_caches_first(tmp_path: Path) -> None:

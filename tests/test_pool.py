@@ -69,10 +69,10 @@ def test_room_answers_are_typed_and_count_in_the_budget(lm: LoadedModel) -> None
     pool.release("a")
     assert pool.measure() == held
     assert pool.reserve("b", 40_000) is Room.RESERVED
-    installed = pool.install("b", 0, lambda: AgentKV(DEFAULT_CODEC, lm.geometry), pin=True)
-    assert installed and pool.installs == 1 and "b" in pool
+    installed = pool.warm.install("b", 0, lambda: AgentKV(DEFAULT_CODEC, lm.geometry), pin=True)
+    assert installed and pool.warm.installs == 1 and "b" in pool
     with pytest.raises(BudgetExceeded):
-        pool.install("c", 200_000, lambda: AgentKV(DEFAULT_CODEC, lm.geometry), pin=False)
+        pool.warm.install("c", 200_000, lambda: AgentKV(DEFAULT_CODEC, lm.geometry), pin=False)
 
 
 def test_a_finished_turns_export_holds_its_room_from_the_turns_end(lm: LoadedModel) -> None:
@@ -182,7 +182,7 @@ def test_a_cache_no_write_will_save_may_go_cold_but_one_being_written_waits(
     pool.written("a", exported.export_id, exported.persisted, failed=True)
     cache = pool.get("a")
     assert cache is not None and cache.persisted == 0 and not cache.clean
-    assert (pool.writes, pool.write_failures) == (0, 1)
+    assert (pool.warm.writes, pool.warm.write_failures) == (0, 1)
     # A next write would start where the disk copy ends.
     again = pool.export("a")
     assert again.persisted == 0 and again.ranges[0][0] == 0

@@ -347,7 +347,7 @@ def test_a_cache_waiting_on_tools_is_demoted_after_idle_ones_until_its_ttl_ends(
         pool.end_turn(agent, entry, finished=True)
         sizes[agent] = entry.kv.stored_bytes
     pool.tool_wait("tools", 60.0)
-    waiting = {c.agent: (c.waiting, c.tool_wait) for c in pool._candidates()}
+    waiting = {c.agent: (c.waiting, c.tool_wait) for c in pool.candidates()}
     assert waiting == {"tools": (True, True), "idle": (False, False)}
     assert pool.info("tools").tool_wait_s > 59 and pool.tool_waits == 1
     pool.limit = sum(sizes.values())

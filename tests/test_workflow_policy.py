@@ -61,7 +61,7 @@ def test_hinted_next_agents_stay_hot_where_lru_demotes_them(lm: LoadedModel) -> 
         sizes = {a: turn(pool, lm, a, 30, persist=True) for a in ("next", "b", "c", "d")}
         pool.hint(Hint(next=("next",)))  # the oldest runs next
         pool.limit = sum(sizes.values())
-        pool.peak = 0  # counted under the limit (each turn's export held room before it)
+        pool.ledger.reset_peak()  # counted under the limit (each turn's export held room before it)
         assert pool.make_room(sizes["next"])
         kept[type(policy).__name__] = "next" in pool
         assert pool.peak <= pool.limit
@@ -72,14 +72,14 @@ def test_furthest_first_then_done_priority_and_overdue_hints(lm: LoadedModel) ->
     pool = new_pool(lm, None, policy=WorkflowPolicy())
     sizes = {a: turn(pool, lm, a, 30, persist=True) for a in ("soon", "later", "free")}
     pool.hint(Hint(expect_in_s=(("soon", 1.0), ("later", 100.0))))
-    order = [c.agent for c in WorkflowPolicy().order(pool._candidates())]
+    order = [c.agent for c in WorkflowPolicy().order(pool.candidates())]
     assert order == ["free", "later", "soon"]  # unhinted (LRU), then furthest first
     pool.hint(Hint(done=("soon",), priority=(("free", 5),)))
-    order = [c.agent for c in WorkflowPolicy().order(pool._candidates())]
+    order = [c.agent for c in WorkflowPolicy().order(pool.candidates())]
     assert order == ["soon", "later", "free"]  # done first; priority last
     # A tool-waiting cache stays ahead of idle ones until its TTL, whatever the hints.
     pool.tool_wait("soon", 60.0)
-    assert [c.agent for c in WorkflowPolicy().order(pool._candidates())][-1] == "soon"
+    assert [c.agent for c in WorkflowPolicy().order(pool.candidates())][-1] == "soon"
     # A hint long overdue is forgotten: the agent ranks as unhinted again.
     book = HintBook()
     book.apply(Hint(next=("x",)), now=0.0)

@@ -11,6 +11,7 @@ from ..records import Completion, ToolCallDelta, ToolRequest
 from ..session import AgentTurns, TurnKind
 from ..tools import tool_options
 from ._calls import RESTART_WAIT_S, Host
+from ._host import EngineHost
 
 if TYPE_CHECKING:
     from ._session import ClusterSession
@@ -23,11 +24,16 @@ class ClusterTextStream:
     ``TextStream`` of a cluster. Leaving early cancels the turn on its host."""
 
     def __init__(
-        self, session: ClusterSession, host: Host, call: tuple[Any, ...], pieces: bool = True
+        self,
+        session: ClusterSession,
+        host: Host,
+        turn: tuple[str, TurnKind, Any, dict[str, Any]],
+        pieces: bool = True,
     ) -> None:
         self._session = session
         self._host = host
-        self._call = (*call, pieces)
+        self._agent, self._kind, self._payload, self._sampling = turn
+        self._pieces = pieces
         self._gen: Any = None
         self.completion: Completion | None = None
 
@@ -43,10 +49,17 @@ class ClusterTextStream:
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
             if self._gen is None:
-                turn = self._host.handle.turn.options(num_returns="streaming")
-                self._gen = turn.remote(*self._call)
+                self._gen = self._session.engine_hosts.stream(
+                    self._host,
+                    EngineHost.turn,
+                    self._agent,
+                    self._kind,
+                    self._payload,
+                    self._sampling,
+                    self._pieces,
+                )
             try:
-                item = await self._session._next(self._host, self._gen, raw=not started)
+                item = await self._session.engine_hosts.next(self._host, self._gen, raw=not started)
                 break
             except ActorUnavailableError:
                 # The call reached a host that had died and that Ray is restarting: it
@@ -54,11 +67,11 @@ class ClusterTextStream:
                 if time.monotonic() > deadline:
                     raise HostLost(f"engine host {self._host.name!r} did not come back") from None
                 self._gen = None
-                await self._session._call(self._host, "info")
+                await self._session.engine_hosts.call(self._host, EngineHost.info)
         if item is None:
             raise HostLost(f"engine host {self._host.name!r} ended the turn without its result")
         if isinstance(item, Completion):
-            await self._session._replicate(self._call[0])  # before the turn is reported done
+            await self._session.replicate(self._agent)  # before the turn is reported done
             self.completion = item
             raise StopAsyncIteration
         assert isinstance(item, str)
@@ -98,7 +111,7 @@ class ClusterAgent(AgentTurns):
     @property
     def host(self) -> str:
         """The host that serves it now."""
-        return self._session._where[self.name]
+        return self._session.where(self.name)
 
     def _turn_stream(
         self,
@@ -110,16 +123,14 @@ class ClusterAgent(AgentTurns):
         tools: ToolRequest | None = None,
     ) -> ClusterTextStream:
         # A whole turn: the host sends its Completion, not each piece (two items through Ray).
-        host = self._session._host_of(self.name)
+        host = self._session.host_of(self.name)
         if tools is not None:  # plain data again: the host's agent reads it as options
             sampling = {**sampling, **tool_options(tools)}
         return ClusterTextStream(self._session, host, (self.name, kind, payload, sampling), pieces)
 
     async def history(self) -> list[dict[str, Any]]:
-        history: list[dict[str, Any]] = await self._session._call(
-            self._session._host_of(self.name), "history", self.name
-        )
-        return history
+        host = self._session.host_of(self.name)
+        return await self._session.engine_hosts.call(host, EngineHost.history, self.name)
 
     async def hint(self, *, expect_in_s: float | None = None, priority: int | None = None) -> None:
         """Advice about this agent, sent to its host (``Agent.hint``)."""

@@ -1,23 +1,28 @@
-"""Calls from a cluster's front to its engine hosts through Ray, a part of
-:class:`~kvactor.actors.cluster.ClusterSession`: each call's error as the caller should see
-it, waiting for a host Ray is restarting, and the hand-over of a host gone for good."""
+"""A cluster's engine hosts as its front knows them, and the calls to them through Ray: a
+call names an :class:`~kvactor.actors.cluster.EngineHost` method (a method reference, so
+that mypy checks its arguments and answer), its error comes back as the caller should see
+it, a host Ray is restarting is waited for, and one gone for good is handed over."""
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import anyio
 
-from ..errors import HostLost, UnknownAgent
-from ..ids import check_agent_id
+from ..errors import HostLost
+from ._host import EngineHost
 
-__all__ = ("RESTART_WAIT_S", "Host", "HostCalls", "NoReturn", "unwrap")
+__all__ = ("RESTART_WAIT_S", "Host", "Hosts", "NoReturn", "unwrap")
 
 #: How long a call waits for a host that Ray is restarting.
 RESTART_WAIT_S = 60.0
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class NoReturn(HostLost):
@@ -48,28 +53,101 @@ def unwrap(exc: BaseException, host: str) -> BaseException:
     return exc
 
 
-class HostCalls:
-    """ClusterSession's calls to its hosts (its state, declared in its ``__init__``)."""
+class Hosts:
+    """The engine hosts of a cluster session (a part of the ``ClusterSession``) and every
+    call to them. ``on_gone``: what to do with a host gone for good (hand its agents to
+    their replicas' hosts); it says where they went.
 
-    _hosts: dict[str, Host]
-    _where: dict[str, str]  # agent -> host
-    _lost: set[str]  # hosts gone for good
+    Invariant: the only writer of the hosts and of which of them are gone for good."""
 
-    if TYPE_CHECKING:  # ClusterSession's
+    def __init__(self, on_gone: Callable[[Host], Awaitable[str]]) -> None:
+        self._hosts: dict[str, Host] = {}
+        self._lost: set[str] = set()  # hosts gone for good
+        self._on_gone = on_gone
 
-        async def _host_gone(self, host: Host) -> str: ...
+    # -- the hosts --------------------------------------------------------------------
+    def add(self, host: Host) -> None:
+        assert host.name not in self._hosts, f"host {host.name!r} twice"
+        self._hosts[host.name] = host
+
+    def __len__(self) -> int:
+        return len(self._hosts)
+
+    def __iter__(self) -> Iterator[Host]:
+        return iter(list(self._hosts.values()))
+
+    def live(self) -> list[Host]:
+        return [h for h in self._hosts.values() if h.name not in self._lost]
+
+    def lost(self, name: str) -> bool:
+        return name in self._lost
+
+    @property
+    def lost_names(self) -> list[str]:
+        return sorted(self._lost)
+
+    def mark_lost(self, name: str) -> bool:
+        """Mark host ``name`` gone for good; False when it was already."""
+        if name in self._lost:
+            return False
+        self._lost.add(name)
+        return True
+
+    def get(self, name: str) -> Host:
+        """Host ``name``, live. Raises ValueError for one gone or unknown."""
+        if name in self._lost:
+            raise ValueError(f"host {name!r} is gone")
+        try:
+            return self._hosts[name]
+        except KeyError:
+            raise ValueError(f"no host named {name!r} (hosts: {sorted(self._hosts)})") from None
+
+    def any(self, name: str) -> Host:
+        """Host ``name``, live or gone. Raises KeyError for an unknown one."""
+        return self._hosts[name]
 
     # -- calls ------------------------------------------------------------------------
-    async def _call(self, host: Host, method: str, *args: Any) -> Any:
+    async def call(
+        self,
+        host: Host,
+        method: Callable[Concatenate[EngineHost, P], Awaitable[R]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
         """``host.method(*args)`` through Ray, its error as the caller should see it; waits
         for a host that Ray is restarting, and hands the agents of one gone for good to
         their replicas' hosts."""
         try:
-            return await self._call_raw(host, method, *args)
+            return await self._call_raw(host, method.__name__, args, kwargs)
         except Exception as exc:
             raise await self._error(exc, host) from None
 
-    async def _call_raw(self, host: Host, method: str, *args: Any) -> Any:
+    def remote(
+        self,
+        host: Host,
+        method: Callable[Concatenate[EngineHost, P], Awaitable[Any]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Any:
+        """Start ``host.method(*args)`` and return its Ray ObjectRef at once (its answer
+        stays in the object store: another host can take it as an argument)."""
+        return getattr(host.handle, method.__name__).remote(*args, **kwargs)
+
+    def stream(
+        self,
+        host: Host,
+        method: Callable[Concatenate[EngineHost, P], AsyncIterator[Any]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Any:
+        """Start the streaming ``host.method(*args)``: Ray's generator of its items' refs
+        (read them with :meth:`next`)."""
+        call = getattr(host.handle, method.__name__).options(num_returns="streaming")
+        return call.remote(*args, **kwargs)
+
+    async def _call_raw(
+        self, host: Host, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         import ray
         from ray.exceptions import ActorUnavailableError
 
@@ -77,13 +155,23 @@ class HostCalls:
             raise HostLost(f"engine host {host.name!r} is gone")
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
-            ref = getattr(host.handle, method).remote(*args)
+            ref = getattr(host.handle, method).remote(*args, **kwargs)
             try:
                 return await anyio.to_thread.run_sync(ray.get, ref, abandon_on_cancel=True)
             except ActorUnavailableError:
                 if time.monotonic() > deadline:
                     raise NoReturn(f"engine host {host.name!r} did not come back") from None
                 await anyio.sleep(0.2)
+
+    async def get_ref(self, host: Host, ref: Any) -> Any:
+        """The answer of a call started with :meth:`remote`, its error as the caller
+        should see it (a host lost meanwhile is not handed over here: the caller decides)."""
+        import ray
+
+        try:
+            return await anyio.to_thread.run_sync(ray.get, ref)
+        except Exception as exc:
+            raise unwrap(exc, host.name) from None
 
     async def _error(self, exc: BaseException, host: Host) -> BaseException:
         """What a caller sees for ``exc`` from ``host``. A host that Ray says is dead for
@@ -94,7 +182,7 @@ class HostCalls:
         if isinstance(exc, NoReturn) or (
             isinstance(exc, ActorDiedError) and not await self._alive(host)
         ):
-            moved = await self._host_gone(host)
+            moved = await self._on_gone(host)
             return HostLost(f"engine host {host.name!r} is gone for good; {moved}")
         return unwrap(exc, host.name)
 
@@ -120,7 +208,7 @@ class HostCalls:
                 return True
         return False
 
-    async def _next(self, host: Host, gen: Any, *, raw: bool = False) -> Any:
+    async def next(self, host: Host, gen: Any, *, raw: bool = False) -> Any:
         """The next item of a streaming call (None at its end); ``raw`` lets Ray's
         ActorUnavailableError through for a caller that can send the call again."""
         import ray
@@ -140,23 +228,13 @@ class HostCalls:
                 raise
             raise await self._error(exc, host) from None
 
-    def _host_of(self, agent: str) -> Host:
-        check_agent_id(agent)
-        try:
-            host = self._hosts[self._where[agent]]
-        except KeyError:
-            raise UnknownAgent(f"no agent named {agent!r} on any host") from None
-        if host.name in self._lost:
-            raise HostLost(
-                f"agent {agent!r} was on engine host {host.name!r}, which is gone, and had "
-                "no replica (replicas=2 keeps one on another host)"
-            )
-        return host
-
-    def _host(self, name: str) -> Host:
-        if name in self._lost:
-            raise ValueError(f"host {name!r} is gone")
-        try:
-            return self._hosts[name]
-        except KeyError:
-            raise ValueError(f"no host named {name!r} (hosts: {sorted(self._hosts)})") from None
+    async def each(self, method: Callable[[EngineHost], Awaitable[R]]) -> list[R]:
+        """``method``'s answer from every host still here (one lost meanwhile is left out)."""
+        answers = []
+        for host in self.live():
+            try:
+                answers.append(await self.call(host, method))
+            except HostLost:
+                if host.name not in self._lost:
+                    raise
+        return answers

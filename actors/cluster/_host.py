@@ -35,6 +35,7 @@ import msgspec
 from ..engine import ModelSpec, default_memory_limit
 from ..errors import CacheRejected, UnknownAgent
 from ..ids import check_agent_id
+from ..messages import Hint, MakeContext, SpawnAgent
 from ..records import Completion, EngineStats
 from ..session import TURN_KINDS, Agent, Session, TurnKind, open_session
 from ..warm import (
@@ -172,24 +173,24 @@ class EngineHost:
             replicas=await anyio.to_thread.run_sync(self._replica_names),
         )
 
-    async def spawn(
-        self,
-        name: str,
-        system: str | None = None,
-        fork_of: str | None = None,
-        context: str | None = None,
-        scope: str | None = None,
-    ) -> None:
-        """A new agent here (``Session.spawn_agent``); raises as that does."""
+    async def spawn(self, spawn: SpawnAgent) -> None:
+        """A new agent here (``SessionAPI.spawn_agent``, checked by the front); raises as
+        that does."""
         session = await self._open()
-        if fork_of is not None and fork_of not in session.agents:
-            await self._agent(fork_of)  # a source on disk only: resume it first
+        if spawn.fork_of is not None and spawn.fork_of not in session.agents:
+            await self._agent(spawn.fork_of)  # a source on disk only: resume it first
         await session.spawn_agent(
-            name, system=system, fork_of=fork_of, context=context, scope=scope
+            spawn.name,
+            system=spawn.system,
+            fork_of=spawn.fork_of,
+            context=spawn.context,
+            scope=spawn.scope,
+            tool_wait_s=spawn.tool_wait_s,
         )
 
-    async def context(self, name: str, text: str, scope: str = "") -> None:
-        await (await self._open()).context(name, text, scope=scope)
+    async def context(self, made: MakeContext) -> None:
+        """A shared context here (``SessionAPI.context``)."""
+        await (await self._open()).context(made.name, made.text, scope=made.scope)
 
     async def turn(
         self,
@@ -235,18 +236,15 @@ class EngineHost:
     async def prefetch(self, name: str) -> None:
         await (await self._open()).prefetch(name)
 
-    async def hint(
-        self,
-        next: list[str],
-        expect_in_s: dict[str, float],
-        priority: dict[str, int],
-        done: list[str],
-        prefetch: int,
-    ) -> None:
+    async def hint(self, hint: Hint, prefetch: int) -> None:
         """The part of a cluster's hint about this host's agents (``Session.hint``)."""
         session = await self._open()
         await session.hint(
-            next, expect_in_s=expect_in_s, priority=priority, done=done, prefetch=prefetch
+            hint.next,
+            expect_in_s=dict(hint.expect_in_s),
+            priority=dict(hint.priority),
+            done=hint.done,
+            prefetch=prefetch,
         )
 
     async def forget(self, name: str) -> Forgotten:

@@ -33,20 +33,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 from ..engine import ModelSpec
-from ..errors import HostLost
-from ..hot import make_hint, split_hint
+from ..errors import HostLost, UnknownAgent
+from ..hot import split_hint
 from ..ids import check_agent_id
-from ..session import Opening, OpenOptions
+from ..messages import Hint, MakeContext, SpawnAgent
+from ..session import Opening, OpenOptions, SessionAPI
 from ..warm import Forgotten
 from ._agent import ClusterAgent
-from ._calls import Host, HostCalls, unwrap
+from ._calls import Host, Hosts
 from ._connect import connect, loopback_before_import
 from ._host import EngineHost, HostInfo
 from ._placement import ClusterStats, Migration, MostFreeBudget, PlacementPolicy
@@ -72,7 +72,7 @@ CLUSTER_KEYS = tuple(
 )
 
 
-class ClusterSession(HostCalls):
+class ClusterSession(SessionAPI[ClusterAgent]):
     """Agents on several engine hosts (see the module doc). Use ``open_cluster`` or
     ``kvactor.open(..., cluster=...)``."""
 
@@ -99,12 +99,11 @@ class ClusterSession(HostCalls):
         self.placement: PlacementPolicy = placement or MostFreeBudget()
         self._ray_options = dict(ray_options or {})
         self._options = dict(options or {})
-        self._hosts: dict[str, Host] = {}
+        self.engine_hosts = Hosts(self._host_gone)
         self._where: dict[str, str] = {}  # agent -> host
         self._migrations: list[Migration] = []
         self.replicas = replicas
         self._replica: dict[str, str] = {}  # agent -> the host that keeps its replica
-        self._lost: set[str] = set()  # hosts gone for good
         self._failover = anyio.Lock()
         self._replication_failures = 0
         self._started_ray = False
@@ -117,7 +116,7 @@ class ClusterSession(HostCalls):
         thread for its signal handlers); the hosts start in the background."""
         self._start_hosts()
         try:
-            if self.replicas > len(self._hosts):
+            if self.replicas > len(self.engine_hosts):
                 raise ValueError(f"replicas={self.replicas} needs as many hosts")
             infos = await self.hosts()
             for info in infos:
@@ -145,7 +144,7 @@ class ClusterSession(HostCalls):
         for node in nodes:
             cpus = max(1, int(node.get("Resources", {}).get("CPU", 1)) // self._hosts_per_node)
             for _ in range(self._hosts_per_node):
-                name = f"h{len(self._hosts)}"
+                name = f"h{len(self.engine_hosts)}"
                 handle = remote.options(
                     num_cpus=cpus,
                     max_restarts=-1,
@@ -159,8 +158,8 @@ class ClusterSession(HostCalls):
                     str(node["NodeID"]),
                     self._hosts_per_node,
                 )
-                self._hosts[name] = Host(name, handle, str(node["NodeID"]))
-        if not self._hosts:
+                self.engine_hosts.add(Host(name, handle, str(node["NodeID"])))
+        if not len(self.engine_hosts):
             raise RuntimeError("the Ray cluster has no live node")
 
     async def aclose(self) -> None:
@@ -171,9 +170,9 @@ class ClusterSession(HostCalls):
         self._closed = True
         import ray
 
-        for host in self._hosts.values():
+        for host in self.engine_hosts:
             try:
-                await self._call(host, "close")
+                await self.engine_hosts.call(host, EngineHost.close)
             except Exception:  # a host that is gone has nothing left to save
                 pass
             ray.kill(host.handle)
@@ -187,18 +186,18 @@ class ClusterSession(HostCalls):
         await self.aclose()
 
     # -- replicas and lost hosts ------------------------------------------------------
-    async def _replicate(self, agent: str) -> None:
+    async def replicate(self, agent: str) -> None:
         """With ``replicas=2``: bring the replica of ``agent``'s warm cache on another host
         up to date (its new files only, host to host), after each of its turns. A failure
         is logged and counted (``stats().replication_failures``), never the turn's."""
         if self.replicas < 2 or agent not in self._where:
             return
-        home = self._hosts[self._where[agent]]
+        hosts = self.engine_hosts
+        home = hosts.any(self._where[agent])
         holder = self._replica.get(agent)
         try:
-            if holder is None or holder in self._lost:
-                live = (h for h in self._hosts.values() if h.name not in self._lost)
-                others = [h for h in live if h is not home]
+            if holder is None or hosts.lost(holder):
+                others = [h for h in hosts.live() if h is not home]
                 if not others:
                     return
                 counts = {h.name: 0 for h in others}
@@ -208,9 +207,9 @@ class ClusterSession(HostCalls):
                 # Another node first (a replica on the same node survives no node loss).
                 best = min(others, key=lambda h: (h.node == home.node, counts[h.name], h.name))
                 holder = best.name
-            have = await self._call(self._hosts[holder], "replica_files", agent)
-            update = home.handle.files.remote(agent, have)  # host to host
-            await self._call(self._hosts[holder], "keep_replica", agent, update)
+            have = await hosts.call(hosts.any(holder), EngineHost.replica_files, agent)
+            update = hosts.remote(home, EngineHost.files, agent, have)  # host to host
+            await hosts.call(hosts.any(holder), EngineHost.keep_replica, agent, update)
             self._replica[agent] = holder
         except Exception as exc:  # the turn is done and saved on its host
             self._replication_failures += 1
@@ -218,9 +217,11 @@ class ClusterSession(HostCalls):
 
     async def _drop_replica(self, agent: str) -> None:
         holder = self._replica.pop(agent, None)
-        if holder is not None and holder not in self._lost:
+        if holder is not None and not self.engine_hosts.lost(holder):
             try:
-                await self._call(self._hosts[holder], "drop_replica", agent)
+                await self.engine_hosts.call(
+                    self.engine_hosts.any(holder), EngineHost.drop_replica, agent
+                )
             except Exception as exc:  # a stale replica is never promoted over a live agent
                 log.warning("replica of agent %r on host %r not deleted: %s", agent, holder, exc)
 
@@ -229,17 +230,18 @@ class ClusterSession(HostCalls):
         of the replica's host (verified as a warm load, then resumed there). Says where
         they went."""
         async with self._failover:
-            if host.name in self._lost:
+            if not self.engine_hosts.mark_lost(host.name):
                 return "its agents went where the first report said"
-            self._lost.add(host.name)
             moved, stranded = [], []
             for agent in sorted(a for a, h in self._where.items() if h == host.name):
                 holder = self._replica.pop(agent, None)
-                if holder is None or holder in self._lost:
+                if holder is None or self.engine_hosts.lost(holder):
                     stranded.append(agent)
                     continue
                 try:
-                    await self._call(self._hosts[holder], "promote", agent)
+                    await self.engine_hosts.call(
+                        self.engine_hosts.any(holder), EngineHost.promote, agent
+                    )
                 except Exception as exc:
                     log.warning("replica of %r on %r not promoted: %s", agent, holder, exc)
                     stranded.append(agent)
@@ -256,147 +258,123 @@ class ClusterSession(HostCalls):
             return said
 
     # -- the Session API --------------------------------------------------------------
-    async def _each_host(self, method: str) -> list[Any]:
-        """``method``'s answer from every host still here (one lost meanwhile is left out)."""
-        answers = []
-        for host in list(self._hosts.values()):
-            if host.name in self._lost:
-                continue
-            try:
-                answers.append(await self._call(host, method))
-            except HostLost:
-                if host.name not in self._lost:
-                    raise
-        return answers
-
     async def hosts(self) -> list[HostInfo]:
         """What every host says of itself, by name."""
-        return await self._each_host("info")
+        return await self.engine_hosts.each(EngineHost.info)
 
     async def stats(self) -> ClusterStats:
         return ClusterStats(
             hosts=await self.hosts(),
             migrations=list(self._migrations),
-            lost_hosts=sorted(self._lost),
+            lost_hosts=self.engine_hosts.lost_names,
             replication_failures=self._replication_failures,
         )
 
-    async def spawn_agent(
-        self,
-        name: str,
-        *,
-        system: str | None = None,
-        fork_of: str | None = None,
-        context: str | None = None,
-        scope: str | None = None,
-        host: str | None = None,
-    ) -> ClusterAgent:
-        """A new agent (``Session.spawn_agent``) on ``host``, or where a fork's source or a
-        shared context is, or where the placement policy says. Raises as
-        ``Session.spawn_agent`` does, and ValueError for an unknown host."""
-        check_agent_id(name)
+    async def _spawn(self, spawn: SpawnAgent) -> ClusterAgent:
+        """A new agent (``SessionAPI.spawn_agent``) on ``spawn.host``, or where a fork's
+        source or a shared context is, or where the placement policy says."""
+        name = spawn.name
+        if spawn.model is not None:
+            raise ValueError("a cluster session serves one model: no model=")
         if name in self._where:
             raise ValueError(f"agent {name!r} already exists (on host {self._where[name]!r})")
-        source = fork_of if fork_of is not None else context
+        source = spawn.fork_of if spawn.fork_of is not None else spawn.context
         if source is not None:
-            home = self._host_of(source)
-            if host is not None and host != home.name:
-                raise ValueError(f"{source!r} is on host {home.name!r}, not {host!r}")
+            home = self.host_of(source)
+            if spawn.host is not None and spawn.host != home.name:
+                raise ValueError(f"{source!r} is on host {home.name!r}, not {spawn.host!r}")
             target = home
-        elif host is not None:
-            target = self._host(host)
+        elif spawn.host is not None:
+            target = self.engine_hosts.get(spawn.host)
         else:
-            target = self._host(self.placement.choose(name, await self.hosts()))
-        await self._call(target, "spawn", name, system, fork_of, context, scope)
+            target = self.engine_hosts.get(self.placement.choose(name, await self.hosts()))
+        await self.engine_hosts.call(target, EngineHost.spawn, spawn)
         self._where[name] = target.name
         return ClusterAgent(self, name)
 
-    async def context(
-        self, name: str, text: str, *, scope: str = "", host: str | None = None
-    ) -> ClusterAgent:
-        """A shared context (``Session.context``) on ``host`` or where placement says; its
-        agents go to the same host."""
-        check_agent_id(name)
-        if name in self._where:
-            raise ValueError(f"agent {name!r} already exists")
-        target = self._host(host or self.placement.choose(name, await self.hosts()))
-        await self._call(target, "context", name, text, scope)
-        self._where[name] = target.name
-        return ClusterAgent(self, name)
-
-    async def fork(self, source: str, name: str, *, scope: str | None = None) -> ClusterAgent:
-        return await self.spawn_agent(name, fork_of=source, scope=scope)
+    async def _context(self, made: MakeContext) -> ClusterAgent:
+        """A shared context (``SessionAPI.context``) on ``made.host`` or where placement
+        says; its agents go to the same host."""
+        if made.model is not None:
+            raise ValueError("a cluster session serves one model: no model=")
+        if made.name in self._where:
+            raise ValueError(f"agent {made.name!r} already exists")
+        where = made.host or self.placement.choose(made.name, await self.hosts())
+        target = self.engine_hosts.get(where)
+        await self.engine_hosts.call(target, EngineHost.context, made)
+        self._where[made.name] = target.name
+        return ClusterAgent(self, made.name)
 
     def agent(self, name: str) -> ClusterAgent:
         """The agent called ``name``, on whichever host; raises UnknownAgent."""
-        self._host_of(name)
+        self.host_of(name)
         return ClusterAgent(self, name)
 
     @property
     def agents(self) -> dict[str, ClusterAgent]:
         return {name: ClusterAgent(self, name) for name in self._where}
 
+    def where(self, name: str) -> str:
+        """The host that serves agent ``name`` now. Raises UnknownAgent."""
+        return self.host_of(name).name
+
     async def forget(self, name: str) -> Forgotten:
         """Delete every byte of the agent on its host (``Session.forget``)."""
-        host = self._host_of(name)
-        done: Forgotten = await self._call(host, "forget", name)
+        host = self.host_of(name)
+        done = await self.engine_hosts.call(host, EngineHost.forget, name)
         del self._where[name]
         await self._drop_replica(name)
         return done
 
     async def prefetch(self, name: str) -> None:
-        await self._call(self._host_of(name), "prefetch", name)
+        await self.engine_hosts.call(self.host_of(name), EngineHost.prefetch, name)
 
-    async def hint(
-        self,
-        next: Sequence[str] = (),
-        *,
-        expect_in_s: Mapping[str, float] | None = None,
-        priority: Mapping[str, int] | None = None,
-        done: Sequence[str] = (),
-        prefetch: int = 2,
-    ) -> None:
-        """``Session.hint``, each part sent to the host that holds its agents (agents not
-        placed are left out). Raises what ``Session.hint`` raises."""
-        hint = make_hint(next, expect_in_s=expect_in_s, priority=priority, done=done)
+    async def _hint(self, hint: Hint, prefetch: int) -> None:
+        """Each part of ``hint`` goes to the host that holds its agents (agents not placed
+        are left out)."""
         for host, part in split_hint(hint, self._where).items():
-            await self._call(
-                self._host(host),
-                "hint",
-                list(part.next),
-                dict(part.expect_in_s),
-                dict(part.priority),
-                list(part.done),
-                prefetch,
+            await self.engine_hosts.call(
+                self.engine_hosts.get(host), EngineHost.hint, part, prefetch
             )
 
     async def end_turns(self) -> int:
         """``Session.end_turns`` on every host still here, for a close to come: decoding
         turns end at their next step and are saved; others fail with TurnEnded. Returns
         how many turns the hosts ended."""
-        return sum(await self._each_host("end_turns"))
+        return sum(await self.engine_hosts.each(EngineHost.end_turns))
+
+    def host_of(self, agent: str) -> Host:
+        """The host that serves ``agent``. Raises UnknownAgent, HostLost (gone with it)."""
+        check_agent_id(agent)
+        try:
+            host = self.engine_hosts.any(self._where[agent])
+        except KeyError:
+            raise UnknownAgent(f"no agent named {agent!r} on any host") from None
+        if self.engine_hosts.lost(host.name):
+            raise HostLost(
+                f"agent {agent!r} was on engine host {host.name!r}, which is gone, and had "
+                "no replica (replicas=2 keeps one on another host)"
+            )
+        return host
 
     async def place(self, name: str, host: str) -> Migration | None:
         """Move agent ``name`` to ``host`` with its cache (None when it is there already).
         Its host saves and releases it, the new host verifies and adopts its files, then
         the old one forgets them: the last committed turn is never lost. Raises what
         verification raises (CacheRejected: the agent stays where it was)."""
-        source = self._host_of(name)
-        target = self._host(host)
+        source = self.host_of(name)
+        target = self.engine_hosts.get(host)
         if source is target:
             return None
-        import ray
-
+        hosts = self.engine_hosts
         began = time.perf_counter()
-        files = source.handle.export.remote(name)  # stays in the object store
-        try:
-            adopted = target.handle.adopt.remote(name, files)
-            nbytes: int = await anyio.to_thread.run_sync(ray.get, adopted)
-        except Exception as exc:
-            # The source keeps its files; it resumes the agent on its next call.
-            raise unwrap(exc, target.name) from None
+        files = hosts.remote(source, EngineHost.export, name)  # stays in the object store
+        # The source keeps its files when this fails; it resumes the agent on its next call.
+        nbytes: int = await hosts.get_ref(
+            target, hosts.remote(target, EngineHost.adopt, name, files)
+        )
         self._where[name] = target.name
-        await self._call(source, "forget", name)
+        await hosts.call(source, EngineHost.forget, name)
         moved = Migration(
             agent=name,
             source=source.name,
@@ -407,7 +385,7 @@ class ClusterSession(HostCalls):
         self._migrations.append(moved)
         if self._replica.get(name) == target.name:  # its replica is now its own host
             await self._drop_replica(name)
-            await self._replicate(name)
+            await self.replicate(name)
         return moved
 
     async def rebalance(self) -> list[Migration]:

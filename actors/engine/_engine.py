@@ -1,15 +1,17 @@
-"""The engine of a multi-model session: one actor, one OS thread, the only owner of MLX,
-holding several models under one memory limit.
+"""The engine actor: one actor, one OS thread, the only owner of MLX, holding one model or
+several, under a memory limit or none.
 
-Each model has a *slot*: an :class:`~kvactor.actors.engine.EngineActor` used as a plain
-object on this actor's thread (never spawned), with its own hot tier (CachePool), decode
-batch and queues, so a batch never mixes models. Messages reach a model wrapped in
-:class:`ForModel` (what a :class:`ModelRef` sends); the work loop steps every loaded model
-in turn. The memory limit (``actors.memory_limit``) covers every loaded model's weights
-and activations, every hot tier and MLX's kept buffers: each model's hot tier gets what
-the others leave, a turn that needs more first demotes other models' idle caches, then
-unloads an idle model (least recently used, never a pinned one; its caches are warm
-already), and a model that is not loaded is loaded for the turn that needs it.
+Each model has a *slot* holding its :class:`~kvactor.actors.engine.ModelRunner` (its hot
+tier, decode batch and queues, so a batch never mixes models). Messages reach a model
+wrapped in :class:`ForModel` (what a :class:`ModelRef` sends); the work loop steps every
+loaded model in turn. One model is the same engine with one slot.
+
+With a memory limit (``_memory.py``), it covers every loaded model's weights and
+activations, every hot tier and MLX's kept buffers: each model's hot tier gets what the
+others leave, a turn that needs more first demotes other models' idle caches, then unloads
+an idle model (least recently used, never a pinned one; its caches are warm already), and
+a model that is not loaded is loaded for the turn that needs it. Without one (one model
+only) the hot tier is bounded by its budget alone and the model is never unloaded.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import gc
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import msgspec
@@ -55,9 +57,9 @@ from ._memory import (
     weights_bytes,
 )
 from ._model_ref import sum_stats
-from ._runner import EngineActor, _settle_random_state
+from ._runner import DETACHED, ModelRunner, settle_random_state
 
-__all__ = ("FAIR_WAIT_S", "ModelsEngine")
+__all__ = ("FAIR_WAIT_S", "EngineActor")
 
 
 #: Seconds a model waits to load before the turns of loaded models wait behind it (a
@@ -68,12 +70,22 @@ FAIR_WAIT_S = 2.0
 _NEEDS_MODEL = (Generate, Install)
 
 
+class _Waiting(NamedTuple):
+    """A message waiting for its model: its reply (detached) and since when it waits."""
+
+    message: Any
+    reply: Reply
+    since: float
+
+
 @dataclass(eq=False)
 class _Slot:
+    """One model of the engine: its runner and what the engine knows of it (its sizes,
+    measured at its first load, its record and the messages waiting for it)."""
+
     name: str
-    engine: EngineActor
+    runner: ModelRunner
     pinned: bool
-    loaded: bool = False
     fixed: int = 0  # weights + activations, measured at the first load
     weights: int = 0
     turn: int = 0  # one modest turn's reserve
@@ -84,8 +96,12 @@ class _Slot:
     last_used: float = field(default_factory=time.monotonic)
     # Messages waiting for it to load, or (loaded) turns waiting behind another model's,
     # each with when it came.
-    pending: deque[tuple[Any, Reply, float]] = field(default_factory=deque)
+    pending: deque[_Waiting] = field(default_factory=deque)
     carried: EngineStats | None = None  # the counters of its loads before this one
+
+    @property
+    def loaded(self) -> bool:
+        return self.runner.loaded
 
     @property
     def need(self) -> int:
@@ -95,33 +111,38 @@ class _Slot:
 
     def busy(self) -> bool:
         """Loaded with work under way (turns queued or running, writes, stagings)."""
-        return self.loaded and not self.engine.settled()
+        return self.loaded and not self.runner.settled()
 
 
-class ModelsEngine(ThreadActor):
-    """One engine actor over several models (see the module doc). ``limit``: the memory
-    limit in bytes; ``pins``: models never unloaded; ``model_ttl_s``: an idle model unused
-    that long is unloaded even without pressure (None: only under pressure)."""
+class EngineActor(ThreadActor):
+    """The engine over one model or several (see the module doc): ``models`` by name.
+    ``limit``: the memory limit in bytes (None: none, for one model only: its hot tier is
+    bounded by ``config.budget_bytes`` alone); ``pins``: models never unloaded;
+    ``model_ttl_s``: an idle model unused that long is unloaded even without pressure
+    (None: only under pressure). Raises ValueError for pins of unknown models, or several
+    models without a limit."""
 
     def __init__(
         self,
         models: dict[str, ModelSpec],
         config: EngineConfig,
-        limit: int,
+        limit: int | None,
         pins: frozenset[str] = frozenset(),
         model_ttl_s: float | None = None,
     ) -> None:
         unknown = sorted(pins - set(models))
         if unknown:
             raise ValueError(f"pinned models {unknown} are not among {sorted(models)}")
+        if not models or (limit is None and len(models) > 1):
+            raise ValueError("the engine needs one model, or several and a memory limit")
         self.config = config
         self.limit = limit
-        self._kept = kept_buffer_bytes(limit)
+        self._kept = 0 if limit is None else kept_buffer_bytes(limit)
         self._ttl = model_ttl_s
         if model_ttl_s is not None:  # a model idle past its TTL is unloaded with no message
             self.idle_wake_s = max(model_ttl_s / 2, 0.05)
         self._slots = {
-            name: _Slot(name, EngineActor(spec, config), name in pins)
+            name: _Slot(name, ModelRunner(spec, config), name in pins)
             for name, spec in models.items()
         }
         self.loads = 0
@@ -150,6 +171,10 @@ class ModelsEngine(ThreadActor):
         self.started = True
 
     def _load_all(self) -> None:
+        if self.limit is None:
+            for slot in self._slots.values():
+                self._load(slot)
+            return
         for slot in self._slots.values():
             # Its size is known once loaded: make room as if it were the largest so far.
             loaded = self._loaded()
@@ -178,11 +203,10 @@ class ModelsEngine(ThreadActor):
             for _, reply, _ in slot.pending:
                 reply.fail(ModelLoadError(f"the engine stopped before {slot.name!r} loaded"))
             slot.pending.clear()
-            slot.engine.unload()
-            slot.loaded = False
+            slot.runner.unload()
         gc.collect()
-        _settle_random_state()
-        release_thread()
+        settle_random_state()
+        release_thread()  # this thread's streams go with it, not at the process's exit
 
     def _load(self, slot: _Slot) -> None:
         started = time.perf_counter()
@@ -190,9 +214,10 @@ class ModelsEngine(ThreadActor):
             self._sample()  # MLX's peak so far is kept before the load's own is measured
         before = mx.get_active_memory()
         mx.reset_peak_memory()
-        slot.engine.on_start()
-        mx.set_cache_limit(self._kept)  # the engine asked for more; the limit counts this
-        lm = slot.engine.lm
+        slot.runner.load()
+        if self.limit is not None:  # the runner asked for more; the limit counts this
+            mx.set_cache_limit(self._kept)
+        lm = slot.runner.lm
         slot.weights = weights_bytes(lm)
         peak = mx.get_peak_memory()
         slot.load_extra = max(slot.load_extra, peak - before - slot.weights)
@@ -201,9 +226,7 @@ class ModelsEngine(ThreadActor):
         slot.fixed = slot.weights + activation_bytes(lm, self.config)
         slot.turn = one_turn_bytes(lm, self.config)
         if slot.info is None:
-            slot.info = slot.engine.receive(GetModelInfo())[0]
-            slot.tokenizer = lm.tokenizer
-        slot.loaded = True
+            slot.info, slot.tokenizer = slot.runner.info()
         slot.loads += 1
         self.loads += 1
         slot.last_used = time.monotonic()
@@ -213,13 +236,12 @@ class ModelsEngine(ThreadActor):
 
     def _unload(self, slot: _Slot) -> None:
         started = time.perf_counter()
-        stats = slot.engine._stats()
+        stats = slot.runner.stats()
         slot.carried = stats if slot.carried is None else sum_stats([slot.carried, stats])
-        slot.engine.unload()
-        slot.loaded = False
+        slot.runner.unload()
         # Turns that waited behind another model wait for this one now: from now on.
         now = time.monotonic()
-        slot.pending = deque((message, reply, now) for message, reply, _ in slot.pending)
+        slot.pending = deque(w._replace(since=now) for w in slot.pending)
         gc.collect()
         mx.clear_cache()
         self.unloads += 1
@@ -231,7 +253,8 @@ class ModelsEngine(ThreadActor):
 
     def count(self) -> int:
         """Bytes counted against the limit now: MLX's kept buffers, and each loaded model's
-        weights, activations and hot tier (running turns at their reserve)."""
+        weights, activations and hot tier (running turns at their reserve); without a
+        limit, the same (nothing is kept against one)."""
         used = self._kept + sum(self._holds(s) for s in self._loaded())
         self.peak = max(self.peak, used)
         return used
@@ -239,26 +262,33 @@ class ModelsEngine(ThreadActor):
     @staticmethod
     def _holds(slot: _Slot) -> int:
         """A loaded model's part of the count: weights, activations, attention, hot tier."""
-        engine = slot.engine
-        return slot.fixed + engine.attention_bytes() + engine.pool.committed()
+        runner = slot.runner
+        return slot.fixed + runner.attention_bytes() + runner.pool.committed()
 
     def _fits(self, slot: _Slot) -> bool:
         """Whether ``slot`` (not loaded, at its measured size) fits now with one turn."""
+        if self.limit is None:
+            return True
         others = sum(self._holds(s) for s in self._loaded() if s is not slot)
         return self._kept + others + slot.need <= self.limit
 
     def _fit(self, slot: _Slot) -> None:
-        """Bound ``slot``'s hot tier by what the rest of the count leaves of the limit."""
-        others = sum(self._holds(s) for s in self._loaded() if s is not slot)
-        own = slot.fixed + slot.engine.attention_bytes()
-        room = max(self.limit - self._kept - own - others, 0)
+        """Bound ``slot``'s hot tier by what the rest of the count leaves of the limit
+        (without a limit: its budget)."""
         cap = self.config.budget_bytes
-        slot.engine.pool.limit = room if cap is None else min(room, cap)
+        if self.limit is None:
+            return  # the pool's bound is its budget, as it was made
+        others = sum(self._holds(s) for s in self._loaded() if s is not slot)
+        own = slot.fixed + slot.runner.attention_bytes()
+        room = max(self.limit - self._kept - own - others, 0)
+        slot.runner.pool.limit = room if cap is None else min(room, cap)
 
     def _free_for(self, slot: _Slot, need: int) -> None:
         """Make room for ``need`` more bytes (beyond the count now) for ``slot`` by the
         cost order: other models' idle caches to warm first, then idle models unloaded,
-        least recently used first."""
+        least recently used first (without a limit: nothing to do)."""
+        if self.limit is None:
+            return
         others = sorted(
             (s for s in self._loaded() if s is not slot), key=lambda s: (s.pinned, s.last_used)
         )
@@ -266,11 +296,11 @@ class ModelsEngine(ThreadActor):
             missing = self.count() + need - self.limit
             if missing <= 0:
                 return
-            pool = other.engine.pool
+            pool = other.runner.pool
             pool.limit = max(pool.committed() - missing, 0)
             pool.make_room(0)
         # Its own idle caches go before any model does (its turn's start demotes them).
-        own = slot.engine.pool.idle_bytes() if slot.loaded else 0
+        own = slot.runner.pool.idle_bytes() if slot.loaded else 0
         for other in others:
             if self.count() + need - own <= self.limit:
                 return
@@ -297,11 +327,11 @@ class ModelsEngine(ThreadActor):
             case EndTurns():  # every model's; a turn waiting for its model to load fails
                 self._ending = True
                 ended = sum(
-                    isinstance(m, Generate) for s in self._slots.values() for m, *_ in s.pending
+                    isinstance(w.message, Generate) for s in self._slots.values() for w in s.pending
                 )
                 for slot in self._slots.values():
                     self._fail_pending(slot, TurnEnded("the session ended its turns"))
-                return ended + sum(s.engine.end_turns() for s in self._loaded())
+                return ended + sum(s.runner.end_turns() for s in self._loaded())
         raise TypeError(f"the engine does not handle {type(message).__name__}")
 
     def _for(self, slot: _Slot, message: Any) -> Any:
@@ -311,20 +341,21 @@ class ModelsEngine(ThreadActor):
             # A model waiting to load for FAIR_WAIT_S goes first: this turn waits behind
             # it, so that a model busy all the time never keeps another out for long.
             assert self.reply is not None
-            slot.pending.append((message, self.reply.detach(), time.monotonic()))
+            slot.pending.append(_Waiting(message, self.reply.detach(), time.monotonic()))
             return None
         if slot.loaded:
             slot.last_used = time.monotonic()
             self._fit(slot)
             if isinstance(message, Reserve) and message.wait:  # staging for a turn
-                pool = slot.engine.pool
-                if message.nbytes > (pool.limit or 0) - pool.committed():
+                pool = slot.runner.pool
+                if self.limit is not None and message.nbytes > (pool.limit or 0) - pool.committed():
                     self._free_for(slot, message.nbytes)
                     self._fit(slot)
-            return self._dispatch(slot, message, self.reply)
+            result = slot.runner.receive(message, self.reply)
+            return None if result is DETACHED else result
         if isinstance(message, _NEEDS_MODEL) or (isinstance(message, Reserve) and message.wait):
             assert self.reply is not None
-            slot.pending.append((message, self.reply.detach(), time.monotonic()))
+            slot.pending.append(_Waiting(message, self.reply.detach(), time.monotonic()))
             self._load_pending()
             return None
         return self._unloaded(slot, message)
@@ -346,21 +377,13 @@ class ModelsEngine(ThreadActor):
                 raise UnknownAgent(f"agent {agent!r} has no hot cache (its model is unloaded)")
         raise TypeError(f"the engine does not handle {type(message).__name__}")
 
-    def _dispatch(self, slot: _Slot, message: Any, reply: Reply | None) -> Any:
-        engine = slot.engine
-        engine.reply = reply
-        try:
-            return engine.receive(message)
-        finally:
-            engine.reply = None
-
     def _behind(self, slot: _Slot, message: Any) -> bool:
         """Whether turn ``message`` of loaded ``slot`` waits behind another model's. A
         turn whose cache was staged for it never does: unloading the model under it
         would only make it stage again."""
         if not (slot.loaded and isinstance(message, Generate) and self._others_wait(slot)):
             return False
-        entry = slot.engine.pool.get(message.agent)
+        entry = slot.runner.pool.get(message.agent)
         return entry is None or not entry.staged
 
     def _others_wait(self, slot: _Slot) -> bool:
@@ -368,7 +391,7 @@ class ModelsEngine(ThreadActor):
         FAIR_WAIT_S."""
         since = time.monotonic() - FAIR_WAIT_S
         return any(
-            s.pending and not s.loaded and s.pending[0][2] < since
+            s.pending and not s.loaded and s.pending[0].since < since
             for s in self._slots.values()
             if s is not slot
         )
@@ -379,7 +402,7 @@ class ModelsEngine(ThreadActor):
         waited behind another's once none waits. True when something was handed over."""
         progressed = False
         for slot in self._slots.values():
-            for gone in [p for p in slot.pending if p[1].cancelled]:
+            for gone in [w for w in slot.pending if w.reply.cancelled]:
                 slot.pending.remove(gone)
             if not slot.pending:
                 continue
@@ -407,17 +430,16 @@ class ModelsEngine(ThreadActor):
 
     def _run_pending(self, slot: _Slot) -> None:
         """Hand loaded ``slot`` the messages that waited, answering them here unless its
-        engine takes the reply over (a turn streams from there)."""
+        runner takes the reply over (a turn streams from there)."""
         slot.last_used = time.monotonic()
         while slot.pending:
             message, reply, _ = slot.pending.popleft()
-            reply.detached = False
             try:
-                result = self._dispatch(slot, message, reply)
+                result = slot.runner.receive(message, reply)
             except Exception as exc:
                 reply.fail(exc)
             else:
-                if not reply.detached:
+                if result is not DETACHED:
                     reply.resolve(result)
 
     def _refuse(self, slot: _Slot) -> None:
@@ -441,15 +463,15 @@ class ModelsEngine(ThreadActor):
         for slot in self._loaded():
             if not slot.loaded:
                 continue  # unloaded just now, for another model's turn
-            engine = slot.engine
-            self._fit(slot)
-            short = engine.queued_need()
-            if short is not None:
-                slot.last_used = time.monotonic()
-                if short > 0:  # what it needs: its shortfall plus the room left now
-                    self._free_for(slot, short + self.limit - self.count())
-                    self._fit(slot)
-            more = engine.on_idle() or more
+            if self.limit is not None:
+                self._fit(slot)
+                short = slot.runner.queued_need()
+                if short is not None:
+                    slot.last_used = time.monotonic()
+                    if short > 0:  # what it needs: its shortfall plus the room left now
+                        self._free_for(slot, short + self.limit - self.count())
+                        self._fit(slot)
+            more = slot.runner.step() or more
         self._sample()
         self._expire()
         return more or (any(s.pending for s in self._slots.values()) and self._can_progress())
@@ -458,9 +480,11 @@ class ModelsEngine(ThreadActor):
         return any(s.busy() for s in self._loaded())
 
     def _sample(self) -> None:
+        """MLX's own memory (its peak kept); under a limit, the count's too."""
         active, kept, peak = mlx_memory()
         self.mlx_peak = max(self.mlx_peak, peak + kept, active + kept)
-        self.count()
+        if self.limit is not None:
+            self.count()
 
     def _expire(self) -> None:
         if self._ttl is None:
@@ -473,11 +497,11 @@ class ModelsEngine(ThreadActor):
 
     # -- stats ------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        """Every model's stats summed, with the memory limit's figures."""
+        """Every model's stats summed, with the memory limit's figures (None and 0 without
+        a limit; ``mlx_peak_bytes`` either way)."""
         parts = [s.carried for s in self._slots.values() if s.carried is not None]
         for slot in self._loaded():
-            slot.engine.pool.measure()
-            parts.append(slot.engine._stats())
+            parts.append(slot.runner.stats())
         total = sum_stats(parts)  # every model was loaded once: at start
         self._sample()
         loaded = self._loaded()
@@ -485,9 +509,9 @@ class ModelsEngine(ThreadActor):
         return msgspec.structs.replace(
             total,
             budget_bytes=self.config.budget_bytes,
-            cache_bytes=sum(s.engine.pool.used for s in loaded),
-            peak_bytes=max((s.engine.pool.peak for s in loaded), default=0),
-            agents_cached=sum(len(s.engine.pool) for s in loaded),
+            cache_bytes=sum(s.runner.pool.used for s in loaded),
+            peak_bytes=max((s.runner.pool.peak for s in loaded), default=0),
+            agents_cached=sum(len(s.runner.pool) for s in loaded),
             memory_limit_bytes=self.limit,
             memory_bytes=self.count(),
             memory_peak_bytes=self.peak,

@@ -1,10 +1,10 @@
-"""The engine actor: the only owner of MLX. Message dispatch and scheduling: chunked
-prefill and continuous batched decode. The hot tier's accounting is the CachePool's."""
+"""One model's work inside the engine: its hot tier, decode batch and queues; message
+dispatch and scheduling (chunked prefill, continuous batched decode). Not an actor: the
+engine actor (``_engine.py``) owns it and calls it on its thread, replies passed in
+explicitly. The hot tier's accounting is the CachePool's."""
 
 from __future__ import annotations
 
-import atexit
-import gc
 import time
 from collections import deque
 from typing import Any, cast
@@ -13,11 +13,11 @@ import mlx.core as mx
 import msgspec
 
 from ...kernels.agent_cache import AgentKV
-from ...kernels.memory import keep_freed_buffers, release_thread
+from ...kernels.memory import keep_freed_buffers
 from ...kernels.qcodec import DEFAULT_CODEC
 from ...kernels.rowwise import bind_rows
 from ...kernels.stored import segment_layout
-from ...runtime import ThreadActor
+from ...runtime import Reply
 from ..enums import FinishReason, Room, Tier
 from ..errors import (
     BudgetExceeded,
@@ -46,8 +46,8 @@ from ..messages import (
     ToolWait,
     Written,
 )
-from ..models import LoadedModel, load_model
-from ..records import EngineStats
+from ..models import LoadedModel, Tokenizer, load_model
+from ..records import EngineStats, ModelInfo
 from ..tools import GrammarCompiler
 from ._batch import DecodeBatch
 from ._config import EngineConfig, ModelSpec, turn_reserve_bytes
@@ -56,31 +56,35 @@ from ._memory import attention_heads, attention_score_bytes
 from ._model_check import check_turns
 from ._picking import host_bound, pick, pick_in_graph
 
-__all__ = ("EngineActor",)
+__all__ = ("DETACHED", "ModelRunner", "settle_random_state")
+
+#: What :meth:`ModelRunner.receive` returns when it took the reply over (a turn streams
+#: through it; a staging answers once there is room): the caller must not answer it.
+DETACHED: Any = object()
 
 
-# The main thread's MLX streams, last of all at exit (the runtime's stop_threads, which
-# ends the engine threads still alive, is registered later and runs first).
-atexit.register(release_thread)
-
-
-def _settle_random_state() -> None:
+def settle_random_state() -> None:
     """Evaluate MLX's global random key: building a model splits it lazily on this thread,
     and a lazy array tied to a thread that has exited aborts the process at exit."""
     mx.eval(list(cast(Any, mx.random.state)))
 
 
-class EngineActor(ThreadActor):
-    """Owns the model and every MLX array, on its own OS thread.
+class ModelRunner:
+    """One model and every MLX array of its turns, on the engine's thread.
 
-    ``Generate`` requests are queued; ``on_idle`` alternates one prefill chunk of the oldest
-    prefilling request with one batched decode step of every decoding agent (pipelined:
-    ``DecodeBatch``), so long prompts never starve decodes and new agents join the batch
-    while others decode. Each agent's cache stays in the engine between turns, quantized; a
-    turn reads it through a working cache of the attention mode's class
+    ``Generate`` requests are queued; :meth:`step` alternates one prefill chunk of the
+    oldest prefilling request with one batched decode step of every decoding agent
+    (pipelined: ``DecodeBatch``), so long prompts never starve decodes and new agents join
+    the batch while others decode. Each agent's cache stays here between turns, quantized;
+    a turn reads it through a working cache of the attention mode's class
     (``EngineConfig.attention``). The CachePool owns every hot cache and keeps every byte of
-    it, and of staged and exported caches, within one budget; the engine runs turns on
-    them through the pool's methods.
+    it, and of staged and exported caches, within one budget; the runner runs turns on them
+    through the pool's methods.
+
+    Its lifecycle: made unloaded; :meth:`load` (the model, its hot tier, its batch), then
+    :meth:`receive` and :meth:`step` any number of times; :meth:`unload` fails what is still
+    queued and drops every array; :meth:`load` may follow again. Invariant: messages and
+    steps reach it only while it is loaded (asserted).
     """
 
     def __init__(self, model: ModelSpec = None, config: EngineConfig | None = None) -> None:
@@ -93,19 +97,27 @@ class EngineActor(ThreadActor):
         self.lm: LoadedModel
         self.pool: CachePool
         self.batch: DecodeBatch
+        self._loaded = False
         self._prefilling: deque[Generation] = deque()
         self._ready: deque[Generation] = deque()  # prefilled, waiting for a batch slot
         self._generated = 0  # first tokens, sampled at the end of a prefill
-        self._grammars: GrammarCompiler  # compiles Generate.constraint (set at start)
+        self._grammars: GrammarCompiler  # compiles Generate.constraint (set at load)
         self._ready_turns = 0
         self._ending = False  # EndTurns came: turns end, new ones are refused
 
+    @property
+    def loaded(self) -> bool:
+        return self._loaded
+
     # -- lifecycle --------------------------------------------------------------------
-    def on_start(self) -> None:
+    def load(self) -> None:
+        """Load the model and make its hot tier and batch. Raises ModelLoadError (or
+        ValueError) for a model that cannot run here, naming the family and layer."""
+        assert not self._loaded, "load() of a loaded runner"
         spec = self._spec
         keep_freed_buffers()  # turns reuse freed pages instead of faulting in fresh ones
         self.lm = spec() if callable(spec) else load_model(spec, weights=self.config.weights)
-        _settle_random_state()
+        settle_random_state()
         config = self.config
         self.pool = CachePool(
             config.budget_bytes,
@@ -139,18 +151,13 @@ class EngineActor(ThreadActor):
             family = getattr(self.lm.model, "model_type", self.lm.name)
             raise ValueError(f"model family {family!r}: {exc}") from None
         check_turns(self.lm, self.codec, self.turn_cache)
-
-    def on_stop(self) -> None:
-        # MLX arrays made on this thread must die before it exits: MLX aborts the process
-        # when such an array outlives its thread (seen with mlx 0.32 on CPU).
-        self.unload()
-        gc.collect()
-        _settle_random_state()
-        release_thread()  # this thread's streams go with it, not at the process's exit
+        self._loaded = True
 
     def unload(self) -> None:
-        """Fail the turns still here and drop the model, its hot caches and its batch (a
-        multi-model engine unloads an idle model this way; ``on_start`` loads it again)."""
+        """Fail the turns still here and drop the model, its hot caches and its batch (an
+        engine under a memory limit unloads an idle model this way; ``load`` brings it
+        back). Safe after a load that failed half-way, and when unloaded."""
+        self._loaded = False
         batch = self.__dict__.get("batch")
         rows = batch.clear() if batch is not None else []
         for request in (*self._prefilling, *self._ready, *rows):
@@ -177,7 +184,7 @@ class EngineActor(ThreadActor):
     def attention_bytes(self) -> int:
         """A bound on the fp32 attention scores (and their softmax) of the work here now:
         a prefill chunk over the longest queued prompt, a decode step over its rows."""
-        if "lm" not in self.__dict__:
+        if not self._loaded:
             return 0
         heads = attention_heads(self.lm)
         prompt = max((len(r.prompt) for r in self._prefilling), default=0)
@@ -190,18 +197,26 @@ class EngineActor(ThreadActor):
     def settled(self) -> bool:
         """No turn is queued or running and nothing is being written, staged or built:
         dropping the hot tier now loses nothing that is not on disk (or re-prefillable)."""
-        pool = self.__dict__.get("pool")
-        return pool is None or (
-            not (self._prefilling or self._ready or len(self.batch)) and pool.stuck()
+        return not self._loaded or (
+            not (self._prefilling or self._ready or len(self.batch)) and self.pool.stuck()
         )
 
     # -- messages ---------------------------------------------------------------------
-    def receive(self, message: EngineMessage) -> Any:
+    def info(self) -> tuple[ModelInfo, Tokenizer]:
+        """What the model is (as its warm tier records it) and its tokenizer."""
+        assert self._loaded, "info() of an unloaded runner"
+        return self.lm.info(self.codec), self.lm.tokenizer
+
+    def receive(self, message: EngineMessage, reply: Reply | None) -> Any:
+        """Handle ``message``: its answer, or DETACHED after taking ``reply`` over (a turn
+        streams its pieces through it; a staging waits for room)."""
+        assert self._loaded, "a message for an unloaded runner"
         pool = self.pool
         match message:
             case Generate():
-                self._admit(message)
-                return None
+                assert reply is not None, "a turn needs its reply"
+                self._admit(message, reply)
+                return DETACHED
             case Export(agent):
                 return pool.export(agent)
             case Written(agent, export_id, upto, failed):
@@ -209,13 +224,14 @@ class EngineActor(ThreadActor):
             case Reserve(agent, nbytes, wait):
                 room = pool.reserve(agent, nbytes, prefetch=not wait)
                 if room is Room.NO_ROOM and wait:
-                    assert self.reply is not None
-                    return pool.wait_for_room(agent, nbytes, self.reply.detach())
+                    assert reply is not None, "a staging that waits needs its reply"
+                    pool.wait_for_room(agent, nbytes, reply.detach())
+                    return DETACHED
                 return room
             case Install(agent, tokens, ranges, pin, read_s):
                 nbytes = sum(int(a.nbytes) for *_, t in ranges for a in t.values())
                 pool.rates.disk(nbytes, read_s)
-                installed = pool.install(
+                installed = pool.warm.install(
                     agent, nbytes, lambda: self._staged(tokens, ranges), pin=pin
                 )
                 if installed and not pin:
@@ -224,7 +240,7 @@ class EngineActor(ThreadActor):
             case Release(agent):
                 return pool.release(agent)
             case GetModelInfo():
-                return self.lm.info(self.codec), self.lm.tokenizer
+                return self.info()
             case DropCache(agent):
                 return pool.drop(agent)
             case Fork(source, new, tokens):
@@ -237,12 +253,14 @@ class EngineActor(ThreadActor):
             case Hint():
                 return pool.hint(message)
             case StatsQuery():
-                return self._stats()
+                return self.stats()
             case EndTurns():
                 return self.end_turns()
         raise TypeError(f"the engine does not handle {type(message).__name__}")
 
-    def _stats(self) -> EngineStats:
+    def stats(self) -> EngineStats:
+        """This model's figures (its hot tier's, its batch's, its turns')."""
+        assert self._loaded, "stats() of an unloaded runner"
         pool, batch = self.pool, self.batch
         pool.measure()
         return EngineStats(
@@ -267,9 +285,9 @@ class EngineActor(ThreadActor):
             tool_waits=pool.tool_waits,
             constrained_tokens=batch.masked,
             mask_s=batch.mask_s,
-            installs=pool.installs,
-            warm_writes=pool.writes,
-            warm_write_failures=pool.write_failures,
+            installs=pool.warm.installs,
+            warm_writes=pool.warm.writes,
+            warm_write_failures=pool.warm.write_failures,
         )
 
     def end_turns(self) -> int:
@@ -289,12 +307,11 @@ class EngineActor(ThreadActor):
         self._prefilling.clear()
         return ended
 
-    def _admit(self, msg: Generate) -> None:
+    def _admit(self, msg: Generate, reply: Reply) -> None:
         """Queue a generation; every check happens before any state changes."""
         agent = check_agent_id(msg.agent)
         if self._ending:
             raise TurnEnded("the session ended its turns: no turn starts now")
-        assert self.reply is not None
         if not msg.tokens:
             raise ValueError("the prompt is empty")
         vocab = self._vocab_size
@@ -332,7 +349,7 @@ class EngineActor(ThreadActor):
             agent=agent,
             prompt=list(msg.tokens),
             sampling=sampling,
-            reply=self.reply.detach(),
+            reply=reply.detach(),
             sent_at=msg.sent_at,
             entry=entry,
             todo=[],
@@ -383,7 +400,10 @@ class EngineActor(ThreadActor):
         return kv
 
     # -- the work loop ----------------------------------------------------------------
-    def on_idle(self) -> bool:
+    def step(self) -> bool:
+        """One round of work: a prefill chunk, a decode step, a layer of a ready copy;
+        whether there is more to do at once (False: only a message can help)."""
+        assert self._loaded, "a step of an unloaded runner"
         self._drop_cancelled()
         self.pool.grant_waiters()  # stagings waiting for room: whatever changed may help
         progressed = False

@@ -1,24 +1,42 @@
-"""The hot tier: one byte budget over the caches in memory (``CachePool`` and its parts: the
-ledger, demotion, warm traffic, ready copies, the shared-prefix index), whom to demote
-(the policies) and the application's hints."""
+"""The hot tier: one byte budget over the caches in memory. A ``CachePool`` is composed of
+parts, each the only writer of its state: ``Residents`` (entries, busy agents, scopes, the
+shared-prefix index), the ``Ledger`` (the budget's counts), ``ReadyCopies``, ``Demotion``
+(whom to demote, through a policy) and ``WarmTraffic`` (stagings in, exports out); the
+policies and the application's hints (``HintBook``) live here too."""
 
 from __future__ import annotations
 
+from ._demotion import Demotion as Demotion
 from ._entry import HotEntry as HotEntry
+from ._hints import PRIORITY_LIMIT as PRIORITY_LIMIT
+from ._hints import HintBook as HintBook
 from ._hints import make_hint as make_hint
 from ._hints import split_hint as split_hint
+from ._ledger import Ledger as Ledger
 from ._policy import Candidate as Candidate
 from ._policy import EvictionPolicy as EvictionPolicy
 from ._policy import LRUPolicy as LRUPolicy
+from ._policy import Rates as Rates
 from ._policy import WorkflowPolicy as WorkflowPolicy
 from ._pool import CachePool as CachePool
+from ._ready import ReadyCopies as ReadyCopies
+from ._residents import Residents as Residents
+from ._traffic import WarmTraffic as WarmTraffic
 
 __all__ = (
+    "PRIORITY_LIMIT",
     "CachePool",
     "Candidate",
+    "Demotion",
     "EvictionPolicy",
+    "HintBook",
     "HotEntry",
     "LRUPolicy",
+    "Ledger",
+    "Rates",
+    "ReadyCopies",
+    "Residents",
+    "WarmTraffic",
     "WorkflowPolicy",
     "make_hint",
     "split_hint",

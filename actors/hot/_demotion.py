@@ -1,88 +1,70 @@
-"""Whom the hot tier demotes, a part of :class:`~kvactor.actors.pool.CachePool`: the
-candidates its policy sees (with the application's hints and the tool-wait state), making
-room, and the hints themselves (:class:`~kvactor.actors.hints.HintBook`)."""
+"""Whom the hot tier demotes: the candidates its policy sees (with the application's hints
+and the tool-wait state), making room, and whether anything is on its way to free some."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from ..enums import Tier
-from ..messages import Hint
 from ._entry import HotEntry
 from ._hints import HintBook
+from ._ledger import Ledger
 from ._policy import Candidate, EvictionPolicy, Rates
 from ._ready import ReadyCopies
+from ._residents import Residents
 
 __all__ = ("Demotion",)
 
 
 class Demotion:
-    """CachePool's methods for choosing and demoting caches (the state is the pool's,
-    declared in ``CachePool.__init__``; these methods are its only writers)."""
+    """Chooses and demotes idle caches to make room, a part of the
+    :class:`~kvactor.actors.hot.CachePool`. ``persistent``: a warm tier exists, so a cache
+    complete on disk goes warm; any other goes cold.
 
-    limit: int | None
-    persistent: bool
-    policy: EvictionPolicy
-    rates: Rates
-    ready: ReadyCopies
-    hints: HintBook
-    demotions: dict[Tier, int]
-    _entries: dict[str, HotEntry]
-    _turns: set[str]
-    _pins: dict[int, tuple[str, int]]
-    _staged: dict[str, int]
-    _turn_room: int  # the reserve of the last turn that started
+    Invariant: the only remover of residents for room, and the only writer of
+    ``demotions``; a cache with a turn running, or a write due or under way, is never
+    demoted."""
 
-    if TYPE_CHECKING:  # CachePool's
+    def __init__(
+        self,
+        residents: Residents,
+        ledger: Ledger,
+        ready: ReadyCopies,
+        hints: HintBook,
+        rates: Rates,
+        policy: EvictionPolicy,
+        *,
+        persistent: bool,
+    ) -> None:
+        self._residents = residents
+        self._ledger = ledger
+        self._ready = ready
+        self._hints = hints
+        self._rates = rates
+        self.policy = policy
+        self.persistent = persistent
+        self.demotions = {Tier.WARM: 0, Tier.COLD: 0}
 
-        def committed(self) -> int: ...
-        def _remove(self, agent: str) -> HotEntry | None: ...
-        def ready_ahead(self, agent: str) -> None: ...
-
-    # -- hints and waits --------------------------------------------------------------
-    def hint(self, hint: Hint, *, ahead: int = 2) -> None:
-        """Take the application's ``hint``; build ready copies for the ``ahead`` soonest
-        hinted agents that are hot and idle, in room that is free now."""
-        self.hints.apply(hint, time.monotonic())
-        for agent in self.hints.soonest(time.monotonic(), ahead):
-            self.ready_ahead(agent)
-
-    def _waiting(self, agent: str, entry: HotEntry) -> bool:
+    # -- who waits --------------------------------------------------------------------
+    def waiting(self, agent: str, entry: HotEntry) -> bool:
         """A turn of it is queued, it was staged for one, or it waits on its tool calls'
         results (within their TTL): a reload would come soon."""
-        return agent in self._turns or entry._pinned or self._tool_waiting(entry)
+        return self._residents.busy(agent) or entry.staged or entry.tool_waiting(time.monotonic())
 
-    @staticmethod
-    def _tool_waiting(entry: HotEntry) -> bool:
-        return entry._tool_wait_until > time.monotonic()
-
-    def tool_wait(self, agent: str, ttl_s: float) -> None:
-        """``agent``'s turn ended in tool calls: keep its cache ahead of idle ones for
-        ``ttl_s`` seconds, or until its next turn is queued (no cache: nothing to keep)."""
-        entry = self._entries.get(agent)
-        if entry is not None:
-            entry._tool_wait_until = time.monotonic() + max(ttl_s, 0.0)
-
-    @property
-    def tool_waits(self) -> int:
-        """Hot agents waiting on tool results now."""
-        return sum(self._tool_waiting(e) for e in self._entries.values())
-
-    # -- candidates -------------------------------------------------------------------
-    def _candidates(self, exclude: HotEntry | None = None) -> list[Candidate]:
+    def candidates(self, exclude: HotEntry | None = None) -> list[Candidate]:
         """Every cache that may be demoted now: all but running turns' (and ``exclude``),
         and those whose new tokens are being written or about to be."""
-        writing = {agent for agent, _ in self._pins.values()}
+        writing = self._ledger.writing()
         holders: dict[int, int] = {}  # stored array id -> how many sharing caches hold it
-        for e in self._entries.values():
+        for e in self._residents.values():
             if e.kv.shared:
                 for a in e.kv.stored_arrays():
                     holders[id(a)] = holders.get(id(a), 0) + 1
         now = time.monotonic()
+        rates = self._rates
         out = []
-        for agent, e in self._entries.items():
-            if e is exclude or e.running or e._write_due or agent in writing:
+        for agent, e in self._residents.items():
+            if e is exclude or e.running or e.write_due or agent in writing:
                 continue
             # What demoting it frees: arrays another cache holds too stay.
             own = (
@@ -95,27 +77,27 @@ class Demotion:
             # goes cold: its warm copy, if any, is older.
             warm = self.persistent and e.clean
             if warm:
-                reload_s = nbytes / self.rates.disk_bytes_s
+                reload_s = nbytes / rates.disk_bytes_s
                 if not e.kv.turn_cache.quantized:
-                    reload_s += nbytes / self.rates.dequantize_bytes_s
+                    reload_s += nbytes / rates.dequantize_bytes_s
             else:
-                reload_s = len(e.kv.tokens) / self.rates.prefill_tokens_s
-            hinted = self.hints.next_use(agent, now)
+                reload_s = len(e.kv.tokens) / rates.prefill_tokens_s
+            hinted = self._hints.next_use(agent, now)
             out.append(
                 Candidate(
                     agent=agent,
                     nbytes=nbytes,
                     tokens=len(e.kv.tokens),
-                    last_used=e._last_used,
-                    hits=e._hits,
+                    last_used=e.last_used,
+                    hits=e.hits,
                     clean=e.clean,
                     demote_to=Tier.WARM if warm else Tier.COLD,
                     reload_s=reload_s,
-                    next_use=e._next_use if hinted is None else hinted,
-                    waiting=self._waiting(agent, e),
-                    tool_wait=self._tool_waiting(e),
-                    priority=self.hints.priority(agent),
-                    done=self.hints.done(agent),
+                    next_use=e.next_use if hinted is None else hinted,
+                    waiting=self.waiting(agent, e),
+                    tool_wait=e.tool_waiting(now),
+                    priority=self._hints.priority(agent),
+                    done=self._hints.done(agent),
                     hinted=hinted is not None,
                 )
             )
@@ -123,29 +105,29 @@ class Demotion:
 
     def idle_bytes(self) -> int:
         """What demoting every idle cache (no turn queued, staged or awaited) frees now."""
-        return sum(c.nbytes for c in self._candidates() if not c.waiting)
+        return sum(c.nbytes for c in self.candidates() if not c.waiting)
 
     def _sooner(self, agent: str) -> set[str]:
         """Hot agents a prefetch of ``agent`` must not displace: those hinted to run no
         later than it, or of a higher priority (empty when ``agent`` has no hint)."""
-        now = time.monotonic()
-        at = self.hints.next_use(agent, now)
+        hints, now = self._hints, time.monotonic()
+        at = hints.next_use(agent, now)
         if at is None:
             return set()
-        mine = self.hints.priority(agent)
+        mine = hints.priority(agent)
         return {
             other
-            for other in self._entries
-            if ((t := self.hints.next_use(other, now)) is not None and t <= at)
-            or self.hints.priority(other) > mine
+            for other in self._residents
+            if ((t := hints.next_use(other, now)) is not None and t <= at)
+            or hints.priority(other) > mine
         }
 
     def _ready_order(self, agent: str, entry: HotEntry) -> tuple[bool, int, bool, float]:
         """Whose ready copy goes first: not waiting before waiting, low priority first, then
         unhinted least recently used, then hinted furthest first."""
-        at = self.hints.next_use(agent, time.monotonic())
-        rank = entry._last_used if at is None else -at
-        return self._waiting(agent, entry), self.hints.priority(agent), at is not None, rank
+        at = self._hints.next_use(agent, time.monotonic())
+        rank = entry.last_used if at is None else -at
+        return self.waiting(agent, entry), self._hints.priority(agent), at is not None, rank
 
     # -- making room ------------------------------------------------------------------
     def make_room(
@@ -165,61 +147,60 @@ class Demotion:
         never displaces an agent hinted to run before it (``_sooner``); while no turn runs
         and such an agent's turn is to come first, it leaves the room a turn took last time
         free for that turn."""
-        if self.limit is None:
+        ledger = self._ledger
+        if ledger.limit is None:
             return True
         keep = self._sooner(ahead_of) if ahead_of is not None else set()
-        if keep and not any(e.running for e in self._entries.values()):
-            need += self._turn_room
-        missing = self.committed() + need - self.limit
+        if keep and not any(e.running for e in self._residents.values()):
+            need += ledger.turn_room
+        missing = ledger.committed() + need - ledger.limit
         if missing <= 0:
             return True
         candidates = [
-            c for c in self._candidates(exclude) if (turn or not c.waiting) and c.agent not in keep
+            c for c in self.candidates(exclude) if (turn or not c.waiting) and c.agent not in keep
         ]
         # Ready copies go first (least recently used first, those of waiting turns last):
         # the stored form stays, so bringing one back costs a dequantize, not a reload.
         ready = sorted(
-            (
-                (self._ready_order(agent, e), agent)
-                for agent, e in self._entries.items()
-                if e.kv.ready is not None
-                and e is not exclude
-                and not e.running
-                and (turn or not self._waiting(agent, e))
-                and agent not in keep
-            ),
+            (self._ready_order(agent, e), agent)
+            for agent, e in self._residents.items()
+            if e.kv.ready is not None
+            and e is not exclude
+            and not e.running
+            and (turn or not self.waiting(agent, e))
+            and agent not in keep
         )
         demotable = {c.agent for c in candidates}
-        spare = sum(self._entries[a].kv.ready_bytes for _, a in ready if a not in demotable)
-        bets = self.ready.reserved_except(keep)
+        spare = sum(self._residents[a].kv.ready_bytes for _, a in ready if a not in demotable)
+        bets = self._ready.reserved_except(keep)
         if bets + spare + sum(c.nbytes for c in candidates) < missing:
             return False
         # Ready copies being built go first of all (a bet on a turn to come), then built ones.
-        missing -= self.ready.give_up(missing, keep)
+        missing -= self._ready.give_up(missing, keep)
         for _, agent in ready:
             if missing <= 0:
                 break
-            missing -= self.ready.drop(self._entries[agent].kv)
+            missing -= self._ready.drop(self._residents[agent].kv)
         if missing > 0:
             candidates = [
                 c
-                for c in self._candidates(exclude)
+                for c in self.candidates(exclude)
                 if (turn or not c.waiting) and c.agent not in keep
             ]
             tiers = {c.agent: c.demote_to for c in candidates}
             for agent in self.policy.victims(candidates, missing):
-                self._remove(agent)
+                assert agent in tiers, f"the policy chose {agent!r}, not a candidate"
+                self._residents.remove(agent)
                 self.demotions[tiers[agent]] += 1
-        return self.committed() + need <= self.limit
+        return ledger.committed() + need <= ledger.limit
 
     def stuck(self, exclude: HotEntry | None = None) -> bool:
         """Nothing is on its way to free room: no running turn (but ``exclude``'s), no write,
         staging, export or ready copy being built about to end. A request that does not
         fit now never will."""
-        others = (e for e in self._entries.values() if e is not exclude)
+        others = (e for e in self._residents.values() if e is not exclude)
         return not (
-            any(e.running or e._write_due for e in others)
-            or self._pins
-            or self._staged
-            or self.ready.building
+            any(e.running or e.write_due for e in others)
+            or self._ledger.pending
+            or self._ready.building
         )

@@ -19,7 +19,7 @@ def _key(tokens: list[int], stop: int) -> int:
 
 
 class PrefixIndex:
-    """Boundaries of stored ranges by agent. Owned by the CachePool, which calls
+    """Boundaries of stored ranges by agent. Owned by the hot tier's Residents, which call
     :meth:`update` whenever an agent's stored ranges change and :meth:`remove` when its cache
     leaves the hot tier."""
 
@@ -50,6 +50,10 @@ class PrefixIndex:
             self._of[agent] = keys
         else:
             self._of.pop(agent, None)
+
+    def stops(self, agent: str) -> list[int]:
+        """Where ``agent``'s indexed ranges end, in order."""
+        return [stop for stop, _ in self._of.get(agent, [])]
 
     def remove(self, agent: str) -> None:
         """Forget ``agent``'s boundaries (its cache left the hot tier)."""

@@ -1,6 +1,6 @@
-"""The hot tier's traffic with the warm tier, a part of :class:`~kvactor.actors.pool.CachePool`:
-room reserved for warm caches being staged in (and the stagings waiting for room), their
-install, and exports out to the store, pinned in the budget until they are written."""
+"""The hot tier's traffic with the warm tier: room reserved for warm caches being staged in
+(and the stagings waiting for room), their install, and exports out to the store, pinned
+in the budget until they are written."""
 
 from __future__ import annotations
 
@@ -8,20 +8,22 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ...kernels.agent_cache import AgentKV
 from ...runtime import Reply
 from ..enums import Room
 from ..errors import AgentBusy, BudgetExceeded, UnknownAgent
 from ..records import Exported
+from ._demotion import Demotion
 from ._entry import HotEntry
+from ._ledger import Ledger
+from ._residents import Residents
 
-__all__ = ("Waiter", "WarmTraffic")
+__all__ = ("WarmTraffic",)
 
 
 @dataclass
-class Waiter:
+class _Waiter:
     """A staging waiting for room: answered with a Room once there is."""
 
     agent: str
@@ -30,55 +32,43 @@ class Waiter:
 
 
 class WarmTraffic:
-    """CachePool's methods for stagings and exports (the state is the pool's, declared in
-    ``CachePool.__init__``; these methods are its only writers)."""
+    """Stagings in and exports out, a part of the :class:`~kvactor.actors.hot.CachePool`.
 
-    limit: int | None
-    installs: int
-    writes: int
-    write_failures: int
-    _entries: dict[str, HotEntry]
-    _staged: dict[str, int]  # agent -> bytes reserved for a staging warm cache
-    _pins: dict[int, tuple[str, int]]  # export id -> (agent, bytes) being written
-    _exports: int
-    _waiters: deque[Waiter]
+    Invariant: the only writer of the stagings waiting for room and of the counts of
+    installs and writes; every staged or exported byte is in the ledger from the moment
+    it is reserved or pinned until it is installed or written."""
 
-    if TYPE_CHECKING:  # CachePool's
-
-        def busy(self, agent: str) -> bool: ...
-        def make_room(
-            self,
-            need: int,
-            exclude: HotEntry | None = None,
-            *,
-            turn: bool = False,
-            ahead_of: str | None = None,
-        ) -> bool: ...
-        def measure(self) -> int: ...
-        def _add(self, agent: str, entry: HotEntry) -> HotEntry: ...
+    def __init__(self, residents: Residents, ledger: Ledger, demotion: Demotion) -> None:
+        self._residents = residents
+        self._ledger = ledger
+        self._demotion = demotion
+        self._waiters: deque[_Waiter] = deque()
+        self.installs = 0  # warm caches staged from disk (not forks made in memory)
+        self.writes = 0  # warm writes that succeeded
+        self.write_failures = 0
 
     # -- staging warm caches ----------------------------------------------------------
     def reserve(self, agent: str, nbytes: int, *, prefetch: bool = False) -> Room:
         """Room for staging ``nbytes`` of the agent's warm cache, now or not at all;
         ``prefetch``: staged ahead of need, so it displaces no agent hinted to run sooner."""
-        entry = self._entries.get(agent)
+        entry = self._residents.get(agent)
         if entry is not None:
-            if not self.busy(agent):
-                entry._next_use = time.monotonic()
+            if not self._residents.busy(agent):
+                entry.expected(time.monotonic())
             return Room.HOT
-        if agent in self._staged:
+        ledger = self._ledger
+        if ledger.staged(agent):
             return Room.RESERVED
-        if self.limit is not None and nbytes > self.limit:
+        if ledger.limit is not None and nbytes > ledger.limit:
             return Room.TOO_BIG
-        if not self.make_room(nbytes, ahead_of=agent if prefetch else None):
+        if not self._demotion.make_room(nbytes, ahead_of=agent if prefetch else None):
             return Room.NO_ROOM
-        self._staged[agent] = nbytes
-        self.measure()
+        ledger.reserve(agent, nbytes)
         return Room.RESERVED
 
     def wait_for_room(self, agent: str, nbytes: int, reply: Reply) -> None:
         """Answer ``reply`` with a Room once running turns or writes have made room."""
-        self._waiters.append(Waiter(agent, nbytes, reply))
+        self._waiters.append(_Waiter(agent, nbytes, reply))
 
     def grant_waiters(self) -> None:
         while self._waiters:
@@ -86,15 +76,14 @@ class WarmTraffic:
             if w.reply.cancelled:
                 self._waiters.popleft()
                 continue
-            if w.agent not in self._entries and not self.make_room(w.nbytes):
+            if w.agent not in self._residents and not self._demotion.make_room(w.nbytes):
                 return
             self._waiters.popleft()
             w.reply.resolve(self.reserve(w.agent, w.nbytes))
 
     def release(self, agent: str) -> None:
         """Give back the reservation of a staging that failed."""
-        self._staged.pop(agent, None)
-        self.measure()
+        self._ledger.unreserve(agent)
         self.grant_waiters()
 
     def install(
@@ -110,37 +99,36 @@ class WarmTraffic:
         agent is hot already (that copy is at least as new). Raises BudgetExceeded when
         nothing was reserved for it and it does not fit. ``from_disk=False``: a cache made
         in memory (a fork), not counted in ``installs`` (reloads from disk)."""
-        reserved = self._staged.pop(agent, None)
-        if agent in self._entries:
+        reserved = self._ledger.unreserve(agent)
+        if agent in self._residents:
             return False
-        if reserved is None and not self.make_room(nbytes):
+        if reserved is None and not self._demotion.make_room(nbytes):
             raise BudgetExceeded(f"no room in the hot tier for agent {agent!r}")
         kv = build()
         now = time.monotonic()
         entry = HotEntry(
             kv, now, persisted=len(kv.tokens), pinned=pin, next_use=None if pin else now
         )
-        self._add(agent, entry)
+        self._residents.add(agent, entry)
         self.installs += from_disk
-        self.measure()
+        self._ledger.measure()
         return True
 
     # -- writing to the warm tier -----------------------------------------------------
     def export(self, agent: str) -> Exported:
         """Host views of an idle agent's stored ranges past what is persisted, pinned in
         the budget until :meth:`written` names the export. Raises UnknownAgent / AgentBusy."""
-        entry = self._entries.get(agent)
+        entry = self._residents.get(agent)
         if entry is None:
             raise UnknownAgent(f"agent {agent!r} has no hot cache to export")
-        if self.busy(agent):
+        if self._residents.busy(agent):
             raise AgentBusy(f"agent {agent!r} is generating")
         ranges = entry.kv.ranges_from(entry.persisted)
-        self._exports += 1
-        self._pins[self._exports] = (agent, sum(r.nbytes for r in ranges))
-        entry._write_due = False
-        shared = entry._shared_from if entry.persisted == 0 else None
+        export_id = self._ledger.pin(agent, sum(r.nbytes for r in ranges))
+        entry.export_pinned()
+        shared = entry.shared_from if entry.persisted == 0 else None
         return Exported(
-            export_id=self._exports,
+            export_id=export_id,
             persisted=entry.persisted,
             tokens=list(entry.kv.tokens),
             ranges=[(r.start, r.stop, r.to_numpy()) for r in ranges],
@@ -153,17 +141,13 @@ class WarmTraffic:
         rest): unpin it. After a failure the cache stays unclean, and, with no write on its
         way, a candidate to go cold; a later write that succeeds saves the rest. Export id
         0 says a turn's write will not come (its agent left before it)."""
-        if self._pins.pop(export_id, None) is not None:  # id 0: "no write is coming"
+        if self._ledger.unpin(export_id):  # id 0: "no write is coming"
             if failed:
                 self.write_failures += 1
             else:
                 self.writes += 1
-        entry = self._entries.get(agent)
+        entry = self._residents.get(agent)
         if entry is not None:
-            entry._write_due = False  # whatever came of it, no write is on its way now
-            if upto <= len(entry.kv.tokens):
-                entry._persisted = max(entry._persisted, upto)
-            if entry._persisted:
-                entry._shared_from = None  # its warm copy exists: later writes append
-        self.measure()
+            entry.written(upto)  # whatever came of it, no write is on its way now
+        self._ledger.measure()
         self.grant_waiters()

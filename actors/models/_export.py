@@ -203,8 +203,8 @@ def tokenizer_files(
     texts = metadata["tokenizer.ggml.tokens"]  # as kvactor's templates see them
     bos = tokenizer.bos_token_id
     eos = sorted(tokenizer.eos_token_ids)
-    add_bos = bool(_gguf._scalar(metadata, "tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(_gguf._scalar(metadata, "tokenizer.ggml.add_eos_token", False))
+    add_bos = bool(_gguf.scalar(metadata, "tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(_gguf.scalar(metadata, "tokenizer.ggml.add_eos_token", False))
 
     rust = _RustTokenizer.from_str(tokenizer.to_json())
     prefix = [texts[bos]] if add_bos and bos is not None else []
@@ -223,7 +223,7 @@ def tokenizer_files(
     if eos:
         specials["eos_token"] = texts[eos[0]]
     for key, role in (("unknown_token_id", "unk_token"), ("padding_token_id", "pad_token")):
-        value = _gguf._scalar(metadata, f"tokenizer.ggml.{key}")
+        value = _gguf.scalar(metadata, f"tokenizer.ggml.{key}")
         if value is not None and 0 <= int(value) < len(texts):
             specials[role] = texts[int(value)]
     config: dict[str, Any] = {
@@ -245,7 +245,7 @@ def tokenizer_files(
     if eos:
         generation["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     if "pad_token" in specials:
-        generation["pad_token_id"] = int(_gguf._scalar(metadata, "tokenizer.ggml.padding_token_id"))
+        generation["pad_token_id"] = int(_gguf.scalar(metadata, "tokenizer.ggml.padding_token_id"))
     return {
         "tokenizer.json": rust.to_str(pretty=True),
         "tokenizer_config.json": _json(config),

@@ -75,7 +75,7 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     return weights, dict(metadata)
 
 
-def _scalar(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
+def scalar(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     value = metadata.get(key, default)
     if isinstance(value, mx.array):
         return value.item()
@@ -83,7 +83,7 @@ def _scalar(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
 
 
 def _required(metadata: dict[str, Any], key: str) -> Any:
-    value = _scalar(metadata, key)
+    value = scalar(metadata, key)
     if value is None:
         raise ValueError(f"GGUF metadata lacks {key!r}")
     return value
@@ -99,7 +99,7 @@ def llama_args(metadata: dict[str, Any], weights: dict[str, mx.array]) -> llama.
 
     Raises ValueError for another architecture or a llama variant we do not handle.
     """
-    arch = _scalar(metadata, "general.architecture")
+    arch = scalar(metadata, "general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r} (only 'llama' is supported)")
     if "rope_freqs.weight" in weights:
@@ -109,16 +109,16 @@ def llama_args(metadata: dict[str, Any], weights: dict[str, mx.array]) -> llama.
 
     hidden = int(_required(metadata, "llama.embedding_length"))
     heads = int(_required(metadata, "llama.attention.head_count"))
-    kv_heads = int(_scalar(metadata, "llama.attention.head_count_kv", heads))
-    head_dim = int(_scalar(metadata, "llama.attention.key_length", hidden // heads))
-    rope_dims = int(_scalar(metadata, "llama.rope.dimension_count", head_dim))
+    kv_heads = int(scalar(metadata, "llama.attention.head_count_kv", heads))
+    head_dim = int(scalar(metadata, "llama.attention.key_length", hidden // heads))
+    rope_dims = int(scalar(metadata, "llama.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise ValueError(f"unsupported: partial rotary ({rope_dims} of {head_dim} dims)")
-    if int(_scalar(metadata, "llama.expert_count", 0) or 0) > 0:
+    if int(scalar(metadata, "llama.expert_count", 0) or 0) > 0:
         raise ValueError("unsupported: mixture-of-experts llama GGUF")
 
     rope_scaling: dict[str, float | str] | None = None
-    scaling = _scalar(metadata, "llama.rope.scaling.type")
+    scaling = scalar(metadata, "llama.rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise ValueError(f"unsupported RoPE scaling {scaling!r}")
@@ -133,11 +133,11 @@ def llama_args(metadata: dict[str, Any], weights: dict[str, mx.array]) -> llama.
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(_scalar(metadata, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_norm_eps=float(scalar(metadata, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         # The embedding's row count is authoritative; llama.vocab_size is often absent.
         vocab_size=int(weights["token_embd.weight"].shape[0]),
-        max_position_embeddings=int(_scalar(metadata, "llama.context_length", 2048)),
-        rope_theta=float(_scalar(metadata, "llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(scalar(metadata, "llama.context_length", 2048)),
+        rope_theta=float(scalar(metadata, "llama.rope.freq_base", 10000.0)),
         rope_traditional=True,
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in weights,
@@ -191,7 +191,7 @@ def tokenizer_from_metadata(metadata: dict[str, Any]) -> ByteLevelBPETokenizer:
     Raises ValueError for a tokenizer model other than byte-level BPE (``gpt2``), an unknown
     pre-tokenizer, or inconsistent vocabulary data.
     """
-    kind = _scalar(metadata, "tokenizer.ggml.model")
+    kind = scalar(metadata, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(
             f"unsupported GGUF tokenizer {kind!r}: only byte-level BPE ('gpt2') is supported; "
@@ -206,19 +206,19 @@ def tokenizer_from_metadata(metadata: dict[str, Any]) -> ByteLevelBPETokenizer:
 
     eos: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        value = _scalar(metadata, f"tokenizer.ggml.{key}")
+        value = scalar(metadata, f"tokenizer.ggml.{key}")
         if value is not None:
             eos.append(int(value))
-    bos = _scalar(metadata, "tokenizer.ggml.bos_token_id")
+    bos = scalar(metadata, "tokenizer.ggml.bos_token_id")
     template = metadata.get("tokenizer.chat_template")
     return ByteLevelBPETokenizer(
         tokens,
         merges,
         token_types=token_types,
-        pre=str(_scalar(metadata, "tokenizer.ggml.pre", "default")),
+        pre=str(scalar(metadata, "tokenizer.ggml.pre", "default")),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos,
-        add_bos=bool(_scalar(metadata, "tokenizer.ggml.add_bos_token", False)),
-        add_eos=bool(_scalar(metadata, "tokenizer.ggml.add_eos_token", False)),
+        add_bos=bool(scalar(metadata, "tokenizer.ggml.add_bos_token", False)),
+        add_eos=bool(scalar(metadata, "tokenizer.ggml.add_eos_token", False)),
         chat_template=template if isinstance(template, str) else None,
     )

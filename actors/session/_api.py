@@ -12,8 +12,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Generic, Literal, Protocol, TypeVar, get_args
 
+from ..hot import make_hint
+from ..ids import check_agent_id
+from ..messages import Hint, MakeContext, SpawnAgent
 from ..options import Sampling
 from ..records import Completion, EngineStats, ToolCallDelta, ToolRequest
 from ..tools import TOOL_OPTIONS, tool_request
@@ -28,6 +31,7 @@ __all__ = (
     "TurnStream",
     "drain",
     "prompt_text",
+    "scope_name",
 )
 
 #: What a turn's payload is: a user message, a whole raw prompt, or a whole conversation.
@@ -86,8 +90,26 @@ class AgentAPI(Protocol):
     async def done(self) -> None: ...
 
 
-class SessionAPI(Protocol):
-    """A runtime of agents over one model: spawn, find, fork and forget them."""
+def scope_name(scope: object) -> str:
+    """``scope``, checked: a str of at most 256 characters. Raises TypeError / ValueError."""
+    if not isinstance(scope, str):
+        raise TypeError(f"scope must be a str, not {type(scope).__name__}")
+    if len(scope) > 256:
+        raise ValueError("scope must have at most 256 characters")
+    return scope
+
+
+#: The agent handle a session gives out (``Agent`` here, ``ClusterAgent`` on a cluster).
+AgentT = TypeVar("AgentT", bound=AgentAPI)
+
+
+class SessionAPI(ABC, Generic[AgentT]):
+    """A runtime of agents: spawn, find, fork and forget them, and advise its hot tier.
+
+    Each operation is declared once, here, with the checks every session makes; a session
+    in this process (:class:`~kvactor.actors.session.Session`) and one over a cluster
+    (:class:`~kvactor.actors.cluster.ClusterSession`) implement what differs
+    (``_spawn``, ``_context``, ``_hint``) and the rest of the protocol."""
 
     async def spawn_agent(
         self,
@@ -97,14 +119,116 @@ class SessionAPI(Protocol):
         fork_of: str | None = None,
         context: str | None = None,
         scope: str | None = None,
-    ) -> AgentAPI: ...
-    async def context(self, name: str, text: str, *, scope: str = "") -> AgentAPI: ...
-    async def fork(self, source: str, name: str, *, scope: str | None = None) -> AgentAPI: ...
-    def agent(self, name: str) -> AgentAPI: ...
-    @property
-    def agents(self) -> dict[str, Any]: ...
-    async def forget(self, name: str) -> Forgotten: ...
-    async def prefetch(self, name: str) -> None: ...
+        tool_wait_s: float | None = None,
+        model: str | None = None,
+        host: str | None = None,
+    ) -> AgentT:
+        """A new agent called ``name`` (letters, digits, '.', '_', '-'); ``fork_of``: one
+        that starts where that agent is (``fork``); ``context``: one whose system prompt
+        is that shared context's text (see ``context``), so that its first turn reuses
+        the context's cache instead of prefilling it. Give at most one of ``system``,
+        ``fork_of`` and ``context``.
+
+        ``scope``: the agents whose cached prefixes it shares (``share_prefixes``): only
+        those of the same scope, so that what one scope (a tenant) caches never shows in
+        another's turns. Default: its context's or fork source's scope, else ``""``.
+        ``tool_wait_s``: how long its turns that end in tool calls keep its cache hot
+        (default: the session's ``tool_wait_s``). ``model``: the model it runs (a name of
+        ``models``; default: the first, or its fork source's or context's): forks and
+        shared contexts stay within a model. ``host`` (a cluster): the engine host it runs
+        on (default: its source's or context's, else where the placement policy says).
+
+        Raises InvalidAgentId for an unsafe name, ValueError when it already exists, for
+        more than one of those, or for a scope other than its context's or source's,
+        TypeError when ``system`` or ``scope`` is not a str, UnknownAgent for a
+        ``context`` this session has not made, ValueError for an unknown model or one
+        other than the context's, for ``host`` in this process or an unknown one on a
+        cluster, for ``model`` on a cluster (it serves one); with ``fork_of``, what
+        ``fork`` raises.
+        """
+        if sum(x is not None for x in (system, fork_of, context)) > 1:
+            raise ValueError("give at most one of system, fork_of and context")
+        check_agent_id(name)
+        for source in (fork_of, context):
+            if source is not None:
+                check_agent_id(source)
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"system must be a str or None, not {type(system).__name__}")
+        if scope is not None:
+            scope_name(scope)
+        if tool_wait_s is not None and not 0 <= tool_wait_s <= 86_400:
+            raise ValueError(f"tool_wait_s must be in [0, 86400], got {tool_wait_s}")
+        spawn = SpawnAgent(
+            name=name,
+            system=system,
+            fork_of=fork_of,
+            context=context,
+            scope=scope,
+            tool_wait_s=tool_wait_s,
+            model=model,
+            host=host,
+        )
+        return await self._spawn(spawn)
+
+    async def fork(
+        self,
+        source: str,
+        name: str,
+        *,
+        scope: str | None = None,
+        model: str | None = None,
+        host: str | None = None,
+    ) -> AgentT:
+        """A new agent ``name`` that starts where agent ``source`` is now: its conversation
+        and its cache, without copying it. In memory the stored arrays are shared (the hot
+        budget counts them once); on disk ``name``'s folder gets hard links
+        to ``source``'s segment files (one copy of the bytes) and a manifest of its own.
+        From then on each goes its own way: neither ever sees the other's later tokens,
+        and forgetting one leaves the other whole. It is of ``source``'s scope (a source
+        on disk only: ``scope``, default ``""``), runs ``source``'s model (a source on
+        disk only: ``model``, default the first: ValueError for another model) and, on a
+        cluster, on ``source``'s host (ValueError for another ``host``).
+
+        The source is asked between its turns (a turn it is taking finishes first). Raises
+        InvalidAgentId for unsafe names, ValueError when ``name`` exists (running or on
+        disk), UnknownAgent when ``source`` is neither running nor on disk.
+        """
+        return await self.spawn_agent(name, fork_of=source, scope=scope, model=model, host=host)
+
+    async def context(
+        self,
+        name: str,
+        text: str,
+        *,
+        scope: str = "",
+        model: str | None = None,
+        host: str | None = None,
+    ) -> AgentT:
+        """A shared context called ``name``: an agent whose cache holds ``text`` as a
+        system prompt (as the chat template renders it) and nothing else, prefilled once
+        now (resumed from the warm tier when it is there). Agents spawned with
+        ``context=name`` start from its cache: their first turn shares its stored arrays
+        (one copy in the hot budget) instead of prefilling the text, and their first
+        write links its segment files (one copy on disk). Any agent whose prompt begins
+        with the same tokens shares them too (``share_prefixes``). Forget it like an
+        agent: the agents that share it keep what they use.
+
+        Calling it again with the same text returns the context (its cache made hot
+        again if it was demoted). Only agents of its ``scope`` and ``model`` (default: the
+        first) share it (``spawn_agent``); on a cluster it lives on ``host`` (default:
+        where the placement policy says) and its agents go there too.
+        Raises InvalidAgentId for an unsafe name, ValueError for an empty text or a name
+        that is an agent with another system prompt or scope, TypeError when ``text`` is
+        not a str.
+        """
+        check_agent_id(name)
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, not {type(text).__name__}")
+        if not text.strip():
+            raise ValueError("a shared context needs some text")
+        made = MakeContext(name=name, text=text, scope=scope_name(scope), model=model, host=host)
+        return await self._context(made)
+
     async def hint(
         self,
         next: Sequence[str] = (),
@@ -113,17 +237,70 @@ class SessionAPI(Protocol):
         priority: Mapping[str, int] | None = None,
         done: Sequence[str] = (),
         prefetch: int = 2,
-    ) -> None: ...
-    async def stats(self) -> EngineStats | Any: ...
-    async def end_turns(self) -> int: ...
-    async def aclose(self) -> None: ...
-    async def __aenter__(self) -> Any: ...
+    ) -> None:
+        """Advice for the hot tier (docs: memory-policy): ``next``, the agents that run
+        next, soonest first; ``expect_in_s``, seconds until an agent's next turn;
+        ``priority``, higher stays hot longer; ``done``, agents done for now (demoted
+        first). The first ``prefetch`` agents of ``next`` are staged from the warm tier.
+        Wrong or missing hints cost time, never change an answer. Raises what
+        :func:`~kvactor.actors.hot.make_hint` raises, ValueError for a negative
+        ``prefetch``."""
+        hint = make_hint(next, expect_in_s=expect_in_s, priority=priority, done=done)
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        await self._hint(hint, prefetch)
+
+    @abstractmethod
+    async def _spawn(self, spawn: SpawnAgent) -> AgentT:
+        """Make the agent ``spawn`` asks for (checked as ``spawn_agent`` checks it)."""
+
+    @abstractmethod
+    async def _context(self, made: MakeContext) -> AgentT:
+        """Make (or find again) the shared context ``made`` asks for (checked)."""
+
+    @abstractmethod
+    async def _hint(self, hint: Hint, prefetch: int) -> None:
+        """Send the checked ``hint`` to the hot tiers holding its agents."""
+
+    @abstractmethod
+    def agent(self, name: str) -> AgentT:
+        """The agent called ``name``; raises UnknownAgent."""
+
+    @property
+    @abstractmethod
+    def agents(self) -> dict[str, AgentT]:
+        """The agents running now, by name."""
+
+    @abstractmethod
+    async def forget(self, name: str) -> Forgotten:
+        """Delete every byte of agent ``name`` that is its own (hot and warm)."""
+
+    @abstractmethod
+    async def prefetch(self, name: str) -> None:
+        """Stage agent ``name``'s warm cache into the hot tier ahead of its turn."""
+
+    @abstractmethod
+    async def stats(self) -> EngineStats | Any:
+        """The session's figures."""
+
+    @abstractmethod
+    async def end_turns(self) -> int:
+        """End every turn, for a close to come; how many it ended."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Close the session (every agent saves its last turn first)."""
+
+    async def __aenter__(self) -> Any:
+        return self
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None: ...
+    ) -> None:
+        await self.aclose()
 
 
 class AgentTurns(ABC):

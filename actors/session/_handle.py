@@ -106,9 +106,11 @@ class Agent(AgentTurns):
             turn = Turn("", options, history=check_history(payload), tools=tools)
         else:
             turn = Turn(payload, options, raw=kind == "raw", tools=tools)
-        return self._stream(turn)
+        return self.send_turn(turn)
 
-    def _stream(self, turn: Turn) -> TextStream:
+    def send_turn(self, turn: Turn) -> TextStream:
+        """Stream a ``Turn`` message as it is, unchecked (the session's own turns: priming
+        a shared context)."""
         raising = self._session.on_save_error == "raise"
         return TextStream(self.ref.stream(turn), raise_on_save_error=raising)
 

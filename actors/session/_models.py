@@ -1,28 +1,20 @@
-"""The models of a session (``Session``'s base): starting the engine over one model or
-several, and which model, engine and warm tier each agent uses."""
+"""The models of a session: the one engine actor over them, each model's part (engine
+reference, what the model is, its warm tier), and the model each running agent runs."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import anyio
+import msgspec
 
 from ...runtime import ActorRef, Runtime
-from ..agent import AgentEnv
-from ..engine import EngineActor, EngineConfig, ModelRef, ModelsEngine, ModelSpec, record_limit
-from ..messages import EndTurns, EngineMessage, ModelsQuery
-from ..models import Tokenizer
+from ..engine import EngineActor, EngineConfig, ModelRef, ModelSpec, record_limit
+from ..errors import UnknownAgent
+from ..ids import check_agent_id
+from ..messages import EndTurns, EngineMessage, ModelsQuery, StatsQuery
 from ..records import EngineStats, ModelInfo, ModelState
-from ..warm import (
-    ActorWarmTier,
-    CacheDirLock,
-    CacheIdentity,
-    ExpectFn,
-    PrefetchMessage,
-    StoreMessage,
-    lock_cache_dir,
-)
+from ..warm import CacheDirLock, lock_cache_dir
 from ._model_part import ModelPart, model_folder, start_part
 
 __all__ = ("Models", "SessionModels")
@@ -30,144 +22,171 @@ __all__ = ("Models", "SessionModels")
 #: What ``kvactor.open(models=...)`` takes: a name per model, each a ModelSpec.
 Models = dict[str, ModelSpec]
 
+#: The engine's name for the one model of a session opened on ``model`` (not ``models``).
+_ONE = "default"
+
 
 class SessionModels:
-    """A session's models: each one's part (engine reference, ModelInfo, warm tier), and
-    the model of each running agent. Only the session writes these."""
+    """A session's models (a part of the :class:`~kvactor.actors.session.Session`).
 
-    _model: ModelSpec | Models
-    config: EngineConfig
-    cache_dir: Path | None
-    runtime: Runtime
-    memory_limit: int | None
-    _delete_rejected: bool
-    _pins: frozenset[str]
-    _model_ttl_s: float | None
-    _flat: bool
-    _parts: dict[str, ModelPart]
-    _agent_models: dict[str, str]
-    _model_locks: list[CacheDirLock]
-    engine: ActorRef[EngineMessage]
-    model: ModelInfo
-    tokenizer: Tokenizer
-    store: ActorRef[StoreMessage] | None
-    prefetcher: ActorRef[PrefetchMessage] | None
-    warm: ActorWarmTier | None
-    identity: CacheIdentity | None
-    layout: ExpectFn | None
-    _env: AgentEnv
+    ``models``: by name, or one ``model`` (its part is then named after the model and its
+    warm tier is ``cache_dir`` itself; several models keep theirs under
+    ``cache_dir/models/<name>``). ``memory_limit``: the engine's (None: none, one model
+    only). Invariant: the only writer of the parts, of the locks on the models' folders and
+    of which model each running agent runs."""
 
-    def agent(self, name: str) -> Any:
-        raise NotImplementedError
+    def __init__(
+        self,
+        model: ModelSpec | Models,
+        config: EngineConfig,
+        cache_dir: Path | None,
+        *,
+        delete_rejected: bool,
+        memory_limit: int | None,
+        pins: frozenset[str] = frozenset(),
+        model_ttl_s: float | None = None,
+    ) -> None:
+        self.several = isinstance(model, dict)
+        specs: Models = dict(model) if isinstance(model, dict) else {_ONE: model}
+        if not specs:
+            raise ValueError("models must name at least one model")
+        if self.several:
+            for name in specs:
+                check_agent_id(name)  # a model's name names its warm tier's folder
+            if memory_limit is None or memory_limit < 1:
+                raise ValueError("several models need a positive memory_limit")
+        unknown = sorted(pins - set(specs))
+        if unknown:
+            raise ValueError(f"pinned models {unknown} are not among {sorted(specs)}")
+        self._specs = specs
+        self._config = config
+        self._root = cache_dir
+        self._delete_rejected = delete_rejected
+        self.memory_limit = memory_limit
+        self._pins, self._ttl = pins, model_ttl_s
+        self._parts: dict[str, ModelPart] = {}  # each model's (set at start)
+        self._slots: dict[str, str] = {}  # part name -> the engine's name of its model
+        self._agents: dict[str, str] = {}  # running agent -> the name of its model's part
+        self._locks: list[CacheDirLock] = []  # each model's folder's (several models)
+        self._engine: ActorRef[object] | None = None
 
-    async def stats(self) -> EngineStats:
-        raise NotImplementedError
-
-    async def _start_models(self) -> None:
+    async def start(self, runtime: Runtime) -> None:
         """Spawn the engine (loading the models) and start each model's part."""
-        spec, root, rejected = self._model, self.cache_dir, self._delete_rejected
-        if not isinstance(spec, dict):
-            engine = await self.runtime.spawn(EngineActor, spec, self.config, name="engine")
+        root, rejected = self._root, self._delete_rejected
+        engine = await runtime.spawn(
+            EngineActor,
+            self._specs,
+            self._config,
+            self.memory_limit,
+            self._pins,
+            self._ttl,
+            name="engine",
+        )
+        self._engine = engine
+        for slot in self._specs:
+            folder = root if not self.several or root is None else model_folder(root, slot)
+            if self.several and folder is not None:
+                lock = await anyio.to_thread.run_sync(lock_cache_dir, folder)
+                self._locks.append(lock)
             part = await start_part(
-                self.runtime, None, engine, self.config, root, delete_rejected=rejected
+                runtime,
+                slot if self.several else None,  # one model: its part is named after it
+                ModelRef(engine, slot),
+                self._config,
+                folder,
+                delete_rejected=rejected,
+                suffix=f":{slot}" if self.several else "",
             )
             self._parts[part.name] = part
-        else:
-            limit = self.memory_limit
-            assert limit is not None
-            multi = await self.runtime.spawn(
-                ModelsEngine,
-                spec,
-                self.config,
-                limit,
-                self._pins,
-                self._model_ttl_s,
-                name="engine",
-            )
-            for name in spec:
-                folder = None if root is None else model_folder(root, name)
-                if self._flat:  # one model given as ``model``: its warm tier is the root
-                    folder = root
-                elif folder is not None:
-                    lock = await anyio.to_thread.run_sync(lock_cache_dir, folder)
-                    self._model_locks.append(lock)
-                part = await start_part(
-                    self.runtime,
-                    name,
-                    ModelRef(multi, name),
-                    self.config,
-                    folder,
-                    delete_rejected=rejected,
-                    suffix=f":{name}",
-                )
-                self._parts[name] = part
+            self._slots[part.name] = slot
         if root is not None and self.memory_limit is not None:
-            await anyio.to_thread.run_sync(record_limit, root, self.memory_limit, list(self._parts))
-        first = next(iter(self._parts.values()))
-        self.engine, self.model, self.tokenizer = first.engine, first.model, first.tokenizer
-        self.store, self.prefetcher, self.warm = first.store, first.prefetcher, first.warm
-        self.identity, self.layout, self._env = first.identity, first.layout, first.env
+            names = list(self._parts)
+            await anyio.to_thread.run_sync(record_limit, root, self.memory_limit, names)
+
+    def release_locks(self) -> None:
+        locks, self._locks = self._locks, []
+        for lock in locks:
+            lock.release()
+
+    # -- the parts --------------------------------------------------------------------
+    @property
+    def first(self) -> ModelPart:
+        """The first model's part: the session's ``engine``, ``model``, warm tier."""
+        return next(iter(self._parts.values()))
+
+    def parts(self) -> list[ModelPart]:
+        return list(self._parts.values())
 
     @property
-    def models(self) -> dict[str, ModelInfo]:
-        """The session's models by name (one model: under its own name)."""
+    def infos(self) -> dict[str, ModelInfo]:
+        """The models by name (one model: under its own name)."""
         return {name: part.model for name, part in self._parts.items()}
 
-    def _part(self, model: str | None) -> ModelPart:
+    def part(self, model: str | None) -> ModelPart:
         """Model ``model``'s part (None: the first). Raises ValueError for an unknown one."""
         if model is None:
-            return next(iter(self._parts.values()))
+            return self.first
         try:
             return self._parts[model]
         except KeyError:
             raise ValueError(f"no model {model!r}: the models are {sorted(self._parts)}") from None
 
-    def _same_model(self, source: str, model: str | None) -> ModelPart:
+    def same_model(self, source: str, model: str | None) -> ModelPart:
         """The model of an agent made from running agent ``source``: ``source``'s. Raises
         ValueError for another one (a cache never serves another model)."""
-        part = self._part(self._agent_models.get(source))
-        if model is not None and self._part(model) is not part:
+        part = self.part(self._agents.get(source))
+        if model is not None and self.part(model) is not part:
             raise ValueError(
                 f"{source!r} runs model {part.name!r}, not {model!r}: forks and shared "
                 "contexts stay within a model"
             )
         return part
 
-    def model_of(self, name: str) -> str:
-        """The model running agent ``name`` runs. Raises UnknownAgent."""
-        self.agent(name)
-        return self._agent_models[name]
+    # -- which model each agent runs --------------------------------------------------
+    def assign(self, agent: str, part: ModelPart) -> None:
+        self._agents[agent] = part.name
 
-    def engine_for(self, name: str) -> ActorRef[EngineMessage]:
-        """The engine as running agent ``name``'s model sees it (the session's ``engine``
-        when it is not running)."""
-        return self._part(self._agent_models.get(name)).engine
+    def unassign(self, agent: str) -> ModelPart | None:
+        """``agent`` stopped; the part of the model it ran (None: it ran none)."""
+        name = self._agents.pop(agent, None)
+        return None if name is None else self._parts[name]
 
-    async def model_states(self) -> list[ModelState]:
-        """Each model: loaded or not, pinned, weights, loads (one model: always loaded)."""
-        if len(self._parts) == 1 and not isinstance(self._model, dict):
-            stats = await self.stats()
-            name = next(iter(self._parts))
-            return [ModelState(name, True, True, stats.weights_bytes, 1, 0.0)]
-        states: list[ModelState] = await self._multi_ref().ask(ModelsQuery())
-        return states
+    def model_of(self, agent: str) -> str:
+        """The model running agent ``agent`` runs. Raises UnknownAgent."""
+        try:
+            return self._agents[agent]
+        except KeyError:
+            raise UnknownAgent(f"no agent named {agent!r}") from None
+
+    def part_of(self, agent: str) -> ModelPart:
+        """The part of running agent ``agent``'s model (the first when it is not running)."""
+        return self.part(self._agents.get(agent))
+
+    def agents_by_model(self) -> dict[str, str]:
+        return dict(self._agents)
+
+    # -- the engine, as a whole -------------------------------------------------------
+    def _whole(self) -> ActorRef[object]:
+        assert self._engine is not None, "the session's models have not started"
+        return self._engine
+
+    async def stats(self) -> EngineStats:
+        stats: EngineStats = await self._whole().ask(StatsQuery())
+        return stats
+
+    async def states(self) -> list[ModelState]:
+        """Each model: loaded or not, pinned, weights, loads (named as the session names
+        it: one model under its own name)."""
+        states: list[ModelState] = await self._whole().ask(ModelsQuery())
+        names = {slot: name for name, slot in self._slots.items()}
+        return [msgspec.structs.replace(s, name=names.get(s.name, s.name)) for s in states]
 
     async def end_turns(self) -> int:
-        """End every turn, for a close to come (a server stopping): a decoding turn ends
-        at its next step with finish_reason ``"ended"`` and is saved as any turn; a turn
-        not decoding yet, and any asked for later, fails with TurnEnded. Returns how many
-        turns it ended."""
-        ref = self._multi_ref() if isinstance(self.engine, ModelRef) else self.engine
-        ended: int = await ref.ask(EndTurns())
+        ended: int = await self._whole().ask(EndTurns())
         return ended
 
-    def _multi_ref(self) -> ActorRef[object]:
-        engine = self.engine
-        assert isinstance(engine, ModelRef)
-        return ActorRef(engine._cell)
-
     @property
-    def model_names(self) -> tuple[str, ...]:
+    def names(self) -> tuple[str, ...]:
         """The names requests choose a model by: several models' (as ``models=`` named
         them), else none (one model serves any name)."""
         return tuple(self._parts) if len(self._parts) > 1 else ()
@@ -176,3 +195,8 @@ class SessionModels:
     def max_prompt_chars(self) -> int:
         """Characters past which no prompt fits any model's context."""
         return max(part.env.max_prompt_chars for part in self._parts.values())
+
+    def engine_for(self, agent: str) -> ActorRef[EngineMessage]:
+        """The engine as running agent ``agent``'s model sees it (the first model's when
+        it is not running)."""
+        return self.part_of(agent).engine

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -13,15 +12,25 @@ from typing import Literal
 import anyio
 
 from ...runtime import ActorRef, Runtime
-from ..agent import AgentActor, AgentEnv
-from ..engine import EngineConfig, ModelRef, ModelSpec
+from ..agent import AgentActor
+from ..engine import EngineConfig, ModelSpec
 from ..errors import UnknownAgent
-from ..hot import make_hint, split_hint
+from ..hot import split_hint
 from ..ids import check_agent_id
-from ..messages import CacheQuery, DropCache, EngineMessage, Fork, Hint, Snapshot, StatsQuery, Turn
+from ..messages import (
+    CacheQuery,
+    DropCache,
+    EngineMessage,
+    Fork,
+    Hint,
+    MakeContext,
+    Snapshot,
+    SpawnAgent,
+    Turn,
+)
 from ..models import Tokenizer
 from ..options import Sampling
-from ..records import AgentSnapshot, CacheInfo, EngineStats, ModelInfo
+from ..records import AgentSnapshot, CacheInfo, EngineStats, ModelInfo, ModelState
 from ..warm import (
     ActorWarmTier,
     CacheDirLock,
@@ -39,7 +48,7 @@ from ..warm import (
     WarmInfo,
     lock_cache_dir,
 )
-from ._api import drain
+from ._api import SessionAPI, drain, scope_name
 from ._handle import Agent
 from ._model_part import ModelPart
 from ._models import Models, SessionModels
@@ -52,23 +61,15 @@ OnSaveError = Literal["report", "raise"]
 _ON_SAVE_ERROR = ("report", "raise")
 
 
-def _scope(scope: object) -> str:
-    """``scope``, checked: a str of at most 256 characters. Raises TypeError / ValueError."""
-    if not isinstance(scope, str):
-        raise TypeError(f"scope must be a str, not {type(scope).__name__}")
-    if len(scope) > 256:
-        raise ValueError("scope must have at most 256 characters")
-    return scope
-
-
-class Session(SessionModels):
+class Session(SessionAPI[Agent]):
     """A runtime with one engine actor and any number of agent actors.
 
     Use ``async with kvactor.open(...) as session`` or ``session = await kvactor.open(...)``
     then ``await session.aclose()``. With several models (``models``: a name per model),
-    the one engine holds them all under ``memory_limit`` bytes (``ModelsEngine``: its
-    ``pins`` are never unloaded; ``model_ttl_s``), each agent runs one of them, and the
-    session's ``engine``, ``model``, ``tokenizer`` and warm tier are the first model's.
+    the one engine holds them all under ``memory_limit`` bytes (its ``pins`` are never
+    unloaded; ``model_ttl_s``), each agent runs one of them, and the session's ``engine``,
+    ``model``, ``tokenizer`` and warm tier are the first model's. One model is the same
+    engine with one model (``memory_limit`` None: no limit, only the hot budget).
     """
 
     def __init__(
@@ -86,49 +87,68 @@ class Session(SessionModels):
     ) -> None:
         if on_save_error not in _ON_SAVE_ERROR:
             raise ValueError(f"on_save_error must be 'report' or 'raise', not {on_save_error!r}")
-        self._model = model
-        self.memory_limit = memory_limit
-        self._pins, self._model_ttl_s = pins, model_ttl_s
-        if memory_limit is not None and not isinstance(model, dict):
-            model = {"default": model}  # one model under a memory limit: the same engine
-            self._flat = True
-        else:
-            self._flat = False
-        if isinstance(model, dict):
-            if not model:
-                raise ValueError("models must name at least one model")
-            for name in model:
-                check_agent_id(name)  # a model's name names its warm tier's folder
-            if memory_limit is None or memory_limit < 1:
-                raise ValueError("several models need a positive memory_limit")
-            unknown = sorted(pins - set(model))
-            if unknown:
-                raise ValueError(f"pinned models {unknown} are not among {sorted(model)}")
-        self._model = model
-        self._parts: dict[str, ModelPart] = {}  # each model's (set at start)
-        self._agent_models: dict[str, str] = {}  # running agents' models
         self.config = config
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
-        self._delete_rejected = delete_rejected
         self.on_save_error = on_save_error
+        self.memory_limit = memory_limit
+        self._models = SessionModels(
+            model,
+            config,
+            self.cache_dir,
+            delete_rejected=delete_rejected,
+            memory_limit=memory_limit,
+            pins=pins,
+            model_ttl_s=model_ttl_s,
+        )
         self._lock: CacheDirLock | None = None
-        self._model_locks: list[CacheDirLock] = []  # each model's folder's (several models)
         self.runtime = Runtime(mailbox_size=mailbox_size)
-        self.engine: ActorRef[EngineMessage]
-        self.store: ActorRef[StoreMessage] | None = None
-        self.prefetcher: ActorRef[PrefetchMessage] | None = None
-        self.warm: ActorWarmTier | None = None
-        self.model: ModelInfo
-        self.tokenizer: Tokenizer
-        self._env: AgentEnv  # what every agent actor shares (set at start)
         self._agents: dict[str, Agent] = {}
         self._contexts: dict[str, str] = {}  # shared contexts made here: name -> text
         self._scopes: dict[str, str] = {}  # running agents' sharing scopes (spawn_agent)
         self._closed = False
-        # With a warm tier: what its caches must match, and their segments' layout.
-        self.identity: CacheIdentity | None = None
-        self.layout: ExpectFn | None = None
 
+    # -- the first model's, as the session's own --------------------------------------
+    @property
+    def engine(self) -> ActorRef[EngineMessage]:
+        """The engine as the first model's agents see it."""
+        return self._models.first.engine
+
+    @property
+    def model(self) -> ModelInfo:
+        return self._models.first.model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._models.first.tokenizer
+
+    @property
+    def store(self) -> ActorRef[StoreMessage] | None:
+        return self._models.first.store
+
+    @property
+    def prefetcher(self) -> ActorRef[PrefetchMessage] | None:
+        return self._models.first.prefetcher
+
+    @property
+    def warm(self) -> ActorWarmTier | None:
+        return self._models.first.warm
+
+    @property
+    def identity(self) -> CacheIdentity | None:
+        """With a warm tier: what its caches must match."""
+        return self._models.first.identity
+
+    @property
+    def layout(self) -> ExpectFn | None:
+        """With a warm tier: its segments' layout."""
+        return self._models.first.layout
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters past which no prompt fits any model's context."""
+        return self._models.max_prompt_chars
+
+    # -- start and close --------------------------------------------------------------
     async def start(self) -> Session:
         """Lock ``cache_dir``, start the runtime and load the model on the engine's thread.
 
@@ -142,7 +162,7 @@ class Session(SessionModels):
             self._unlock()
             raise
         try:
-            await self._start_models()
+            await self._models.start(self.runtime)
         except BaseException as exc:
             self._closed = True
             await self._close(type(exc), exc, exc.__traceback__)
@@ -162,11 +182,10 @@ class Session(SessionModels):
             self._unlock()
 
     def _unlock(self) -> None:
-        locks, self._model_locks = self._model_locks, []
+        self._models.release_locks()
         lock, self._lock = self._lock, None
-        for held in [*locks, lock]:
-            if held is not None:
-                held.release()
+        if lock is not None:
+            lock.release()
 
     async def aclose(self) -> None:
         """Stop every agent (each first saves its last turn), then the engine. Closing a
@@ -188,105 +207,56 @@ class Session(SessionModels):
             self._closed = True
             await self._close(exc_type, exc, tb)
 
-    async def spawn_agent(
-        self,
-        name: str,
-        *,
-        system: str | None = None,
-        fork_of: str | None = None,
-        context: str | None = None,
-        scope: str | None = None,
-        tool_wait_s: float | None = None,
-        model: str | None = None,
-    ) -> Agent:
-        """A new agent called ``name`` (letters, digits, '.', '_', '-'); ``fork_of``: one
-        that starts where that agent is (``fork``); ``context``: one whose system prompt
-        is that shared context's text (see ``context``), so that its first turn reuses
-        the context's cache instead of prefilling it. Give at most one of ``system``,
-        ``fork_of`` and ``context``.
-
-        ``scope``: the agents whose cached prefixes it shares (``share_prefixes``): only
-        those of the same scope, so that what one scope (a tenant) caches never shows in
-        another's turns. Default: its context's or fork source's scope, else ``""``.
-        ``tool_wait_s``: how long its turns that end in tool calls keep its cache hot
-        (default: the session's ``tool_wait_s``). ``model``: the model it runs (a name of
-        ``models``; default: the first, or its fork source's or context's): forks and
-        shared contexts stay within a model.
-
-        Raises InvalidAgentId for an unsafe name, ValueError when it already exists, for
-        more than one of those, or for a scope other than its context's or source's,
-        TypeError when ``system`` or ``scope`` is not a str, UnknownAgent for a
-        ``context`` this session has not made, ValueError for an unknown model or one
-        other than the context's; with ``fork_of``, what ``fork`` raises.
-        """
-        if sum(x is not None for x in (system, fork_of, context)) > 1:
-            raise ValueError("give at most one of system, fork_of and context")
-        if fork_of is not None:
-            return await self.fork(fork_of, name, scope=scope, model=model)
-        part = self._part(model)
-        check_agent_id(name)
-        if system is not None and not isinstance(system, str):
-            raise TypeError(f"system must be a str or None, not {type(system).__name__}")
-        if context is not None:
-            system = self._context_text(context)
-            scope = self._same_scope(context, scope)
-            part = self._same_model(context, model)
-        if name in self._agents:
-            raise ValueError(f"agent {name!r} already exists")
-        scope = _scope("" if scope is None else scope)
-        if tool_wait_s is not None and not 0 <= tool_wait_s <= 86_400:
-            raise ValueError(f"tool_wait_s must be in [0, 86400], got {tool_wait_s}")
+    # -- agents: spawn, fork, contexts (declared in SessionAPI) -----------------------
+    async def _spawn(self, spawn: SpawnAgent) -> Agent:
+        if spawn.host is not None:
+            raise ValueError("host= is for a cluster session; this one runs in this process")
+        if spawn.fork_of is not None:
+            return await self._fork(spawn)
+        part = self._models.part(spawn.model)
+        system, scope = spawn.system, spawn.scope
+        if spawn.context is not None:
+            system = self._context_text(spawn.context)
+            scope = self._same_scope(spawn.context, scope)
+            part = self._models.same_model(spawn.context, spawn.model)
+        if spawn.name in self._agents:
+            raise ValueError(f"agent {spawn.name!r} already exists")
         return await self._start_agent(
-            part, name, system, context=context, scope=scope, tool_wait_s=tool_wait_s
+            part,
+            spawn.name,
+            system,
+            context=spawn.context,
+            scope="" if scope is None else scope,
+            tool_wait_s=spawn.tool_wait_s,
         )
 
     def _same_scope(self, source: str, scope: str | None) -> str:
         """The scope of an agent made from ``source``: ``source``'s. Raises ValueError
         for another one."""
         known = self._scopes.get(source, "")
-        if scope is not None and _scope(scope) != known:
+        if scope is not None and scope_name(scope) != known:
             raise ValueError(f"{source!r} is of scope {known!r}, not {scope!r}")
         return known
 
-    async def context(
-        self, name: str, text: str, *, scope: str = "", model: str | None = None
-    ) -> Agent:
-        """A shared context called ``name``: an agent whose cache holds ``text`` as a
-        system prompt (as the chat template renders it) and nothing else, prefilled once
-        now (resumed from the warm tier when it is there). Agents spawned with
-        ``context=name`` start from its cache: their first turn shares its stored arrays
-        (one copy in the hot budget) instead of prefilling the text, and their first
-        write links its segment files (one copy on disk). Any agent whose prompt begins
-        with the same tokens shares them too (``share_prefixes``). Forget it like an
-        agent: the agents that share it keep what they use.
-
-        Calling it again with the same text returns the context (its cache made hot
-        again if it was demoted). Only agents of its ``scope`` and ``model`` (default: the
-        first) share it (``spawn_agent``).
-        Raises InvalidAgentId for an unsafe name, ValueError for an empty text or a name
-        that is an agent with another system prompt or scope, TypeError when ``text`` is
-        not a str.
-        """
-        check_agent_id(name)
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, not {type(text).__name__}")
-        if not text.strip():
-            raise ValueError("a shared context needs some text")
+    async def _context(self, made: MakeContext) -> Agent:
+        name, text = made.name, made.text
         known = self._contexts.get(name)
         if known is not None and known != text:
             raise ValueError(f"shared context {name!r} exists with another text")
         agent = self._agents.get(name)
         if agent is None:
-            agent = await self._start_agent(self._part(model), name, text, scope=_scope(scope))
-        elif model is not None and self._agent_models[name] != self._part(model).name:
+            part = self._models.part(made.model)
+            agent = await self._start_agent(part, name, text, scope=made.scope)
+        elif made.model is not None and self._models.model_of(name) != made.model:
+            self._models.part(made.model)  # an unknown model says so
             raise ValueError(f"agent {name!r} exists and runs another model")
-        elif self._scopes.get(name, "") != _scope(scope):
+        elif self._scopes.get(name, "") != made.scope:
             raise ValueError(f"agent {name!r} exists in another scope")
         messages = await agent.history()
         if messages[:1] != [{"role": "system", "content": text}] or len(messages) > 1:
             raise ValueError(f"agent {name!r} exists and is not a shared context of this text")
         self._contexts[name] = text
-        await drain(agent._stream(Turn("", Sampling(max_tokens=1), prime=True)))
+        await drain(agent.send_turn(Turn("", Sampling(max_tokens=1), prime=True)))
         return agent
 
     def _context_text(self, name: str) -> str:
@@ -295,29 +265,18 @@ class Session(SessionModels):
         except KeyError:
             raise UnknownAgent(f"no shared context {name!r}: make it with context()") from None
 
-    async def fork(
-        self, source: str, name: str, *, scope: str | None = None, model: str | None = None
-    ) -> Agent:
-        """A new agent ``name`` that starts where agent ``source`` is now: its conversation
-        and its cache, without copying it. In memory the stored arrays are shared (the hot
-        budget counts them once); on disk ``name``'s folder gets hard links
-        to ``source``'s segment files (one copy of the bytes) and a manifest of its own.
-        From then on each goes its own way: neither ever sees the other's later tokens,
-        and forgetting one leaves the other whole. It is of ``source``'s scope (a source
-        on disk only: ``scope``, default ``""``) and runs ``source``'s model (a source on
-        disk only: ``model``, default the first): ValueError for another model.
-
-        The source is asked between its turns (a turn it is taking finishes first). Raises
-        InvalidAgentId for unsafe names, ValueError when ``name`` exists (running or on
-        disk), UnknownAgent when ``source`` is neither running nor on disk.
-        """
-        check_agent_id(source)
-        check_agent_id(name)
+    async def _fork(self, spawn: SpawnAgent) -> Agent:
+        source, name, scope, model = spawn.fork_of, spawn.name, spawn.scope, spawn.model
+        assert source is not None
         if name in self._agents:
             raise ValueError(f"agent {name!r} already exists")
         running = self._agents.get(source)
-        scope = self._same_scope(source, scope) if running is not None else _scope(scope or "")
-        part = self._same_model(source, model) if running is not None else self._part(model)
+        if running is not None:
+            scope = self._same_scope(source, scope)
+            part = self._models.same_model(source, model)
+        else:
+            scope = scope or ""
+            part = self._models.part(model)
         start: AgentSnapshot | None
         if running is not None:
             start = await running.ref.ask(Snapshot())
@@ -334,7 +293,14 @@ class Session(SessionModels):
             on_disk = None if forked is None else await warm.restore(name)  # what it resumes
         # Hot too when the source is, with exactly those tokens (else it stages from disk).
         await part.engine.ask(Fork(source, name, list((on_disk or start).tokens)))
-        return await self._start_agent(part, name, None, None if on_disk else start, scope=scope)
+        return await self._start_agent(
+            part,
+            name,
+            None,
+            None if on_disk else start,
+            scope=scope,
+            tool_wait_s=spawn.tool_wait_s,
+        )
 
     async def _start_agent(
         self,
@@ -361,8 +327,15 @@ class Session(SessionModels):
         agent = Agent(self, name, ref)
         self._agents[name] = agent
         self._scopes[name] = scope
-        self._agent_models[name] = part.name
+        self._models.assign(name, part)
         return agent
+
+    def _forget_running(self, name: str) -> tuple[Agent | None, ModelPart | None]:
+        """Take running agent ``name`` out of the session's books: its handle and model."""
+        agent = self._agents.pop(name, None)
+        self._scopes.pop(name, None)
+        self._contexts.pop(name, None)
+        return agent, self._models.unassign(name)
 
     def agent(self, name: str) -> Agent:
         """The agent called ``name``; raises UnknownAgent."""
@@ -385,13 +358,10 @@ class Session(SessionModels):
         An agent that is not running is forgotten in every model's tiers.
         Raises InvalidAgentId for an unsafe name."""
         check_agent_id(name)
-        agent = self._agents.pop(name, None)
-        self._scopes.pop(name, None)
-        self._contexts.pop(name, None)
-        model = self._agent_models.pop(name, None)
+        agent, running = self._forget_running(name)
         if agent is not None:
             await agent.ref.stop()
-        parts = list(self._parts.values()) if model is None else [self._parts[model]]
+        parts = self._models.parts() if running is None else [running]
         done = Forgotten(agent=name)
         for part in parts:
             await part.engine.ask(DropCache(name))
@@ -407,70 +377,50 @@ class Session(SessionModels):
         another session (an engine host hands agents over this way). Raises
         InvalidAgentId for an unsafe name, UnknownAgent when it is not running."""
         check_agent_id(name)
-        agent = self.agent(name)
-        engine = self.engine_for(name)
-        del self._agents[name]
-        self._scopes.pop(name, None)
-        self._contexts.pop(name, None)
-        self._agent_models.pop(name, None)
+        self.agent(name)  # UnknownAgent when it is not running
+        agent, part = self._forget_running(name)
+        assert agent is not None and part is not None
         await agent.ref.stop()
-        await engine.ask(DropCache(name))
+        await part.engine.ask(DropCache(name))
 
     async def prefetch(self, name: str) -> None:
         """Hint that agent ``name`` runs next: its warm cache is staged into the hot tier in
         the background, if there is room, so that its next turn starts hot (an agent that
         is not running: the first model's)."""
         check_agent_id(name)
-        prefetcher = self._part(self._agent_models.get(name)).prefetcher
+        prefetcher = self._models.part_of(name).prefetcher
         if prefetcher is not None:
             await prefetcher.tell(Prefetch(name))
 
-    async def hint(
-        self,
-        next: Sequence[str] = (),
-        *,
-        expect_in_s: Mapping[str, float] | None = None,
-        priority: Mapping[str, int] | None = None,
-        done: Sequence[str] = (),
-        prefetch: int = 2,
-    ) -> None:
-        """Advice for the hot tier (docs: memory-policy): ``next``, the agents that run
-        next, soonest first; ``expect_in_s``, seconds until an agent's next turn;
-        ``priority``, higher stays hot longer; ``done``, agents done for now (demoted
-        first). The first ``prefetch`` agents of ``next`` are staged from the warm tier.
-        Wrong or missing hints cost time, never change an answer. Raises what
-        :func:`~kvactor.actors.hints.make_hint` raises."""
-        hint = make_hint(next, expect_in_s=expect_in_s, priority=priority, done=done)
-        if len(self._parts) == 1:
-            await send_hint(self.engine, self.prefetcher, hint, prefetch)
-            return
-        # Several models: each model's engine part and warm tier hear of their own agents
-        # (an agent not running: the first model's, as prefetch has it).
-        first = self._part(None).name
-        for model, part_hint in split_hint(hint, self._agent_models, first).items():
-            part = self._part(model)
-            await send_hint(part.engine, part.prefetcher, part_hint, prefetch)
+    async def _hint(self, hint: Hint, prefetch: int) -> None:
+        # Each model's engine part and warm tier hear of their own agents (an agent not
+        # running: the first model's, as prefetch has it).
+        first = self._models.first.name
+        for model, part_hint in split_hint(hint, self._models.agents_by_model(), first).items():
+            part = self._models.part(model)
+            await part.engine.ask(part_hint)  # the hot tier's owner first
+            if part.prefetcher is not None:  # then stage the soonest that are not hot
+                for agent in part_hint.next[:prefetch]:
+                    await part.prefetcher.tell(Prefetch(agent))
 
     async def warm_agents(self) -> list[WarmInfo]:
         """Every agent with a warm cache under ``cache_dir`` (refused ones say why), of
         every model."""
         infos: list[WarmInfo] = []
-        for part in self._parts.values():
+        for part in self._models.parts():
             if part.store is not None:
                 infos += await part.store.ask(ListAgents())
         return infos
 
     async def stats(self) -> EngineStats:
         """The engine's figures (several models: summed, with the memory limit's)."""
-        ref = self._multi_ref() if isinstance(self.engine, ModelRef) else self.engine
-        stats: EngineStats = await ref.ask(StatsQuery())
-        return stats
+        return await self._models.stats()
 
     async def cache_info(self, name: str) -> CacheInfo:
         """Agent ``name``'s hot cache (tokens, bytes, busy, persisted), whether or not an
         agent actor runs for it (a prefetch stages caches ahead of their agents). Raises
         UnknownAgent when it has no hot cache, InvalidAgentId for an unsafe name."""
-        engine = self.engine_for(check_agent_id(name))
+        engine = self._models.engine_for(check_agent_id(name))
         info: CacheInfo = await engine.ask(CacheQuery(name))
         return info
 
@@ -481,19 +431,35 @@ class Session(SessionModels):
         stats: StoreStats = await self.store.ask(StoreStatsQuery())
         return stats
 
+    # -- the models -------------------------------------------------------------------
+    @property
+    def models(self) -> dict[str, ModelInfo]:
+        """The session's models by name (one model: under its own name)."""
+        return self._models.infos
 
-async def send_hint(
-    engine: ActorRef[EngineMessage],
-    prefetcher: ActorRef[PrefetchMessage] | None,
-    hint: Hint,
-    prefetch: int,
-) -> None:
-    """Give ``hint`` to the engine (the hot tier's owner), then ask the warm tier, if any,
-    to stage the first ``prefetch`` agents of ``hint.next`` that are not hot (in room that
-    is free or held by agents expected later: a prefetch never displaces a sooner one)."""
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    await engine.ask(hint)
-    if prefetcher is not None:
-        for agent in hint.next[:prefetch]:
-            await prefetcher.tell(Prefetch(agent))
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names requests choose a model by: several models' (as ``models=`` named
+        them), else none (one model serves any name)."""
+        return self._models.names
+
+    def model_of(self, name: str) -> str:
+        """The model running agent ``name`` runs. Raises UnknownAgent."""
+        self.agent(name)
+        return self._models.model_of(name)
+
+    def engine_for(self, name: str) -> ActorRef[EngineMessage]:
+        """The engine as running agent ``name``'s model sees it (the session's ``engine``
+        when it is not running)."""
+        return self._models.engine_for(name)
+
+    async def model_states(self) -> list[ModelState]:
+        """Each model: loaded or not, pinned, weights, loads (one model: always loaded)."""
+        return await self._models.states()
+
+    async def end_turns(self) -> int:
+        """End every turn, for a close to come (a server stopping): a decoding turn ends
+        at its next step with finish_reason ``"ended"`` and is saved as any turn; a turn
+        not decoding yet, and any asked for later, fails with TurnEnded. Returns how many
+        turns it ended."""
+        return await self._models.end_turns()

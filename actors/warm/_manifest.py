@@ -25,8 +25,9 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -66,6 +67,9 @@ __all__ = (
     "rejected_dir",
     "segment_metadata",
     "segment_holds",
+    "SegmentKind",
+    "LayerShape",
+    "layer_shapes",
     "split_layers",
     "uniform_geometry",
     "warm_info",
@@ -100,28 +104,64 @@ _FRAME = re.compile(rb'\{"checksum":"(xxh3:[0-9a-f]{16}|crc32:[0-9a-f]{8})","man
 ExpectFn = Callable[[int, int], Expected]
 
 
+class SegmentKind(Enum):
+    """The kinds of segment file an agent's folder holds, in the order the manifest lists
+    them (``CacheManifest.of``); the value is the file name's prefix."""
+
+    SEGMENT = "seg"  # K/V: of the global layers when the layers are split, else all
+    WINDOW = "win"  # the sliding-window layers' K/V (split_layers), beside a segment
+    STATE = "st"  # the recurrent states at a segment's end (its checkpoint), beside it
+
+    @property
+    def pattern(self) -> re.Pattern[str]:
+        """Its files' names (the number in group 1)."""
+        return _FILE_PATTERNS[self]
+
+
+_FILE_PATTERNS = {
+    SegmentKind.SEGMENT: SEGMENT_FILE,
+    SegmentKind.WINDOW: WINDOW_FILE,
+    SegmentKind.STATE: STATE_FILE,
+}
+
+
+class LayerShape(NamedTuple):
+    """One entry of a geometry as ``CacheGeometry.describe`` writes it (window 0: none)."""
+
+    n_kv_heads: int
+    key_dim: int
+    value_dim: int
+    window: int
+
+
+def layer_shapes(geometry: list[list[int]]) -> list[LayerShape | None]:
+    """``geometry``'s entries by name (None: a layer without K/V)."""
+    return [LayerShape(*entry) if entry else None for entry in geometry]
+
+
 def split_layers(geometry: list[list[int]]) -> tuple[frozenset[int], int] | None:
     """For a geometry (``CacheGeometry.describe``) with both sliding-window and global
     layers: the sliding layers and their widest window, whose tensors the warm tier keeps
     apart. None for any other (every layer in one segment)."""
-    sliding = frozenset(i for i, g in enumerate(geometry) if g and g[3])
-    if not sliding or len(sliding) == sum(1 for g in geometry if g):
+    shapes = layer_shapes(geometry)
+    windows = {i: g.window for i, g in enumerate(shapes) if g is not None and g.window}
+    if not windows or len(windows) == sum(g is not None for g in shapes):
         return None
-    return sliding, max(geometry[i][3] for i in sliding)
+    return frozenset(windows), max(windows.values())
 
 
-def segment_holds(geometry: list[list[int]], kind: int) -> Callable[[str], bool]:
-    """Which tensor names (``{layer}.{k|v|s}.{part}``) a file of ``kind`` holds: 0 a
-    segment (K/V: of the global layers with split layers, ``split_layers``, else all),
-    1 a window segment (the sliding layers' K/V), 2 a state segment (the states)."""
+def segment_holds(geometry: list[list[int]], kind: SegmentKind) -> Callable[[str], bool]:
+    """Which tensor names (``{layer}.{k|v|s}.{part}``) a file of ``kind`` holds."""
     split = split_layers(geometry)
     sliding = split[0] if split is not None else frozenset()
 
     def holds(name: str) -> bool:
         layer, part = name.split(".", 2)[:2]
         if part == "s":
-            return kind == 2
-        return kind != 2 and (int(layer) in sliding) == (kind == 1)
+            return kind is SegmentKind.STATE
+        if kind is SegmentKind.STATE:
+            return False
+        return (int(layer) in sliding) == (kind is SegmentKind.WINDOW)
 
     return holds
 
@@ -200,6 +240,12 @@ class CacheManifest(msgspec.Struct, frozen=True, kw_only=True):
 
     def layer_geometry(self) -> list[list[int]]:
         return self.geometry or uniform_geometry(self.n_layers, self.n_kv_heads, self.head_dim)
+
+    def of(self, kind: SegmentKind) -> list[SegmentEntry]:
+        """Its files of ``kind``."""
+        if kind is SegmentKind.SEGMENT:
+            return self.segments
+        return self.window_segments if kind is SegmentKind.WINDOW else self.state_segments
 
     @property
     def all_segments(self) -> tuple[SegmentEntry, ...]:

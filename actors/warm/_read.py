@@ -29,6 +29,7 @@ from ._manifest import (
     ExpectFn,
     Loaded,
     SegmentEntry,
+    SegmentKind,
     WarmInfo,
     load_manifest,
     segment_holds,
@@ -125,14 +126,13 @@ def _read_segment(
 
 def _planned(
     folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
-) -> Iterator[tuple[int, SegmentEntry, Path, Callable[[int, int], Expected]]]:
-    """Each segment file the manifest names, its kind (0: a segment, 1: a window segment,
-    2: a state segment), its path, and the tensors expected of it for a range of tokens."""
+) -> Iterator[tuple[SegmentKind, SegmentEntry, Path, Callable[[int, int], Expected]]]:
+    """Each segment file the manifest names, its kind, its path, and the tensors expected
+    of it for a range of tokens."""
     geometry = identity.layer_geometry()
-    kinds = (manifest.segments, manifest.window_segments, manifest.state_segments)
-    for window, entries in enumerate(kinds):
-        keep = segment_holds(geometry, window)
-        for entry in entries:
+    for kind in SegmentKind:
+        keep = segment_holds(geometry, kind)
+        for entry in manifest.of(kind):
             path = folder / entry.file
 
             def layout(
@@ -140,13 +140,13 @@ def _planned(
             ) -> Expected:
                 return {k: v for k, v in _expect(expect, start, stop, path).items() if keep(k)}
 
-            yield window, entry, path, layout
+            yield kind, entry, path, layout
 
 
 def _read_segments(
     folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
 ) -> Loaded:
-    out: tuple[list[dict[str, np.ndarray[Any, Any]]], ...] = ([], [], [])
+    out: dict[SegmentKind, list[dict[str, np.ndarray[Any, Any]]]] = {k: [] for k in SegmentKind}
     for kind, entry, path, layout in _planned(folder, manifest, identity, expect):
         tensors = _read_segment(
             path,
@@ -160,7 +160,13 @@ def _read_segments(
             tensors = _prefix(tensors, layout(entry.start, entry.start + entry.use))
         out[kind].append(tensors)
     nbytes = sum(s.nbytes for s in manifest.all_segments)
-    return Loaded(manifest, out[0], nbytes, windows=out[1], states=out[2])
+    return Loaded(
+        manifest,
+        out[SegmentKind.SEGMENT],
+        nbytes,
+        windows=out[SegmentKind.WINDOW],
+        states=out[SegmentKind.STATE],
+    )
 
 
 def verify_cache(

@@ -32,6 +32,7 @@ from ._manifest import (
     CacheManifest,
     ExpectFn,
     SegmentEntry,
+    SegmentKind,
     WarmInfo,
     load_manifest,
     segment_holds,
@@ -290,23 +291,26 @@ def _write_new_segment(
     number = max([manifest.last_segment, *(int(m.group(1)) for m in found)]) + 1
     agent, stop = manifest.agent, manifest.n_tokens
     geometry = identity.layer_geometry()
-    kinds = [[(k, a) for k, a in arrays if segment_holds(geometry, kind)(k)] for kind in range(3)]
-    entries = [
-        _write_segment(folder, number, identity, agent, start, stop, group, prefix=prefix)
-        if kind == 0 or group or (kind == 1 and split_layers(geometry) is not None)
-        else None
-        for kind, (group, prefix) in enumerate(zip(kinds, ("seg", "win", "st"), strict=True))
-    ]
-    lists = (manifest.segments, manifest.window_segments, manifest.state_segments)
-    grown = [
-        [*old, entry] if entry is not None else list(old)
-        for old, entry in zip(lists, entries, strict=True)
-    ]
+    split = split_layers(geometry) is not None
+    entries: dict[SegmentKind, SegmentEntry] = {}
+    for kind in SegmentKind:
+        holds = segment_holds(geometry, kind)
+        group = [(k, a) for k, a in arrays if holds(k)]
+        # Every range has its segment; a window or state file only when it holds anything
+        # (a window file always, once the layers are split).
+        if kind is SegmentKind.SEGMENT or group or (kind is SegmentKind.WINDOW and split):
+            entries[kind] = _write_segment(
+                folder, number, identity, agent, start, stop, group, prefix=kind.value
+            )
+    grown = {
+        kind: [*manifest.of(kind), *([entries[kind]] if kind in entries else [])]
+        for kind in SegmentKind
+    }
     return msgspec.structs.replace(
         manifest,
-        segments=grown[0],
-        window_segments=grown[1],
-        state_segments=grown[2],
+        segments=grown[SegmentKind.SEGMENT],
+        window_segments=grown[SegmentKind.WINDOW],
+        state_segments=grown[SegmentKind.STATE],
         last_segment=number,
     )
 

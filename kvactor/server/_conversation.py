@@ -1,5 +1,5 @@
 """A conversation as each API sends it, checked and put in the form ``Agent.stream_chat``
-takes (``kvactor.actors._messages``): system, user, assistant (with its ``tool_calls``:
+takes (``kvactor.actors.agent``'s conversation): system, user, assistant (with its ``tool_calls``:
 ``{"id", "type": "function", "function": {"name", "arguments": dict}}``) and tool
 messages (``tool_call_id``). Every check raises :class:`ApiError` (a 400 naming the
 field: ``messages``, or ``system``).

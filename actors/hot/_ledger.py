@@ -1,0 +1,148 @@
+"""The hot budget's counts: what the tier holds now and at its peak, the room reserved for
+warm caches being staged, the exports pinned until they are written, the engine's running
+batch, and the bound in force."""
+
+from __future__ import annotations
+
+from ._ready import ReadyCopies
+from ._residents import Residents
+
+__all__ = ("Ledger",)
+
+
+class Ledger:
+    """Every byte the hot tier counts, against one bound.
+
+    ``budget``: the configured hot budget (None: unbounded), never exceeded: each
+    :meth:`measure` checks it. ``limit``: the bound in force now, at most the budget (an
+    engine under a memory limit lowers it while other models need room).
+
+    Invariant: the ledger is the only writer of these counts (``used``, ``peak``, the
+    stagings, the pins, the batch's bytes); it reads the residents and the ready copies
+    being built, whose bytes it counts."""
+
+    def __init__(self, budget: int | None, residents: Residents, ready: ReadyCopies) -> None:
+        self.budget = budget
+        self._limit = budget
+        self._residents = residents
+        self._ready = ready
+        self.used = 0
+        self.peak = 0
+        self._staged: dict[str, int] = {}  # agent -> bytes reserved for its staging warm cache
+        self._pins: dict[int, tuple[str, int]] = {}  # export id -> (agent, bytes) being written
+        self._exports = 0  # the last export id given
+        self._batch_bytes = 0  # the engine's running batch (working caches out of entries)
+        self.turn_room = 0  # the reserve of the last turn that started
+
+    # -- the bound --------------------------------------------------------------------
+    @property
+    def limit(self) -> int | None:
+        return self._limit
+
+    @limit.setter
+    def limit(self, value: int | None) -> None:
+        assert self.budget is None or (value is not None and value <= self.budget), (
+            f"a bound of {value} bytes over the hot budget of {self.budget}"
+        )
+        self._limit = value
+
+    def free(self) -> int | None:
+        """Bytes left under the bound, running turns counted at their reserve (None: no
+        bound)."""
+        return None if self._limit is None else self._limit - self.committed()
+
+    # -- stagings and pins ------------------------------------------------------------
+    def staged(self, agent: str) -> bool:
+        return agent in self._staged
+
+    def reserve(self, agent: str, nbytes: int) -> None:
+        """Hold ``nbytes`` for ``agent``'s warm cache being staged."""
+        assert agent not in self._staged, f"agent {agent!r} is being staged already"
+        self._staged[agent] = nbytes
+        self.measure()
+
+    def unreserve(self, agent: str) -> int | None:
+        """Give back ``agent``'s staging reservation; its bytes (None: it had none)."""
+        nbytes = self._staged.pop(agent, None)
+        self.measure()
+        return nbytes
+
+    def pin(self, agent: str, nbytes: int) -> int:
+        """Hold ``nbytes`` of ``agent``'s export until :meth:`unpin` names it; its id."""
+        self._exports += 1
+        self._pins[self._exports] = (agent, nbytes)
+        return self._exports
+
+    def unpin(self, export_id: int) -> bool:
+        """Release an export's pin; False when it had none (id 0: no write is coming)."""
+        return self._pins.pop(export_id, None) is not None
+
+    def writing(self) -> set[str]:
+        """Agents whose exports are being written."""
+        return {agent for agent, _ in self._pins.values()}
+
+    @property
+    def pending(self) -> bool:
+        """A write or a staging is on its way to change the counts."""
+        return bool(self._pins or self._staged)
+
+    def batch(self, nbytes: int) -> bool:
+        """The engine's running batch holds ``nbytes`` now; whether that changed."""
+        changed = nbytes != self._batch_bytes
+        self._batch_bytes = nbytes
+        return changed
+
+    # -- counting ---------------------------------------------------------------------
+    def measure(self) -> int:
+        """Bytes in use now (and the peak so far). A stored array that several caches hold
+        (forks share their source's) counts once. Checks the budget."""
+        seen: set[int] = set()
+        used = self._batch_bytes
+        for e in self._residents.values():
+            used += e.kv.work_bytes + e.kv.ready_bytes + e.due_bytes
+            if not e.kv.shared:  # the common case, per decode step: no set of ids
+                used += e.kv.stored_bytes
+                continue
+            for a in e.kv.stored_arrays():
+                if id(a) not in seen:
+                    seen.add(id(a))
+                    used += a.nbytes
+        used += sum(n for _, n in self._pins.values()) + sum(self._staged.values())
+        used += self._ready.reserved
+        self.used = used
+        self.peak = max(self.peak, used)
+        assert self.budget is None or used <= self.budget, (
+            f"the hot tier holds {used} bytes, over its budget of {self.budget}"
+        )
+        return used
+
+    def committed(self) -> int:
+        """Bytes in use, counting running turns' working caches at their reserved maximum
+        (the reserve covers the batch's padding and the merge copy, and what a turn stores
+        before it ends: a cut's range, a recurrent layer's checkpoint)."""
+        used = self.measure()
+        entries = list(self._residents.values())
+        working = sum(e.kv.work_bytes for e in entries) + self._batch_bytes
+        reserved = sum(
+            max(e.turn_reserve - max(e.kv.stored_bytes - e.turn_stored, 0), 0)
+            for e in entries
+            if e.turn_reserve is not None
+        )
+        return used - working + max(working, reserved)
+
+    def reset_peak(self) -> None:
+        """Count the peak from now on."""
+        self.peak = self.measure()
+
+    def check(self) -> None:
+        """Debug check: the count equals one made from scratch, every array by its id."""
+        seen: set[int] = set()
+        used = self._batch_bytes + self._ready.reserved
+        for e in self._residents.values():
+            used += e.kv.work_bytes + e.kv.ready_bytes + e.due_bytes
+            for a in e.kv.stored_arrays():
+                if id(a) not in seen:
+                    seen.add(id(a))
+                    used += a.nbytes
+        used += sum(n for _, n in self._pins.values()) + sum(self._staged.values())
+        assert used == self.measure(), f"the hot count {self.used} is not {used}"
