@@ -1,5 +1,6 @@
-"""Decode tokens/s through the actors vs mlx-lm's generate_step called directly on the same
-model and prompt, in the same process; and the engine's pipelined decode (step n+1 built
+"""Decode tokens/s through the actors vs mlx-lm called directly on the same model and
+prompts, in the same process (``generate_step`` at batch 1, ``BatchGenerator`` at batch 8);
+and the engine's pipelined decode (step n+1 built
 and launched before step n's tokens are read) vs reading each step first, at batch 1 and
 batch 8; and the default session (under its memory limit over everything: 3/4 of RAM) vs
 one opened with ``memory_limit=None`` (only the hot budget), batch 1 and 8. Rounds alternate
@@ -20,7 +21,7 @@ import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
 import anyio
 import mlx.core as mx
 from _results import write_json  # bench/ is the script's folder: on sys.path
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 
 from kvactor.actors.engine._batch import DecodeBatch
 from kvactor.actors.models import LoadedModel, load_model
@@ -38,6 +39,19 @@ def direct_tok_s(lm: LoadedModel, tokens: list[int], n: int) -> float:
     ):
         stamps.append(time.perf_counter())
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def direct_batch_tok_s(lm: LoadedModel, prompts: list[list[int]], n: int) -> float:
+    """mlx-lm's BatchGenerator over ``prompts`` at once: tokens/s from the first step that
+    gave every prompt its first token to the last (the first tokens come from prefill)."""
+    gen = BatchGenerator(lm.model, stop_tokens=[], sampler=lambda x: mx.argmax(x, axis=-1))
+    gen.insert(prompts, max_tokens=[n] * len(prompts))
+    stamps: list[tuple[float, int]] = []
+    while responses := gen.next_generated():
+        stamps.append((time.perf_counter(), len(responses)))
+    gen.close()
+    tokens = sum(count for _, count in stamps) - len(prompts)
+    return tokens / (stamps[-1][0] - stamps[0][0])
 
 
 async def actor_tok_s(session: kvactor.Session, n: int, tag: str, agents: int = 1) -> float:
@@ -65,6 +79,7 @@ async def main(model: str | None, n: int, rounds: int) -> dict[str, Any]:
         k: []
         for k in (
             "direct",
+            "direct_b8",
             "pipelined",
             "unpipelined",
             "b8_pipelined",
@@ -77,13 +92,19 @@ async def main(model: str | None, n: int, rounds: int) -> dict[str, Any]:
         kvactor.open(model, max_batch=BATCH) as session,
         kvactor.open(model, max_batch=BATCH, memory_limit=None) as unlimited,
     ):
-        tokens = session.tokenizer.encode(
-            session.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
-        )
+        template = session.tokenizer.apply_chat_template
+        tokens = session.tokenizer.encode(template([{"role": "user", "content": PROMPT}]))
+        batch = [
+            session.tokenizer.encode(
+                template([{"role": "user", "content": f"{PROMPT} Chapter {i + 1}."}])
+            )
+            for i in range(BATCH)
+        ]
         await actor_tok_s(session, 4, "warmup")
         await actor_tok_s(unlimited, 4, "warmup")
         for r in range(rounds):  # alternate the variants against drift
             runs["direct"].append(direct_tok_s(lm, tokens, n))  # blocks the loop: alone
+            runs["direct_b8"].append(direct_batch_tok_s(lm, batch, n))
             for pipelined in (True, False):
                 DecodeBatch.pipelined = pipelined
                 key = "pipelined" if pipelined else "unpipelined"
@@ -97,6 +118,8 @@ async def main(model: str | None, n: int, rounds: int) -> dict[str, Any]:
         "actor_tok_s": round(best["pipelined"], 2),
         "direct_tok_s": round(best["direct"], 2),
         "ratio": round(best["pipelined"] / best["direct"], 3),
+        "direct_b8_tok_s": round(best["direct_b8"], 2),
+        "ratio_b8": round(best["b8_pipelined"] / best["direct_b8"], 3),
         "unpipelined_tok_s": round(best["unpipelined"], 2),
         "ratio_unpipelined": round(best["unpipelined"] / best["direct"], 3),
         "pipeline_gain_b1": round(best["pipelined"] / best["unpipelined"], 3),
@@ -132,7 +155,11 @@ if __name__ == "__main__":
         f"| kvactor, each step read before the next | {result['unpipelined_tok_s']:.1f} "
         f"| {result['ratio_unpipelined']:.3f} |"
     )
-    print(f"| batch {BATCH}, pipelined | {result['b8_pipelined_tok_s']:.1f} | |")
+    print(f"| mlx-lm BatchGenerator, direct, batch {BATCH} | {result['direct_b8_tok_s']:.1f} | |")
+    print(
+        f"| batch {BATCH}, pipelined | {result['b8_pipelined_tok_s']:.1f} "
+        f"| {result['ratio_b8']:.3f} (vs BatchGenerator) |"
+    )
     print(f"| batch {BATCH}, each step read first | {result['b8_unpipelined_tok_s']:.1f} | |")
     print(f"| memory_limit=None, batch 1 | {result['unlimited_tok_s']:.1f} | |")
     print(f"| memory_limit=None, batch {BATCH} | {result['b8_unlimited_tok_s']:.1f} | |")

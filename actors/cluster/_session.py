@@ -179,12 +179,6 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         if self._started_ray:
             await anyio.to_thread.run_sync(ray.shutdown)
 
-    async def __aenter__(self) -> ClusterSession:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
     # -- replicas and lost hosts ------------------------------------------------------
     async def replicate(self, agent: str) -> None:
         """With ``replicas=2``: bring the replica of ``agent``'s warm cache on another host
