@@ -196,7 +196,7 @@ class Hosts:
         if host.name in self._lost:
             return False
         for _ in range(3):  # a call can reach a host Ray has not yet seen die
-            ref = host.handle.info.remote()
+            ref = self.remote(host, EngineHost.info)
             try:
                 await anyio.to_thread.run_sync(
                     functools.partial(ray.get, ref, timeout=5.0), abandon_on_cancel=True
