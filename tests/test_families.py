@@ -164,6 +164,7 @@ def _first_turn_elsewhere(family: str, attention: str, root: Path) -> list[int]:
     return list(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+@pytest.mark.slow  # a process per family and mode (~4 s each): the whole suite's
 @FAMILY
 @ATTENTION
 def test_a_warm_reload_in_another_process_equals_the_cache_kept_hot(
