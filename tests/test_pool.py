@@ -219,3 +219,32 @@ def test_the_prefix_index_finds_the_longest_boundary_and_checks_every_hit() -> N
     index.remove("a")
     assert index.longest(prompt, 6, "me", holds, order) is None
     assert not index._stops and not index._at and not index._of  # nothing left behind
+
+
+def test_a_staging_whose_cache_outgrows_its_reservation_trips_the_budget_assert(
+    lm: LoadedModel,
+) -> None:
+    # The invariant "the budget is never exceeded" is checked where bytes change (every
+    # measure), not only by tests reading the peak afterwards: a reservation that lied
+    # about its bytes is caught at the install that would go over.
+    source = new_pool(lm, None)
+    size = turn(source, lm, "big", 40, persist=True)
+    staged = source.get("big")
+    assert staged is not None
+    pool = new_pool(lm, size // 2)
+    assert pool.reserve("big", 1) is Room.RESERVED  # one byte reserved for it
+    with pytest.raises(AssertionError, match="over its budget"):
+        pool.warm.install("big", 1, lambda: staged.kv.fork(pool.new_kv()), pin=False)
+
+
+def test_the_debug_check_finds_an_index_out_of_date(lm: LoadedModel) -> None:
+    # Residents index each cache's stored ranges; a range stored behind the pool's back
+    # (not through store_so_far / end_turn) leaves the index stale: check() says so.
+    pool = new_pool(lm, None)
+    turn(pool, lm, "a", 20, persist=True)
+    pool.check()  # consistent
+    entry = pool.get("a")
+    assert entry is not None
+    entry.kv.trim(10)  # behind the pool's back
+    with pytest.raises(AssertionError, match="index out of date"):
+        pool.check()
