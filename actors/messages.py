@@ -11,6 +11,8 @@ from .options import Constraint, Sampling
 from .records import ToolRequest
 
 __all__ = (
+    "WarmAgent",
+    "WarmVictims",
     "MakeContext",
     "SpawnAgent",
     "AgentMessage",
@@ -165,6 +167,29 @@ class EndTurns(msgspec.Struct, frozen=True, tag=True):
     not decoding yet, and every later one, fails with TurnEnded."""
 
 
+# -- the warm tier's limit: which warm agents go cold first (the engine's policy says) --
+
+
+class WarmAgent(msgspec.Struct, frozen=True):
+    """A warm agent that could go cold: the bytes only it holds on disk, its cached tokens,
+    and when its warm cache was last written (unix time)."""
+
+    agent: str
+    nbytes: int
+    tokens: int
+    updated: float
+
+
+class WarmVictims(msgspec.Struct, frozen=True, tag=True):
+    """Which of ``agents`` go cold first to free ``need`` bytes of the warm tier, in the
+    eviction policy's order with the application's hints (done first, hinted to run soon
+    last): answers their names (fewer when all of them free less). An agent whose cache is
+    hot, staged, or with a turn queued or running is never named."""
+
+    agents: list[WarmAgent]
+    need: int
+
+
 EngineMessage = (
     Generate
     | Export
@@ -180,6 +205,7 @@ EngineMessage = (
     | GetModelInfo
     | StatsQuery
     | EndTurns
+    | WarmVictims
 )
 
 

@@ -29,6 +29,7 @@ from ...kernels.memory import release_thread
 from ...runtime import Reply, ThreadActor
 from ..enums import Room
 from ..errors import BudgetExceeded, ModelLoadError, TurnEnded, UnknownAgent
+from ..hot import Rates, cold_candidates
 from ..messages import (
     CacheQuery,
     DropCache,
@@ -44,6 +45,7 @@ from ..messages import (
     Reserve,
     StatsQuery,
     ToolWait,
+    WarmVictims,
     Written,
 )
 from ..records import EngineStats, ModelInfo, ModelState
@@ -373,6 +375,8 @@ class EngineActor(ThreadActor):
                 return False  # nothing hot to fork from: it stages from disk
             case DropCache() | Release() | Written() | ToolWait():
                 return None if not isinstance(message, DropCache) else False
+            case WarmVictims(agents, need):  # no hints while unloaded: the policy alone
+                return self.config.policy.victims(cold_candidates(agents, None, Rates()), need)
             case CacheQuery(agent) | Export(agent):
                 raise UnknownAgent(f"agent {agent!r} has no hot cache (its model is unloaded)")
         raise TypeError(f"the engine does not handle {type(message).__name__}")

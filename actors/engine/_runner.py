@@ -44,6 +44,7 @@ from ..messages import (
     Reserve,
     StatsQuery,
     ToolWait,
+    WarmVictims,
     Written,
 )
 from ..models import LoadedModel, Tokenizer, load_model
@@ -256,6 +257,8 @@ class ModelRunner:
                 return self.stats()
             case EndTurns():
                 return self.end_turns()
+            case WarmVictims(agents, need):
+                return pool.cold_victims(agents, need)
         raise TypeError(f"the engine does not handle {type(message).__name__}")
 
     def stats(self) -> EngineStats:

@@ -7,6 +7,7 @@ policies and the application's hints (``HintBook``) live here too."""
 from __future__ import annotations
 
 from ._demotion import Demotion as Demotion
+from ._demotion import cold_candidates as cold_candidates
 from ._entry import HotEntry as HotEntry
 from ._hints import PRIORITY_LIMIT as PRIORITY_LIMIT
 from ._hints import HintBook as HintBook
@@ -38,6 +39,7 @@ __all__ = (
     "Residents",
     "WarmTraffic",
     "WorkflowPolicy",
+    "cold_candidates",
     "make_hint",
     "split_hint",
 )

@@ -3,9 +3,12 @@ and the tool-wait state), making room, and whether anything is on its way to fre
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 
 from ..enums import Tier
+from ..messages import WarmAgent
 from ._entry import HotEntry
 from ._hints import HintBook
 from ._ledger import Ledger
@@ -13,7 +16,37 @@ from ._policy import Candidate, EvictionPolicy, Rates
 from ._ready import ReadyCopies
 from ._residents import Residents
 
-__all__ = ("Demotion",)
+__all__ = ("Demotion", "cold_candidates")
+
+
+def cold_candidates(
+    agents: Sequence[WarmAgent], hints: HintBook | None, rates: Rates
+) -> list[Candidate]:
+    """``agents`` (warm, not hot) as candidates to go cold: their last use is when their
+    warm cache was written, bringing one back is a re-prefill, and the hints in force
+    (None: none) say when each runs next, its priority and whether it is done."""
+    now, wall = time.monotonic(), time.time()
+    out = []
+    for a in agents:
+        hinted = None if hints is None else hints.next_use(a.agent, now)
+        out.append(
+            Candidate(
+                agent=a.agent,
+                nbytes=a.nbytes,
+                tokens=a.tokens,
+                last_used=now - max(wall - a.updated, 0.0),
+                hits=0,
+                clean=True,
+                demote_to=Tier.COLD,
+                reload_s=a.tokens / rates.prefill_tokens_s,
+                next_use=hinted,
+                tier=Tier.WARM,
+                priority=0 if hints is None else hints.priority(a.agent),
+                done=hints is not None and hints.done(a.agent),
+                hinted=hinted is not None,
+            )
+        )
+    return out
 
 
 class Demotion:
@@ -193,6 +226,32 @@ class Demotion:
                 self._residents.remove(agent)
                 self.demotions[tiers[agent]] += 1
         return ledger.committed() + need <= ledger.limit
+
+    def cold_victims(self, agents: Sequence[WarmAgent], need: int) -> list[str]:
+        """Which of the warm ``agents`` go cold on disk first for ``need`` bytes (the
+        policy's order, with the hints). Never one staged, busy or being written; a hot
+        idle one may: it stays hot, and its hot entry learns that nothing of it is on disk
+        any more (its next write is whole, and it is never demoted as if it had a copy)."""
+        writing = self._ledger.writing()
+        idle = []
+        for a in agents:
+            entry = self._residents.get(a.agent)
+            if self._residents.busy(a.agent) or self._ledger.staged(a.agent):
+                continue
+            if entry is not None and (entry.staged or entry.write_due or a.agent in writing):
+                continue
+            idle.append(a)
+        candidates = cold_candidates(idle, self._hints, self._rates)
+        for i, c in enumerate(candidates):
+            entry = self._residents.get(c.agent)
+            if entry is not None:  # its last use is its last turn, not its last write
+                candidates[i] = dataclasses.replace(c, last_used=entry.last_used, tier=Tier.HOT)
+        victims = self.policy.victims(candidates, need)
+        for agent in victims:
+            entry = self._residents.get(agent)
+            if entry is not None:
+                entry.warm_copy_gone()
+        return victims
 
     def stuck(self, exclude: HotEntry | None = None) -> bool:
         """Nothing is on its way to free room: no running turn (but ``exclude``'s), no write,

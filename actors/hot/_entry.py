@@ -183,6 +183,13 @@ class HotEntry:
         if self._persisted:
             self._shared_from = None  # its warm copy exists: later writes append
 
+    def warm_copy_gone(self) -> None:
+        """Its warm copy was made cold (the disk limit): nothing of it is on disk now, so
+        its next write is whole and it is never demoted as if it were safe there."""
+        assert not self._write_due, "a cache whose write is due keeps its warm copy"
+        self._persisted = 0
+        self._shared_from = None
+
     def wait_for_tools(self, until: float) -> None:
         """Its turn ended in tool calls: keep it ahead of idle caches until ``until``."""
         self._tool_wait_until = until

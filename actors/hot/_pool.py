@@ -12,6 +12,7 @@ entries through the methods here; the pool answers with typed results.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from ...kernels.agent_cache import DEFAULT_CHECKPOINTS, AgentKV
 from ...kernels.geometry import CacheGeometry
@@ -20,7 +21,7 @@ from ...kernels.turn_cache import FloatTurnCache, TurnCache
 from ...runtime import DEBUG, Reply
 from ..enums import Room, Tier
 from ..errors import AgentBusy, UnknownAgent
-from ..messages import Hint
+from ..messages import Hint, WarmAgent
 from ..records import CacheInfo, Exported
 from ._demotion import Demotion
 from ._entry import HotEntry, common_prefix
@@ -116,6 +117,9 @@ class CachePool:
 
     def stuck(self, exclude: HotEntry | None = None) -> bool:
         return self.demotion.stuck(exclude)
+
+    def cold_victims(self, agents: Sequence[WarmAgent], need: int) -> list[str]:
+        return self.demotion.cold_victims(agents, need)
 
     def idle_bytes(self) -> int:
         return self.demotion.idle_bytes()

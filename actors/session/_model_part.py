@@ -22,6 +22,7 @@ from ..records import ModelInfo
 from ..warm import (
     ActorWarmTier,
     CacheIdentity,
+    DiskUsage,
     ExpectFn,
     PrefetchActor,
     PrefetchMessage,
@@ -55,6 +56,7 @@ class ModelPart:
     warm: ActorWarmTier | None = None
     identity: CacheIdentity | None = None  # what its warm caches must match
     layout: ExpectFn | None = None  # their segments' layout
+    root: Path | None = None  # the folder its warm tier keeps its agents under
 
 
 async def start_part(
@@ -66,9 +68,11 @@ async def start_part(
     *,
     delete_rejected: bool,
     suffix: str = "",
+    usage: DiskUsage | None = None,
 ) -> ModelPart:
     """Ask the engine what its model is and start its warm tier under ``root`` (None:
-    none); ``name`` None: the model's own name. ``suffix`` tells its actors' names apart."""
+    none); ``name`` None: the model's own name. ``suffix`` tells its actors' names apart;
+    ``usage``: the disk limit's count its store keeps (shared by a directory's models)."""
     model, tokenizer = await engine.ask(GetModelInfo())
     store = prefetcher = warm = identity = layout = None
     if root is not None:
@@ -99,6 +103,8 @@ async def start_part(
             root,
             delete_rejected=delete_rejected,
             checkpoints=config.checkpoints,  # as many as its hot caches keep
+            usage=usage,
+            engine=engine,
             name=f"store{suffix}",
         )
         prefetcher = await runtime.spawn(PrefetchActor, engine, store, name=f"prefetch{suffix}")
@@ -116,4 +122,5 @@ async def start_part(
         warm,
         identity,
         layout,
+        root,
     )

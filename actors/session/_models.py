@@ -3,6 +3,8 @@ reference, what the model is, its warm tier), and the model each running agent r
 
 from __future__ import annotations
 
+import logging
+from enum import Enum
 from pathlib import Path
 
 import anyio
@@ -14,16 +16,35 @@ from ..errors import UnknownAgent
 from ..ids import check_agent_id
 from ..messages import EndTurns, EngineMessage, ModelsQuery, StatsQuery
 from ..records import EngineStats, ModelInfo, ModelState
-from ..warm import CacheDirLock, lock_cache_dir
+from ..warm import (
+    CacheDirLock,
+    DiskUsage,
+    FitDisk,
+    default_disk_limit,
+    lock_cache_dir,
+    scan_agents,
+)
 from ._model_part import ModelPart, model_folder, start_part
 
-__all__ = ("Models", "SessionModels")
+__all__ = ("DEFAULT", "Default", "Models", "SessionModels")
 
 #: What ``kvactor.open(models=...)`` takes: a name per model, each a ModelSpec.
 Models = dict[str, ModelSpec]
 
 #: The engine's name for the one model of a session opened on ``model`` (not ``models``).
 _ONE = "default"
+
+log = logging.getLogger("kvactor.session")
+
+
+class Default(Enum):
+    """A keyword left out (where None means something else: no limit)."""
+
+    DEFAULT = "default"
+
+
+#: ``disk_limit`` left out: the default limit (``default_disk_limit``), set at open.
+DEFAULT = Default.DEFAULT
 
 
 class SessionModels:
@@ -45,6 +66,7 @@ class SessionModels:
         memory_limit: int | None,
         pins: frozenset[str] = frozenset(),
         model_ttl_s: float | None = None,
+        disk_limit: int | Default | None = DEFAULT,
     ) -> None:
         self.several = isinstance(model, dict)
         specs: Models = dict(model) if isinstance(model, dict) else {_ONE: model}
@@ -69,6 +91,9 @@ class SessionModels:
         self._agents: dict[str, str] = {}  # running agent -> the name of its model's part
         self._locks: list[CacheDirLock] = []  # each model's folder's (several models)
         self._engine: ActorRef[object] | None = None
+        self._disk_limit = disk_limit
+        # The warm tier's bytes on disk against its limit, over every model's folder.
+        self.usage: DiskUsage | None = None
 
     async def start(self, runtime: Runtime) -> None:
         """Spawn the engine (loading the models) and start each model's part."""
@@ -83,6 +108,8 @@ class SessionModels:
             name="engine",
         )
         self._engine = engine
+        if root is not None and self._disk_limit is not None:
+            self.usage = DiskUsage(None if self._disk_limit is DEFAULT else self._disk_limit)
         for slot in self._specs:
             folder = root if not self.several or root is None else model_folder(root, slot)
             if self.several and folder is not None:
@@ -96,12 +123,33 @@ class SessionModels:
                 folder,
                 delete_rejected=rejected,
                 suffix=f":{slot}" if self.several else "",
+                usage=self.usage,
             )
             self._parts[part.name] = part
             self._slots[part.name] = slot
+        if self.usage is not None:
+            await self._count_disk()
         if root is not None and self.memory_limit is not None:
             names = list(self._parts)
             await anyio.to_thread.run_sync(record_limit, root, self.memory_limit, names)
+
+    async def _count_disk(self) -> None:
+        """Count every model's warm caches (after the collector ran), set the default
+        limit when none was given, and bring the directory under it (a lower limit than
+        the one it was filled under goes cold by policy, least recently written first)."""
+        usage = self.usage
+        assert usage is not None
+        for part in self._parts.values():
+            if part.store is not None and part.root is not None:
+                found = await anyio.to_thread.run_sync(scan_agents, part.root)
+                usage.load(part.root, found)
+        if self._disk_limit is DEFAULT:
+            assert self._root is not None
+            usage.limit = await anyio.to_thread.run_sync(default_disk_limit, self._root, usage.used)
+        for part in self._parts.values():
+            if part.store is not None:
+                await part.store.ask(FitDisk())
+        log.info("warm tier: %d of %s bytes on disk", usage.used, usage.limit)
 
     def release_locks(self) -> None:
         locks, self._locks = self._locks, []

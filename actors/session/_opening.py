@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar
 from ...kernels.qcodec import KVCodec
 from ..engine import Attention, EngineConfig, ModelSpec, default_memory_limit
 from ..hot import EvictionPolicy
+from ._models import DEFAULT
 from ._session import OnSaveError, Session
 
 if TYPE_CHECKING:
@@ -48,9 +49,10 @@ class OpenOptions(TypedDict, total=False):
     memory_limit: int | None
     pin_models: tuple[str, ...] | list[str]
     model_ttl_s: float | None
+    disk_limit: int | None
 
 
-_SESSION_KEYS = ("mailbox_size", "cache_dir", "delete_rejected", "on_save_error")
+_SESSION_KEYS = ("mailbox_size", "cache_dir", "delete_rejected", "on_save_error", "disk_limit")
 MODELS_KEYS = ("models", "memory_limit", "pin_models", "model_ttl_s")
 _ENGINE_KEYS = tuple(k for k in OpenOptions.__annotations__ if k not in _SESSION_KEYS + MODELS_KEYS)
 
@@ -109,6 +111,14 @@ def open_session(model: ModelSpec = None, **options: Any) -> Opening[Session]:
         raise ValueError("pin_models and model_ttl_s are for several models (models=)")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise ValueError(f"memory_limit must be a positive int of bytes, not {limit!r}")
+    # Absent: the default (a share of the free disk, at most 30 GiB); None: no limit.
+    disk = options.get("disk_limit", DEFAULT)
+    if (
+        disk is not None
+        and disk is not DEFAULT
+        and (isinstance(disk, bool) or not isinstance(disk, int) or disk < 1)
+    ):
+        raise ValueError(f"disk_limit must be a positive int of bytes or None, not {disk!r}")
     session = Session(
         dict(models) if models is not None else model,
         config,
@@ -119,5 +129,6 @@ def open_session(model: ModelSpec = None, **options: Any) -> Opening[Session]:
         memory_limit=limit,
         pins=frozenset(options.get("pin_models", ())),
         model_ttl_s=options.get("model_ttl_s"),
+        disk_limit=disk,
     )
     return Opening(session.start, session.__aexit__)

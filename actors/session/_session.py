@@ -51,7 +51,7 @@ from ..warm import (
 from ._api import SessionAPI, drain, scope_name
 from ._handle import Agent
 from ._model_part import ModelPart
-from ._models import Models, SessionModels
+from ._models import DEFAULT, Default, Models, SessionModels
 
 __all__ = ("OnSaveError", "Session")
 
@@ -84,6 +84,7 @@ class Session(SessionAPI[Agent]):
         memory_limit: int | None = None,
         pins: frozenset[str] = frozenset(),
         model_ttl_s: float | None = None,
+        disk_limit: int | Default | None = DEFAULT,
     ) -> None:
         if on_save_error not in _ON_SAVE_ERROR:
             raise ValueError(f"on_save_error must be 'report' or 'raise', not {on_save_error!r}")
@@ -99,6 +100,7 @@ class Session(SessionAPI[Agent]):
             memory_limit=memory_limit,
             pins=pins,
             model_ttl_s=model_ttl_s,
+            disk_limit=disk_limit,
         )
         self._lock: CacheDirLock | None = None
         self.runtime = Runtime(mailbox_size=mailbox_size)

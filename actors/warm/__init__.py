@@ -11,6 +11,7 @@ from ._durable import link_or_copy as link_or_copy
 from ._forget import Forgotten as Forgotten
 from ._forget import SharedFile as SharedFile
 from ._forget import collect as collect
+from ._forget import demote_cold as demote_cold
 from ._forget import forget as forget
 from ._forget import forget_cache as forget_cache
 from ._manifest import MANIFEST as MANIFEST
@@ -30,6 +31,7 @@ from ._read import disk_footprint as disk_footprint
 from ._read import list_agents as list_agents
 from ._read import read_cache as read_cache
 from ._read import verify_cache as verify_cache
+from ._store import FitDisk as FitDisk
 from ._store import Forget as Forget
 from ._store import ForkCache as ForkCache
 from ._store import ListAgents as ListAgents
@@ -39,8 +41,22 @@ from ._store import StoreStats as StoreStats
 from ._store import StoreStatsQuery as StoreStatsQuery
 from ._tier import ActorWarmTier as ActorWarmTier
 from ._tier import WarmTier as WarmTier
+from ._usage import DISK_CEILING as DISK_CEILING
+from ._usage import DISK_SHARE as DISK_SHARE
+from ._usage import DiskUsage as DiskUsage
+from ._usage import agent_files as agent_files
+from ._usage import default_disk_limit as default_disk_limit
+from ._usage import scan_agents as scan_agents
 
 __all__ = (
+    "demote_cold",
+    "FitDisk",
+    "DISK_SHARE",
+    "DISK_CEILING",
+    "default_disk_limit",
+    "scan_agents",
+    "agent_files",
+    "DiskUsage",
     "ActorWarmTier",
     "CacheDirLock",
     "CacheIdentity",

@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import msgspec
 
 from ..errors import CacheRejected, StoreWriteError
-from ._durable import fsync_dir, orphans, remove_path
-from ._manifest import load_manifest
+from ._durable import commit, fsync_dir, orphans, remove_path, write_failed
+from ._manifest import CacheIdentity, load_manifest
 from ._paths import agent_dir, contained, rejected_dir
 from ._read import tree_bytes
 
-__all__ = ("Collected", "Forgotten", "SharedFile", "collect", "forget", "forget_cache")
+__all__ = (
+    "Collected",
+    "Forgotten",
+    "SharedFile",
+    "collect",
+    "demote_cold",
+    "forget",
+    "forget_cache",
+)
 
 
 # ---------------------------------------------------------------------------- forget
@@ -102,6 +111,41 @@ def forget_cache(root: str | os.PathLike[str], agent: str) -> Forgotten:
     except OSError as exc:
         raise StoreWriteError(f"forgetting agent {agent!r} failed: {exc}") from exc
     return Forgotten(agent=agent, freed=freed, kept=kept)
+
+
+# ------------------------------------------------------------------------------ cold
+def demote_cold(root: str | os.PathLike[str], identity: CacheIdentity, agent: str) -> bool:
+    """Make the agent's warm cache cold: its manifest keeps its conversation (messages)
+    and no tokens, committed atomically, then its segment files go (a file another agent
+    names stays for it). Its next turn prefills the conversation again. Killed at any
+    point it is warm (the old manifest) or cold (the new one; files the old one named are
+    collected at the next open), never half. False when it had nothing to demote (no warm
+    cache, one already cold, or one refused: that is the store's to set aside).
+
+    Raises UnsafeCachePath for a symlinked folder; StoreWriteError when the disk fails."""
+    folder = agent_dir(root, agent)
+    try:
+        loaded = load_manifest(folder, identity, agent)
+    except CacheRejected:
+        return False
+    if loaded is None or loaded[0].n_tokens == 0:
+        return False
+    cold = msgspec.structs.replace(
+        loaded[0],
+        n_tokens=0,
+        token_ids=[],
+        text="",
+        segments=[],
+        window_segments=[],
+        state_segments=[],
+        updated=time.time(),
+    )
+    try:
+        commit(folder, cold)
+        fsync_dir(folder)
+    except OSError as exc:
+        raise write_failed(exc, f"making the warm cache of agent {agent!r} cold") from exc
+    return True
 
 
 # --------------------------------------------------------------------------- collect

@@ -92,7 +92,7 @@ class PrefetchActor(Actor):
             manifest: CacheManifest | None = await self.store.ask(Manifest(agent), timeout=None)
         except CacheRejected as exc:
             return StageResult(agent, StageOutcome.REJECTED, exc.reason)
-        if manifest is None:
+        if manifest is None or manifest.n_tokens == 0:  # none, or made cold: prefill
             return StageResult(agent, StageOutcome.NO_WARM_CACHE)
         nbytes = sum(s.nbytes for s in manifest.all_segments)  # window and state files too
         room = Room(await self.engine.ask(Reserve(agent, nbytes, wait), timeout=None))

@@ -16,6 +16,7 @@ arrays and bytes only.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from pathlib import Path
@@ -25,11 +26,13 @@ import anyio
 import msgspec
 import numpy as np
 
-from ...runtime import Actor
-from ..errors import CacheRejected
+from ...runtime import Actor, ActorRef
+from ..errors import CacheRejected, StoreWriteError
+from ..hot import LRUPolicy, Rates, cold_candidates
 from ..ids import check_agent_id
+from ..messages import EngineMessage, WarmAgent, WarmVictims
 from ._dirlock import LOCK_FILE, CacheDirLock, lock_cache_dir
-from ._forget import Collected, Forgotten, SharedFile, collect, forget, forget_cache
+from ._forget import Collected, Forgotten, SharedFile, collect, demote_cold, forget, forget_cache
 from ._link import fork_cache, share_cache
 from ._manifest import (
     FORMAT_VERSION,
@@ -44,7 +47,10 @@ from ._manifest import (
 )
 from ._paths import agent_dir, default_cache_dir
 from ._read import disk_footprint, list_agents, read_cache
+from ._usage import AgentFiles, DiskUsage, agent_files
 from ._write import append_cache
+
+log = logging.getLogger("kvactor.store")
 
 __all__ = (
     "FORMAT_VERSION",
@@ -56,6 +62,7 @@ __all__ = (
     "CacheManifest",
     "Collected",
     "ExpectFn",
+    "FitDisk",
     "Forget",
     "Forgotten",
     "ListAgents",
@@ -150,9 +157,16 @@ class StoreStatsQuery(msgspec.Struct, frozen=True, tag=True):
     """The warm tier's I/O so far: answers a StoreStats."""
 
 
+class FitDisk(msgspec.Struct, frozen=True, tag=True):
+    """Bring the warm tier under its disk limit (at open: a lower limit than the one the
+    directory was filled under) by making agents cold in the policy's order: answers how
+    many went cold."""
+
+
 class StoreStats(msgspec.Struct, frozen=True):
-    """Bytes the warm tier read (verified loads) and wrote (appends, segments and
-    manifests), and the seconds those took (the reads' and writes' own time: the rate)."""
+    """Bytes the warm tier read (verified loads) and wrote (the files its appends made:
+    segments and manifests, exactly), and the seconds those took (the reads' and writes'
+    own time: the rate)."""
 
     reads: int = 0
     bytes_read: int = 0
@@ -161,10 +175,24 @@ class StoreStats(msgspec.Struct, frozen=True):
     bytes_written: int = 0
     write_s: float = 0.0
     rejected: int = 0  # loads refused (the agent continued cold)
+    # The disk limit (None: none): what the cache directory's agents hold now (a file
+    # linked by several counted once), the limit, and the agents made cold to stay under.
+    disk_bytes: int = 0
+    disk_peak_bytes: int = 0
+    disk_limit_bytes: int | None = None
+    demoted_cold: int = 0
 
 
 StoreMessage = (
-    Append | Load | Manifest | ListAgents | Forget | ForkCache | ShareCache | StoreStatsQuery
+    Append
+    | Load
+    | Manifest
+    | ListAgents
+    | Forget
+    | ForkCache
+    | ShareCache
+    | StoreStatsQuery
+    | FitDisk
 )
 
 
@@ -193,6 +221,8 @@ class StoreActor(Actor):
         *,
         delete_rejected: bool = False,
         checkpoints: int | None = None,
+        usage: DiskUsage | None = None,
+        engine: ActorRef[EngineMessage] | None = None,
     ) -> None:
         self.identity = identity
         self.expect = expect
@@ -204,6 +234,11 @@ class StoreActor(Actor):
         # Append sets it aside instead of building on it.
         self._refused: dict[str, str] = {}
         self._io = StoreStats()
+        # The disk limit (a count shared by the stores of one cache directory) and the
+        # engine whose policy and hints order the agents that go cold (None: LRU).
+        self.usage = usage
+        self.engine = engine
+        self._warm: dict[str, WarmAgent] | None = None  # agents with tokens on disk
 
     async def receive(self, message: StoreMessage) -> Any:
         match message:
@@ -220,13 +255,15 @@ class StoreActor(Actor):
             case ForkCache(source, new):
                 source, new = check_agent_id(source), check_agent_id(new)
                 self._manifests.pop(new, None)
-                return await anyio.to_thread.run_sync(
+                forked = await anyio.to_thread.run_sync(
                     fork_cache, self.root, self.identity, source, new
                 )
+                await self._counted(new, forked)
+                return forked
             case ShareCache(source, new, tokens, text, messages):
                 source, new = check_agent_id(source), check_agent_id(new)
                 self._manifests.pop(new, None)
-                return await anyio.to_thread.run_sync(
+                shared = await anyio.to_thread.run_sync(
                     functools.partial(
                         share_cache,
                         self.root,
@@ -238,8 +275,12 @@ class StoreActor(Actor):
                         messages=messages,
                     )
                 )
+                await self._counted(new, shared)
+                return shared
             case StoreStatsQuery():
-                return self._io
+                return self._stats()
+            case FitDisk():
+                return await self._fit(0, keep=None)
         raise TypeError(f"the store does not handle {type(message).__name__}")
 
     def _count(self, **more: float) -> None:
@@ -250,29 +291,132 @@ class StoreActor(Actor):
     async def _append(self, m: Append) -> WarmInfo:
         agent = check_agent_id(m.agent)
         self._manifests.pop(agent, None)  # unknown until the write ends, whatever happens
+        if self.usage is not None:
+            # Room first, for a bound on what the write adds: the limit holds throughout.
+            bound = _write_bound(m, len(self._files(agent)))
+            if self.usage.limit is None or bound <= self.usage.limit:  # else none would do
+                await self._fit(bound, keep=agent)
+            if self.usage.over(bound):
+                raise StoreWriteError(
+                    f"the warm tier is at its disk limit ({self.usage.used} of "
+                    f"{self.usage.limit} bytes) and no other agent can go cold for the "
+                    f"{bound} bytes agent {agent!r} may write; its previous warm copy stays"
+                )
+        before = self._files(agent)
         t0 = time.perf_counter()
-        info = await anyio.to_thread.run_sync(
-            functools.partial(
-                append_cache,
-                self.root,
-                self.identity,
-                self.expect,
-                agent,
-                m.start,
-                m.tensors,
-                m.tokens,
-                text=m.text,
-                messages=m.messages,
-                extra=m.extra,
-                delete_rejected=self.delete_rejected,
-                refused=self._refused.get(agent),
-                checkpoints=self.checkpoints,
+        try:
+            info = await anyio.to_thread.run_sync(
+                functools.partial(
+                    append_cache,
+                    self.root,
+                    self.identity,
+                    self.expect,
+                    agent,
+                    m.start,
+                    m.tensors,
+                    m.tokens,
+                    text=m.text,
+                    messages=m.messages,
+                    extra=m.extra,
+                    delete_rejected=self.delete_rejected,
+                    refused=self._refused.get(agent),
+                    checkpoints=self.checkpoints,
+                )
             )
-        )
+        finally:
+            after = await self._recount(agent)
         self._refused.pop(agent, None)
-        written = sum(a.nbytes for a in m.tensors.values())  # the segments' tensor bytes
+        # Exactly what the write put on disk: the files it made (a manifest is a new file).
+        written = sum(size for inode, size in after.items() if inode not in before)
         self._count(writes=1, bytes_written=written, write_s=time.perf_counter() - t0)
+        self._remember(agent, info)
+        if self.usage is not None and self.usage.over():
+            await self._fit(0, keep=agent)  # a bound that fell short: back under at once
         return info
+
+    # -- the disk limit ---------------------------------------------------------------
+    def _files(self, agent: str) -> AgentFiles:
+        return {} if self.usage is None else self.usage.files(self.root, agent)
+
+    async def _recount(self, agent: str) -> AgentFiles:
+        """List ``agent``'s folder again and count it (its files now)."""
+        files = await anyio.to_thread.run_sync(agent_files, self.root, agent)
+        if self.usage is not None:
+            self.usage.update(self.root, agent, files)
+        return files
+
+    async def _counted(self, agent: str, info: WarmInfo | None) -> None:
+        """A fork or share made ``agent``'s folder: count it (and go back under the limit;
+        its files are links, so it adds little more than a manifest)."""
+        if info is None:
+            return
+        await self._recount(agent)
+        self._remember(agent, info)
+        if self.usage is not None and self.usage.over():
+            await self._fit(0, keep=agent)
+
+    def _remember(self, agent: str, info: WarmInfo) -> None:
+        if self._warm is not None:
+            if info.tokens:
+                self._warm[agent] = WarmAgent(agent, info.nbytes, info.tokens, info.updated)
+            else:
+                self._warm.pop(agent, None)
+
+    async def _fit(self, more: int, *, keep: str | None) -> int:
+        """Make agents cold (never ``keep``), in the engine's policy order, until ``more``
+        bytes fit under the limit; how many went cold."""
+        usage = self.usage
+        if usage is None or not usage.over(more):
+            return 0
+        if self._warm is None:  # once: every agent with tokens on disk, and its age
+            infos = await anyio.to_thread.run_sync(list_agents, self.root, self.identity)
+            self._warm = {
+                i.agent: WarmAgent(i.agent, i.nbytes, i.tokens, i.updated)
+                for i in infos
+                if i.rejected is None and i.tokens
+            }
+        demoted, tried = 0, {keep}
+        while usage.over(more):
+            candidates = [
+                msgspec.structs.replace(a, nbytes=usage.own_bytes(self.root, a.agent))
+                for a in self._warm.values()
+                if a.agent not in tried
+            ]
+            victims = await self._victims(candidates, usage.over(more))
+            if not victims:
+                break
+            for agent in victims:
+                tried.add(agent)
+                self._manifests.pop(agent, None)
+                if await anyio.to_thread.run_sync(demote_cold, self.root, self.identity, agent):
+                    demoted += 1
+                self._warm.pop(agent, None)
+                await self._recount(agent)
+                if not usage.over(more):
+                    break
+        if demoted:
+            self._count(demoted_cold=demoted)
+            log.info("%d agents went cold to keep the warm tier under its limit", demoted)
+        return demoted
+
+    async def _victims(self, candidates: list[WarmAgent], need: int) -> list[str]:
+        if not candidates:
+            return []
+        if self.engine is None:
+            return LRUPolicy().victims(cold_candidates(candidates, None, Rates()), need)
+        victims: list[str] = await self.engine.ask(WarmVictims(candidates, need))
+        return victims
+
+    def _stats(self) -> StoreStats:
+        usage = self.usage
+        if usage is None:
+            return self._io
+        return msgspec.structs.replace(
+            self._io,
+            disk_bytes=usage.used,
+            disk_peak_bytes=usage.peak,
+            disk_limit_bytes=usage.limit,
+        )
 
     async def _load(self, agent: str) -> Loaded:
         t0 = time.perf_counter()
@@ -316,5 +460,21 @@ class StoreActor(Actor):
     async def _forget(self, agent: str) -> Forgotten:
         self._manifests.pop(agent, None)
         self._refused.pop(agent, None)
-        done: Forgotten = await anyio.to_thread.run_sync(forget_cache, self.root, agent)
+        if self._warm is not None:
+            self._warm.pop(agent, None)
+        try:
+            done: Forgotten = await anyio.to_thread.run_sync(forget_cache, self.root, agent)
+        finally:
+            await self._recount(agent)
         return done
+
+
+def _write_bound(m: Append, files: int) -> int:
+    """A bound on the bytes an append adds on disk: its tensors with their files' headers
+    (a segment, a window and a state file at most), and a new manifest: its token ids (at
+    most 8 bytes each in JSON), text, messages and extra as JSON, and an entry for each of
+    the agent's ``files`` and the new ones."""
+    tensors = sum(int(a.nbytes) for a in m.tensors.values())
+    headers = 192 * len(m.tensors) + 3 * 256
+    encoded = sum(len(msgspec.json.encode(x)) for x in (m.text, m.messages, m.extra))
+    return tensors + headers + 8 * len(m.tokens) + encoded + 320 * (files + 3) + 1024

@@ -1,0 +1,203 @@
+"""The warm tier's disk limit (``open(disk_limit=)``): what the directory holds stays under
+it (counted as stored: a file linked by several agents once), held at rest and across a
+restart under a lower limit; agents go cold (their conversation kept, their cache
+prefilled again) in the eviction policy's order, never half, and never a staged or busy
+one (real tiny models, real files, real kill -9)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import kvactor
+from kvactor.actors.enums import Tier
+from kvactor.actors.hot import HintBook, Rates, WorkflowPolicy, cold_candidates
+from kvactor.actors.messages import Hint, WarmAgent
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.warm import collect, disk_footprint, list_agents
+
+model = functools.partial(make_tiny_model, 0, head_dim=64)
+SYSTEM = "You help."
+ASK = "hello there " * 5
+
+
+def on_disk(root: Path) -> int:
+    """The bytes the directory's agents hold, each file once (as the limit counts them)."""
+    names = [w.agent for w in list_agents(root)]
+    return disk_footprint(root, names)[1]
+
+
+async def _one_agent_bytes(tmp_path: Path) -> int:
+    async with kvactor.open(model, cache_dir=tmp_path / "probe", disk_limit=None) as kv:
+        agent = await kv.spawn_agent("a", system=SYSTEM)
+        await agent.generate(ASK, max_tokens=8)
+        return on_disk(tmp_path / "probe")
+
+
+async def test_the_limit_holds_and_the_least_recently_used_go_cold(tmp_path: Path) -> None:
+    one = await _one_agent_bytes(tmp_path)
+    limit = int(one * 2.5)
+    root = tmp_path / "cache"
+    async with kvactor.open(model, cache_dir=root, disk_limit=limit, budget_bytes=None) as kv:
+        for i in range(6):
+            agent = await kv.spawn_agent(f"a{i}", system=SYSTEM)
+            done = await agent.generate(ASK, max_tokens=8)
+            assert done.saved, done.save_error
+            assert on_disk(root) <= limit  # the directory itself, listed
+        stats = await kv.warm_stats()
+        assert stats.disk_limit_bytes == limit
+        assert stats.disk_peak_bytes <= limit and stats.disk_bytes == on_disk(root)
+        assert stats.demoted_cold >= 3
+        tokens = {w.agent: w.tokens for w in list_agents(root)}
+        assert tokens["a5"] > 0 and tokens["a4"] > 0  # the newest stay warm
+        assert tokens["a0"] == 0  # the oldest went cold first
+    # Cold: its conversation is kept, its cache prefilled again: it answers what the same
+    # conversation prefilled by a new agent answers (no shared prefixes on either side).
+    async with kvactor.open(model, cache_dir=root, disk_limit=limit, share_prefixes=False) as kv:
+        cold = await kv.spawn_agent("a0", system=SYSTEM)
+        assert len(await cold.history()) == 3
+        again = await cold.generate("and now?", max_tokens=6)
+        assert again.path is Tier.COLD and again.timings.reused_tokens == 0
+        fresh = await kv.spawn_agent("fresh")
+        replay = await fresh.chat((await cold.history())[:-1], max_tokens=6)
+        assert replay.text == again.text
+
+
+async def test_a_restart_under_a_lower_limit_brings_the_directory_under_it(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "cache"
+    async with kvactor.open(model, cache_dir=root, disk_limit=None) as kv:
+        for i in range(4):
+            agent = await kv.spawn_agent(f"a{i}", system=SYSTEM)
+            await agent.generate(ASK, max_tokens=8)
+    full = on_disk(root)
+    lower = full // 2
+    async with kvactor.open(model, cache_dir=root, disk_limit=lower) as kv:
+        stats = await kv.warm_stats()
+        assert stats.disk_bytes == on_disk(root) <= lower  # at open, before any turn
+        assert stats.demoted_cold >= 1
+        # Whoever went cold resumes its conversation and answers.
+        cold = [w.agent for w in list_agents(root) if w.tokens == 0]
+        assert cold
+        agent = await kv.spawn_agent(cold[0], system=SYSTEM)
+        assert len(await agent.history()) == 3
+        assert (await agent.generate("go on", max_tokens=3)).text is not None
+
+
+async def test_a_hot_idle_agent_whose_copy_goes_cold_stays_hot_and_writes_whole(
+    tmp_path: Path,
+) -> None:
+    one = await _one_agent_bytes(tmp_path)
+    root = tmp_path / "cache"
+    async with kvactor.open(model, cache_dir=root, disk_limit=int(one * 1.9)) as kv:
+        first = await kv.spawn_agent("first", system=SYSTEM)
+        await first.generate(ASK, max_tokens=8)
+        second = await kv.spawn_agent("second", system="You write poems.")
+        await second.generate(ASK, max_tokens=8)  # room for it: "first" goes cold on disk
+        info = await kv.cache_info("first")
+        assert info.persisted == 0  # still hot, and it knows nothing of it is on disk
+        assert {w.agent: w.tokens for w in list_agents(root)}["first"] == 0
+        again = await first.generate("more", max_tokens=4)
+        assert again.path is Tier.HOT and again.saved
+        assert (await kv.cache_info("first")).persisted == len(info_tokens(root, "first"))
+
+
+def info_tokens(root: Path, agent: str) -> list[int]:
+    raw = json.loads((root / "agents" / agent / "manifest.json").read_bytes())
+    return list(raw["manifest"]["token_ids"])
+
+
+def test_done_agents_go_cold_first_and_agents_hinted_soon_last() -> None:
+    now = time.time()
+    agents = [WarmAgent(name, 1000, 100, now - 60 * i) for i, name in enumerate("abcd")]
+    book = HintBook()
+    book.apply(Hint(next=("d",), done=("a",)), time.monotonic())  # d: oldest, runs next
+    order = WorkflowPolicy().victims(cold_candidates(agents, book, Rates()), 4000)
+    assert order[0] == "a" and order[-1] == "d"
+    # Without hints: least recently written first.
+    plain = WorkflowPolicy().victims(cold_candidates(agents, None, Rates()), 4000)
+    assert plain == ["d", "c", "b", "a"]
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, "1GB", True])
+def test_a_bad_disk_limit_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="disk_limit"):
+        kvactor.open(model, disk_limit=bad)  # type: ignore[arg-type]
+
+
+async def test_the_default_limit_is_a_share_of_the_disk_at_most_30_gib(tmp_path: Path) -> None:
+    from kvactor.actors.warm import default_disk_limit
+
+    async with kvactor.open(model, cache_dir=tmp_path) as kv:
+        stats = await kv.warm_stats()
+    # The free space moves a little between the two looks (other files come and go).
+    expected = default_disk_limit(tmp_path, stats.disk_bytes)
+    assert stats.disk_limit_bytes is not None
+    assert abs(stats.disk_limit_bytes - expected) <= expected // 100
+    assert 0 < stats.disk_limit_bytes <= 30 << 30
+
+
+# ------------------------------------------------------------------------------ kill -9
+_CHURN = textwrap.dedent(
+    """
+    import anyio, functools, sys, kvactor
+    from kvactor.actors.models import make_tiny_model
+    model = functools.partial(make_tiny_model, 0, head_dim=64)
+    async def main():
+        async with kvactor.open(model, cache_dir=sys.argv[1], disk_limit=int(sys.argv[2])) as kv:
+            for i in range(10_000):
+                a = await kv.spawn_agent(f"a{i}", system=f"You help with {i % 7}.")
+                await a.generate("hello there " * 5, max_tokens=4)
+                print(i, flush=True)
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.slow  # thirty processes killed at random points: the whole suite's
+async def test_kill_9_during_cold_demotions_leaves_each_agent_warm_or_cold(
+    tmp_path: Path,
+) -> None:
+    one = await _one_agent_bytes(tmp_path)
+    root = tmp_path / "cache"
+    rng = random.Random(7)
+    for point in range(30):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHURN, str(root), str(int(one * 3))],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            assert child.stdout is not None
+            for _ in range(3 if point == 0 else 1):  # past the first demotions
+                child.stdout.readline()
+            time.sleep(rng.uniform(0.0, 0.4))  # the moment under test
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.wait(timeout=60)
+            if child.stdout is not None:
+                child.stdout.close()
+        for w in list_agents(root):  # warm (every file its manifest names) or cold
+            if w.rejected and "no manifest" not in w.rejected:
+                pytest.fail(f"{w.agent}: {w.rejected}")
+            if not w.rejected:
+                raw = json.loads((root / "agents" / w.agent / "manifest.json").read_bytes())
+                listed = raw["manifest"]["segments"]
+                assert (w.tokens == 0) == (listed == [])
+                for s in listed:
+                    assert os.path.isfile(root / "agents" / w.agent / s["file"])
+    collect(root)
+    async with kvactor.open(model, cache_dir=root, disk_limit=int(one * 3)) as kv:
+        assert (await kv.warm_stats()).disk_bytes <= one * 3
