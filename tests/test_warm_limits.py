@@ -133,7 +133,7 @@ def test_done_agents_go_cold_first_and_agents_hinted_soon_last() -> None:
 @pytest.mark.parametrize("bad", [0, -5, 1.5, "1GB", True])
 def test_a_bad_disk_limit_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="disk_limit"):
-        kvactor.open(model, disk_limit=bad)  # type: ignore[arg-type]
+        kvactor.open(model, disk_limit=bad)  # type: ignore[call-overload]
 
 
 async def test_the_default_limit_is_a_share_of_the_disk_at_most_30_gib(tmp_path: Path) -> None:
