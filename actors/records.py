@@ -149,6 +149,12 @@ class EngineStats(msgspec.Struct, frozen=True):
     model_loads: int = 0  # loads that turns caused (after the session started)
     model_unloads: int = 0
     swap_s: float = 0.0  # median seconds of an unload and the load that followed
+    # The warm tier on disk (``Session.stats`` adds them; None / 0 without a warm tier or
+    # a disk limit): its bytes now, its limit, the bytes it wrote, the agents made cold.
+    warm_bytes: int = 0
+    warm_limit_bytes: int | None = None
+    warm_written_bytes: int = 0
+    demoted_warm_to_cold: int = 0
 
 
 class ToolCall(msgspec.Struct, frozen=True):

@@ -201,3 +201,57 @@ async def test_kill_9_during_cold_demotions_leaves_each_agent_warm_or_cold(
     collect(root)
     async with kvactor.open(model, cache_dir=root, disk_limit=int(one * 3)) as kv:
         assert (await kv.warm_stats()).disk_bytes <= one * 3
+
+
+# --------------------------------------------------------------------------------- shown
+async def test_the_limit_is_shown_in_stats_metrics_and_inspect(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvactor.cli import main as cli
+    from kvactor.server._metrics import Metrics
+
+    one = await _one_agent_bytes(tmp_path)
+    root = tmp_path / "cache"
+    limit = int(one * 2.5)
+    async with kvactor.open(model, cache_dir=root, disk_limit=limit) as kv:
+        for i in range(4):
+            agent = await kv.spawn_agent(f"a{i}", system=SYSTEM)
+            await agent.generate(ASK, max_tokens=8)
+        stats = await kv.stats()
+        assert stats.warm_limit_bytes == limit
+        assert 0 < stats.warm_bytes == on_disk(root) <= limit
+        assert stats.demoted_warm_to_cold >= 1
+        # Exactly what the appends put on disk: at least the segments and manifests there.
+        assert stats.warm_written_bytes >= stats.warm_bytes
+        metrics = Metrics()
+        text = (await metrics.render(kv)).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["kvactor_warm_bytes"].samples[0].value == stats.warm_bytes
+    assert families["kvactor_warm_limit_bytes"].samples[0].value == limit
+    written = families["kvactor_warm_written_bytes_total"].samples[0].value
+    assert written == stats.warm_written_bytes
+    cold = {s.labels["to"]: s.value for s in families["kvactor_demotions_total"].samples}
+    assert cold["cold"] >= stats.demoted_warm_to_cold >= 1
+    capsys.readouterr()
+    assert cli(["inspect", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["disk_limit_bytes"] == limit
+
+
+def test_serve_and_scenarios_take_a_disk_limit(tmp_path: Path) -> None:
+    from kvactor.cli._main import build_parser
+    from kvactor.scenario import parse_scenario
+    from kvactor.scenario._models import session_models
+    from kvactor.server._cli import _options as session_options
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--disk-limit", "2G"])
+    assert session_options(args)["disk_limit"] == 2 << 30
+    args = parser.parse_args(["serve", "--disk-limit", "none"])
+    assert session_options(args)["disk_limit"] is None
+    scenario = parse_scenario(
+        'name = "s"\ndisk_limit_mb = 50\n[[agents]]\nname = "a"\nsystem = "x"\n'
+        '[[phases]]\nname = "p"\nprompt = "hi"\n'
+    )
+    assert session_models(scenario)["disk_limit"] == 50_000_000

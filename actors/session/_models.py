@@ -22,6 +22,7 @@ from ..warm import (
     FitDisk,
     default_disk_limit,
     lock_cache_dir,
+    record_disk_limit,
     scan_agents,
 )
 from ._model_part import ModelPart, model_folder, start_part
@@ -143,12 +144,13 @@ class SessionModels:
             if part.store is not None and part.root is not None:
                 found = await anyio.to_thread.run_sync(scan_agents, part.root)
                 usage.load(part.root, found)
+        assert self._root is not None  # a disk limit needs a warm tier
         if self._disk_limit is DEFAULT:
-            assert self._root is not None
             usage.limit = await anyio.to_thread.run_sync(default_disk_limit, self._root, usage.used)
         for part in self._parts.values():
             if part.store is not None:
                 await part.store.ask(FitDisk())
+        await anyio.to_thread.run_sync(record_disk_limit, self._root, usage.limit)
         log.info("warm tier: %d of %s bytes on disk", usage.used, usage.limit)
 
     def release_locks(self) -> None:

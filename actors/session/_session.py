@@ -10,6 +10,7 @@ from types import TracebackType
 from typing import Literal
 
 import anyio
+import msgspec
 
 from ...runtime import ActorRef, Runtime
 from ..agent import AgentActor
@@ -415,8 +416,23 @@ class Session(SessionAPI[Agent]):
         return infos
 
     async def stats(self) -> EngineStats:
-        """The engine's figures (several models: summed, with the memory limit's)."""
-        return await self._models.stats()
+        """The engine's figures (several models: summed, with the memory limit's), and the
+        warm tier's on disk (its bytes against its limit, what it wrote, who went cold)."""
+        stats = await self._models.stats()
+        written = cold = 0
+        for part in self._models.parts():
+            if part.store is not None:
+                io: StoreStats = await part.store.ask(StoreStatsQuery())
+                written += io.bytes_written
+                cold += io.demoted_cold
+        usage = self._models.usage
+        return msgspec.structs.replace(
+            stats,
+            warm_bytes=0 if usage is None else usage.used,
+            warm_limit_bytes=None if usage is None else usage.limit,
+            warm_written_bytes=written,
+            demoted_warm_to_cold=cold,
+        )
 
     async def cache_info(self, name: str) -> CacheInfo:
         """Agent ``name``'s hot cache (tokens, bytes, busy, persisted), whether or not an

@@ -42,13 +42,19 @@ from ._store import StoreStatsQuery as StoreStatsQuery
 from ._tier import ActorWarmTier as ActorWarmTier
 from ._tier import WarmTier as WarmTier
 from ._usage import DISK_CEILING as DISK_CEILING
+from ._usage import DISK_FILE as DISK_FILE
 from ._usage import DISK_SHARE as DISK_SHARE
 from ._usage import DiskUsage as DiskUsage
 from ._usage import agent_files as agent_files
 from ._usage import default_disk_limit as default_disk_limit
+from ._usage import read_disk_limit as read_disk_limit
+from ._usage import record_disk_limit as record_disk_limit
 from ._usage import scan_agents as scan_agents
 
 __all__ = (
+    "DISK_FILE",
+    "record_disk_limit",
+    "read_disk_limit",
     "demote_cold",
     "FitDisk",
     "DISK_SHARE",

@@ -9,6 +9,7 @@ stores of several models in one directory share one count without a lock.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -19,11 +20,14 @@ from ._paths import agent_dir, contained
 
 __all__ = (
     "DISK_CEILING",
+    "DISK_FILE",
     "DISK_SHARE",
     "AgentFiles",
     "DiskUsage",
     "agent_files",
     "default_disk_limit",
+    "read_disk_limit",
+    "record_disk_limit",
     "scan_agents",
 )
 
@@ -79,6 +83,28 @@ def default_disk_limit(root: str | os.PathLike[str], used: int = 0) -> int:
         path = path.parent
     free = shutil.disk_usage(path).free
     return min(DISK_CEILING, int((free + used) * DISK_SHARE))
+
+
+#: In a cache directory: the disk limit of the session that last opened it.
+DISK_FILE = "warm.json"
+
+
+def record_disk_limit(root: Path, limit: int | None) -> None:
+    """Write ``root``'s DISK_FILE (for ``kvactor inspect``); an OSError is ignored."""
+    try:
+        (root / DISK_FILE).write_text(json.dumps({"disk_limit_bytes": limit}) + "\n")
+    except OSError:
+        pass
+
+
+def read_disk_limit(root: Path) -> int | None:
+    """The disk limit ``root``'s DISK_FILE records (None: none, or unreadable)."""
+    try:
+        data = json.loads((root / DISK_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    limit = data.get("disk_limit_bytes") if isinstance(data, dict) else None
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
 class DiskUsage:

@@ -20,7 +20,14 @@ from typing import Any
 
 from ..actors.engine import read_limit
 from ..actors.enums import Tier
-from ..actors.warm import CacheIdentity, contained, default_cache_dir, disk_footprint, list_agents
+from ..actors.warm import (
+    CacheIdentity,
+    contained,
+    default_cache_dir,
+    disk_footprint,
+    list_agents,
+    read_disk_limit,
+)
 from ..runtime import KvactorError
 from ..text import age, printable, size, table
 
@@ -251,8 +258,14 @@ def run_inspect(args: argparse.Namespace) -> int:
             print(f"kvactor inspect: {directory['error']}", file=sys.stderr)
             code = 2
     memory = read_limit(root)
+    disk_limit = read_disk_limit(root)
     if args.json:
-        out = {"root": str(root), "directories": directories, "memory": memory}
+        out = {
+            "root": str(root),
+            "directories": directories,
+            "memory": memory,
+            "disk_limit_bytes": disk_limit,
+        }
         print(json.dumps(out, indent=2, default=str))
         return code
     if args.dir is not None and not several:  # one directory: its table alone (for scripts)
@@ -265,6 +278,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     for i, directory in enumerate(shown):
         table_text = format_table(directory["agents"], verbose=args.verbose)
         print(*([""] if i else []), _heading(directory), table_text, sep="\n")
+    if disk_limit is not None:
+        used = size(sum(int(d.get("bytes", 0)) for d in directories))
+        print(f"\nwarm tier {used} on disk of a {size(disk_limit)} limit (the last session here)")
     if memory is not None:
         models = ", ".join(str(m) for m in memory.get("models", []))
         limit = int(memory.get("memory_limit_bytes", 0))

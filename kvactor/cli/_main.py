@@ -335,6 +335,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "(default: 3/4 of memory; 'none': one model bounded by its hot budget only)",
     )
     serve.add_argument(
+        "--disk-limit",
+        type=_memory_limit,
+        help="bytes the warm tier may hold on disk, with K, M, G; past it agents go cold "
+        "(their conversation kept) by the eviction policy (default: the smaller of 30 GiB "
+        "and a quarter of the free disk; 'none': no limit)",
+    )
+    serve.add_argument(
         "--tool-wait-s",
         type=float,
         metavar="SECONDS",

@@ -143,6 +143,9 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
       "tiny:1" }``: "tiny:SEED" is a tiny model of other weights); each agent's ``model``
       picks one. ``memory_limit_mb`` (10^6 bytes): the session's limit over weights and
       caches (``kvactor.open(memory_limit=...)``; default: 3/4 of RAM).
+    - ``disk_limit_mb`` (10^6 bytes): the warm tier's limit on disk; past it agents go
+      cold (their conversation kept) by the policy (``kvactor.open(disk_limit=...)``;
+      default: the smaller of 30 GiB and a quarter of the free disk).
     """
 
     name: str
@@ -165,6 +168,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     shared_context: ContextSpec | None = None
     models: dict[str, str] = {}
     memory_limit_mb: PositiveFloat | None = None
+    disk_limit_mb: PositiveFloat | None = None
     sampling: SamplingSpec = SamplingSpec()
     agents: list[AgentSpec]
     phases: list[PhaseSpec]

@@ -56,9 +56,9 @@ def models_problem(s: Scenario) -> tuple[str, str] | None:
 
 
 def session_models(s: Scenario) -> dict[str, Any]:
-    """``kvactor.open``'s model options for the scenario: ``models`` and ``memory_limit``
-    (both absent for one model without a limit). Raises ScenarioError for a model path
-    that does not exist."""
+    """``kvactor.open``'s model options for the scenario: ``models``, ``memory_limit`` and
+    ``disk_limit`` (each absent when the scenario does not say). Raises ScenarioError for a
+    model path that does not exist."""
     from ._format import resolve_model
 
     options: dict[str, Any] = {}
@@ -66,6 +66,8 @@ def session_models(s: Scenario) -> dict[str, Any]:
         options["models"] = {name: resolve_model(spec) for name, spec in s.models.items()}
     if s.memory_limit_mb is not None:
         options["memory_limit"] = int(s.memory_limit_mb * 1e6)
+    if s.disk_limit_mb is not None:
+        options["disk_limit"] = int(s.disk_limit_mb * 1e6)
     return options
 
 

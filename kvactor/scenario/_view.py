@@ -143,6 +143,12 @@ def format_summary(results: Results) -> list[str]:
                 f"{stats.swap_s:.2f} s)"
             )
         paragraphs.append(memory + ".")
+    if stats.warm_limit_bytes is not None:
+        paragraphs.append(
+            f"warm tier: {size(stats.warm_bytes)} on disk of a {size(stats.warm_limit_bytes)} "
+            f"limit, {size(stats.warm_written_bytes)} written; "
+            f"{stats.demoted_warm_to_cold} agents made cold for room on disk."
+        )
     if stats.warm_write_failures:
         paragraphs.append(
             f"warm tier: {stats.warm_write_failures} of "

@@ -72,6 +72,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options["tool_wait_s"] = args.tool_wait_s
     if getattr(args, "memory_limit", None) is not None:  # 0: 'none', no limit
         options["memory_limit"] = args.memory_limit or None
+    if getattr(args, "disk_limit", None) is not None:  # 0: 'none', no limit
+        options["disk_limit"] = args.disk_limit or None
     return options
 
 

@@ -43,7 +43,13 @@ _ENGINE_GAUGES = (
     ("models_loaded", "Models loaded now (with a memory limit)"),
     ("model_loads", "Models loaded for a turn since the session started"),
     ("model_unloads", "Models unloaded for room since the session started"),
+    ("warm_bytes", "Bytes the warm tier's agents hold on disk (a file several link: once)"),
+    ("warm_limit_bytes", "The warm tier's disk limit (0: none)"),
+    ("warm_written_bytes_total", "Bytes the warm tier wrote (segments and manifests)"),
 )
+
+# kvactor_<name> of the stats field whose name differs (a counter's _total)
+_RENAMED = {"warm_written_bytes_total": "warm_written_bytes"}
 
 # kvactor_warm_tier_<name>: a field of ``Session.warm_stats()``.
 _WARM_GAUGES = (
@@ -51,7 +57,7 @@ _WARM_GAUGES = (
     ("bytes_read", "Bytes the warm tier read"),
     ("read_s", "Seconds the warm tier spent reading and verifying"),
     ("writes", "Appends to warm caches"),
-    ("bytes_written", "Tensor bytes the warm tier wrote"),
+    ("bytes_written", "Bytes the warm tier wrote (segments and manifests)"),
     ("write_s", "Seconds the warm tier spent writing (fsyncs included)"),
     ("rejected", "Warm caches refused when read (their agents went cold)"),
 )
@@ -117,6 +123,13 @@ class Metrics:
         self.engine = {
             name: Gauge(f"kvactor_{name}", help_, registry=r) for name, help_ in _ENGINE_GAUGES
         }
+        self.demotions = Gauge(
+            "kvactor_demotions_total",
+            "Caches demoted, by tier: hot to warm, and to cold (hot dropped with no warm "
+            "copy, or warm made cold for the disk limit)",
+            ["to"],
+            registry=r,
+        )
         self.mask_seconds = Gauge(
             "kvactor_grammar_mask_seconds",
             "Host seconds spent computing grammar masks and following their tokens",
@@ -177,7 +190,9 @@ class Metrics:
         stats, io = figures["engine"], figures["warm"]
         if stats is not None:
             for name, gauge in self.engine.items():
-                gauge.set(getattr(stats, name, 0) or 0)
+                gauge.set(getattr(stats, _RENAMED.get(name, name), 0) or 0)
+            self.demotions.labels("warm").set(stats.demoted_warm)
+            self.demotions.labels("cold").set(stats.demoted_cold + stats.demoted_warm_to_cold)
             self.mask_seconds.set(getattr(stats, "mask_s", 0.0))
         if io is not None:
             for name, gauge in self.warm.items():
