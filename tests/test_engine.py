@@ -88,6 +88,27 @@ async def test_greedy_output_is_the_same_alone_and_in_a_batch_of_8(attention: At
         assert stats.max_batch_seen >= 4  # they really decoded together
 
 
+async def test_the_lively_model_answers_by_its_whole_context() -> None:
+    """Why the batch tests run on tests/lively.py: the tiny model's greedy turn repeats one
+    token whatever its cache holds; the lively one's tokens change at every step, and two
+    prompts that differ only at their start (same last token) answer differently to the
+    end."""
+    prompts = ["a" * 32 + "x", "b" * 32 + "x"]
+
+    async def answers(model: Any) -> list[list[int]]:
+        async with kvactor.open(model) as session:
+            agents = [await session.spawn_agent(f"a{i}") for i in range(2)]
+            return [
+                (await a.complete(p, max_tokens=12)).token_ids
+                for a, p in zip(agents, prompts, strict=True)
+            ]
+
+    assert all(len(set(ids)) == 1 for ids in await answers(tiny()))
+    first, second = await answers(lively())
+    assert len(set(first)) >= 4 and len(set(second)) >= 4
+    assert first[-4:] != second[-4:]
+
+
 @ATTENTION
 async def test_decode_goes_on_while_a_long_prompt_is_prefilled_in_chunks(
     attention: Attention,
