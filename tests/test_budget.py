@@ -61,25 +61,33 @@ def one_turn_need(quantized: bool, context: int = MAX_CONTEXT) -> int:
 #: Sessions whose MLX memory is checked run under this memory limit: the freed buffers MLX
 #: may keep are a sixteenth of it (docs/multimodel.md), small beside the hot tier.
 MEMORY_LIMIT = 64 << 20
-KEPT_BYTES = MEMORY_LIMIT // 16
 
 
-async def mlx_base_peak(model: Any, prompt: str, max_tokens: int, **options: Any) -> int:
+async def mlx_base_peak(
+    model: Any,
+    prompt: str | list[str],
+    max_tokens: int,
+    *,
+    memory_limit: int = MEMORY_LIMIT,
+    **options: Any,
+) -> int:
     """MLX's peak (``EngineStats.mlx_peak_bytes``, sampled by the engine) in a session of
-    ``options`` (under MEMORY_LIMIT, no budget) that runs one turn of ``prompt`` alone:
-    the weights, a forward's activations and one turn's caches."""
-    async with kvactor.open(model, memory_limit=MEMORY_LIMIT, **options) as kv:
+    ``options`` (under MEMORY_LIMIT, no budget) where one agent runs a turn of ``prompt``
+    (a list: a turn of each, in order) alone: the weights, a forward's activations, one
+    turn's caches (and what the agent kept of its turns before)."""
+    async with kvactor.open(model, memory_limit=memory_limit, **options) as kv:
         agent = await kv.spawn_agent("base")
-        await agent.generate(prompt, max_tokens=max_tokens)
+        for text in [prompt] if isinstance(prompt, str) else prompt:
+            await agent.generate(text, max_tokens=max_tokens)
         return (await kv.stats()).mlx_peak_bytes
 
 
-def mlx_bound(base: int, budget: int) -> int:
+def mlx_bound(base: int, budget: int, memory_limit: int = MEMORY_LIMIT) -> int:
     """The most MLX may hold (its peak plus its kept buffers, as the engine samples them:
-    ``mlx_peak_bytes``) in a session under MEMORY_LIMIT whose hot tier stays within
+    ``mlx_peak_bytes``) in a session under ``memory_limit`` whose hot tier stays within
     ``budget``: ``base`` (:func:`mlx_base_peak` of its longest turn: weights, activations,
-    one turn), the budget, and the buffers MLX may keep."""
-    return base + budget + KEPT_BYTES
+    one turn), the budget, and the buffers MLX may keep (a sixteenth of the limit)."""
+    return base + budget + memory_limit // 16
 
 
 # (agent, round) -> the greedy tokens, or None when the turn was cancelled.

@@ -22,7 +22,9 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import pytest
+from lively import lively
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
+from test_budget import MEMORY_LIMIT, mlx_base_peak, mlx_bound
 
 import kvactor
 from kvactor.actors.engine import Attention, turn_reserve_bytes
@@ -190,7 +192,11 @@ async def test_batched_turns_equal_solo_turns(family: str, attention: Attention)
     prompts = [f"agent {i} says {'abc'[i % 3] * (3 + 5 * i)}" for i in range(4)]
 
     async def run(max_batch: int) -> list[list[int]]:
-        async with kvactor.open(tiny(family), max_batch=max_batch, attention=attention) as kv:
+        # The mode that promises batch-independent answers, on a model whose tokens depend
+        # on its cache (tests/lively.py).
+        async with kvactor.open(
+            lively(0, family), max_batch=max_batch, attention=attention, deterministic=True
+        ) as kv:
             agents = [await kv.spawn_agent(f"a{i}") for i in range(len(prompts))]
             out: list[list[int]] = [[] for _ in prompts]
 
@@ -284,10 +290,14 @@ async def test_the_budget_holds_and_changes_no_answer(
 ) -> None:
     prompts = [f"agent {i}: {'xyz'[i % 3] * (4 + 3 * i)}" for i in range(6)]
 
+    model = lively(0, family)  # its tokens depend on its cache (tests/lively.py)
+    # Deterministic: the mode that promises answers independent of the batch.
+    same: dict[str, Any] = {"attention": attention, "deterministic": True, "max_batch": 3}
+    # Qwen3.5's tiny model needs ~107 MB with one turn (its activations).
+    same["memory_limit"] = 256 << 20 if family == "qwen3_5" else MEMORY_LIMIT
+
     async def run_all(root: Path, **options: Any) -> tuple[list[list[int]], kvactor.EngineStats]:
-        async with kvactor.open(
-            tiny(family), cache_dir=root, max_batch=3, attention=attention, **options
-        ) as kv:
+        async with kvactor.open(model, cache_dir=root, **same, **options) as kv:
             agents = [await kv.spawn_agent(f"a{i}") for i in range(len(prompts))]
             out: list[list[int]] = [[] for _ in prompts]
 
@@ -315,6 +325,10 @@ async def test_the_budget_holds_and_changes_no_answer(
     )
     tight, stats = await run_all(tmp_path / "tight", budget_bytes=budget)
     assert stats.peak_bytes <= budget
+    # MLX's own memory too: within the longest agent's turns alone plus the budget.
+    turns = [f"{prompts[-1]} {n}" for n in range(2)]
+    base = await mlx_base_peak(model, turns, 6, **same)
+    assert stats.mlx_peak_bytes <= mlx_bound(base, budget, same["memory_limit"])
     assert stats.demoted_warm > 0
     assert tight == free
 
