@@ -115,6 +115,8 @@ async def test_hostile_schemas_are_refused_at_once_and_the_engine_goes_on(schema
         with pytest.raises(ValueError):
             constraint = Constraint("json_schema", text).check()
             await generate(session, "a", [1, 2, 3], Sampling(max_tokens=8), constraint)
+        # Measured: at most 60 ms (8 ms but for the first compile); 2 s is over 30x that,
+        # where a compile of the schema itself (3,000 levels, a 1 MB schema) would hang.
         assert time.perf_counter() - started < 2.0
         done = await generate(session, "a", [1, 2, 3], Sampling(max_tokens=4), None)
         assert len(done.token_ids) == 4
