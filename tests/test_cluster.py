@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hinting import FIRST, MAX_TOKENS, NEWCOMER, OPTIONS, SECOND, ask, room_for_one_idle_cache
 
 import kvactor
 from kvactor.actors.cluster._host import EngineHost
@@ -76,15 +77,26 @@ def _corrupt(files: dict[str, bytes]) -> dict[str, bytes]:
 
 
 async def test_a_host_takes_hints_about_its_agents(tmp_path: Path) -> None:
-    host = EngineHost("a", tiny, tmp_path / "a")
-    try:
-        await host.spawn("x", system="You help.")
-        await _talk(host, "x", "first question")
-        await host.hint(["x", "ghost"], {"x": 1.0}, {"x": 2}, ["y"], 1)
-        again = await _talk(host, "x", "second question")
-        assert again.path == kvactor.Tier.HOT
-    finally:
-        await host.close()
+    """Under a budget with room for a newcomer's turn and one idle cache
+    (tests/hinting.py), the least recently used agent goes warm, unless the host is told
+    it runs next (strangers named beside it are left out)."""
+    budget = await room_for_one_idle_cache(tiny)
+    paths = {}
+    for hinted in (False, True):
+        host = EngineHost("a", tiny, tmp_path / str(hinted), {"budget_bytes": budget, **OPTIONS})
+        try:
+            for name in (FIRST, SECOND, NEWCOMER):
+                await host.spawn(name)
+            for name in (FIRST, SECOND):
+                await host.generate(name, "text", ask(name), {"max_tokens": MAX_TOKENS})
+            if hinted:
+                await host.hint([FIRST, "ghost"], {FIRST: 1.0}, {FIRST: 2}, ["y"], 1)
+            await host.generate(NEWCOMER, "text", ask(NEWCOMER), {"max_tokens": MAX_TOKENS})
+            again = await host.generate(FIRST, "text", "again", {"max_tokens": MAX_TOKENS})
+            paths[hinted] = again.path
+        finally:
+            await host.close()
+    assert paths == {False: kvactor.Tier.WARM, True: kvactor.Tier.HOT}
 
 
 async def test_a_host_ends_its_turns(tmp_path: Path) -> None:
