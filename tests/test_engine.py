@@ -19,6 +19,7 @@ from kvactor.actors.messages import Generate
 from kvactor.actors.models import make_tiny_model
 from kvactor.actors.options import Sampling
 from kvactor.actors.session import Session
+from kvactor.runtime import ActorDeadError
 
 PROMPTS = [
     "hello there",
@@ -440,3 +441,30 @@ async def test_a_prompt_too_long_for_any_tokenization_is_refused_before_it_is_to
             with pytest.raises(ContextOverflow, match=str(limit)):
                 await agent.chat([{"role": "user", "content": "y" * (limit + 1)}], max_tokens=2)
         assert (await agent.generate("hello", max_tokens=2)).token_ids
+
+
+async def test_a_turn_in_flight_when_the_engine_stops_fails_with_engine_stopped() -> None:
+    """docs/embedding.md, Errors: a turn in flight when the engine stops fails with
+    EngineStopped, and nothing hangs: a turn asked for after fails at once (the engine
+    actor is dead), and the session still closes."""
+    with anyio.fail_after(60):  # a turn that is never answered would run into this
+        async with kvactor.open(endless()) as session:
+            agent = await session.spawn_agent("a")
+            failed: list[BaseException] = []
+
+            async def call() -> None:
+                try:
+                    await agent.generate("go on forever", max_tokens=ENDLESS)
+                except kvactor.EngineStopped as exc:
+                    failed.append(exc)
+
+            async def decoding() -> bool:
+                return (await session.stats()).decoding == 1
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                await _until(decoding)
+                await session.engine.stop()
+            assert len(failed) == 1 and "engine stopped" in str(failed[0])
+            with pytest.raises(ActorDeadError, match="engine"):
+                await agent.generate("and now?", max_tokens=2)
