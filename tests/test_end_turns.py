@@ -86,3 +86,48 @@ async def test_several_models_end_every_models_turns(tmp_path: Path) -> None:
         coder = await session.spawn_agent("coder-agent", model="coder")
         with pytest.raises(kvactor.TurnEnded):
             await coder.generate("Hello", max_tokens=2)
+
+
+async def test_turns_queued_or_prefilling_fail_with_turn_ended_and_are_not_saved(
+    tmp_path: Path,
+) -> None:
+    """docs/embedding.md: at ``end_turns`` a decoding turn ends (saved), a turn still
+    queued (here: the same agent's next turn, behind its decoding one) or prefilling (a
+    long prompt in chunks of 8 tokens) raises TurnEnded, and neither is saved."""
+    model = tiny(max_position_embeddings=LONG_CONTEXT)
+    results: dict[str, kvactor.Completion | BaseException] = {}
+    with anyio.fail_after(120):
+        async with kvactor.open(model, cache_dir=tmp_path, prefill_chunk=8) as session:
+            talker = await session.spawn_agent("talker", system=SYSTEM)
+            reader = await session.spawn_agent("reader", system=SYSTEM)
+
+            async def run(key: str, agent: Any, text: str, max_tokens: int) -> None:
+                try:
+                    results[key] = await agent.generate(text, max_tokens=max_tokens)
+                except kvactor.TurnEnded as exc:
+                    results[key] = exc
+
+            async def stats_say(**counts: int) -> None:
+                while True:  # a poll: nothing signals these counts
+                    stats = await session.stats()
+                    if all(getattr(stats, k) == v for k, v in counts.items()):
+                        return
+                    await anyio.sleep(0.01)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "decoding", talker, ASK, ENDLESS)
+                await stats_say(decoding=1)
+                tg.start_soon(run, "queued", talker, "And then?", 4)
+                # ~15,000 tokens in chunks of 8: its prefill lasts far longer than the test.
+                tg.start_soon(run, "prefilling", reader, "word " * 3000, 2)
+                await stats_say(decoding=1, prefilling=1)
+                assert await session.end_turns() == 2  # the decoding and prefilling turns
+            ended = results["decoding"]
+            assert isinstance(ended, kvactor.Completion)
+            assert ended.finish_reason == kvactor.FinishReason.ENDED and ended.saved
+            assert isinstance(results["queued"], kvactor.TurnEnded)
+            assert isinstance(results["prefilling"], kvactor.TurnEnded)
+            held = (await session.cache_info("talker")).tokens
+    async with kvactor.open(model, cache_dir=tmp_path) as again:
+        warm = {w.agent: w.tokens for w in await again.warm_agents()}
+    assert warm == {"talker": held}  # the ended turn's tokens, nothing of the others
