@@ -139,3 +139,61 @@ def test_sigterm_drains_turns_end_and_are_saved_without_a_traceback(tmp_path: Pa
     pieces = sum(bool(c["choices"][0]["delta"].get("content")) for c in chunks)
     manifest = json.loads((cache / "agents" / "team.long" / "manifest.json").read_bytes())
     assert manifest["manifest"]["n_tokens"] >= pieces > 50, (pieces, manifest["manifest"])
+
+
+@pytest.mark.slow  # a subprocess: the whole suite's
+def test_sigint_drains_and_a_second_signal_stops_at_once(tmp_path: Path) -> None:
+    """docs/server.md: Ctrl-C (SIGINT) stops taking connections and lets in-flight turns
+    run for the drain time; a second signal stops at once. The drain here is 300 s and the
+    turn cannot end by itself in minutes: only the second signal ends the process."""
+    model = str(tiny_model_dir(tmp_path / "model"))
+    args = ("--no-cache-dir", "--model-id", "tiny", "--drain-seconds", "300")
+    with serve_process(tmp_path, *args, model=model) as server:
+        lines: list[str] = []
+        body = {
+            "model": "tiny",
+            "max_tokens": ENDLESS,
+            "stream": True,
+            "messages": [{"role": "user", "content": "Hi"}],
+        }
+
+        def stream() -> None:
+            try:
+                with httpx.stream(
+                    "POST", f"{server.base}/v1/chat/completions", json=body, timeout=60
+                ) as r:
+                    for line in r.iter_lines():
+                        if line:
+                            lines.append(line)
+            except httpx.HTTPError as exc:
+                lines.append(f"error: {exc!r}")
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lines, server.log()
+        server.proc.send_signal(signal.SIGINT)
+        # Draining: no new connection is taken, the turn in flight goes on streaming.
+        deadline = time.monotonic() + 30
+        refused = False
+        while not refused and time.monotonic() < deadline:
+            try:
+                httpx.get(f"{server.base}/health", timeout=5)
+                time.sleep(0.01)
+            except httpx.HTTPError:
+                refused = True
+        assert refused
+        seen = len(lines)
+        deadline = time.monotonic() + 30
+        while len(lines) < seen + 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(lines) >= seen + 10 and server.proc.poll() is None
+        server.proc.send_signal(signal.SIGINT)  # the second: at once, not after 300 s
+        code = server.proc.wait(timeout=30)
+        reader.join(timeout=30)
+        assert not reader.is_alive()
+        print(f"exit status {code}; the stream's last line: {lines[-1][:80]}")
+        # (Stopping at once, uvicorn logs the stream cut mid-turn as an ASGI exception:
+        # ActorDeadError of the agent. The drain, not this, promises a quiet log.)
