@@ -603,3 +603,24 @@ async def test_serve_prints_a_json_start_line_answers_and_stops_on_sigterm(
     start = json.loads(lines[0])
     assert start["event"] == "serving" and start["port"] == ports[0] and start["model"] == "t"
     assert start["url"] == f"http://127.0.0.1:{ports[0]}/v1" and start["cache_dir"] is None
+
+
+async def test_the_agent_is_the_header_else_user_else_metadata_user_id() -> None:
+    """docs/server.md: a request names its agent with the X-Agent-Id header, else OpenAI's
+    ``user`` field, else Anthropic's ``metadata.user_id`` (the header wins over both)."""
+    async with running() as (_, base), httpx.AsyncClient(timeout=60) as http:
+        messages = [{"role": "user", "content": "hi"}]
+        chat = {"model": "tiny", "messages": messages, "max_tokens": 2}
+        cases = [
+            ("/v1/chat/completions", {**chat, "user": "by-user"}, {}, "by-user"),
+            ("/v1/chat/completions", {**chat, "user": "ignored"}, {"X-Agent-Id": "h1"}, "h1"),
+            ("/v1/messages", {**chat, "metadata": {"user_id": "by-meta"}}, {}, "by-meta"),
+            ("/v1/messages", {**chat, "metadata": {"user_id": "no"}}, {"X-Agent-Id": "h2"}, "h2"),
+        ]
+        for route, body, headers, agent in cases:
+            before = {a["id"] for a in (await http.get(f"{base}/v1/agents")).json()["data"]}
+            r = await http.post(f"{base}{route}", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            after = {a["id"] for a in (await http.get(f"{base}/v1/agents")).json()["data"]}
+            assert after - before == {agent}, (route, body, headers)
+        assert not {"ignored", "no"} & after
