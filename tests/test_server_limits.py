@@ -312,3 +312,42 @@ def test_a_body_is_json_within_limits() -> None:
     assert deep.value.field == "messages" and "32" in str(deep.value)
     with pytest.raises(JSONLimit):
         loads(json.dumps(list(range(100))), max_values=50)
+
+
+@pytest.mark.slow  # one prefill step of seconds
+async def test_metrics_do_not_wait_for_an_engine_in_a_long_prefill_step() -> None:
+    """docs/serving-others.md: /metrics never waits for an engine in the middle of a long
+    prefill step: past 60 ms it shows the figures read last, and
+    ``kvactor_engine_stats_age_seconds`` says how old. One step prefills 6,144 tokens
+    (seconds here); /metrics asked meanwhile answers each time within 1 s (10x the 60 ms
+    wait and its rendering), with figures that grow old."""
+    chunk = 6144
+    async with (
+        running(ENDLESS_MODEL, prefill_chunk=chunk) as (_, base),
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        await http.get(f"{base}/metrics")  # figures read once, before the step
+        long = [{"role": "user", "content": "ab " * (chunk // 2 - 20)}]  # one chunk, nearly
+        body = {"model": "tiny", "messages": long, "max_tokens": 1}
+        answer: list[httpx.Response] = []
+        ages: list[float] = []
+        slowest = 0.0
+
+        async def long_prefill() -> None:
+            answer.append(await http.post(f"{base}/v1/chat/completions", json=body))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long_prefill)
+            while not answer:
+                began = time.perf_counter()
+                text = (await http.get(f"{base}/metrics")).text
+                slowest = max(slowest, time.perf_counter() - began)
+                ages.append(metric(text, "kvactor_engine_stats_age_seconds"))
+                await anyio.sleep(0.05)
+        assert answer[0].status_code == 200
+        prefill_s = answer[0].json()["kvactor"]["ttft_s"]
+        if prefill_s < 2.0:
+            pytest.skip(f"this machine prefilled {chunk} tokens in {prefill_s:.2f} s: no step long")
+        print(f"step {prefill_s:.1f} s, figures {max(ages):.1f} s old, slowest {slowest:.3f} s")
+        assert max(ages) >= 1.0  # answered while the engine was busy for a second or more
+        assert slowest < 1.0
