@@ -196,6 +196,43 @@ def test_kvactor_run_writes_json_results(tmp_path: Path) -> None:
     assert "run it again: a new process resumes every agent from disk" in fresh.stdout
 
 
+#: ``kvactor ARGS`` in a process that records each backend ``anyio.run`` is given (a spy:
+#: the call goes on unchanged), printed last as ``BACKENDS [...]``.
+SPY = """
+import sys, anyio
+from kvactor.cli import main
+real, used = anyio.run, []
+def spy(*args, backend="asyncio", **kwargs):
+    used.append(backend)
+    return real(*args, backend=backend, **kwargs)
+anyio.run = spy
+code = main(sys.argv[1:])
+print("BACKENDS", used)
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow  # subprocesses: the whole suite's
+def test_kvactor_run_runs_on_trio_with_backend_trio(tmp_path: Path) -> None:
+    """docs/cli.md: ``kvactor run --backend trio`` (and ``demo``: the same code path)
+    runs the scenario on trio, to its end and its results."""
+    (tmp_path / "team.toml").write_text(TINY.replace("max_tokens = 8", "max_tokens = 4"))
+    env = {**os.environ, "KVACTOR_CACHE_DIR": str(tmp_path / "cache")}
+    for backend in ("asyncio", "trio"):
+        done = subprocess.run(
+            [sys.executable, "-c", SPY, "run", "team.toml", "--backend", backend, "--fresh"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "TTFT by path (9 turns)" in done.stdout
+        assert done.stdout.splitlines()[-1] == f"BACKENDS [{backend!r}]"
+        assert len(load_results(tmp_path / "tiny-team-results.json").turns) == 9
+
+
 @pytest.mark.slow  # a subprocess or a long load: the whole suite's
 def test_the_demo_command_on_the_tiny_model(tmp_path: Path) -> None:
     # The random tiny model's replies are invalid UTF-8 that quotes back as 3 bytes per
