@@ -197,3 +197,66 @@ def test_sigint_drains_and_a_second_signal_stops_at_once(tmp_path: Path) -> None
         print(f"exit status {code}; the stream's last line: {lines[-1][:80]}")
         # (Stopping at once, uvicorn logs the stream cut mid-turn as an ASGI exception:
         # ActorDeadError of the agent. The drain, not this, promises a quiet log.)
+
+
+@pytest.mark.slow  # a subprocess: the whole suite's
+def test_serve_flags_max_pending_admin_key_no_share_prefixes_and_codec(tmp_path: Path) -> None:
+    """docs/server.md, docs/serving-others.md: ``--max-pending 1`` answers a second request
+    in flight with a 429 (Retry-After: 1); ``--admin-key`` reads /metrics and sees every
+    tenant's agents, a tenant's key neither; ``--no-share-prefixes``: a second agent of
+    the same system prompt prefills it again; ``--codec q8``: the warm tier stores 8 bits."""
+    model = str(tiny_model_dir(tmp_path / "model"))
+    cache = tmp_path / "cache"
+    args = (
+        "--cache-dir", str(cache), "--model-id", "tiny", "--max-pending", "1",
+        "--admin-key", "the-admin", "--api-key", "team:the-team", "--no-share-prefixes",
+        "--codec", "q8",
+    )  # fmt: skip
+    team = {"Authorization": "Bearer the-team"}
+    admin = {"Authorization": "Bearer the-admin"}
+    system = "You are one of many careful agents who share this long system prompt. " * 4
+
+    def chat(agent: str, max_tokens: int = 2, stream: bool = False) -> dict[str, Any]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+        body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens}
+        return {**body, "stream": stream} if stream else body
+
+    with serve_process(tmp_path, *args, model=model) as server, httpx.Client(timeout=60) as http:
+        url = f"{server.base}/v1/chat/completions"
+        first = http.post(url, json=chat("one"), headers={**team, "X-Agent-Id": "one"})
+        second = http.post(url, json=chat("two"), headers={**team, "X-Agent-Id": "two"})
+        assert first.status_code == second.status_code == 200
+        assert first.json()["kvactor"]["reused_tokens"] == 0
+        assert second.json()["kvactor"]["reused_tokens"] == 0  # nothing shared from "one"
+        # One request in flight (a turn of minutes, streaming) holds the only slot.
+        # (EOS banned: the tiny model may end this conversation so.)
+        endless = {**chat("talker", ENDLESS, stream=True), "logit_bias": {"2": -100}}
+        with http.stream("POST", url, json=endless, headers={**team, "X-Agent-Id": "t"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept: a closed iterator closes the response
+            while not next(lines).startswith("data:"):
+                pass
+            busy = http.post(url, json=chat("three"), headers={**team, "X-Agent-Id": "three"})
+            assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+            assert next(lines) is not None  # the talker still talks
+        # The stream left: its slot is free again (its cancel is at the engine's next step).
+        deadline = time.monotonic() + 30
+        while (
+            http.get(f"{server.base}/health", headers=admin).json()["in_flight"]
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.01)
+        again = http.post(url, json=chat("three"), headers={**team, "X-Agent-Id": "three"})
+        assert again.status_code == 200
+        assert http.get(f"{server.base}/metrics", headers=team).status_code == 403
+        metrics = http.get(f"{server.base}/metrics", headers=admin)
+        assert metrics.status_code == 200 and "kvactor_" in metrics.text
+        mine = {a["id"] for a in http.get(f"{server.base}/v1/agents", headers=team).json()["data"]}
+        every = {
+            a["id"] for a in http.get(f"{server.base}/v1/agents", headers=admin).json()["data"]
+        }
+        assert {"one", "two", "t"} <= mine and {"team.one", "team.two", "team.t"} <= every
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+    manifest = json.loads((cache / "agents" / "team.one" / "manifest.json").read_bytes())
+    assert '"bits":8' in json.dumps(manifest, separators=(",", ":"))  # --codec q8
