@@ -245,6 +245,8 @@ async def test_every_bad_request_is_a_4xx_naming_the_field() -> None:
             (chat, {**base_chat, "temperature": "hot"}, "temperature"),
             (chat, {**base_chat, "max_tokens": "5"}, "max_tokens"),
             (chat, {**base_chat, "n": "2"}, "n"),
+            (chat, {**base_chat, "n": 2}, "n"),  # not built (docs/server.md): a 400
+            (chat, {**base_chat, "logprobs": True}, "logprobs"),
             (chat, {**base_chat, "seed": 10**30}, "seed"),
             (chat, {**base_chat, "logprobs": "yes"}, "logprobs"),
             (chat, {**base_chat, "presence_penalty": "x"}, "presence_penalty"),
