@@ -1,6 +1,9 @@
 """Helpers of the server's tests: an app served in process on 127.0.0.1 (:func:`running`),
 a real ``kvactor serve`` process (:func:`serve_process`), a raw HTTP connection that can
-leave mid-request (:func:`raw_request`), and /metrics as numbers (:func:`metric`)."""
+leave mid-request (:func:`raw_request`), /metrics as numbers (:func:`metric`), and the
+tiny model as an mlx-lm folder on disk with a context of its own (:func:`tiny_model_dir`:
+what a subprocess can be given, with a context so long that a turn cannot end by itself
+within a test)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,43 @@ from kvactor.actors.models import make_tiny_model
 from kvactor.server._app import create_app
 
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
+
+#: A context so long that a turn of ENDLESS tokens runs for minutes on the tiny model: a
+#: turn that stops within a test stopped because it was told (cancelled, drained, ended).
+LONG_CONTEXT = 1 << 17
+ENDLESS = 100_000
+
+
+def tiny_model_dir(path: Path, context: int = LONG_CONTEXT) -> Path:
+    """``path`` made an mlx-lm model folder of the tiny model (``tiny``'s weights, its byte
+    tokenizer and chat template) with a context of ``context`` tokens; returns ``path``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from kvactor.actors.models._bpe import TINY_CHAT_TEMPLATE, tiny_byte_tokenizer, tiny_vocab
+    from kvactor.actors.models._export import tokenizer_files
+    from kvactor.actors.models._tiny import TINY_FAMILIES
+
+    path.mkdir(parents=True, exist_ok=True)
+    lm = make_tiny_model(0, head_dim=64, max_position_embeddings=context)
+    weights: Any = dict(tree_flatten(lm.model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    config = {
+        "model_type": "llama",
+        **TINY_FAMILIES["llama"],
+        "head_dim": 64,
+        "vocab_size": lm.tokenizer.vocab_size,
+        "max_position_embeddings": context,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    tokens, _, _ = tiny_vocab()
+    metadata = {"tokenizer.ggml.tokens": tokens, "tokenizer.chat_template": TINY_CHAT_TEMPLATE}
+    for name, text in tokenizer_files(tiny_byte_tokenizer(), metadata, context).items():
+        (path / name).write_text(text)
+    return path
 
 
 @contextlib.asynccontextmanager

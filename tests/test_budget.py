@@ -1,9 +1,13 @@
 """The hot budget under load: many agents, budgets from one turn's need to plenty, random
 cancellations. Every turn completes (or was cancelled) within a deadline, no turn that fits
-alone is refused, the budget is never exceeded, and with a warm tier every turn that ran the
-same way as in an unbounded run gave the same greedy tokens (real engine, real files, tiny
-model). Without a warm tier a demoted cache is prefilled again from its text, which is not
-bit-identical to the quantized cache it replaces, so only completion is checked there."""
+alone is refused, the budget is never exceeded (by the pool's count and by MLX's own
+memory), and with a warm tier every turn that ran the same way as in an unbounded run gave
+the same greedy tokens (real engine, real files, tiny model, ``deterministic=True``: the
+mode that promises answers independent of the batch). Without a warm tier a demoted cache
+is prefilled again from its text, which is not bit-identical to the quantized cache it
+replaces, so only completion is checked there.
+
+:func:`mlx_bound` is the check against MLX's memory that other tests use too."""
 
 from __future__ import annotations
 
@@ -54,6 +58,38 @@ def one_turn_need(quantized: bool, context: int = MAX_CONTEXT) -> int:
     return stored + reserve
 
 
+#: Sessions whose MLX memory is checked run under this memory limit: the freed buffers MLX
+#: may keep are a sixteenth of it (docs/multimodel.md), small beside the hot tier.
+MEMORY_LIMIT = 64 << 20
+
+
+async def mlx_base_peak(
+    model: Any,
+    prompt: str | list[str],
+    max_tokens: int,
+    *,
+    memory_limit: int = MEMORY_LIMIT,
+    **options: Any,
+) -> int:
+    """MLX's peak (``EngineStats.mlx_peak_bytes``, sampled by the engine) in a session of
+    ``options`` (under MEMORY_LIMIT, no budget) where one agent runs a turn of ``prompt``
+    (a list: a turn of each, in order) alone: the weights, a forward's activations, one
+    turn's caches (and what the agent kept of its turns before)."""
+    async with kvactor.open(model, memory_limit=memory_limit, **options) as kv:
+        agent = await kv.spawn_agent("base")
+        for text in [prompt] if isinstance(prompt, str) else prompt:
+            await agent.generate(text, max_tokens=max_tokens)
+        return (await kv.stats()).mlx_peak_bytes
+
+
+def mlx_bound(base: int, budget: int, memory_limit: int = MEMORY_LIMIT) -> int:
+    """The most MLX may hold (its peak plus its kept buffers, as the engine samples them:
+    ``mlx_peak_bytes``) in a session under ``memory_limit`` whose hot tier stays within
+    ``budget``: ``base`` (:func:`mlx_base_peak` of its longest turn: weights, activations,
+    one turn), the budget, and the buffers MLX may keep (a sixteenth of the limit)."""
+    return base + budget + memory_limit // 16
+
+
 # (agent, round) -> the greedy tokens, or None when the turn was cancelled.
 Outcomes = dict[tuple[int, int], list[int] | None]
 
@@ -71,7 +107,14 @@ async def workload(seed: int, attention: Attention, **options: Any) -> tuple[Out
         for r in range(ROUNDS)
     }
     outcomes: Outcomes = {}
-    async with kvactor.open(tiny(), max_batch=4, attention=attention, **options) as kv:
+    async with kvactor.open(
+        tiny(),
+        max_batch=4,
+        attention=attention,
+        deterministic=True,
+        memory_limit=MEMORY_LIMIT,
+        **options,
+    ) as kv:
         agents = [await kv.spawn_agent(f"a{i}") for i in range(AGENTS)]
 
         async def run(i: int) -> None:
@@ -105,6 +148,10 @@ async def test_random_load_under_every_budget_completes_in_order_and_within_budg
 ) -> None:
     need = one_turn_need(attention == "quantized")
     reference, _ = await workload(seed, attention)
+    longest = "h" * 11 + f" {AGENTS - 1}.{ROUNDS - 1}"  # the longest prompt of the plan
+    base = await mlx_base_peak(
+        tiny(), longest, MAX_TOKENS, attention=attention, deterministic=True, max_batch=4
+    )
     budgets = [need, need + need // 4, 2 * need, 4 * need]
     for n, budget in enumerate(budgets):
         for persistent in (True, False) if n == 0 else (True,):
@@ -114,6 +161,7 @@ async def test_random_load_under_every_budget_completes_in_order_and_within_budg
             outcomes, stats = await workload(seed, attention, **options)
             where = f"budget {budget} ({n}), persistent={persistent}"
             assert stats.peak_bytes <= budget, where
+            assert 0 < stats.mlx_peak_bytes <= mlx_bound(base, budget), where
             finished = [k for k, v in outcomes.items() if v is not None]
             assert len(finished) >= AGENTS, where  # most turns were not cancelled
             if not persistent:
@@ -134,3 +182,27 @@ async def test_a_turn_that_cannot_fit_alone_fails_at_once_with_a_clear_error() -
         with anyio.fail_after(TURN_DEADLINE_S), pytest.raises(kvactor.BudgetExceeded):
             await agent.generate("hello again", max_tokens=MAX_TOKENS)
         assert (await kv.stats()).peak_bytes <= need // 2
+
+
+async def test_mlx_memory_stays_within_the_budget_where_unbounded_it_does_not() -> None:
+    """The budget holds in MLX's own memory, not only in the pool's count: sixteen agents of
+    ~400-token prompts, one turn at a time (their idle caches and ready copies ~14 MB
+    unbounded), under budgets of 2 and 4 MiB stay within :func:`mlx_bound`, and the same
+    turns without a budget go past the larger bound (the check can fail)."""
+    prompts = [f"agent {i}: " + "abcdefgh"[i % 8] * 400 for i in range(16)]
+
+    async def load(budget: int | None) -> kvactor.EngineStats:
+        async with kvactor.open(tiny(), budget_bytes=budget, memory_limit=MEMORY_LIMIT) as kv:
+            for i, prompt in enumerate(prompts):
+                agent = await kv.spawn_agent(f"a{i}")
+                await agent.generate(prompt, max_tokens=MAX_TOKENS)
+            return await kv.stats()
+
+    base = await mlx_base_peak(tiny(), prompts[-1], MAX_TOKENS)
+    for budget in (2 << 20, 4 << 20):
+        stats = await load(budget)
+        assert stats.peak_bytes <= budget
+        assert stats.mlx_peak_bytes <= mlx_bound(base, budget), (budget, stats)
+        assert stats.demoted_cold + stats.dropped_ready > 0  # the budget made room
+    unbounded = await load(None)
+    assert unbounded.mlx_peak_bytes > mlx_bound(base, 4 << 20), unbounded

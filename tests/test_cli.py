@@ -4,6 +4,7 @@ tiny model, and the commands it prints pasted into a shell."""
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -17,6 +18,7 @@ import anyio
 import pytest
 
 import kvactor
+from kvactor.actors.models import make_tiny_model
 from kvactor.cli._inspect import codec_short
 from kvactor.cli._main import build_parser
 from kvactor.kernels.qcodec import DEFAULT_CODEC, FP16_CODEC, KVCodec
@@ -281,3 +283,24 @@ def test_a_run_on_the_default_model_shows_its_name(tmp_path: Path) -> None:
     shown = kvactor_cli("inspect", root=root, cwd=tmp_path)
     assert shown.stdout.startswith(f"{root / 'scenarios' / 'tiny-team' / 'default'}: 2 agents")
     assert "SmolLM2-135M-Instruct" in shown.stdout and "K5/V3 g64 +rot +4 sinks" in shown.stdout
+
+
+async def test_gc_and_forget_exit_3_on_a_directory_a_session_uses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/cli.md: ``gc`` (and ``forget``) exit with 3 while a session uses the cache
+    directory, touching nothing; once it closes they run (0)."""
+    from kvactor.cli import main
+
+    root = tmp_path / "cache"
+    tiny = functools.partial(make_tiny_model, 0, head_dim=64)
+    async with kvactor.open(tiny, cache_dir=root) as kv:
+        await (await kv.spawn_agent("a")).generate("hello", max_tokens=2)
+        assert main(["gc", "--dir", str(root)]) == 3
+        assert main(["forget", "a", "--dir", str(root)]) == 3
+        err = capsys.readouterr().err
+        assert "kvactor gc: " in err and "kvactor forget: " in err
+        assert [w.agent for w in await kv.warm_agents()] == ["a"]  # nothing was touched
+    assert main(["gc", "--dir", str(root)]) == 0
+    assert "0 unreferenced files removed" in capsys.readouterr().out
+    assert main(["forget", "a", "--dir", str(root)]) == 0

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hinting import FIRST, MAX_TOKENS, NEWCOMER, OPTIONS, SECOND, ask, room_for_one_idle_cache
 
 import kvactor
 from kvactor.actors.cluster import EngineHost
@@ -78,17 +79,31 @@ def _corrupt(files: dict[str, bytes]) -> dict[str, bytes]:
 
 
 async def test_a_host_takes_hints_about_its_agents(tmp_path: Path) -> None:
-    host = EngineHost("a", tiny, tmp_path / "a")
-    try:
-        await host.spawn(SpawnAgent(name="x", system="You help."))
-        await _talk(host, "x", "first question")
-        await host.hint(
-            make_hint(["x", "ghost"], expect_in_s={"x": 1.0}, priority={"x": 2}, done=["y"]), 1
-        )
-        again = await _talk(host, "x", "second question")
-        assert again.path == kvactor.Tier.HOT
-    finally:
-        await host.close()
+    """Under a budget with room for a newcomer's turn and one idle cache
+    (tests/hinting.py), the least recently used agent goes warm, unless the host is told
+    it runs next (strangers named beside it are left out)."""
+    budget = await room_for_one_idle_cache(tiny)
+    paths = {}
+    for hinted in (False, True):
+        host = EngineHost("a", tiny, tmp_path / str(hinted), {"budget_bytes": budget, **OPTIONS})
+        try:
+            for name in (FIRST, SECOND, NEWCOMER):
+                await host.spawn(SpawnAgent(name=name))
+            for name in (FIRST, SECOND):
+                await host.generate(name, "text", ask(name), {"max_tokens": MAX_TOKENS})
+            if hinted:
+                await host.hint(
+                    make_hint(
+                        [FIRST, "ghost"], expect_in_s={FIRST: 1.0}, priority={FIRST: 2}, done=["y"]
+                    ),
+                    1,
+                )
+            await host.generate(NEWCOMER, "text", ask(NEWCOMER), {"max_tokens": MAX_TOKENS})
+            again = await host.generate(FIRST, "text", "again", {"max_tokens": MAX_TOKENS})
+            paths[hinted] = again.path
+        finally:
+            await host.close()
+    assert paths == {False: kvactor.Tier.WARM, True: kvactor.Tier.HOT}
 
 
 async def test_a_host_ends_its_turns(tmp_path: Path) -> None:
@@ -369,3 +384,55 @@ async def test_replicas_hand_the_agents_of_a_host_gone_for_good_to_another(
 def test_replicas_are_one_or_two(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="replicas"):
         kvactor.open(tiny, cluster="local", cache_dir=tmp_path, replicas=3)
+
+
+class _LastHost:
+    """A placement of one's own: every agent on the host last by name."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def choose(self, agent: str, hosts: Any) -> str:
+        self.asked.append(agent)
+        return max(h.name for h in hosts)
+
+
+@pytest.mark.ray
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+async def test_a_custom_placement_and_rebalance_on_an_auto_cluster(tmp_path: Path) -> None:
+    """docs/cluster.md: ``cluster="auto"`` starts a local cluster when none runs,
+    ``placement=`` takes any object with ``choose(agent, hosts)``, and ``kv.rebalance()``
+    evens out the agents per host, each moved with its cache (its next turn WARM on its
+    new host, answering as an agent that never moved)."""
+    from ray._private.services import find_gcs_addresses
+
+    if find_gcs_addresses():
+        pytest.skip("a Ray cluster runs on this machine: cluster='auto' would join it")
+    placement = _LastHost()
+    names = [f"a{i}" for i in range(4)]
+    async with kvactor.open(
+        tiny,
+        cluster="auto",
+        cache_dir=tmp_path / "cluster",
+        hosts_per_node=2,
+        ray_options={"num_cpus": 2},
+        placement=placement,
+    ) as kv:
+        agents = [await kv.spawn_agent(n, system="You help.") for n in names]
+        assert placement.asked == names and {a.host for a in agents} == {"h1"}
+        firsts = [await a.generate("first question", **GREEDY) for a in agents]
+        moves = await kv.rebalance()
+        assert sorted(m.agent for m in moves) == ["a2", "a3"]  # the last by name moved
+        where = {a: h.name for h in (await kv.stats()).hosts for a in h.agents}
+        assert sorted(where.values()) == ["h0", "h0", "h1", "h1"]
+        assert await kv.rebalance() == []  # even already
+        seconds = {n: await kv.agent(n).generate("second question", **GREEDY) for n in names}
+    assert {n: d.path for n, d in seconds.items()} == {
+        n: kvactor.Tier.WARM if where[n] == "h0" else kvactor.Tier.HOT for n in names
+    }
+    # A moved agent answers as one that stayed (the same conversation in one session).
+    async with kvactor.open(tiny, cache_dir=tmp_path / "alone") as alone:
+        stay = await alone.spawn_agent("a3", system="You help.")
+        assert (await stay.generate("first question", **GREEDY)).token_ids == firsts[3].token_ids
+        again = await stay.generate("second question", **GREEDY)
+    assert again.token_ids == seconds["a3"].token_ids

@@ -7,6 +7,8 @@ from typing import Any
 
 import anyio
 import pytest
+from lively import lively
+from test_budget import MEMORY_LIMIT, mlx_base_peak, mlx_bound
 
 import kvactor
 from kvactor.actors.engine import Attention
@@ -17,6 +19,7 @@ from kvactor.actors.messages import Generate
 from kvactor.actors.models import make_tiny_model
 from kvactor.actors.options import Sampling
 from kvactor.actors.session import Session
+from kvactor.runtime import ActorDeadError
 
 PROMPTS = [
     "hello there",
@@ -63,7 +66,11 @@ async def test_multi_turn_prefills_only_the_new_text(attention: Attention) -> No
 
 @ATTENTION
 async def test_greedy_output_is_the_same_alone_and_in_a_batch_of_8(attention: Attention) -> None:
-    async with kvactor.open(tiny(), max_batch=8, attention=attention) as session:
+    # The mode that promises it (README: "Answers that do not depend on who else runs"),
+    # on a model whose every token depends on its cache (tests/lively.py).
+    async with kvactor.open(
+        lively(), max_batch=8, attention=attention, deterministic=True
+    ) as session:
         solo = []
         for i, prompt in enumerate(PROMPTS):
             agent = await session.spawn_agent(f"solo-{i}")
@@ -80,6 +87,27 @@ async def test_greedy_output_is_the_same_alone_and_in_a_batch_of_8(attention: At
         assert batched == solo
         stats = await session.stats()
         assert stats.max_batch_seen >= 4  # they really decoded together
+
+
+async def test_the_lively_model_answers_by_its_whole_context() -> None:
+    """Why the batch tests run on tests/lively.py: the tiny model's greedy turn repeats one
+    token whatever its cache holds; the lively one's tokens change at every step, and two
+    prompts that differ only at their start (same last token) answer differently to the
+    end."""
+    prompts = ["a" * 32 + "x", "b" * 32 + "x"]
+
+    async def answers(model: Any) -> list[list[int]]:
+        async with kvactor.open(model) as session:
+            agents = [await session.spawn_agent(f"a{i}") for i in range(2)]
+            return [
+                (await a.complete(p, max_tokens=12)).token_ids
+                for a, p in zip(agents, prompts, strict=True)
+            ]
+
+    assert all(len(set(ids)) == 1 for ids in await answers(tiny()))
+    first, second = await answers(lively())
+    assert len(set(first)) >= 4 and len(set(second)) >= 4
+    assert first[-4:] != second[-4:]
 
 
 @ATTENTION
@@ -111,32 +139,70 @@ async def test_decode_goes_on_while_a_long_prompt_is_prefilled_in_chunks(
         assert events[start:first].count("talker") >= 10
 
 
+#: A context so long that a turn of ENDLESS tokens runs for minutes on the tiny model (it
+#: is not cut to the context): a turn that stops within a test stopped because it was told.
+ENDLESS = 100_000
+
+
+def endless() -> Any:
+    return tiny(max_position_embeddings=1 << 17)
+
+
+async def _until(predicate: Any, within: float = 10.0) -> None:
+    """Poll ``await predicate()`` until it holds (nothing signals the engine's noticing a
+    cancel); fails past ``within`` s, over 10x what it takes."""
+    with anyio.fail_after(within):
+        while not await predicate():
+            await anyio.sleep(0.01)
+
+
+async def _idle(session: Session) -> bool:
+    stats = await session.stats()
+    return stats.decoding == 0 and stats.prefilling == 0
+
+
 async def test_leaving_a_stream_cancels_the_generation_and_frees_the_slot() -> None:
-    async with kvactor.open(tiny()) as session:
+    async with kvactor.open(endless()) as session:
         agent = await session.spawn_agent("a")
         pieces = 0
-        async with agent.stream("tell me everything", max_tokens=500) as stream:
+        async with agent.stream("tell me everything", max_tokens=ENDLESS) as stream:
             async for _ in stream:
                 pieces += 1
                 if pieces == 3:
                     break
-        with anyio.fail_after(10):  # a poll: nothing signals the engine's noticing the exit
-            while (await session.stats()).decoding:
-                await anyio.sleep(0.01)
+        await _until(functools.partial(_idle, session))
+        # Stopped near where it was left: a turn left running makes thousands of tokens.
+        assert (await session.stats()).generated_tokens < 1000
+        assert stream.completion is None
         info = await agent.cache_info()
-        assert not info.busy and info.tokens > 0  # the partial cache is kept
+        assert not info.busy and 0 < info.tokens < 1000  # the partial cache is kept
         again = await agent.generate("and now?", max_tokens=3)
         assert len(again.token_ids) == 3
 
 
 async def test_cancelling_the_caller_cancels_the_generation() -> None:
-    async with kvactor.open(tiny()) as session:
+    async with kvactor.open(endless()) as session:
         agent = await session.spawn_agent("a")
-        with anyio.move_on_after(0.2):
-            await agent.generate("go on forever", max_tokens=100_000)
-        with anyio.fail_after(10):  # a poll: nothing signals the engine's noticing the cancel
-            while (await session.stats()).decoding:
-                await anyio.sleep(0.01)
+        scope = anyio.CancelScope()
+        returned: list[kvactor.Completion] = []
+
+        async def call() -> None:
+            with scope:
+                returned.append(await agent.generate("go on forever", max_tokens=ENDLESS))
+
+        async def decoding() -> bool:
+            return (await session.stats()).decoding == 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            await _until(decoding)
+            scope.cancel()
+        assert scope.cancelled_caught and not returned
+        await _until(functools.partial(_idle, session))
+        assert (await session.stats()).generated_tokens < 1000
+        info = await agent.cache_info()
+        assert not info.busy and info.tokens < 1000
+        assert len((await agent.generate("and now?", max_tokens=2)).token_ids) == 2
 
 
 async def test_stop_strings_end_the_text_before_the_stop() -> None:
@@ -261,15 +327,18 @@ async def test_a_model_that_fails_to_load_fails_open() -> None:
 @ATTENTION
 async def test_the_hot_budget_is_never_exceeded_and_caches_never_mix(attention: Attention) -> None:
     prompts = [f"agent number {i} says {'abc'[i % 3] * (i + 1)}" for i in range(12)]
-    async with kvactor.open(tiny(), attention=attention) as session:
+    # Deterministic: batched answers equal solo ones only in that mode (README).
+    options: dict[str, Any] = {"attention": attention, "deterministic": True, "max_batch": 8}
+    async with kvactor.open(lively(), **options) as session:
         solo = []
         for i, prompt in enumerate(prompts):
             agent = await session.spawn_agent(f"solo-{i}")
             solo.append((await agent.generate(prompt, max_tokens=10)).token_ids)
+    base = await mlx_base_peak(lively(), prompts[-1], 10, **options)
     # Two turns (a 1 MiB reserve each) and a few idle caches of ~20 kB: the rest must go.
     budget = 2 * 1024 * 1024 + 64 * 1024
     async with kvactor.open(
-        tiny(), budget_bytes=budget, max_batch=8, attention=attention
+        lively(), budget_bytes=budget, memory_limit=MEMORY_LIMIT, **options
     ) as session:
         agents = [await session.spawn_agent(f"a-{i}") for i in range(len(prompts))]
         outs: list[list[int]] = [[] for _ in prompts]
@@ -289,7 +358,9 @@ async def test_the_hot_budget_is_never_exceeded_and_caches_never_mix(attention: 
                 tg.start_soon(again, i)
         stats = await session.stats()
         assert outs == solo  # nobody got another agent's cache
+        assert stats.max_batch_seen > 1  # and some of them decoded together
         assert stats.peak_bytes <= budget
+        assert stats.mlx_peak_bytes <= mlx_bound(base, budget)  # MLX's own memory too
         assert stats.demoted_cold > 0  # demotions really happened (no warm tier here)
         assert stats.cache_bytes <= budget
 
@@ -332,7 +403,9 @@ async def test_pipelined_decode_gives_the_tokens_and_caches_of_an_unpipelined_on
     ]
 
     async def run() -> tuple[list[list[int]], list[int], kvactor.EngineStats]:
-        async with kvactor.open(tiny(), max_batch=8, attention=attention) as session:
+        async with kvactor.open(
+            tiny(), max_batch=8, attention=attention, deterministic=True
+        ) as session:
             agents = [await session.spawn_agent(f"a{i}") for i in range(len(PROMPTS))]
             out: list[list[int]] = [[] for _ in range(2 * len(PROMPTS))]
 
@@ -368,3 +441,30 @@ async def test_a_prompt_too_long_for_any_tokenization_is_refused_before_it_is_to
             with pytest.raises(ContextOverflow, match=str(limit)):
                 await agent.chat([{"role": "user", "content": "y" * (limit + 1)}], max_tokens=2)
         assert (await agent.generate("hello", max_tokens=2)).token_ids
+
+
+async def test_a_turn_in_flight_when_the_engine_stops_fails_with_engine_stopped() -> None:
+    """docs/embedding.md, Errors: a turn in flight when the engine stops fails with
+    EngineStopped, and nothing hangs: a turn asked for after fails at once (the engine
+    actor is dead), and the session still closes."""
+    with anyio.fail_after(60):  # a turn that is never answered would run into this
+        async with kvactor.open(endless()) as session:
+            agent = await session.spawn_agent("a")
+            failed: list[BaseException] = []
+
+            async def call() -> None:
+                try:
+                    await agent.generate("go on forever", max_tokens=ENDLESS)
+                except kvactor.EngineStopped as exc:
+                    failed.append(exc)
+
+            async def decoding() -> bool:
+                return (await session.stats()).decoding == 1
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                await _until(decoding)
+                await session.engine.stop()
+            assert len(failed) == 1 and "engine stopped" in str(failed[0])
+            with pytest.raises(ActorDeadError, match="engine"):
+                await agent.generate("and now?", max_tokens=2)

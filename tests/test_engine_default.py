@@ -41,7 +41,8 @@ async def test_paris_and_a_second_turn_that_reuses_the_cache() -> None:
 
 
 async def test_greedy_tokens_alone_equal_tokens_in_a_batch_of_8() -> None:
-    async with kvactor.open(max_batch=8) as session:
+    # The mode that promises batch-independent answers (README).
+    async with kvactor.open(max_batch=8, deterministic=True) as session:
         alone = []
         for i, prompt in enumerate(PROMPTS):
             agent = await session.spawn_agent(f"alone-{i}")

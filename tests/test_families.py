@@ -22,7 +22,9 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import pytest
+from lively import lively
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
+from test_budget import MEMORY_LIMIT, mlx_bound
 
 import kvactor
 from kvactor.actors.engine import Attention, turn_reserve_bytes
@@ -164,7 +166,7 @@ def _first_turn_elsewhere(family: str, attention: str, root: Path) -> list[int]:
     return list(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.slow  # a process per family and mode (~4 s each): the whole suite's
+@pytest.mark.slow  # a subprocess per family and mode (~3 s each): the whole suite's
 @FAMILY
 @ATTENTION
 def test_a_warm_reload_in_another_process_equals_the_cache_kept_hot(
@@ -191,7 +193,11 @@ async def test_batched_turns_equal_solo_turns(family: str, attention: Attention)
     prompts = [f"agent {i} says {'abc'[i % 3] * (3 + 5 * i)}" for i in range(4)]
 
     async def run(max_batch: int) -> list[list[int]]:
-        async with kvactor.open(tiny(family), max_batch=max_batch, attention=attention) as kv:
+        # The mode that promises batch-independent answers, on a model whose tokens depend
+        # on its cache (tests/lively.py).
+        async with kvactor.open(
+            lively(0, family), max_batch=max_batch, attention=attention, deterministic=True
+        ) as kv:
             agents = [await kv.spawn_agent(f"a{i}") for i in range(len(prompts))]
             out: list[list[int]] = [[] for _ in prompts]
 
@@ -285,10 +291,25 @@ async def test_the_budget_holds_and_changes_no_answer(
 ) -> None:
     prompts = [f"agent {i}: {'xyz'[i % 3] * (4 + 3 * i)}" for i in range(6)]
 
-    async def run_all(root: Path, **options: Any) -> tuple[list[list[int]], kvactor.EngineStats]:
-        async with kvactor.open(
-            tiny(family), cache_dir=root, max_batch=3, attention=attention, **options
-        ) as kv:
+    model = lively(0, family)  # its tokens depend on its cache (tests/lively.py)
+    # Deterministic: the mode that promises answers independent of the batch.
+    same: dict[str, Any] = {"attention": attention, "deterministic": True, "max_batch": 3}
+    # Qwen3.5's tiny model needs ~107 MB with one turn (its activations).
+    same["memory_limit"] = 256 << 20 if family == "qwen3_5" else MEMORY_LIMIT
+
+    async def run_all(
+        root: Path, **options: Any
+    ) -> tuple[list[list[int]], kvactor.EngineStats, int]:
+        """Every agent's tokens, the stats, and MLX's peak after a first agent ran two turns
+        as long as the longest agent's alone (what mlx_bound starts from), when unbounded.
+        Its prompts are other letters: no agent shares its cache."""
+        async with kvactor.open(model, cache_dir=root, **same, **options) as kv:
+            base = 0
+            if "budget_bytes" not in options:
+                alone = await kv.spawn_agent("alone")
+                for n in range(2):
+                    await alone.generate(f"agent 9: {'q' * (4 + 3 * 5)} {n}", max_tokens=6)
+                base = (await kv.stats()).mlx_peak_bytes
             agents = [await kv.spawn_agent(f"a{i}") for i in range(len(prompts))]
             out: list[list[int]] = [[] for _ in prompts]
 
@@ -300,9 +321,9 @@ async def test_the_budget_holds_and_changes_no_answer(
                 async with anyio.create_task_group() as tg:
                     for i in range(len(prompts)):
                         tg.start_soon(turn, i, n)
-            return out, await kv.stats()
+            return out, await kv.stats(), base
 
-    free, _ = await run_all(tmp_path / "free")
+    free, _, base = await run_all(tmp_path / "free")
     # What a turn of up to 128 tokens needs alone, by the engine's own accounting (its
     # stored cache and the working cache it reserves): caches go warm and come back.
     # With recurrent layers the stored cache keeps up to DEFAULT_CHECKPOINTS states too, and
@@ -314,8 +335,10 @@ async def test_the_budget_holds_and_changes_no_answer(
     budget = stored + turn_reserve_bytes(
         geometry, 128, stored_bytes=stored_kv if quantized else None, checkpoints=2
     )
-    tight, stats = await run_all(tmp_path / "tight", budget_bytes=budget)
+    tight, stats, _ = await run_all(tmp_path / "tight", budget_bytes=budget)
     assert stats.peak_bytes <= budget
+    # MLX's own memory too: within the longest agent's turns alone plus the budget.
+    assert stats.mlx_peak_bytes <= mlx_bound(base, budget, same["memory_limit"])
     assert stats.demoted_warm > 0
     assert tight == free
 

@@ -9,9 +9,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from lively import lively
 from multimodels import hot_pool
 
 import kvactor
@@ -144,3 +146,48 @@ async def test_forks_count_once_in_the_hot_budget() -> None:
         # slices too); the source's still count once.
         await kv.agent("f0").generate("mine", max_tokens=2)
         assert (await kv.stats()).cache_bytes > alone
+
+
+@pytest.fixture
+def fork_folder_elsewhere(tmp_path: Path) -> Iterator[Path]:
+    """``tmp_path/agents/copy`` as another file system (a tmpfs mounted there): a hard link
+    into it fails (EXDEV). Skipped where this process may not mount (not root)."""
+    folder = tmp_path / "agents" / "copy"
+    folder.mkdir(parents=True)
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64m", "kvactor-test", str(folder)]
+    done = subprocess.run(mount, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root (CAP_SYS_ADMIN): {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+async def test_a_fork_on_another_file_system_gets_copies_and_resumes_as_its_source(
+    tmp_path: Path, fork_folder_elsewhere: Path
+) -> None:
+    """docs/sharing.md: a fork on disk holds hard links to the source's segment files, a
+    copy where links fail: here the fork's folder is another file system. Its files are
+    copies (other inodes, the same bytes), and a new session resumes it warm, answering as
+    the source does from the same cache."""
+    model = lively()  # its tokens depend on its cache (tests/lively.py)
+    async with kvactor.open(model, cache_dir=tmp_path) as kv:
+        source = await kv.spawn_agent("src", system=SYSTEM)
+        await source.generate("read this long shared document please", max_tokens=6)
+        await kv.fork("src", "copy")
+    src_files = sorted((tmp_path / "agents" / "src").glob("seg-*.safetensors"))
+    assert src_files
+    for theirs in src_files:
+        mine = fork_folder_elsewhere / theirs.name
+        assert os.stat(mine).st_dev != os.stat(theirs).st_dev
+        assert os.stat(theirs).st_nlink == os.stat(mine).st_nlink == 1
+        assert mine.read_bytes() == theirs.read_bytes()
+    async with kvactor.open(model, cache_dir=tmp_path) as kv:
+        answers = []
+        for name in ("copy", "src"):
+            agent = await kv.spawn_agent(name, system=SYSTEM)
+            answers.append(await agent.generate("what next?", max_tokens=6))
+    assert [a.path for a in answers] == [Tier.WARM, Tier.WARM]
+    assert answers[0].token_ids == answers[1].token_ids
+    assert answers[0].timings.reused_tokens == answers[1].timings.reused_tokens > 0

@@ -26,7 +26,9 @@ PROMPTS = ["hello there", "and now something else", "a third turn"]
 async def _solo(spec: Any, names: list[str]) -> dict[str, list[str]]:
     """Each agent's greedy answers with the model alone in its own session."""
     out: dict[str, list[str]] = {}
-    async with kvactor.open(spec) as session:
+    # Deterministic here and wherever agents run together: the mode that promises answers
+    # independent of the batch (README).
+    async with kvactor.open(spec, deterministic=True) as session:
         for name in names:
             agent = await session.spawn_agent(name, system=f"you are {name}")
             out[name] = [(await agent.generate(p, max_tokens=6)).text for p in PROMPTS]
@@ -57,7 +59,7 @@ async def test_two_models_answer_as_each_alone(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     alone = await _solo(A, ["r1", "r2"]) | await _solo(B, ["c1", "c2"])
-    async with kvactor.open(models=MODELS, cache_dir=tmp_path) as session:
+    async with kvactor.open(models=MODELS, cache_dir=tmp_path, deterministic=True) as session:
         assert list(session.models) == ["router", "coder"]
         fingerprints = {m.fingerprint for m in session.models.values()}
         assert len(fingerprints) == 2
@@ -292,7 +294,9 @@ async def test_models_take_turns_under_contention_and_answer_as_alone(
     monkeypatch.setattr(models_engine, "FAIR_WAIT_S", 0.0)
     alone = await _solo(A, ["r1", "r2"]) | await _solo(B, ["c1", "c2"])
     limit = swap_limit()
-    async with kvactor.open(models=MODELS, memory_limit=limit, cache_dir=tmp_path) as session:
+    async with kvactor.open(
+        models=MODELS, memory_limit=limit, cache_dir=tmp_path, deterministic=True
+    ) as session:
         with anyio.fail_after(60):
             together = await _together(session, ROLES)
         stats = await session.stats()

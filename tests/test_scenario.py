@@ -139,6 +139,30 @@ async def test_a_run_demotes_reloads_and_a_second_run_resumes_from_disk(tmp_path
     assert second.resumed == ["alpha", "beta", "gamma"]
 
 
+async def test_a_run_past_resume_max_tokens_starts_fresh(tmp_path: Path) -> None:
+    """docs/scenarios.md: ``resume_max_tokens``: a run forgets the earlier run's caches
+    instead of resuming them when any holds more tokens (and resumes them otherwise)."""
+    one_phase = tiny_scenario(tmp_path, budget_mb=None)
+    one_phase = msgspec.structs.replace(one_phase, phases=one_phase.phases[:1])
+    await run_scenario(one_phase)
+    starts: list[RunStarted] = []
+    limits: list[int] = []
+    for over in (0, 1):  # at the longest conversation: resumed; one token under it: fresh
+        limit = max(w.tokens for w in list_agents(tmp_path / "warm")) - over
+        events: list[Event] = []
+        again = msgspec.structs.replace(one_phase, resume_max_tokens=limit)
+        done = await run_scenario(again, on_event=events.append)
+        started = events[0]
+        assert isinstance(started, RunStarted)
+        starts.append(started)
+        limits.append(limit)
+        assert {t.path for t in done.turns} == ({Tier.COLD} if over else {Tier.WARM})
+    assert starts[0].reset is None and starts[0].resumed == ["alpha", "beta", "gamma"]
+    fresh = starts[1]
+    assert fresh.resumed == [] and fresh.found_warm == ["alpha", "beta", "gamma"]
+    assert fresh.reset is not None and f"resume_max_tokens = {limits[1]}" in fresh.reset
+
+
 async def test_concurrent_turns_and_a_fresh_start(tmp_path: Path) -> None:
     batched = await run_scenario(
         tiny_scenario(tmp_path, concurrency=3, budget_mb=None, cache_dir="none")
@@ -194,6 +218,43 @@ def test_kvactor_run_writes_json_results(tmp_path: Path) -> None:
     assert fresh.returncode == 0, fresh.stderr
     assert "asked to start fresh" in fresh.stdout
     assert "run it again: a new process resumes every agent from disk" in fresh.stdout
+
+
+#: ``kvactor ARGS`` in a process that records each backend ``anyio.run`` is given (a spy:
+#: the call goes on unchanged), printed last as ``BACKENDS [...]``.
+SPY = """
+import sys, anyio
+from kvactor.cli import main
+real, used = anyio.run, []
+def spy(*args, backend="asyncio", **kwargs):
+    used.append(backend)
+    return real(*args, backend=backend, **kwargs)
+anyio.run = spy
+code = main(sys.argv[1:])
+print("BACKENDS", used)
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow  # subprocesses: the whole suite's
+def test_kvactor_run_runs_on_trio_with_backend_trio(tmp_path: Path) -> None:
+    """docs/cli.md: ``kvactor run --backend trio`` (and ``demo``: the same code path)
+    runs the scenario on trio, to its end and its results."""
+    (tmp_path / "team.toml").write_text(TINY.replace("max_tokens = 8", "max_tokens = 4"))
+    env = {**os.environ, "KVACTOR_CACHE_DIR": str(tmp_path / "cache")}
+    for backend in ("asyncio", "trio"):
+        done = subprocess.run(
+            [sys.executable, "-c", SPY, "run", "team.toml", "--backend", backend, "--fresh"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "TTFT by path (9 turns)" in done.stdout
+        assert done.stdout.splitlines()[-1] == f"BACKENDS [{backend!r}]"
+        assert len(load_results(tmp_path / "tiny-team-results.json").turns) == 9
 
 
 @pytest.mark.slow  # a subprocess or a long load: the whole suite's

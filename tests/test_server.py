@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from lively import lively
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvactor
@@ -190,12 +191,15 @@ async def test_anthropic_messages_equal_the_python_api_streamed_or_not() -> None
 
 async def test_eight_clients_stream_at_once() -> None:
     prompts = [f"client {i} asks about {'abcdefgh'[i] * (2 + i)}" for i in range(8)]
-    async with kvactor.open(tiny) as kv:
+    # Batched answers equal solo ones in the mode that promises it, on a model whose tokens
+    # depend on their cache (tests/lively.py).
+    model = lively()
+    async with kvactor.open(model, deterministic=True) as kv:
         want = [
             await (await kv.spawn_agent(f"s{i}")).generate(p, max_tokens=10)
             for i, p in enumerate(prompts)
         ]
-    async with running(max_batch=8) as (kv, base):
+    async with running(model, max_batch=8, deterministic=True) as (kv, base):
         got: list[str] = [""] * 8
 
         async def one(i: int) -> None:
@@ -599,3 +603,24 @@ async def test_serve_prints_a_json_start_line_answers_and_stops_on_sigterm(
     start = json.loads(lines[0])
     assert start["event"] == "serving" and start["port"] == ports[0] and start["model"] == "t"
     assert start["url"] == f"http://127.0.0.1:{ports[0]}/v1" and start["cache_dir"] is None
+
+
+async def test_the_agent_is_the_header_else_user_else_metadata_user_id() -> None:
+    """docs/server.md: a request names its agent with the X-Agent-Id header, else OpenAI's
+    ``user`` field, else Anthropic's ``metadata.user_id`` (the header wins over both)."""
+    async with running() as (_, base), httpx.AsyncClient(timeout=60) as http:
+        messages = [{"role": "user", "content": "hi"}]
+        chat = {"model": "tiny", "messages": messages, "max_tokens": 2}
+        cases = [
+            ("/v1/chat/completions", {**chat, "user": "by-user"}, {}, "by-user"),
+            ("/v1/chat/completions", {**chat, "user": "ignored"}, {"X-Agent-Id": "h1"}, "h1"),
+            ("/v1/messages", {**chat, "metadata": {"user_id": "by-meta"}}, {}, "by-meta"),
+            ("/v1/messages", {**chat, "metadata": {"user_id": "no"}}, {"X-Agent-Id": "h2"}, "h2"),
+        ]
+        for route, body, headers, agent in cases:
+            before = {a["id"] for a in (await http.get(f"{base}/v1/agents")).json()["data"]}
+            r = await http.post(f"{base}{route}", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            after = {a["id"] for a in (await http.get(f"{base}/v1/agents")).json()["data"]}
+            assert after - before == {agent}, (route, body, headers)
+        assert not {"ignored", "no"} & after

@@ -9,6 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
+from hinting import FIRST, NEWCOMER, SECOND, room_for_one_idle_cache
+from hinting import OPTIONS as HINT_OPTIONS
+from serving import tiny as serving_tiny
 from test_budget import one_turn_need
 from test_server import oai, running
 
@@ -69,6 +72,43 @@ async def test_the_next_header_keeps_an_agent_hot_that_lru_would_demote(tmp_path
             assert (await kv.stats()).peak_bytes <= budget
     assert kept["LRUPolicy"]["alpha"] == "warm" and kept["LRUPolicy"]["beta"] == "hot"
     assert kept["WorkflowPolicy"]["alpha"] == "hot" and kept["WorkflowPolicy"]["beta"] == "warm"
+
+
+@pytest.mark.parametrize(
+    ("hint", "kept"),
+    [
+        (None, SECOND),
+        ({"header": FIRST}, FIRST),  # the newcomer's request: X-KVActor-Done: beta
+        ({"agent": SECOND, "body": {"done": True}}, FIRST),
+        ({"agent": FIRST, "body": {"priority": 5}}, FIRST),
+        ({"agent": FIRST, "body": {"expect_in_s": 1.0}}, FIRST),
+    ],
+    ids=["none", "done-header", "done-route", "priority-route", "expect-route"],
+)
+async def test_the_hint_route_and_the_done_header_change_which_agent_stays_hot(
+    tmp_path: Path, hint: dict[str, Any] | None, kept: str
+) -> None:
+    """Room for a newcomer's turn and one idle cache (tests/hinting.py): without a hint
+    the least recently used agent (alpha) goes warm; ``POST /v1/agents/{id}/hint`` (done
+    for beta, a priority or an expected time for alpha) or the newcomer's
+    ``X-KVActor-Done: beta`` keep alpha hot and send beta warm instead."""
+    budget = await room_for_one_idle_cache(serving_tiny)
+    options = {"cache_dir": tmp_path, "budget_bytes": budget, **HINT_OPTIONS}
+    async with running(**options) as (kv, base), httpx.AsyncClient() as http:
+        for name in (FIRST, SECOND):
+            await ask(base, name)
+        headers = {}
+        if hint is not None and "header" in hint:
+            headers = {"X-KVActor-Done": SECOND}
+        elif hint is not None:
+            url = f"{base}/v1/agents/{hint['agent']}/hint"
+            r = await http.post(url, json=hint["body"])
+            assert r.status_code == 202
+        await ask(base, NEWCOMER, headers)
+        got = await tiers(http, base)
+        other = SECOND if kept == FIRST else FIRST
+        assert (got[kept], got[other]) == ("hot", "warm"), got
+        assert (await kv.stats()).peak_bytes <= budget
 
 
 async def test_the_hint_route_and_headers_refuse_what_is_malformed(tmp_path: Path) -> None:

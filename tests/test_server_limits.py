@@ -4,7 +4,10 @@ out of a malformed request. Real HTTP on 127.0.0.1, a tiny random model."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -13,8 +16,14 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from serving import chat_request, metric, raw_request, running, serve_process
+from serving import ENDLESS, LONG_CONTEXT, chat_request, metric, raw_request, running, serve_process
 
+from kvactor.actors.models import make_tiny_model
+
+#: The tiny model with a context so long that a turn of ENDLESS tokens runs for minutes.
+ENDLESS_MODEL = functools.partial(
+    make_tiny_model, 0, head_dim=64, max_position_embeddings=LONG_CONTEXT
+)
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -66,6 +75,35 @@ def _watched(base: str, body: bytes, probe: httpx.Client) -> tuple[httpx.Respons
     return answers[0], worst - idle
 
 
+def test_the_servers_connections_are_tcp_nodelay() -> None:
+    """On a kept-alive connection an answer is not held back ~40 ms by Nagle's algorithm
+    and the client's delayed ACK: every connection the server's socket accepts (as
+    uvicorn accepts them: ``loop.create_server(sock=...)``) is TCP_NODELAY."""
+    from kvactor.server._serve import _bound
+
+    async def main() -> list[int]:
+        flags: list[int] = []
+        accepted = asyncio.Event()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                sock = transport.get_extra_info("socket")
+                flags.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+                accepted.set()
+
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Probe, sock=_bound("127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            await asyncio.wait_for(accepted.wait(), 30)
+            writer.close()
+        return flags
+
+    assert asyncio.run(main()) == [1]
+
+
 def test_health_and_metrics_answer_within_100ms_while_a_maximal_request_is_read(
     tmp_path: Path,
 ) -> None:
@@ -74,10 +112,6 @@ def test_health_and_metrics_answer_within_100ms_while_a_maximal_request_is_read(
         serve_process(tmp_path, "--no-cache-dir", "--model-id", "tiny") as server,
         httpx.Client() as probe,
     ):
-        # On a kept-alive connection an answer is not held back ~40 ms by Nagle's
-        # algorithm and the client's delayed ACK (the server's sockets are TCP_NODELAY).
-        idle = sorted(_slowest(server.base, probe) for _ in range(10))
-        assert idle[5] < 0.02, idle
         for name, body in _maximal_bodies(limit).items():
             # The best of three tries, each against the idle server just before: two cores
             # shared with other jobs can delay any one answer; a server that blocks its
@@ -98,23 +132,35 @@ def test_health_and_metrics_answer_within_100ms_while_a_maximal_request_is_read(
 
 
 async def test_forgetting_an_agent_mid_turn_answers_409_at_once_and_holds_no_one() -> None:
-    async with running(max_batch=4) as (_, base), httpx.AsyncClient(timeout=60) as http:
+    # The talker's turn cannot end by itself within the test (minutes of tokens): a
+    # DELETE that waited for it would run into the fail_after.
+    async with (
+        running(ENDLESS_MODEL, max_batch=4) as (kv, base),
+        httpx.AsyncClient(timeout=60) as http,
+    ):
         chat = f"{base}/v1/chat/completions"
-        long = {"model": "tiny", "messages": USER, "max_tokens": 1800, "stream": True}
+        long = {"model": "tiny", "messages": USER, "max_tokens": ENDLESS, "stream": True}
         async with http.stream("POST", chat, json=long, headers={"X-Agent-Id": "talker"}) as one:
             lines = aiter(one.aiter_lines())
             while not (await anext(lines)).startswith("data:"):
                 pass
-            began = time.perf_counter()
-            r = await http.delete(f"{base}/v1/agents/talker")
+            with anyio.fail_after(30):
+                r = await http.delete(f"{base}/v1/agents/talker")
             assert r.status_code == 409 and r.json()["error"]["code"] == "agent_busy"
-            assert time.perf_counter() - began < 1.0
             # Another agent, new (spawned) and served meanwhile.
             other = {"model": "tiny", "messages": USER, "max_tokens": 2}
-            r = await http.post(chat, json=other, headers={"X-Agent-Id": "bystander"})
+            with anyio.fail_after(30):
+                r = await http.post(chat, json=other, headers={"X-Agent-Id": "bystander"})
             assert r.status_code == 200
-            rest = [line async for line in lines if line.startswith("data:")]
-            assert len(rest) > 10 and rest[-1] == "data: [DONE]"  # it was still talking
+            # The talker talks on: more pieces come after all of that.
+            pieces = 0
+            while pieces < 10:
+                line = await anext(lines)
+                assert line == "" or line.startswith("data: {"), line
+                pieces += line.startswith("data:")
+            assert (await kv.stats()).decoding == 1
+        # Its client left: the turn is cancelled, and then the agent can be forgotten.
+        await _wait(functools.partial(_idle, kv))
         r = await http.delete(f"{base}/v1/agents/talker")
         assert r.status_code == 200 and r.json()["deleted"] is True
 
@@ -128,13 +174,20 @@ async def _wait(predicate: Any, within: float = 20.0) -> float:
     return time.perf_counter() - began
 
 
+async def _idle(kv: Any) -> bool:
+    stats = await kv.stats()
+    return bool(stats.decoding == 0 and stats.prefilling == 0)
+
+
 async def test_a_client_gone_before_or_during_its_turn_cancels_it() -> None:
-    async with running(max_batch=1) as (kv, base), httpx.AsyncClient() as http:
+    # The whole turn cannot end by itself within the test (minutes of tokens): only the
+    # client's leaving stops it.
+    async with running(ENDLESS_MODEL, max_batch=1) as (kv, base), httpx.AsyncClient() as http:
 
         async def in_flight() -> int:
             return int((await http.get(f"{base}/health")).json()["in_flight"])
 
-        whole = {"model": "tiny", "messages": USER, "max_tokens": 1800}
+        whole = {"model": "tiny", "messages": USER, "max_tokens": ENDLESS}
         streamed = {**whole, "stream": True}
         async with raw_request(base, chat_request(whole, {"X-Agent-Id": "w"})):
 
@@ -154,25 +207,19 @@ async def test_a_client_gone_before_or_during_its_turn_cancels_it() -> None:
             async def one() -> bool:
                 return await in_flight() == 1
 
-            await _wait(one, within=2.0)
+            await _wait(one)
             assert (await kv.stats()).decoding == 1
             before = await kv.stats()
             left = time.perf_counter()
-        # The whole (non-streamed) request's client left mid-turn: cancelled.
-
-        async def stopped() -> bool:
-            stats = await kv.stats()
-            return stats.decoding == 0 and stats.prefilling == 0
-
-        await _wait(stopped, within=2.0)
+        # The whole (non-streamed) request's client left mid-turn: cancelled (measured:
+        # milliseconds; the poll gives up after 20 s, where the turn would run minutes).
+        await _wait(functools.partial(_idle, kv))
         latency = time.perf_counter() - left
         after = await kv.stats()
         print(
             f"cancelled {latency * 1000:.1f} ms after the client left, "
             f"{after.steps - before.steps} engine steps later"
         )
-        assert latency < 1.0
-        assert after.generated_tokens < 1800
         assert await in_flight() == 0
         text = (await http.get(f"{base}/metrics")).text
         assert metric(text, "kvactor_turns_cancelled_total", reply="whole") == 1
@@ -198,6 +245,8 @@ async def test_every_bad_request_is_a_4xx_naming_the_field() -> None:
             (chat, {**base_chat, "temperature": "hot"}, "temperature"),
             (chat, {**base_chat, "max_tokens": "5"}, "max_tokens"),
             (chat, {**base_chat, "n": "2"}, "n"),
+            (chat, {**base_chat, "n": 2}, "n"),  # not built (docs/server.md): a 400
+            (chat, {**base_chat, "logprobs": True}, "logprobs"),
             (chat, {**base_chat, "seed": 10**30}, "seed"),
             (chat, {**base_chat, "logprobs": "yes"}, "logprobs"),
             (chat, {**base_chat, "presence_penalty": "x"}, "presence_penalty"),
@@ -246,10 +295,11 @@ async def test_a_budget_that_cannot_hold_the_turn_is_a_503_with_retry_after() ->
         assert error["code"] == "budget_exceeded" and "budget" in error["message"]
         r = await http.post(f"{base}/v1/messages", json=body)
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+        # A turn that fits the budget (its reserve: ~20 tokens of working cache) is served.
         r = await http.post(
             f"{base}/v1/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 1}
         )
-        assert r.status_code in (200, 503)  # whatever fits; never a 500
+        assert r.status_code == 200, r.text
 
 
 def test_a_body_is_json_within_limits() -> None:
@@ -264,3 +314,42 @@ def test_a_body_is_json_within_limits() -> None:
     assert deep.value.field == "messages" and "32" in str(deep.value)
     with pytest.raises(JSONLimit):
         loads(json.dumps(list(range(100))), max_values=50)
+
+
+@pytest.mark.slow  # one prefill step of seconds
+async def test_metrics_do_not_wait_for_an_engine_in_a_long_prefill_step() -> None:
+    """docs/serving-others.md: /metrics never waits for an engine in the middle of a long
+    prefill step: past 60 ms it shows the figures read last, and
+    ``kvactor_engine_stats_age_seconds`` says how old. One step prefills 6,144 tokens
+    (seconds here); /metrics asked meanwhile answers each time within 1 s (10x the 60 ms
+    wait and its rendering), with figures that grow old."""
+    chunk = 6144
+    async with (
+        running(ENDLESS_MODEL, prefill_chunk=chunk) as (_, base),
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        await http.get(f"{base}/metrics")  # figures read once, before the step
+        long = [{"role": "user", "content": "ab " * (chunk // 2 - 20)}]  # one chunk, nearly
+        body = {"model": "tiny", "messages": long, "max_tokens": 1}
+        answer: list[httpx.Response] = []
+        ages: list[float] = []
+        slowest = 0.0
+
+        async def long_prefill() -> None:
+            answer.append(await http.post(f"{base}/v1/chat/completions", json=body))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long_prefill)
+            while not answer:
+                began = time.perf_counter()
+                text = (await http.get(f"{base}/metrics")).text
+                slowest = max(slowest, time.perf_counter() - began)
+                ages.append(metric(text, "kvactor_engine_stats_age_seconds"))
+                await anyio.sleep(0.05)
+        assert answer[0].status_code == 200
+        prefill_s = answer[0].json()["kvactor"]["ttft_s"]
+        if prefill_s < 2.0:
+            pytest.skip(f"this machine prefilled {chunk} tokens in {prefill_s:.2f} s: no step long")
+        print(f"step {prefill_s:.1f} s, figures {max(ages):.1f} s old, slowest {slowest:.3f} s")
+        assert max(ages) >= 1.0  # answered while the engine was busy for a second or more
+        assert slowest < 1.0

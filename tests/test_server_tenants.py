@@ -220,3 +220,29 @@ def test_the_open_server_is_one_tenant_that_sees_everything() -> None:
     tenant = Keys().tenant({})
     assert tenant is not None and tenant.admin and tenant.full_id("x") == "x"  # clients' own
     assert tenant.owns("anything") and tenant.local_id("anything") == "anything"
+
+
+async def test_a_tenants_forget_lists_only_its_own_agents_as_users_of_what_it_kept(
+    tmp_path: Path,
+) -> None:
+    """docs/serving-others.md: a forget's ``kept_shared`` lists only the tenant's own
+    agents as users. Alice's agent has two forks on disk (made by the application that
+    mounts the server): her own, and one outside her tenant. Forgetting it keeps the
+    files they use, naming her fork (by her id) and not the other."""
+    async with (
+        running(app_options=KEYS, cache_dir=tmp_path) as (kv, base),
+        httpx.AsyncClient(base_url=base) as http,
+    ):
+        headers = auth(ALICE) | {"X-Agent-Id": "notes"}
+        r = await http.post("/v1/chat/completions", json=chat("hello", SYSTEM), headers=headers)
+        assert r.status_code == 200, r.text
+        await kv.fork("alice.notes", "alice.copy", scope="alice")
+        await kv.fork("alice.notes", "outsider", scope="alice")
+        r = await http.delete("/v1/agents/notes", headers=auth(ALICE))
+        assert r.status_code == 200, r.text
+        kept = r.json()["kept_shared"]
+        assert kept and all(k["used_by"] == ["copy"] for k in kept), kept
+        # The admin, who owns every agent, sees both users of what the next forget keeps.
+        r = await http.delete("/v1/agents/alice.copy", headers=auth(ROOT))
+        assert r.status_code == 200, r.text
+        assert {u for k in r.json()["kept_shared"] for u in k["used_by"]} == {"outsider"}

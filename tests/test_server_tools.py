@@ -432,6 +432,24 @@ ANTHROPIC_BAD: list[tuple[dict[str, Any], str]] = [
 ]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by issue 45: a schema that admits only endless output (a required "
+    "self-reference) is answered 200 with finish_reason 'stop' and empty content, which "
+    "does not validate; docs/tools.md says a looping schema is refused at once (400)",
+)
+async def test_a_schema_that_admits_only_endless_output_is_refused() -> None:
+    async with served() as (_, base), httpx.AsyncClient(timeout=30) as http:
+        chat: dict[str, Any] = {"model": "tiny", "messages": USER, "max_tokens": 20}
+        endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+        r = await http.post(
+            f"{base}/v1/chat/completions", json={**chat, "response_format": _fmt(endless)}
+        )
+    # Checked once the server is down: a failure inside would leave its sockets open.
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format"
+
+
 async def test_refused_tools_and_hostile_schemas_are_quick_400s_naming_the_field() -> None:
     async with served() as (_, base), httpx.AsyncClient(timeout=30) as http:
         chat: dict[str, Any] = {"model": "tiny", "messages": USER, "max_tokens": 20}
@@ -447,13 +465,9 @@ async def test_refused_tools_and_hostile_schemas_are_quick_400s_naming_the_field
             r = await http.post(f"{base}/v1/messages", json={**chat, **extra})
             assert r.status_code == 400 and r.json()["type"] == "error", (field, r.text)
             assert field in r.json()["error"]["message"], (field, r.text)
-        assert time.monotonic() - started < 20  # each a quick refusal, not a hung engine
-        # A schema that admits only endless output ends by its max_tokens, the server on.
-        endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
-        r = await http.post(
-            f"{base}/v1/chat/completions", json={**chat, "response_format": _fmt(endless)}
-        )
-        assert r.status_code in (200, 400), r.text
+        # Each a quick refusal, not a hung engine: measured 0.2 s for all of them; 20 s is
+        # 100x that (and each request's own limit is 30 s).
+        assert time.monotonic() - started < 20
         # The engine still serves constrained and free turns.
         r = await http.post(
             f"{base}/v1/chat/completions",

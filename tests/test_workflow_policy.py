@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
+from hinting import FIRST, MAX_TOKENS, NEWCOMER, OPTIONS, SECOND, ask, room_for_one_idle_cache
 from test_budget import one_turn_need
 from test_pool import new_pool, turn
 
@@ -193,17 +194,58 @@ def test_a_clusters_hint_is_split_by_the_host_of_each_agent() -> None:
     }
 
 
-async def test_agents_hint_and_say_done_and_hints_about_strangers_break_nothing() -> None:
-    async with kvactor.open(tiny(), attention="dequantized") as kv:
-        agent = await kv.spawn_agent("a")
-        await kv.hint(next=["ghost", "a"], expect_in_s={"nobody": 5.0}, done=["other"])
-        await agent.hint(expect_in_s=1.0, priority=2)
-        first = await agent.generate("hello", max_tokens=4)
-        await agent.done()
-        again = await agent.generate("hello again", max_tokens=4)
-        assert first.token_ids and again.path is Tier.HOT
+async def _keeps_hot(kv: Any, agents: dict[str, Any]) -> None:
+    await kv.hint(next=[FIRST])
+
+
+async def _second_done(kv: Any, agents: dict[str, Any]) -> None:
+    await agents[SECOND].done()
+
+
+async def _first_matters(kv: Any, agents: dict[str, Any]) -> None:
+    await agents[FIRST].hint(priority=5)
+
+
+async def _first_soon(kv: Any, agents: dict[str, Any]) -> None:
+    await agents[FIRST].hint(expect_in_s=1.0)
+
+
+async def _strangers(kv: Any, agents: dict[str, Any]) -> None:
+    await kv.hint(next=["ghost"], expect_in_s={"nobody": 5.0}, done=["other"])
+
+
+@pytest.mark.parametrize(
+    ("hint", "first_stays"),
+    [
+        (None, False),
+        (_strangers, False),
+        (_keeps_hot, True),
+        (_second_done, True),
+        (_first_matters, True),
+        (_first_soon, True),
+    ],
+    ids=["none", "strangers", "next", "done", "priority", "expect_in_s"],
+)
+async def test_each_hint_changes_which_cache_stays_hot_and_strangers_change_nothing(
+    tmp_path: Path, hint: Any, first_stays: bool
+) -> None:
+    """Room for a newcomer's turn and one idle cache (tests/hinting.py): without a hint
+    the least recently used agent goes warm; ``Session.hint(next=)``, ``Agent.done()`` on
+    the other, ``Agent.hint(priority=)`` or ``Agent.hint(expect_in_s=)`` keep it hot
+    instead; hints about agents that do not exist change nothing."""
+    budget = await room_for_one_idle_cache(tiny())
+    async with kvactor.open(tiny(), cache_dir=tmp_path, budget_bytes=budget, **OPTIONS) as kv:
+        agents = {n: await kv.spawn_agent(n) for n in (FIRST, SECOND, NEWCOMER)}
+        for name in (FIRST, SECOND):
+            await agents[name].generate(ask(name), max_tokens=MAX_TOKENS)
+        if hint is not None:
+            await hint(kv, agents)
+        await agents[NEWCOMER].generate(ask(NEWCOMER), max_tokens=MAX_TOKENS)
+        again = await agents[FIRST].generate("hello again", max_tokens=MAX_TOKENS)
+        assert again.path is (Tier.HOT if first_stays else Tier.WARM)
+        assert (await kv.stats()).peak_bytes <= budget
         with pytest.raises(ValueError):
-            await kv.hint(next=["a"], prefetch=-1)
+            await kv.hint(next=[FIRST], prefetch=-1)
 
 
 def test_the_hint_book_stays_bounded_whatever_it_is_told() -> None:
