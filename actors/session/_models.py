@@ -12,7 +12,7 @@ import msgspec
 
 from ...runtime import ActorRef, Runtime
 from ..engine import EngineActor, EngineConfig, ModelRef, ModelSpec, record_limit
-from ..errors import UnknownAgent
+from ..errors import UnknownAgent, UnsafeCachePath
 from ..ids import check_agent_id
 from ..messages import EndTurns, EngineMessage, ModelsQuery, StatsQuery
 from ..records import EngineStats, ModelInfo, ModelState
@@ -142,7 +142,11 @@ class SessionModels:
         assert usage is not None
         for part in self._parts.values():
             if part.store is not None and part.root is not None:
-                found = await anyio.to_thread.run_sync(scan_agents, part.root)
+                try:
+                    found = await anyio.to_thread.run_sync(scan_agents, part.root)
+                except UnsafeCachePath as exc:  # every use of it is refused the same way
+                    log.warning("warm caches not counted: %s", exc)
+                    continue
                 usage.load(part.root, found)
         assert self._root is not None  # a disk limit needs a warm tier
         if self._disk_limit is DEFAULT:

@@ -297,12 +297,6 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     serve.add_argument("--cache-dir", type=Path, help=f"warm tier folder (default: {CACHE_ROOT})")
     serve.add_argument("--no-cache-dir", action="store_true", help="no warm tier")
-    serve.add_argument(
-        "--budget",
-        type=_size,
-        help="hot budget in bytes, or with K, M, G (default: 1/4 of memory, at most 8G)",
-    )
-    serve.add_argument("--budget-mb", type=float, help=argparse.SUPPRESS)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0: a free port")
     serve.add_argument("--attention", choices=["auto", "quantized", "dequantized"], default="auto")
@@ -329,19 +323,6 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "'model'; /v1/models lists them); PATH alone: as the positional model",
     )
     serve.add_argument(
-        "--memory-limit",
-        type=_memory_limit,
-        help="bytes the session may hold for models, caches and MLX, with K, M, G "
-        "(default: 3/4 of memory; 'none': one model bounded by its hot budget only)",
-    )
-    serve.add_argument(
-        "--disk-limit",
-        type=_memory_limit,
-        help="bytes the warm tier may hold on disk, with K, M, G; past it agents go cold "
-        "(their conversation kept) by the eviction policy (default: the smaller of 30 GiB "
-        "and a quarter of the free disk; 'none': no limit)",
-    )
-    serve.add_argument(
         "--tool-wait-s",
         type=float,
         metavar="SECONDS",
@@ -354,10 +335,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="greedy answers that do not depend on which requests run together "
         "(batch-invariant decode, ~10-15%% slower here)",
     )
-    serve.add_argument("--max-pending", type=int, default=64, help="requests in flight before 429s")
-    serve.add_argument(
-        "--max-anonymous", type=int, default=16, help="id-less conversations kept per tenant"
-    )
+    _add_serve_limits(serve.add_argument_group("limits"))
     keys = serve.add_argument_group("keys (each key a tenant)")
     keys.add_argument("--api-key", action="append", metavar="KEY", help="KEY or NAME:KEY")
     keys.add_argument("--api-key-file", action="append", metavar="PATH", help="a key a line")
@@ -377,6 +355,35 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--json", action="store_true", help="print a JSON line on stdout once it listens"
     )
     serve.set_defaults(func=_serve)
+
+
+def _add_serve_limits(limits: argparse._ArgumentGroup) -> None:
+    """What the server may hold: memory, the hot budget, the disk, requests in flight."""
+    limits.add_argument(
+        "--budget",
+        type=_size,
+        help="hot budget in bytes, or with K, M, G (default: 1/4 of memory, at most 8G)",
+    )
+    limits.add_argument("--budget-mb", type=float, help=argparse.SUPPRESS)
+    limits.add_argument(
+        "--memory-limit",
+        type=_memory_limit,
+        help="bytes the session may hold for models, caches and MLX, with K, M, G "
+        "(default: 3/4 of memory; 'none': one model bounded by its hot budget only)",
+    )
+    limits.add_argument(
+        "--disk-limit",
+        type=_memory_limit,
+        help="bytes the warm tier may hold on disk, with K, M, G; past it agents go cold "
+        "(their conversation kept) by the eviction policy (default: the smaller of 30 GiB "
+        "and a quarter of the free disk; 'none': no limit)",
+    )
+    limits.add_argument(
+        "--max-pending", type=int, default=64, help="requests in flight before 429s"
+    )
+    limits.add_argument(
+        "--max-anonymous", type=int, default=16, help="id-less conversations kept per tenant"
+    )
 
 
 def _add_fetch_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
