@@ -9,6 +9,7 @@ from .errors import InvalidAgentId
 __all__ = (
     "AGENT_ID_MAX",
     "check_agent_id",
+    "namespace_of",
 )
 
 
@@ -35,3 +36,10 @@ def check_agent_id(agent: object) -> str:
             "(starting with a letter or digit, no '..')"
         )
     return agent
+
+
+def namespace_of(agent: str) -> str | None:
+    """The namespace of agent id ``agent``: what comes before its first ``.`` (a server's
+    tenant label: its agents are ``<label>.<id>``); None for an id without one."""
+    head, dot, _ = agent.partition(".")
+    return head if dot else None

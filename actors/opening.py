@@ -39,6 +39,13 @@ def open(
     usual place): every turn's new tokens are written to disk, demoted agents reload from
     there, and agents of a new session resume from it. The session holds the directory's
     lock: ``open`` raises CacheDirLocked when another session (of any process) has it.
+    ``disk_limit``: the bytes the warm tier may hold on disk (default: the smaller of 30
+    GiB and a quarter of the file system's free space; ``None``: no limit); past it agents
+    go cold (their conversation kept, their next turn prefilled) in the policy's order,
+    and a directory over a lower limit is brought under it at open. ``disk_quota``: the
+    most the agents of one namespace (ids ``<namespace>.<name>``: a server's tenants) may
+    hold on disk; a namespace over it makes its own agents cold, never another's.
+    ``warm_ttl_s``: an agent whose warm cache was last written longer ago goes cold.
     A turn whose write fails says so in its Completion (``saved``, ``save_error``); with
     ``on_save_error="raise"`` it raises StoreWriteError instead, holding the Completion.
     ``budget_bytes`` bounds the hot tier; ``codec`` picks how caches are stored (default

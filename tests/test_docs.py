@@ -7,7 +7,8 @@ writes to the user's caches. Markers in an HTML comment on the line before a blo
 
 - ``<!-- no-test -->``: the block cannot run here (a second machine): it is skipped.
 - ``<!-- test: server -->``: a client of ``kvactor serve``; the test serves a tiny model on
-  a free port first and points the block's ``127.0.0.1:8000`` there.
+  a free port first and points the block's ``127.0.0.1:8000`` there (marked ``slow``: it
+  starts a server process, seconds each).
 
 A block that opens a session without ``make_tiny_model`` uses the default model: it is
 marked ``slow``; one that opens a cluster (``cluster=``) is marked ``ray``. Every other
@@ -78,8 +79,8 @@ def _params() -> list[object]:
             marks: list[pytest.MarkDecorator] = []
             if example.marker == "no-test":
                 marks.append(pytest.mark.skip(reason="marked no-test: cannot run here"))
-            if example.default_model:
-                marks.append(pytest.mark.slow)
+            if example.default_model or example.marker == "test:server":
+                marks.append(pytest.mark.slow)  # the default model, or a server process
             if example.cluster:
                 marks.append(pytest.mark.ray)
             params.append(pytest.param(example, id=example.name, marks=marks))

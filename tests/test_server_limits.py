@@ -104,6 +104,7 @@ def test_the_servers_connections_are_tcp_nodelay() -> None:
     assert asyncio.run(main()) == [1]
 
 
+@pytest.mark.slow  # a 16 MB body through a server process: the whole suite's
 def test_health_and_metrics_answer_within_100ms_while_a_maximal_request_is_read(
     tmp_path: Path,
 ) -> None:

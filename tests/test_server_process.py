@@ -92,6 +92,7 @@ def _stream(base: str, agent: str, max_tokens: int, got: list[str]) -> None:
         got.append(f"error: {exc!r}")
 
 
+@pytest.mark.slow  # a server process drained by a signal: the whole suite's
 def test_sigterm_drains_turns_end_and_are_saved_without_a_traceback(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# one tenant\nteam:key-of-the-one-tenant\n")

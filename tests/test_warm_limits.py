@@ -15,8 +15,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 import kvactor
@@ -148,6 +151,122 @@ async def test_the_default_limit_is_a_share_of_the_disk_at_most_30_gib(tmp_path:
     assert 0 < stats.disk_limit_bytes <= 30 << 30
 
 
+# ------------------------------------------------------------------------------ quotas
+def held_by(root: Path, namespace: str) -> int:
+    names = [w.agent for w in list_agents(root) if w.agent.startswith(namespace + ".")]
+    return disk_footprint(root, names)[1]
+
+
+async def test_a_tenant_that_floods_agents_makes_only_its_own_cold(tmp_path: Path) -> None:
+    one = await _one_agent_bytes(tmp_path)
+    quota = int(one * 2.5)
+    root = tmp_path / "cache"
+    async with kvactor.open(model, cache_dir=root, disk_limit=None, disk_quota=quota) as kv:
+        for name in ("calm.x", "calm.y", "solo"):  # a tenant within its quota, and no tenant
+            await (await kv.spawn_agent(name, system=SYSTEM)).generate(ASK, max_tokens=8)
+        calm = {w.agent: w.tokens for w in list_agents(root) if w.agent.startswith("calm.")}
+        for i in range(7):
+            agent = await kv.spawn_agent(f"flood.a{i}", system=SYSTEM)
+            done = await agent.generate(ASK, max_tokens=8)
+            assert done.saved, done.save_error
+            assert held_by(root, "flood") <= quota
+        tokens = {w.agent: w.tokens for w in list_agents(root)}
+        assert {a: tokens[a] for a in calm} == calm and tokens["solo"] > 0  # untouched
+        assert tokens["flood.a6"] > 0 and tokens["flood.a0"] == 0  # its oldest went cold
+        assert (await kv.warm_stats()).demoted_cold >= 4
+    # A lower quota at a restart: every tenant brought under it at open, by its own agents.
+    async with kvactor.open(model, cache_dir=root, disk_limit=None, disk_quota=one + 1):
+        assert held_by(root, "calm") <= one + 1 and held_by(root, "flood") <= one + 1
+        assert {w.agent: w.tokens for w in list_agents(root)}["solo"] > 0
+
+
+async def test_an_agent_alone_over_its_quota_keeps_its_conversation(tmp_path: Path) -> None:
+    one = await _one_agent_bytes(tmp_path)
+    root = tmp_path / "cache"
+    async with kvactor.open(model, cache_dir=root, disk_quota=one // 2) as kv:
+        agent = await kv.spawn_agent("t.big", system=SYSTEM)
+        done = await agent.generate(ASK, max_tokens=8)
+        assert not done.saved and "quota" in str(done.save_error)
+        assert len(await agent.history()) == 3
+        again = await agent.generate("more", max_tokens=4)  # it goes on, hot
+        assert again.path is Tier.HOT
+
+
+@pytest.mark.parametrize(
+    ("key", "bad"),
+    [("disk_quota", 0), ("disk_quota", 2.5), ("warm_ttl_s", -1), ("warm_ttl_s", "1h")],
+)
+def test_a_bad_quota_or_ttl_is_refused(tmp_path: Path, key: str, bad: object) -> None:
+    options: dict[str, Any] = {key: bad}
+    with pytest.raises(ValueError, match=key):
+        kvactor.open(model, cache_dir=tmp_path, **options)
+    with pytest.raises(ValueError, match="cache_dir"):
+        kvactor.open(model, **{**options, key: 100})
+
+
+# ------------------------------------------------------------------------------ ENOSPC
+def small_disk(folder: Path, nbytes: int) -> Iterator[Path]:
+    """``folder`` as a tmpfs of ``nbytes``: a real file system that fills. Skipped where
+    this process may not mount (not root)."""
+    folder.mkdir(parents=True)
+    size = -(-nbytes // 4096) * 4096
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "kvactor-test", str(folder)]
+    done = subprocess.run(mount, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root (CAP_SYS_ADMIN): {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+async def test_a_disk_that_fills_before_the_limit_lowers_it_and_loses_only_cache(
+    tmp_path: Path,
+) -> None:
+    one = await _one_agent_bytes(tmp_path)
+    for root in small_disk(tmp_path / "small", int(one * 3.5)):
+        names = [f"a{i}" for i in range(8)]
+        async with kvactor.open(model, cache_dir=root, disk_limit=1 << 30) as kv:
+            for name in names:
+                agent = await kv.spawn_agent(name, system=SYSTEM)
+                done = await agent.generate(ASK, max_tokens=8)
+                # The full disk lowered the limit, others went cold, the write went again.
+                assert done.saved, done.save_error
+            stats = await kv.warm_stats()
+            assert stats.disk_limit_bytes is not None and stats.disk_limit_bytes < one * 3.5
+            assert stats.demoted_cold >= 1 and stats.disk_bytes == on_disk(root)
+            for name in names:  # nothing lost but cache: every conversation is there
+                assert len(await kv.agent(name).history()) == 3
+            tokens = {w.agent: w.tokens for w in list_agents(root)}
+            assert tokens["a7"] > 0 and tokens["a0"] == 0
+            again = await kv.agent("a0").generate("and then?", max_tokens=4)
+            assert again.saved and again.text is not None
+
+
+# ------------------------------------------------------------------------------ the TTL
+async def test_agents_unused_past_the_ttl_go_cold_and_fresh_ones_stay(tmp_path: Path) -> None:
+    root, ttl = tmp_path / "cache", 1.0
+    async with kvactor.open(model, cache_dir=root, warm_ttl_s=ttl) as kv:
+        for name in ("old1", "old2"):
+            await (await kv.spawn_agent(name, system=SYSTEM)).generate(ASK, max_tokens=4)
+        written = max(w.updated for w in list_agents(root))
+        while time.time() <= written + ttl:  # the TTL is a wall-clock age: let it pass
+            await anyio.sleep(written + ttl - time.time() + 0.01)
+        fresh = await kv.spawn_agent("fresh", system=SYSTEM)
+        assert (await fresh.generate(ASK, max_tokens=4)).saved  # its write looks at ages
+        tokens = {w.agent: w.tokens for w in list_agents(root)}
+        assert tokens["old1"] == tokens["old2"] == 0 and tokens["fresh"] > 0
+        stats = await kv.warm_stats()
+        assert stats.expired == 2 and stats.demoted_cold == 2
+        assert len(await kv.agent("old1").history()) == 3  # cold, not forgotten
+    # At open, whatever is older than the TTL goes cold before any turn.
+    written = max(w.updated for w in list_agents(root))
+    while time.time() <= written + ttl:
+        await anyio.sleep(written + ttl - time.time() + 0.01)
+    async with kvactor.open(model, cache_dir=root, warm_ttl_s=ttl) as kv:
+        assert all(w.tokens == 0 for w in list_agents(root))
+
+
 # ------------------------------------------------------------------------------ kill -9
 _CHURN = textwrap.dedent(
     """
@@ -236,7 +355,16 @@ async def test_the_limit_is_shown_in_stats_metrics_and_inspect(
     assert cold["cold"] >= stats.demoted_warm_to_cold >= 1
     capsys.readouterr()
     assert cli(["inspect", str(root), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["disk_limit_bytes"] == limit
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["disk_limit_bytes"] == limit
+    assert shown["written_today_bytes"] == stats.warm_written_bytes  # recorded at close
+    # A second session the same day adds to it.
+    async with kvactor.open(model, cache_dir=root, disk_limit=limit) as kv:
+        await (await kv.spawn_agent("more", system=SYSTEM)).generate(ASK, max_tokens=8)
+        more = (await kv.stats()).warm_written_bytes
+    today = stats.warm_written_bytes + more
+    assert cli(["inspect", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["written_today_bytes"] == today
 
 
 def test_serve_and_scenarios_take_a_disk_limit(tmp_path: Path) -> None:
@@ -250,6 +378,12 @@ def test_serve_and_scenarios_take_a_disk_limit(tmp_path: Path) -> None:
     assert session_options(args)["disk_limit"] == 2 << 30
     args = parser.parse_args(["serve", "--disk-limit", "none"])
     assert session_options(args)["disk_limit"] is None
+    args = parser.parse_args(["serve", "--tenant-disk-quota", "512M", "--agent-ttl", "12h"])
+    options = session_options(args)
+    assert options["disk_quota"] == 512 << 20 and options["warm_ttl_s"] == 12 * 3600
+    for bad in (["--agent-ttl", "soon"], ["--agent-ttl", "0"], ["--tenant-disk-quota", "-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *bad])
     scenario = parse_scenario(
         'name = "s"\ndisk_limit_mb = 50\n[[agents]]\nname = "a"\nsystem = "x"\n'
         '[[phases]]\nname = "p"\nprompt = "hi"\n'

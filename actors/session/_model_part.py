@@ -69,10 +69,12 @@ async def start_part(
     delete_rejected: bool,
     suffix: str = "",
     usage: DiskUsage | None = None,
+    warm_ttl_s: float | None = None,
 ) -> ModelPart:
     """Ask the engine what its model is and start its warm tier under ``root`` (None:
     none); ``name`` None: the model's own name. ``suffix`` tells its actors' names apart;
-    ``usage``: the disk limit's count its store keeps (shared by a directory's models)."""
+    ``usage``: the disk limit's count its store keeps (shared by a directory's models);
+    ``warm_ttl_s``: how long an agent's warm cache unused stays warm (None: no limit)."""
     model, tokenizer = await engine.ask(GetModelInfo())
     store = prefetcher = warm = identity = layout = None
     if root is not None:
@@ -105,6 +107,7 @@ async def start_part(
             checkpoints=config.checkpoints,  # as many as its hot caches keep
             usage=usage,
             engine=engine,
+            ttl_s=warm_ttl_s,
             name=f"store{suffix}",
         )
         prefetcher = await runtime.spawn(PrefetchActor, engine, store, name=f"prefetch{suffix}")

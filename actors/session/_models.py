@@ -22,6 +22,8 @@ from ..warm import (
     FitDisk,
     default_disk_limit,
     lock_cache_dir,
+    make_reserve,
+    read_written,
     record_disk_limit,
     scan_agents,
 )
@@ -68,6 +70,8 @@ class SessionModels:
         pins: frozenset[str] = frozenset(),
         model_ttl_s: float | None = None,
         disk_limit: int | Default | None = DEFAULT,
+        disk_quota: int | None = None,
+        warm_ttl_s: float | None = None,
     ) -> None:
         self.several = isinstance(model, dict)
         specs: Models = dict(model) if isinstance(model, dict) else {_ONE: model}
@@ -93,6 +97,7 @@ class SessionModels:
         self._locks: list[CacheDirLock] = []  # each model's folder's (several models)
         self._engine: ActorRef[object] | None = None
         self._disk_limit = disk_limit
+        self._disk_quota, self._warm_ttl_s = disk_quota, warm_ttl_s
         # The warm tier's bytes on disk against its limit, over every model's folder.
         self.usage: DiskUsage | None = None
 
@@ -109,8 +114,9 @@ class SessionModels:
             name="engine",
         )
         self._engine = engine
-        if root is not None and self._disk_limit is not None:
-            self.usage = DiskUsage(None if self._disk_limit is DEFAULT else self._disk_limit)
+        if root is not None and (self._disk_limit is not None or self._disk_quota is not None):
+            limit = None if self._disk_limit is DEFAULT else self._disk_limit
+            self.usage = DiskUsage(limit, self._disk_quota)
         for slot in self._specs:
             folder = root if not self.several or root is None else model_folder(root, slot)
             if self.several and folder is not None:
@@ -125,6 +131,7 @@ class SessionModels:
                 delete_rejected=rejected,
                 suffix=f":{slot}" if self.several else "",
                 usage=self.usage,
+                warm_ttl_s=self._warm_ttl_s,
             )
             self._parts[part.name] = part
             self._slots[part.name] = slot
@@ -149,15 +156,22 @@ class SessionModels:
                     continue
                 usage.load(part.root, found)
         assert self._root is not None  # a disk limit needs a warm tier
+        usage.home = self._root
+        usage.written = await anyio.to_thread.run_sync(read_written, self._root)
         if self._disk_limit is DEFAULT:
             usage.limit = await anyio.to_thread.run_sync(default_disk_limit, self._root, usage.used)
         for part in self._parts.values():
             if part.store is not None:
                 await part.store.ask(FitDisk())
-        await anyio.to_thread.run_sync(record_disk_limit, self._root, usage.limit)
+        await anyio.to_thread.run_sync(record_disk_limit, self._root, usage.limit, usage.written)
+        await anyio.to_thread.run_sync(make_reserve, self._root)
         log.info("warm tier: %d of %s bytes on disk", usage.used, usage.limit)
 
     def release_locks(self) -> None:
+        """At close: record the bytes written (``kvactor inspect``), then unlock."""
+        usage = self.usage
+        if usage is not None and usage.home is not None:
+            record_disk_limit(usage.home, usage.limit, usage.written)
         locks, self._locks = self._locks, []
         for lock in locks:
             lock.release()

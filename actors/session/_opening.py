@@ -50,9 +50,19 @@ class OpenOptions(TypedDict, total=False):
     pin_models: tuple[str, ...] | list[str]
     model_ttl_s: float | None
     disk_limit: int | None
+    disk_quota: int | None
+    warm_ttl_s: float | None
 
 
-_SESSION_KEYS = ("mailbox_size", "cache_dir", "delete_rejected", "on_save_error", "disk_limit")
+_SESSION_KEYS = (
+    "mailbox_size",
+    "cache_dir",
+    "delete_rejected",
+    "on_save_error",
+    "disk_limit",
+    "disk_quota",
+    "warm_ttl_s",
+)
 MODELS_KEYS = ("models", "memory_limit", "pin_models", "model_ttl_s")
 _ENGINE_KEYS = tuple(k for k in OpenOptions.__annotations__ if k not in _SESSION_KEYS + MODELS_KEYS)
 
@@ -119,6 +129,14 @@ def open_session(model: ModelSpec = None, **options: Any) -> Opening[Session]:
         and (isinstance(disk, bool) or not isinstance(disk, int) or disk < 1)
     ):
         raise ValueError(f"disk_limit must be a positive int of bytes or None, not {disk!r}")
+    quota = options.get("disk_quota")
+    if quota is not None and (isinstance(quota, bool) or not isinstance(quota, int) or quota < 1):
+        raise ValueError(f"disk_quota must be a positive int of bytes or None, not {quota!r}")
+    ttl = options.get("warm_ttl_s")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0):
+        raise ValueError(f"warm_ttl_s must be a positive number of seconds or None, not {ttl!r}")
+    if (quota is not None or ttl is not None) and cache_dir is None:
+        raise ValueError("disk_quota and warm_ttl_s limit the warm tier: give a cache_dir")
     session = Session(
         dict(models) if models is not None else model,
         config,
@@ -130,5 +148,7 @@ def open_session(model: ModelSpec = None, **options: Any) -> Opening[Session]:
         pins=frozenset(options.get("pin_models", ())),
         model_ttl_s=options.get("model_ttl_s"),
         disk_limit=disk,
+        disk_quota=quota,
+        warm_ttl_s=ttl,
     )
     return Opening(session.start, session.__aexit__)

@@ -86,6 +86,8 @@ class Session(SessionAPI[Agent]):
         pins: frozenset[str] = frozenset(),
         model_ttl_s: float | None = None,
         disk_limit: int | Default | None = DEFAULT,
+        disk_quota: int | None = None,
+        warm_ttl_s: float | None = None,
     ) -> None:
         if on_save_error not in _ON_SAVE_ERROR:
             raise ValueError(f"on_save_error must be 'report' or 'raise', not {on_save_error!r}")
@@ -102,6 +104,8 @@ class Session(SessionAPI[Agent]):
             pins=pins,
             model_ttl_s=model_ttl_s,
             disk_limit=disk_limit,
+            disk_quota=disk_quota,
+            warm_ttl_s=warm_ttl_s,
         )
         self._lock: CacheDirLock | None = None
         self.runtime = Runtime(mailbox_size=mailbox_size)

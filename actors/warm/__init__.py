@@ -47,7 +47,9 @@ from ._usage import DISK_SHARE as DISK_SHARE
 from ._usage import DiskUsage as DiskUsage
 from ._usage import agent_files as agent_files
 from ._usage import default_disk_limit as default_disk_limit
+from ._usage import make_reserve as make_reserve
 from ._usage import read_disk_limit as read_disk_limit
+from ._usage import read_written as read_written
 from ._usage import record_disk_limit as record_disk_limit
 from ._usage import scan_agents as scan_agents
 
@@ -55,6 +57,8 @@ __all__ = (
     "DISK_FILE",
     "record_disk_limit",
     "read_disk_limit",
+    "read_written",
+    "make_reserve",
     "demote_cold",
     "FitDisk",
     "DISK_SHARE",

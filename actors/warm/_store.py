@@ -15,9 +15,11 @@ arrays and bytes only.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ import numpy as np
 from ...runtime import Actor, ActorRef
 from ..errors import CacheRejected, StoreWriteError
 from ..hot import LRUPolicy, Rates, cold_candidates
-from ..ids import check_agent_id
+from ..ids import check_agent_id, namespace_of
 from ..messages import EngineMessage, WarmAgent, WarmVictims
 from ._dirlock import LOCK_FILE, CacheDirLock, lock_cache_dir
 from ._forget import Collected, Forgotten, SharedFile, collect, demote_cold, forget, forget_cache
@@ -47,7 +49,14 @@ from ._manifest import (
 )
 from ._paths import agent_dir, default_cache_dir
 from ._read import disk_footprint, list_agents, read_cache
-from ._usage import AgentFiles, DiskUsage, agent_files
+from ._usage import (
+    AgentFiles,
+    DiskUsage,
+    agent_files,
+    free_reserve,
+    make_reserve,
+    record_disk_limit,
+)
 from ._write import append_cache
 
 log = logging.getLogger("kvactor.store")
@@ -181,6 +190,7 @@ class StoreStats(msgspec.Struct, frozen=True):
     disk_peak_bytes: int = 0
     disk_limit_bytes: int | None = None
     demoted_cold: int = 0
+    expired: int = 0  # of which: unused for longer than the store's ttl_s
 
 
 StoreMessage = (
@@ -223,6 +233,7 @@ class StoreActor(Actor):
         checkpoints: int | None = None,
         usage: DiskUsage | None = None,
         engine: ActorRef[EngineMessage] | None = None,
+        ttl_s: float | None = None,
     ) -> None:
         self.identity = identity
         self.expect = expect
@@ -239,6 +250,9 @@ class StoreActor(Actor):
         self.usage = usage
         self.engine = engine
         self._warm: dict[str, WarmAgent] | None = None  # agents with tokens on disk
+        # Agents whose cache was last written longer ago than this go cold (None: never).
+        self.ttl_s = ttl_s
+        self._expire_at = 0.0  # when to look for them next (monotonic)
 
     async def receive(self, message: StoreMessage) -> Any:
         match message:
@@ -280,7 +294,7 @@ class StoreActor(Actor):
             case StoreStatsQuery():
                 return self._stats()
             case FitDisk():
-                return await self._fit(0, keep=None)
+                return await self._fit_all()
         raise TypeError(f"the store does not handle {type(message).__name__}")
 
     def _count(self, **more: float) -> None:
@@ -291,21 +305,45 @@ class StoreActor(Actor):
     async def _append(self, m: Append) -> WarmInfo:
         agent = check_agent_id(m.agent)
         self._manifests.pop(agent, None)  # unknown until the write ends, whatever happens
-        if self.usage is not None:
-            # Room first, for a bound on what the write adds: the limit holds throughout.
-            bound = _write_bound(m, len(self._files(agent)))
-            if self.usage.limit is None or bound <= self.usage.limit:  # else none would do
-                await self._fit(bound, keep=agent)
-            if self.usage.over(bound):
-                raise StoreWriteError(
-                    f"the warm tier is at its disk limit ({self.usage.used} of "
-                    f"{self.usage.limit} bytes) and no other agent can go cold for the "
-                    f"{bound} bytes agent {agent!r} may write; its previous warm copy stays"
-                )
+        await self._expire()
+        usage = self.usage
+        if usage is not None:
+            await self._make_room(agent, _write_bound(m, len(self._files(agent))))
         before = self._files(agent)
         t0 = time.perf_counter()
         try:
-            info = await anyio.to_thread.run_sync(
+            info = await self._write(m, agent)
+        except StoreWriteError as exc:
+            # The disk filled before the limit: the limit comes down to what the file system
+            # holds, agents go cold to make room, and the write is tried once more.
+            if usage is None or not _no_space(exc) or not await self._adapt_limit():
+                raise
+            try:
+                await self._make_room(agent, _write_bound(m, len(self._files(agent))))
+                info = await self._write(m, agent)
+            finally:
+                if usage.home is not None:  # the reserve again, once there is room
+                    await anyio.to_thread.run_sync(make_reserve, usage.home)
+        self._refused.pop(agent, None)
+        # Exactly what the write put on disk: the files it made (a manifest is a new file).
+        written = sum(size for inode, size in self._files(agent).items() if inode not in before)
+        self._count(writes=1, bytes_written=written, write_s=time.perf_counter() - t0)
+        self._remember(agent, info)
+        if usage is not None:
+            usage.wrote(written)
+            if usage.home is not None and usage.written_due():
+                await anyio.to_thread.run_sync(
+                    record_disk_limit, usage.home, usage.limit, usage.written
+                )
+            await self._fit(0, keep=agent)  # a bound that fell short: back under at once
+            await self._fit(0, keep=agent, namespace=namespace_of(agent))
+        return info
+
+    async def _write(self, m: Append, agent: str) -> WarmInfo:
+        """Append ``m`` to ``agent``'s warm cache, and count its folder after, whatever
+        happened."""
+        try:
+            info: WarmInfo = await anyio.to_thread.run_sync(
                 functools.partial(
                     append_cache,
                     self.root,
@@ -324,15 +362,30 @@ class StoreActor(Actor):
                 )
             )
         finally:
-            after = await self._recount(agent)
-        self._refused.pop(agent, None)
-        # Exactly what the write put on disk: the files it made (a manifest is a new file).
-        written = sum(size for inode, size in after.items() if inode not in before)
-        self._count(writes=1, bytes_written=written, write_s=time.perf_counter() - t0)
-        self._remember(agent, info)
-        if self.usage is not None and self.usage.over():
-            await self._fit(0, keep=agent)  # a bound that fell short: back under at once
+            await self._recount(agent)
         return info
+
+    async def _adapt_limit(self) -> bool:
+        """After a write found the disk full: lower the limit to what the file system can
+        hold now (what the tier holds plus the free space, less a tenth for the file
+        system's own blocks); whether that lowered it."""
+        usage = self.usage
+        assert usage is not None
+        free = (await anyio.to_thread.run_sync(shutil.disk_usage, self.root)).free
+        fits = int((usage.used + free) * 0.9)
+        if usage.limit is not None and fits >= usage.limit:
+            return False
+        if usage.home is not None:  # room for the manifests that make agents cold
+            await anyio.to_thread.run_sync(free_reserve, usage.home)
+        log.warning(
+            "the disk under %s filled before the warm tier's limit (%s bytes): the limit is "
+            "now %d bytes, and agents go cold to stay under it",
+            self.root,
+            usage.limit,
+            fits,
+        )
+        usage.limit = fits
+        return True
 
     # -- the disk limit ---------------------------------------------------------------
     def _files(self, agent: str) -> AgentFiles:
@@ -362,41 +415,117 @@ class StoreActor(Actor):
             else:
                 self._warm.pop(agent, None)
 
-    async def _fit(self, more: int, *, keep: str | None) -> int:
-        """Make agents cold (never ``keep``), in the engine's policy order, until ``more``
-        bytes fit under the limit; how many went cold."""
+    async def _make_room(self, agent: str, bound: int) -> None:
+        """Room for a write of at most ``bound`` bytes by ``agent``, under the limit and
+        its namespace's quota, before it starts: both hold throughout. Raises
+        StoreWriteError when no other agent can go cold for it."""
         usage = self.usage
-        if usage is None or not usage.over(more):
-            return 0
-        if self._warm is None:  # once: every agent with tokens on disk, and its age
+        assert usage is not None
+        if usage.limit is None or bound <= usage.limit:  # else none would do
+            await self._fit(bound, keep=agent)
+        if usage.over(bound):
+            raise StoreWriteError(
+                f"the warm tier is at its disk limit ({usage.used} of {usage.limit} bytes) "
+                f"and no other agent can go cold for the {bound} bytes agent {agent!r} may "
+                "write; its previous warm copy stays"
+            )
+        namespace = namespace_of(agent)
+        if namespace is None or usage.quota is None:
+            return
+        if bound <= usage.quota:
+            await self._fit(bound, keep=agent, namespace=namespace)
+        if usage.over_quota(namespace, bound):
+            raise StoreWriteError(
+                f"the agents of {namespace!r} hold {usage.used_by(namespace)} bytes on disk "
+                f"of their quota of {usage.quota}, and none of them can go cold for the "
+                f"{bound} bytes agent {agent!r} may write; its previous warm copy stays"
+            )
+
+    def _over(self, more: int, namespace: str | None) -> int:
+        usage = self.usage
+        assert usage is not None
+        return usage.over(more) if namespace is None else usage.over_quota(namespace, more)
+
+    async def _warm_agents(self) -> dict[str, WarmAgent]:
+        """Every agent with tokens on disk, and when it was written (listed once)."""
+        if self._warm is None:
             infos = await anyio.to_thread.run_sync(list_agents, self.root, self.identity)
             self._warm = {
                 i.agent: WarmAgent(i.agent, i.nbytes, i.tokens, i.updated)
                 for i in infos
                 if i.rejected is None and i.tokens
             }
+        return self._warm
+
+    async def _fit(self, more: int, *, keep: str | None, namespace: str | None = None) -> int:
+        """Make agents cold (never ``keep``), in the engine's policy order, until ``more``
+        bytes fit under the limit (with ``namespace``: under its quota, making only its own
+        agents cold); how many went cold."""
+        usage = self.usage
+        if usage is None or not self._over(more, namespace):
+            return 0
+        warm = await self._warm_agents()
         demoted, tried = 0, {keep}
-        while usage.over(more):
+        while need := self._over(more, namespace):
             candidates = [
                 msgspec.structs.replace(a, nbytes=usage.own_bytes(self.root, a.agent))
-                for a in self._warm.values()
+                for a in warm.values()
                 if a.agent not in tried
+                and (namespace is None or namespace_of(a.agent) == namespace)
             ]
-            victims = await self._victims(candidates, usage.over(more))
+            victims = await self._victims(candidates, need)
             if not victims:
                 break
             for agent in victims:
                 tried.add(agent)
-                self._manifests.pop(agent, None)
-                if await anyio.to_thread.run_sync(demote_cold, self.root, self.identity, agent):
-                    demoted += 1
-                self._warm.pop(agent, None)
-                await self._recount(agent)
-                if not usage.over(more):
+                demoted += await self._demote(agent)
+                if not self._over(more, namespace):
                     break
         if demoted:
             self._count(demoted_cold=demoted)
-            log.info("%d agents went cold to keep the warm tier under its limit", demoted)
+            under = "its limit" if namespace is None else f"the quota of {namespace!r}"
+            log.info("%d agents went cold to keep the warm tier under %s", demoted, under)
+        return demoted
+
+    async def _demote(self, agent: str) -> bool:
+        """Make ``agent`` cold (whole: see ``demote_cold``) and count its folder again."""
+        self._manifests.pop(agent, None)
+        done = await anyio.to_thread.run_sync(demote_cold, self.root, self.identity, agent)
+        if self._warm is not None:
+            self._warm.pop(agent, None)
+        await self._recount(agent)
+        return bool(done)
+
+    async def _fit_all(self) -> int:
+        """Bring the directory under its limit and every namespace under its quota (at
+        open: a limit or quota lower than the one the files were written under)."""
+        await self._expire(force=True)
+        demoted = await self._fit(0, keep=None)
+        if self.usage is not None and self.usage.quota is not None:
+            for namespace in sorted(self.usage.namespaces()):
+                demoted += await self._fit(0, keep=None, namespace=namespace)
+        return demoted
+
+    async def _expire(self, *, force: bool = False) -> int:
+        """Make cold the agents whose warm cache was last written more than ``ttl_s`` ago
+        (the policy says which may go now: never one hot and busy, staged or being
+        written); looks at most every ``ttl_s / 8`` seconds unless ``force``."""
+        ttl = self.ttl_s
+        now = time.monotonic()
+        if ttl is None or (not force and now < self._expire_at):
+            return 0
+        self._expire_at = now + ttl / 8
+        wall = time.time()
+        old = [a for a in (await self._warm_agents()).values() if wall - a.updated > ttl]
+        if not old:
+            return 0
+        victims = await self._victims(old, sum(a.nbytes for a in old) + 1)
+        demoted = 0
+        for agent in victims:
+            demoted += await self._demote(agent)
+        if demoted:
+            self._count(demoted_cold=demoted, expired=demoted)
+            log.info("%d agents unused for %g s went cold", demoted, ttl)
         return demoted
 
     async def _victims(self, candidates: list[WarmAgent], need: int) -> list[str]:
@@ -467,6 +596,12 @@ class StoreActor(Actor):
         finally:
             await self._recount(agent)
         return done
+
+
+def _no_space(exc: StoreWriteError) -> bool:
+    """Whether a write failed for want of space (ENOSPC, or EDQUOT: a user's disk quota)."""
+    cause = exc.__cause__
+    return isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _write_bound(m: Append, files: int) -> int:

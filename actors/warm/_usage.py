@@ -9,13 +9,16 @@ stores of several models in one directory share one count without a lock.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
 import stat
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from ..ids import namespace_of
 from ._paths import agent_dir, contained
 
 __all__ = (
@@ -27,6 +30,10 @@ __all__ = (
     "agent_files",
     "default_disk_limit",
     "read_disk_limit",
+    "read_written",
+    "RESERVE_FILE",
+    "free_reserve",
+    "make_reserve",
     "record_disk_limit",
     "scan_agents",
 )
@@ -85,25 +92,91 @@ def default_disk_limit(root: str | os.PathLike[str], used: int = 0) -> int:
     return min(DISK_CEILING, int((free + used) * DISK_SHARE))
 
 
-#: In a cache directory: the disk limit of the session that last opened it.
+#: In a cache directory: the disk limit of the session that last opened it, and the bytes
+#: written to its warm tier on each of the last days (local dates).
 DISK_FILE = "warm.json"
+WRITTEN_DAYS = 7  # days of written bytes kept in DISK_FILE
+WRITTEN_FLUSH_S = 60.0  # the written bytes go to DISK_FILE at most this often (and at close)
 
 
-def record_disk_limit(root: Path, limit: int | None) -> None:
-    """Write ``root``'s DISK_FILE (for ``kvactor inspect``); an OSError is ignored."""
+def today() -> str:
+    """The local date, as DISK_FILE keys the bytes written on it."""
+    return datetime.date.today().isoformat()
+
+
+def record_disk_limit(
+    root: Path, limit: int | None, written: Mapping[str, int] | None = None
+) -> None:
+    """Write ``root``'s DISK_FILE (for ``kvactor inspect``) atomically: the limit and the
+    bytes ``written`` per day (the last WRITTEN_DAYS); an OSError is ignored."""
+    days = dict(sorted((written or {}).items())[-WRITTEN_DAYS:])
+    body = json.dumps({"disk_limit_bytes": limit, "written_bytes": days}) + "\n"
+    temp = root / f".{DISK_FILE}.tmp"
     try:
-        (root / DISK_FILE).write_text(json.dumps({"disk_limit_bytes": limit}) + "\n")
+        temp.write_text(body)
+        os.replace(temp, root / DISK_FILE)
     except OSError:
         pass
 
 
-def read_disk_limit(root: Path) -> int | None:
-    """The disk limit ``root``'s DISK_FILE records (None: none, or unreadable)."""
+#: In a cache directory: a little of the disk kept back while the tier has a limit, so
+#: that a disk that fills before the limit still has room for the small manifests that
+#: make agents cold (freed then, made again once there is room).
+RESERVE_FILE = "warm.reserve"
+RESERVE_MAX = 1 << 20
+
+
+def make_reserve(root: Path) -> int:
+    """Write ``root``'s RESERVE_FILE: RESERVE_MAX bytes, or a sixteenth of the free space
+    when that is less (random bytes, which no file system compresses away); its size (0
+    when even that does not fit: an OSError leaves no file). Blocking."""
+    path = root / RESERVE_FILE
+    try:
+        if path.exists():
+            return path.stat().st_size
+        size = min(RESERVE_MAX, shutil.disk_usage(root).free // 16)
+        with open(path, "wb") as f:
+            f.write(os.urandom(size))
+    except OSError:
+        path.unlink(missing_ok=True)
+        return 0
+    return size
+
+
+def free_reserve(root: Path) -> int:
+    """Remove ``root``'s RESERVE_FILE: the bytes it freed (0: there was none). Blocking."""
+    path = root / RESERVE_FILE
+    try:
+        size = path.stat().st_size
+        path.unlink()
+    except OSError:
+        return 0
+    return size
+
+
+def _read_disk_file(root: Path) -> dict[str, object]:
     try:
         data = json.loads((root / DISK_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    limit = data.get("disk_limit_bytes") if isinstance(data, dict) else None
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_written(root: Path) -> dict[str, int]:
+    """The bytes written per day that ``root``'s DISK_FILE records (empty: none)."""
+    days = _read_disk_file(root).get("written_bytes")
+    if not isinstance(days, dict):
+        return {}
+    return {
+        str(day): n
+        for day, n in days.items()
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 0
+    }
+
+
+def read_disk_limit(root: Path) -> int | None:
+    """The disk limit ``root``'s DISK_FILE records (None: none, or unreadable)."""
+    limit = _read_disk_file(root).get("disk_limit_bytes")
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
@@ -114,13 +187,21 @@ class DiskUsage:
     distinct files (by inode) that the agents' folders hold, as last listed (each store
     lists an agent's folder after every change it makes to it)."""
 
-    def __init__(self, limit: int | None) -> None:
+    def __init__(self, limit: int | None, quota: int | None = None) -> None:
         self.limit = limit
+        # The most the agents of one namespace (ids ``<namespace>.<name>``: a server's
+        # tenant) may hold, their shared files counted once (None: no quota).
+        self.quota = quota
         self._sizes: dict[tuple[int, int], int] = {}  # each file: its size
         self._users: dict[tuple[int, int], int] = {}  # each file: how many agents list it
         self._agents: dict[tuple[str, str], AgentFiles] = {}  # (root, agent) -> its files
         self.used = 0
         self.peak = 0
+        # Bytes written per local day (carried over from DISK_FILE at open), and when they
+        # go to DISK_FILE next (monotonic; see ``written_due``).
+        self.written: dict[str, int] = {}
+        self._flush_at = 0.0
+        self.home: Path | None = None  # the cache directory whose DISK_FILE records them
 
     def update(self, root: Path, agent: str, files: AgentFiles) -> None:
         """``agent``'s folder under ``root`` holds ``files`` now (none: it has no folder)."""
@@ -163,9 +244,43 @@ class DiskUsage:
         files = self._agents.get((str(root), agent), {})
         return sum(size for inode, size in files.items() if self._users.get(inode) == 1)
 
+    def wrote(self, nbytes: int) -> None:
+        """A write put ``nbytes`` on disk now."""
+        day = today()
+        self.written[day] = self.written.get(day, 0) + nbytes
+
+    def written_due(self) -> bool:
+        """Whether the bytes written are due to be recorded (at most every WRITTEN_FLUSH_S);
+        True starts the next wait."""
+        now = time.monotonic()
+        if now < self._flush_at:
+            return False
+        self._flush_at = now + WRITTEN_FLUSH_S
+        return True
+
     def over(self, more: int = 0) -> int:
         """Bytes past the limit were ``more`` bytes added now (0: within it, or no limit)."""
         return 0 if self.limit is None else max(self.used + more - self.limit, 0)
+
+    def used_by(self, namespace: str) -> int:
+        """What the agents of ``namespace`` hold (every root; a file several of them list
+        counted once)."""
+        sizes: dict[tuple[int, int], int] = {}
+        for (_, agent), files in self._agents.items():
+            if namespace_of(agent) == namespace:
+                sizes.update(files)
+        return sum(sizes.values())
+
+    def over_quota(self, namespace: str | None, more: int = 0) -> int:
+        """Bytes past the quota were ``more`` bytes added to ``namespace`` now (0: within
+        it, no quota, or an agent in no namespace)."""
+        if self.quota is None or namespace is None:
+            return 0
+        return max(self.used_by(namespace) + more - self.quota, 0)
+
+    def namespaces(self) -> set[str]:
+        """The namespaces with files counted."""
+        return {ns for _, agent in self._agents if (ns := namespace_of(agent)) is not None}
 
     def files_of(self, roots: Iterable[Path]) -> int:
         """How many agents of ``roots`` have files."""

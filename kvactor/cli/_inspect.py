@@ -11,6 +11,7 @@ the manifests hold only its fingerprint), the codec in a short form (``K5/V3 g64
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ from ..actors.warm import (
     disk_footprint,
     list_agents,
     read_disk_limit,
+    read_written,
 )
 from ..runtime import KvactorError
 from ..text import age, printable, size, table
@@ -259,12 +261,16 @@ def run_inspect(args: argparse.Namespace) -> int:
             code = 2
     memory = read_limit(root)
     disk_limit = read_disk_limit(root)
+    written = read_written(root)
+    written_today = written.get(datetime.date.today().isoformat(), 0)
     if args.json:
         out = {
             "root": str(root),
             "directories": directories,
             "memory": memory,
             "disk_limit_bytes": disk_limit,
+            "written_bytes": written,
+            "written_today_bytes": written_today,
         }
         print(json.dumps(out, indent=2, default=str))
         return code
@@ -280,7 +286,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(*([""] if i else []), _heading(directory), table_text, sep="\n")
     if disk_limit is not None:
         used = size(sum(int(d.get("bytes", 0)) for d in directories))
-        print(f"\nwarm tier {used} on disk of a {size(disk_limit)} limit (the last session here)")
+        print(
+            f"\nwarm tier {used} on disk of a {size(disk_limit)} limit (the last session "
+            f"here), {size(written_today)} written today"
+        )
     if memory is not None:
         models = ", ".join(str(m) for m in memory.get("models", []))
         limit = int(memory.get("memory_limit_bytes", 0))

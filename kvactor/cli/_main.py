@@ -142,6 +142,22 @@ def _size(text: str) -> int:
     return int(value * units[unit])
 
 
+def _duration(text: str) -> float:
+    """Seconds from ``3600``, ``90s``, ``30m``, ``12h`` or ``7d``."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    body = text.strip().lower()
+    unit = body[-1:] if body[-1:] in units else "s"
+    try:
+        value = float(body.removesuffix(unit))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a duration: {text!r} (try 3600, 30m or 12h)"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"the duration must be positive, not {text!r}")
+    return value * units[unit]
+
+
 def _memory_limit(text: str) -> int:
     """``_size``, or 0 for ``none`` (no limit over the whole: only the hot budget)."""
     return 0 if text.strip().lower() == "none" else _size(text)
@@ -377,6 +393,20 @@ def _add_serve_limits(limits: argparse._ArgumentGroup) -> None:
         help="bytes the warm tier may hold on disk, with K, M, G; past it agents go cold "
         "(their conversation kept) by the eviction policy (default: the smaller of 30 GiB "
         "and a quarter of the free disk; 'none': no limit)",
+    )
+    limits.add_argument(
+        "--tenant-disk-quota",
+        type=_size,
+        metavar="SIZE",
+        help="bytes each key's tenant may hold in the warm tier, with K, M, G; a tenant over "
+        "it makes its own agents cold, never another's (default: only the disk limit)",
+    )
+    limits.add_argument(
+        "--agent-ttl",
+        type=_duration,
+        metavar="DURATION",
+        help="an agent unused this long (seconds, or 30m, 12h, 7d) goes cold: its "
+        "conversation kept, its warm cache removed (default: only the disk limit)",
     )
     limits.add_argument(
         "--max-pending", type=int, default=64, help="requests in flight before 429s"

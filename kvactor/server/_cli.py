@@ -74,6 +74,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options["memory_limit"] = args.memory_limit or None
     if getattr(args, "disk_limit", None) is not None:  # 0: 'none', no limit
         options["disk_limit"] = args.disk_limit or None
+    if getattr(args, "tenant_disk_quota", None) is not None:
+        options["disk_quota"] = args.tenant_disk_quota
+    if getattr(args, "agent_ttl", None) is not None:
+        options["warm_ttl_s"] = args.agent_ttl
     return options
 
 
