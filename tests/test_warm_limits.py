@@ -76,6 +76,21 @@ async def test_the_limit_holds_and_the_least_recently_used_go_cold(tmp_path: Pat
         assert replay.text == again.text
 
 
+@pytest.mark.parametrize("limit", [None, 1 << 30])
+async def test_the_bytes_written_are_the_new_files_with_a_limit_or_without(
+    tmp_path: Path, limit: int | None
+) -> None:
+    root = tmp_path / "cache"
+    async with kvactor.open(model, cache_dir=root, disk_limit=limit) as kv:
+        agent = await kv.spawn_agent("a", system=SYSTEM)
+        assert (await agent.generate(ASK, max_tokens=8)).saved
+        first = (await kv.stats()).warm_written_bytes
+        assert first >= on_disk(root) > 0  # every file is new (and manifests replaced)
+        assert (await agent.generate("and more", max_tokens=8)).saved
+        more = (await kv.stats()).warm_written_bytes - first
+        assert 0 < more < on_disk(root)  # the new segment and manifest, not the folder
+
+
 async def test_a_restart_under_a_lower_limit_brings_the_directory_under_it(
     tmp_path: Path,
 ) -> None:

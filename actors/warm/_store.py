@@ -309,10 +309,10 @@ class StoreActor(Actor):
         usage = self.usage
         if usage is not None:
             await self._make_room(agent, _write_bound(m, len(self._files(agent))))
-        before = self._files(agent)
+        before = await self._listed(agent)
         t0 = time.perf_counter()
         try:
-            info = await self._write(m, agent)
+            info, after = await self._write(m, agent)
         except StoreWriteError as exc:
             # The disk filled before the limit: the limit comes down to what the file system
             # holds, agents go cold to make room, and the write is tried once more.
@@ -320,17 +320,15 @@ class StoreActor(Actor):
                 raise
             try:
                 await self._make_room(agent, _write_bound(m, len(self._files(agent))))
-                info = await self._write(m, agent)
+                info, after = await self._write(m, agent)
             finally:
                 if usage.home is not None:  # the reserve again, once there is room
                     await anyio.to_thread.run_sync(make_reserve, usage.home)
         self._refused.pop(agent, None)
         # Exactly what the write put on disk: the files it made (a manifest is a new file).
-        written = sum(size for inode, size in self._files(agent).items() if inode not in before)
-        self._count(writes=1, bytes_written=written, write_s=time.perf_counter() - t0)
+        self._wrote(_new_bytes(before, after), writes=1, write_s=time.perf_counter() - t0)
         self._remember(agent, info)
         if usage is not None:
-            usage.wrote(written)
             if usage.home is not None and usage.written_due():
                 await anyio.to_thread.run_sync(
                     record_disk_limit, usage.home, usage.limit, usage.written
@@ -339,9 +337,9 @@ class StoreActor(Actor):
             await self._fit(0, keep=agent, namespace=namespace_of(agent))
         return info
 
-    async def _write(self, m: Append, agent: str) -> WarmInfo:
+    async def _write(self, m: Append, agent: str) -> tuple[WarmInfo, AgentFiles]:
         """Append ``m`` to ``agent``'s warm cache, and count its folder after, whatever
-        happened."""
+        happened; what it wrote and the folder's files after."""
         try:
             info: WarmInfo = await anyio.to_thread.run_sync(
                 functools.partial(
@@ -362,8 +360,20 @@ class StoreActor(Actor):
                 )
             )
         finally:
-            await self._recount(agent)
-        return info
+            after = await self._recount(agent)
+        return info, after
+
+    async def _listed(self, agent: str) -> AgentFiles:
+        """``agent``'s files now: as last counted under a limit, else listed."""
+        if self.usage is not None:
+            return self.usage.files(self.root, agent)
+        return await anyio.to_thread.run_sync(agent_files, self.root, agent)
+
+    def _wrote(self, nbytes: int, **more: float) -> None:
+        """Count ``nbytes`` put on disk (exactly: the files a change made), and ``more``."""
+        self._count(bytes_written=nbytes, **more)
+        if self.usage is not None:
+            self.usage.wrote(nbytes)
 
     async def _adapt_limit(self) -> bool:
         """After a write found the disk full: lower the limit to what the file system can
@@ -488,12 +498,17 @@ class StoreActor(Actor):
         return demoted
 
     async def _demote(self, agent: str) -> bool:
-        """Make ``agent`` cold (whole: see ``demote_cold``) and count its folder again."""
+        """Make ``agent`` cold (whole: see ``demote_cold``) and count its folder again (its
+        new manifest is a write too)."""
         self._manifests.pop(agent, None)
-        done = await anyio.to_thread.run_sync(demote_cold, self.root, self.identity, agent)
-        if self._warm is not None:
-            self._warm.pop(agent, None)
-        await self._recount(agent)
+        before = await self._listed(agent)
+        try:
+            done = await anyio.to_thread.run_sync(demote_cold, self.root, self.identity, agent)
+        finally:
+            if self._warm is not None:
+                self._warm.pop(agent, None)
+            after = await self._recount(agent)
+            self._wrote(_new_bytes(before, after))
         return bool(done)
 
     async def _fit_all(self) -> int:
@@ -596,6 +611,12 @@ class StoreActor(Actor):
         finally:
             await self._recount(agent)
         return done
+
+
+def _new_bytes(before: AgentFiles, after: AgentFiles) -> int:
+    """The bytes of the files in ``after`` that ``before`` did not have (new inodes: every
+    write makes new files, a manifest included)."""
+    return sum(size for inode, size in after.items() if inode not in before)
 
 
 def _no_space(exc: StoreWriteError) -> bool:

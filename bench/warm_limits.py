@@ -1,0 +1,968 @@
+"""The warm tier under a disk limit (issue 39), write-through: N agents take turns of a
+few hundred new tokens, in a seeded random interleaving, over contexts growing to 2K+
+tokens, under a disk limit of 25% of what they store unbounded and a small hot budget.
+
+Phases, one process, one run (``deterministic=True`` throughout, greedy; the same small
+hot budget in every phase: ``--concurrency`` turns' working room plus ``--hot-agents``
+agents' stored caches at the longest context):
+
+1. **unbounded**: the trace with ``disk_limit=None`` in its own cache directory: what the
+   agents store at the end (``unbounded_bytes``; the limit is ``--limit-share`` of it),
+   the reference answers, the tokens each turn added to its agent's cache, and the bytes
+   written (``written_bytes``, manifests and headers included: the store's own count,
+   ``StoreStats.bytes_written``, or where it says 0 the process's write syscalls during
+   the turns, ``/proc/self/io``; both are in the JSON, with the new files seen after each
+   turn). ``write_amplification = written_bytes / new_kv_bytes``, ``new_kv_bytes`` being
+   the stored tensor bytes of the tokens the turns added (per token: the tensors of the
+   directory's segment files, headers excluded, over their tokens).
+2. **mlx-lm**: each agent's cache trajectory of phase 1 replayed into mlx-lm's
+   ``QuantizedKVCache`` (group 64, 4 bits, fp16 scales: between kvactor's 5-bit keys and
+   3-bit values), the whole file rewritten with ``save_prompt_cache`` after every turn as
+   mlx-lm's users do: ``mlx_lm_write_amplification`` = sum of the file's size after each
+   turn / sum of the new tokens' bytes in that format. Real files of zeros of the model's
+   cache shapes (a file's size does not depend on the values); the full mode replays a
+   sample of agents (``--mlx-agents``, in the output).
+3. **limited**: the same trace under ``disk_limit`` in a fresh directory; the directory's
+   real bytes (every regular file under ``agents/``, a hard-linked file once) sampled by a
+   process of its own every ``--sample-ms`` and by the bench after every turn:
+   ``warm_peak_bytes``, ``over_limit_samples`` (target 0; the gaps between samples are
+   reported); ``demoted_cold``; ``re_prefilled_tokens`` (prefilled beyond phase 1's same
+   turn); ``answers_identical`` with phase 1 (each diverging agent's first differing
+   turn, by path); ``write_amplification_limited`` (a cold agent writes its whole cache
+   again when it comes back, and so does a hot one whose warm copy went cold).
+4. **restart**: phase 3's directory opened again under ``--restart-share`` of the limit:
+   its bytes at once, before any turn (``restart_over_limit``: bytes over, target 0), and
+   one turn of an agent that went cold, against the same turn resumed from phase 1's
+   directory and against a new agent prefilling the same conversation.
+
+    python bench/warm_limits.py [--quick] [--model PATH] [--agents 200] [--turns 7]
+        [--words 190 230] [--max-tokens 32] [--concurrency 4] [--hot-agents 4]
+        [--seed 0] [--mlx-agents 16] [--dir DIR] [--json PATH]
+
+``--quick`` (about a minute): the tiny random-weight llama with its layers scaled up so
+that greedy answers depend on the whole context (as tests/lively.py does), 40 agents of 6
+turns, contexts of ~1K tokens. The full mode (the default model, 200 agents of 7 turns of
+~270 new tokens) takes hours on a 2-core CPU, most of it phase 3's re-prefills; each
+phase prints its progress and ETA to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import os
+import random
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
+
+# isort: split
+import anyio
+import mlx.core as mx
+import msgspec
+from _results import write_json  # bench/ is the script's folder: on sys.path
+from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.models.cache import QuantizedKVCache, save_prompt_cache
+
+from kvactor.actors.engine import turn_reserve_bytes
+from kvactor.actors.enums import Tier
+from kvactor.actors.models import LoadedModel, make_tiny_model
+from kvactor.actors.warm import list_agents
+from kvactor.kernels.geometry import CacheGeometry
+
+_WORD_TEXT = (
+    "the a of to and in that it for on with as at by from this be are was or an not but "
+    "we can all which will one has more when there if so what about up out into them "
+    "then some could time these two may first been way like other than now its only "
+    "over also new after most where through back much before good well between never "
+    "under last long great little own right old same big high small large next early "
+    "river stone light storm harbor engine ledger signal market garden winter report "
+    "number window valley letter mirror circle bridge forest rocket coffee island "
+    "tower planet silver copper paper cable sensor module kernel buffer vector matrix"
+)
+WORDS = _WORD_TEXT.split()
+ROLES = ("planner", "coder", "reviewer", "tester", "writer", "analyst", "librarian", "critic")
+EXTRA = "Summarize what we said so far in one sentence."
+MLX_LM_BITS = 4
+MLX_LM_GROUP = 64
+TARGET_AMPLIFICATION = 1.25
+
+
+# ---------------------------------------------------------------------------- the trace
+@dataclass(frozen=True)
+class Turn:
+    agent: str
+    index: int  # the agent's k-th turn
+    text: str
+
+
+@dataclass(frozen=True)
+class Trace:
+    systems: dict[str, str]
+    turns: list[Turn]
+
+
+def make_trace(agents: int, turns: int, words: tuple[int, int], seed: int) -> Trace:
+    """``agents`` agents of ``turns`` turns each in a random interleaving; each turn a
+    new user message of ``words`` (inclusive range) random words."""
+    rng = random.Random(seed)
+    names = [f"agent-{i:03d}" for i in range(agents)]
+    systems = {
+        name: f"You are {name}, the team's {ROLES[i % len(ROLES)]}. Keep your notes short."
+        for i, name in enumerate(names)
+    }
+    order = [name for name in names for _ in range(turns)]
+    rng.shuffle(order)
+    seen: dict[str, int] = {}
+    out = []
+    for name in order:
+        k = seen.get(name, 0)
+        seen[name] = k + 1
+        body = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*words)))
+        out.append(Turn(name, k, f"Note {k + 1} for {name}: {body}."))
+    return Trace(systems, out)
+
+
+def lively_tiny(seed: int = 0, scale: float = 10.0) -> LoadedModel:
+    """The tiny llama (heads 64 wide) with its layers' weights scaled up, embeddings and
+    norms as they are: its greedy answers depend on the whole context (tests/lively.py)."""
+    lm = make_tiny_model(seed, head_dim=64)
+
+    def scaled(path: str, array: mx.array) -> mx.array:
+        return array if "embed" in path or "norm" in path else array * scale
+
+    lm.model.update(tree_map_with_path(scaled, lm.model.parameters()))
+    mx.eval(lm.model.parameters())
+    return lm
+
+
+# --------------------------------------------------------------------- the disk sampler
+def agents_bytes(root: Path) -> int:
+    """The real bytes under ``root/agents``: every regular file, a hard-linked file once
+    (what the store counts against its limit, temporary files of a write included)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for folder, _, names in os.walk(root / "agents"):
+        for name in names:
+            try:
+                info = os.lstat(os.path.join(folder, name))
+            except FileNotFoundError:  # removed while we walked
+                continue
+            if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) not in seen:
+                seen.add((info.st_dev, info.st_ino))
+                total += info.st_size
+    return total
+
+
+#: The sampling loop of the sampler's own process (``agents_bytes`` is prepended): a
+#: process, so that neither the bench's event loop nor its GIL spaces the samples out.
+SAMPLER_LOOP = """
+import json, sys, threading, time
+root, limit, period = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+seen, gaps, over, last = 0, [], [], None
+peak = 0
+print("ready", flush=True)
+while not stop.is_set():
+    start = time.perf_counter()
+    if last is not None:
+        gaps.append(start - last)
+    last = start
+    n = agents_bytes(root)
+    seen += 1
+    peak = max(peak, n)
+    if 0 <= limit < n:
+        over.append(n)
+    stop.wait(max(0.0, period - (time.perf_counter() - start)))
+print(json.dumps({"samples": seen, "peak": peak, "over": over, "gaps": gaps}), flush=True)
+"""
+
+
+class DiskSampler:
+    """Samples ``agents_bytes(root)``: every ``period_s`` (start to start) in a process of
+    its own between :meth:`start` and :meth:`stop`, and whenever :meth:`sample` is
+    awaited. :meth:`watch_loop` measures how late the event loop wakes a task (how long
+    it was blocked)."""
+
+    def __init__(self, root: Path, limit: int | None, period_s: float) -> None:
+        self.root, self.limit, self.period_s = root, limit, period_s
+        self.samples = self.peak = 0
+        self.over: list[int] = []
+        self.gaps: list[float] = []
+        self.loop_lag = 0.0
+        self._proc: subprocess.Popen[str] | None = None
+
+    def _record(self, n: int) -> int:
+        self.samples += 1
+        self.peak = max(self.peak, n)
+        if self.limit is not None and n > self.limit:
+            self.over.append(n)
+        return n
+
+    async def sample(self) -> int:
+        return self._record(await anyio.to_thread.run_sync(agents_bytes, self.root))
+
+    def start(self) -> None:
+        """Start the sampling process; return once it samples."""
+        code = "import os, stat\nfrom pathlib import Path\n"
+        code += inspect.getsource(agents_bytes) + SAMPLER_LOOP
+        limit = -1 if self.limit is None else self.limit
+        args = [sys.executable, "-c", code, str(self.root), str(limit), str(self.period_s)]
+        pipe = subprocess.PIPE
+        self._proc = subprocess.Popen(args, stdin=pipe, stdout=pipe, text=True)
+        assert self._proc.stdout is not None
+        assert self._proc.stdout.readline().strip() == "ready"
+
+    def stop(self) -> None:
+        """Stop the sampling process and take its samples."""
+        if self._proc is None:
+            return
+        out, _ = self._proc.communicate("", timeout=60)
+        self._proc = None
+        got = json.loads(out)
+        self.samples += got["samples"]
+        self.peak = max(self.peak, got["peak"])
+        self.over += got["over"]
+        self.gaps += got["gaps"]
+
+    async def watch_loop(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await anyio.sleep(self.period_s)
+            self.loop_lag = max(self.loop_lag, time.perf_counter() - start - self.period_s)
+
+    def figures(self) -> dict[str, Any]:
+        gaps = sorted(self.gaps) or [0.0]
+        return {
+            "samples": self.samples,
+            "peak_bytes": self.peak,
+            "over_limit_samples": len(self.over),
+            "max_over_bytes": max(self.over) - self.limit if self.over and self.limit else 0,
+            "sample_gap_mean_ms": round(1000 * sum(gaps) / len(gaps), 1),
+            "sample_gap_p99_ms": round(1000 * gaps[int(0.99 * (len(gaps) - 1))], 1),
+            "sample_gap_max_ms": round(1000 * gaps[-1], 1),
+            "sample_gaps_over_50ms": sum(g > 0.05 for g in gaps),
+            "event_loop_lag_max_ms": round(1000 * self.loop_lag, 1),
+        }
+
+
+@dataclass
+class WriteTally:
+    """The bytes of the files that appear in an agent's folder, each file (device, inode,
+    mtime) once: what its writes made, looked at after each of its turns (its next turn
+    waits for the look, so no write of it is half done or missed)."""
+
+    root: Path
+    seen: set[tuple[int, int, int]] = field(default_factory=set)
+    written: int = 0
+
+    def scan(self, agent: str) -> None:
+        folder = self.root / "agents" / agent
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            return
+        for name in names:
+            try:
+                info = os.lstat(folder / name)
+            except FileNotFoundError:
+                continue
+            key = (info.st_dev, info.st_ino, info.st_mtime_ns)
+            if stat.S_ISREG(info.st_mode) and key not in self.seen:
+                self.seen.add(key)
+                self.written += info.st_size
+
+
+# ------------------------------------------------------------------------- the replay
+class Progress:
+    """A line to stderr every ~5% of a phase's turns, with its ETA."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.began = time.perf_counter()
+        self.every = max(1, total // 20)
+        print(f"[{label}] {total} turns ...", file=sys.stderr, flush=True)
+
+    def step(self) -> None:
+        self.done += 1
+        if self.done % self.every and self.done != self.total:
+            return
+        spent = time.perf_counter() - self.began
+        eta = spent / self.done * (self.total - self.done)
+        print(
+            f"[{self.label}] {self.done}/{self.total} turns, {spent:.0f} s, ETA {eta:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def stored_tokens(root: Path, agent: str) -> int:
+    """The tokens of ``agent``'s warm manifest (0 without one)."""
+    try:
+        raw = json.loads((root / "agents" / agent / "manifest.json").read_bytes())
+    except FileNotFoundError:
+        return 0
+    return len(raw["manifest"]["token_ids"])
+
+
+async def cache_tokens(kv: kvactor.Session, root: Path, agent: str) -> tuple[int, bool]:
+    """The tokens ``agent``'s cache holds after its turn: its hot cache's, else (demoted
+    already by another turn) its warm manifest's; and whether that fallback was used."""
+    try:
+        return (await kv.cache_info(agent)).tokens, False
+    except kvactor.UnknownAgent:
+        return stored_tokens(root, agent), True
+
+
+def turn_record(turn: Turn, done: kvactor.Completion, added: int) -> dict[str, Any]:
+    t = done.timings
+    return {
+        "agent": turn.agent,
+        "index": turn.index,
+        "path": done.path.value if isinstance(done.path, Tier) else str(done.path),
+        "prompt": t.prompt_tokens,
+        "reused": t.reused_tokens,
+        "prefilled": t.prefilled_tokens,
+        "generated": t.generated_tokens,
+        "added": added,
+        "ttft_s": t.ttft_s,
+        "saved": done.saved,
+        "save_error": done.save_error,
+        "tokens": list(done.token_ids),
+    }
+
+
+async def replay(
+    kv: kvactor.Session,
+    root: Path,
+    trace: Trace,
+    cfg: Config,
+    label: str,
+    sampler: DiskSampler | None,
+) -> tuple[list[dict[str, Any]], int, int]:
+    """Every turn of ``trace`` through ``kv``, ``cfg.concurrency`` at a time, each agent's
+    turns in order: their records (trace order), how many ``added`` counts came from the
+    manifest, and the bytes of the files the turns' writes made (a WriteTally)."""
+    agents = {n: await kv.spawn_agent(n, system=s) for n, s in trace.systems.items()}
+    records: list[dict[str, Any]] = [{} for _ in trace.turns]
+    previous: dict[str, anyio.Event] = {}
+    cursor = iter(enumerate(trace.turns))
+    progress = Progress(label, len(trace.turns))
+    fallbacks = 0
+    tally = WriteTally(root)
+
+    async def worker() -> None:
+        nonlocal fallbacks
+        for i, turn in cursor:  # one iterator: each turn taken once, in trace order
+            before, mine = previous.get(turn.agent), anyio.Event()
+            previous[turn.agent] = mine
+            if before is not None:
+                await before.wait()  # the agent's previous turn first
+            try:
+                done = await agents[turn.agent].generate(turn.text, max_tokens=cfg.max_tokens)
+                tokens, fell_back = await cache_tokens(kv, root, turn.agent)
+                fallbacks += fell_back
+                await anyio.to_thread.run_sync(tally.scan, turn.agent)
+                if sampler is not None:
+                    await sampler.sample()  # right after the turn's write
+            finally:
+                mine.set()
+            records[i] = turn_record(turn, done, tokens - done.timings.reused_tokens)
+            progress.step()
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(cfg.concurrency):
+            tg.start_soon(worker)
+    return records, fallbacks, tally.written
+
+
+async def sampled(sampler: DiskSampler, body: Callable[[], Any]) -> Any:
+    """``await body()`` with the sampler's process running, and its event-loop watch."""
+    await anyio.to_thread.run_sync(sampler.start)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sampler.watch_loop)
+            try:
+                return await body()
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        await anyio.to_thread.run_sync(sampler.stop)
+
+
+# -------------------------------------------------------------------------- the phases
+@dataclass(frozen=True)
+class Config:
+    quick: bool = False
+    model: str | None = None
+    agents: int = 200
+    turns: int = 7
+    words: tuple[int, int] = (190, 230)
+    max_tokens: int = 32
+    concurrency: int = 4
+    hot_agents: int = 4
+    limit_share: float = 0.25
+    restart_share: float = 0.5
+    sample_ms: float = 10.0
+    mlx_agents: int = 16  # 0: every agent
+    seed: int = 0
+    workdir: str | None = None
+
+    def model_spec(self) -> Any:
+        return functools.partial(lively_tiny, 0) if self.quick else self.model
+
+
+QUICK = Config(
+    quick=True, agents=40, turns=6, words=(14, 22), max_tokens=16, concurrency=2, mlx_agents=0
+)
+
+
+async def probe(cfg: Config, trace: Trace, root: Path) -> dict[str, Any]:
+    """The model's cache geometry, its name, what a stored token costs in the hot tier,
+    the longest context the trace reaches, and the small hot budget from them: room for
+    ``cfg.concurrency`` turns at that length plus ``cfg.hot_agents`` agents' caches."""
+    async with kvactor.open(cfg.model_spec(), cache_dir=root, disk_limit=None) as kv:
+        assert kv.identity is not None
+        layers = kv.identity.layer_geometry()
+        geometry = CacheGeometry.from_description(layers, kv.model.states)
+        per_agent: dict[str, list[str]] = {n: [s] for n, s in trace.systems.items()}
+        for turn in trace.turns:
+            per_agent[turn.agent].append(turn.text)
+        text_tokens = max(len(kv.tokenizer.encode("\n".join(t))) for t in per_agent.values())
+        longest = text_tokens + cfg.turns * (cfg.max_tokens + 16)  # answers and template
+        agent = await kv.spawn_agent("probe", system="You help.")
+        await agent.generate(" ".join(WORDS[:40]), max_tokens=4)
+        info = await kv.cache_info("probe")  # with its float ready copy
+        stored = (await kv.warm_agents())[0]  # quantized: what an idle hot agent keeps
+        name = kv.model.name
+    reserve = turn_reserve_bytes(geometry, longest + cfg.max_tokens)
+    per_token = stored.nbytes / stored.tokens
+    budget = cfg.concurrency * reserve + int(cfg.hot_agents * per_token * longest)
+    return {
+        "model": name,
+        "layers": layers,
+        "longest_tokens_estimate": longest,
+        "hot_bytes_per_token_ready": round(info.nbytes / info.tokens, 1),
+        "stored_bytes_per_token": round(per_token, 1),
+        "turn_reserve_bytes": reserve,
+        "budget_bytes": budget,
+    }
+
+
+def tensor_bytes(path: Path) -> int:
+    """The tensors' bytes of a safetensors file (its header excluded)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(
+        v["data_offsets"][1] - v["data_offsets"][0]
+        for k, v in header.items()
+        if k != "__metadata__"
+    )
+
+
+def stored_bytes_per_token(root: Path) -> tuple[float, int]:
+    """(tensor bytes per token over every segment of every agent's manifest, segments)."""
+    data = tokens = segments = 0
+    for info in list_agents(root):
+        raw = json.loads((root / "agents" / info.agent / "manifest.json").read_bytes())
+        for seg in raw["manifest"]["segments"]:
+            data += tensor_bytes(root / "agents" / info.agent / seg["file"])
+            tokens += seg["stop"] - seg["start"]
+            segments += 1
+    return data / max(tokens, 1), segments
+
+
+def wchar() -> int:
+    """The bytes this process has handed to write syscalls so far (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/io", encoding="ascii") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    except OSError:
+        return 0
+
+
+def written_figures(
+    tag: str, store: int, syscalls: int, seen: int, new_kv: float
+) -> dict[str, Any]:
+    """A phase's bytes written, three ways: the store's count (StoreStats.bytes_written);
+    the write syscalls of the process during the turns (/proc/self/io: the store's files
+    plus a few lines of progress); the files seen to appear in the agents' folders after
+    each turn (a lower bound: a manifest that a later append of the same turn replaced is
+    not seen). ``written_bytes{tag}`` is the store's count, or where it is 0 the
+    syscalls'; its amplification is over ``new_kv``."""
+    written, source = (store, "store") if store else (syscalls, "write syscalls")
+    return {
+        f"written_bytes{tag}": written,
+        f"written_bytes{tag}_source": source,
+        f"written_bytes{tag}_store": store,
+        f"written_bytes{tag}_syscalls": syscalls,
+        f"written_bytes{tag}_files_seen": seen,
+        f"write_amplification{tag}": round(written / new_kv, 4),
+    }
+
+
+def options(root: Path, limit: int | None, budget: int) -> dict[str, Any]:
+    """``kvactor.open``'s keywords of every phase but the model."""
+    return {"cache_dir": root, "disk_limit": limit, "budget_bytes": budget, "deterministic": True}
+
+
+async def phase_unbounded(cfg: Config, trace: Trace, root: Path, budget: int) -> dict[str, Any]:
+    """Phase 1: the trace without a disk limit (under the small hot budget)."""
+    began = time.perf_counter()
+    opts = options(root, None, budget)
+    async with kvactor.open(cfg.model_spec(), **opts) as kv:
+        before = wchar()
+        records, fallbacks, seen = await replay(kv, root, trace, cfg, "1 unbounded", None)
+        syscalls = wchar() - before
+        warm = await kv.warm_stats()
+        stats = await kv.stats()
+    per_token, segments = stored_bytes_per_token(root)
+    unbounded = agents_bytes(root)
+    finals = [w.tokens for w in list_agents(root)]
+    new_tokens = sum(r["added"] for r in records)
+    new_kv = per_token * new_tokens
+    return {
+        "records": records,
+        "unbounded_bytes": unbounded,
+        "store_disk_bytes": warm.disk_bytes,
+        "kv_bytes_per_token": round(per_token, 2),
+        "segments": segments,
+        "new_tokens": new_tokens,
+        "new_kv_bytes": int(new_kv),
+        **written_figures("", warm.bytes_written, syscalls, seen, new_kv),
+        "writes": warm.writes,
+        "added_from_manifest": fallbacks,
+        "ctx_tokens_max": max(r["prompt"] + r["generated"] for r in records),
+        "ctx_tokens_final_mean": round(sum(finals) / max(len(finals), 1), 1),
+        "save_errors": sum(r["save_error"] is not None for r in records),
+        "hot_peak_bytes": stats.peak_bytes,
+        "demoted_warm": stats.demoted_warm,
+        "wall_s": round(time.perf_counter() - began, 1),
+    }
+
+
+def trajectories(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, int]]]:
+    """Per agent, per turn in order: (tokens its cache kept, tokens the turn added)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for r in records:
+        out.setdefault(r["agent"], []).append((r["reused"], r["added"]))
+    return out
+
+
+def zeros(heads: int, tokens: int, key_dim: int, value_dim: int) -> tuple[mx.array, mx.array]:
+    """fp16 keys and values of ``tokens`` tokens, as a layer's cache takes them."""
+    return (
+        mx.zeros((1, heads, tokens, key_dim), mx.float16),
+        mx.zeros((1, heads, tokens, value_dim), mx.float16),
+    )
+
+
+def mlx_lm_amplification(
+    layers: list[list[int]], paths: dict[str, list[tuple[int, int]]], sample: int, tmp: Path
+) -> dict[str, Any]:
+    """What mlx-lm's ``save_prompt_cache`` writes when each agent's whole prompt cache
+    (QuantizedKVCache per layer) is saved after every turn, over the new tokens' bytes in
+    that format; ``sample`` agents (0: all), evenly spread."""
+    began = time.perf_counter()
+    names = sorted(paths)
+    if sample and sample < len(names):
+        names = names[:: len(names) // sample][:sample]
+    geometry = [(h, k, v) for h, k, v, _ in layers]
+    full = [QuantizedKVCache(MLX_LM_GROUP, MLX_LM_BITS) for _ in geometry]
+    for cache, (h, k, v) in zip(full, geometry, strict=True):
+        cache.update_and_fetch(*zeros(h, 256, k, v))  # 256 tokens: its buffer, no padding
+    arrays: Any = tree_flatten([c.state[:2] for c in full])
+    per_token = sum(x.nbytes for _, x in arrays) / 256
+    written = new_tokens = 0
+    for n, name in enumerate(names):
+        caches = [QuantizedKVCache(MLX_LM_GROUP, MLX_LM_BITS) for _ in geometry]
+        path = tmp / f"mlx-lm-{n}.safetensors"
+        for reused, added in paths[name]:
+            # mlx-lm keeps the prefix its own cache holds (kvactor's may have come from
+            # another agent's shared prefix) and appends the rest of the turn's tokens.
+            kept = min(reused, caches[0].offset)
+            grown = reused + added - kept
+            for cache, (h, k, v) in zip(caches, geometry, strict=True):
+                cache.trim(cache.offset - kept)
+                cache.update_and_fetch(*zeros(h, grown, k, v))
+            save_prompt_cache(str(path), caches)
+            written += path.stat().st_size
+            new_tokens += grown
+        path.unlink()
+    new_bytes = per_token * new_tokens
+    return {
+        "mlx_lm_write_amplification": round(written / new_bytes, 4),
+        "mlx_lm_written_bytes": written,
+        "mlx_lm_new_kv_bytes": int(new_bytes),
+        "mlx_lm_agents": len(names),
+        "mlx_lm_format": f"QuantizedKVCache(group_size={MLX_LM_GROUP}, bits={MLX_LM_BITS}), "
+        "fp16 scales, save_prompt_cache after every turn (its state: the buffer, grown in "
+        "steps of 256 tokens, as mlx-lm saves it); one update per turn, zeros",
+        "mlx_lm_wall_s": round(time.perf_counter() - began, 1),
+    }
+
+
+def leaving_hot(records: list[dict[str, Any]]) -> float | None:
+    """Turns an agent runs per stay in the hot tier: its turns after its first, over how
+    many of them found their cache elsewhere (warm or cold: it had left the hot tier)."""
+    later = [r for r in records if r["index"] > 0]
+    left = sum(r["path"] != Tier.HOT.value for r in later)
+    return round(len(later) / left, 3) if left else None
+
+
+async def phase_limited(
+    cfg: Config, trace: Trace, root: Path, budget: int, limit: int, ref: dict[str, Any]
+) -> dict[str, Any]:
+    """Phase 3: the trace under ``limit``, the directory sampled throughout."""
+    began = time.perf_counter()
+    sampler = DiskSampler(root, limit, cfg.sample_ms / 1000)
+    opts = options(root, limit, budget)
+    async with kvactor.open(cfg.model_spec(), **opts) as kv:
+        before = wchar()
+        records, _, seen = await sampled(
+            sampler, lambda: replay(kv, root, trace, cfg, "3 limited", sampler)
+        )
+        syscalls = wchar() - before
+        warm = await kv.warm_stats()
+        stats = await kv.stats()
+    pairs = list(zip(records, ref["records"], strict=True))
+    mismatched = [
+        (r["agent"], r["index"], r["path"]) for r, o in pairs if r["tokens"] != o["tokens"]
+    ]
+    firsts: dict[str, str] = {}
+    for agent, _, path in mismatched:
+        firsts.setdefault(agent, path)
+    errors = [r["save_error"] for r in records if r["save_error"] is not None]
+    return {
+        "records": records,
+        "sampler": sampler.figures(),
+        "warm_peak_bytes": sampler.peak,
+        "over_limit_samples": len(sampler.over),
+        "store_disk_peak_bytes": warm.disk_peak_bytes,
+        "store_disk_limit_bytes": warm.disk_limit_bytes,
+        "demoted_cold": warm.demoted_cold,
+        "expired": warm.expired,
+        "cold_turns": sum(r["path"] == Tier.COLD.value and r["index"] > 0 for r in records),
+        "warm_turns": sum(r["path"] == Tier.WARM.value for r in records),
+        "re_prefilled_tokens": sum(max(r["prefilled"] - o["prefilled"], 0) for r, o in pairs),
+        **written_figures("_limited", warm.bytes_written, syscalls, seen, ref["new_kv_bytes"]),
+        "answers_identical": not mismatched,
+        "answer_mismatches": len(mismatched),
+        "mismatch_examples": mismatched[:8],
+        # Each diverging agent's first differing turn, by path (cold: a re-prefill).
+        "first_mismatch_paths": {p: list(firsts.values()).count(p) for p in set(firsts.values())},
+        "save_errors": len(errors),
+        "save_error_examples": sorted(set(errors))[:4],
+        "hot_peak_bytes": stats.peak_bytes,
+        "stats": msgspec.to_builtins(stats),
+        "wall_s": round(time.perf_counter() - began, 1),
+    }
+
+
+async def resumed_turn(
+    cfg: Config, root: Path, agent: str, system: str, limit: int | None, budget: int
+) -> kvactor.Completion:
+    opts = options(root, limit, budget)
+    async with kvactor.open(cfg.model_spec(), **opts) as kv:
+        handle = await kv.spawn_agent(agent, system=system)
+        return await handle.generate(EXTRA, max_tokens=cfg.max_tokens)
+
+
+async def phase_restart(
+    cfg: Config, trace: Trace, roots: tuple[Path, Path], budget: int, limit: int
+) -> dict[str, Any]:
+    """Phase 4: the limited directory opened under a lower limit: its bytes before any
+    turn, then one turn of an agent that is cold there, against the same turn resumed
+    from the unbounded directory and against a new agent prefilling the same conversation
+    (what a cold turn promises; no shared prefixes, so that it prefills all of it)."""
+    began = time.perf_counter()
+    unbounded, root = roots
+    lower = int(limit * cfg.restart_share)
+    sampler = DiskSampler(root, lower, cfg.sample_ms / 1000)
+    opts = options(root, lower, budget)
+    async with kvactor.open(cfg.model_spec(), share_prefixes=False, **opts) as kv:
+        at_open = await sampler.sample()  # at once, before any turn
+        warm = await kv.warm_stats()
+        cold = sorted(w.agent for w in await kv.warm_agents() if w.tokens == 0 and not w.rejected)
+        agent = cold[0] if cold else sorted(trace.systems)[0]
+        handle = await kv.spawn_agent(agent, system=trace.systems[agent])
+        done = await sampled(sampler, lambda: handle.generate(EXTRA, max_tokens=cfg.max_tokens))
+        await sampler.sample()
+        fresh = await kv.spawn_agent("fresh-prefill")
+        asked = (await handle.history())[:-1]
+        again = await sampled(sampler, lambda: fresh.chat(asked, max_tokens=cfg.max_tokens))
+        await sampler.sample()
+    other = await resumed_turn(cfg, unbounded, agent, trace.systems[agent], None, budget)
+    return {
+        "restart_limit_bytes": lower,
+        "restart_bytes_at_open": at_open,
+        "restart_over_limit": max(at_open - lower, 0),
+        "restart_over_limit_samples": len(sampler.over),
+        "restart_peak_bytes": sampler.peak,
+        "restart_demoted_cold": warm.demoted_cold,
+        "restart_store_disk_bytes": warm.disk_bytes,
+        "restart_cold_agents": len(cold),
+        "restart_turn_agent": agent,
+        "restart_turn_path": done.path.value,
+        "restart_turn_ok": bool(done.token_ids) and done.saved,
+        "restart_turn_save_error": done.save_error,
+        "restart_turn_identical": done.token_ids == other.token_ids,
+        "restart_turn_equals_fresh_prefill": done.token_ids == again.token_ids,
+        "restart_turn_unbounded_path": other.path.value,
+        "wall_s": round(time.perf_counter() - began, 1),
+    }
+
+
+# --------------------------------------------------------------------------- the whole
+async def run(cfg: Config) -> dict[str, Any]:
+    """Every phase in a work directory (``cfg.workdir``, else a temporary one, removed)."""
+    began = time.perf_counter()
+    trace = make_trace(cfg.agents, cfg.turns, cfg.words, cfg.seed)
+    work = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="warm-limits-"))
+    work.mkdir(parents=True, exist_ok=True)
+    roots = (work / "unbounded", work / "limited")
+    for old in (*roots, work / "probe", work / "mlx-lm"):
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        sizes = await probe(cfg, trace, work / "probe")
+        shown = {k: v for k, v in sizes.items() if k != "layers"}
+        print(f"[probe] {shown}", file=sys.stderr, flush=True)
+        budget = sizes["budget_bytes"]
+        one = await phase_unbounded(cfg, trace, roots[0], budget)
+        limit = int(one["unbounded_bytes"] * cfg.limit_share)
+        (work / "mlx-lm").mkdir()
+        print(f"[2 mlx-lm] {cfg.mlx_agents or cfg.agents} agents ...", file=sys.stderr)
+        mlx = mlx_lm_amplification(
+            sizes["layers"], trajectories(one["records"]), cfg.mlx_agents, work / "mlx-lm"
+        )
+        three = await phase_limited(cfg, trace, roots[1], budget, limit, one)
+        print("[4 restart] ...", file=sys.stderr, flush=True)
+        four = await phase_restart(cfg, trace, roots, budget, limit)
+    finally:
+        if not cfg.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    return summary(cfg, trace, sizes, one, mlx, three, four, time.perf_counter() - began)
+
+
+def summary(
+    cfg: Config,
+    trace: Trace,
+    sizes: dict[str, Any],
+    one: dict[str, Any],
+    mlx: dict[str, Any],
+    three: dict[str, Any],
+    four: dict[str, Any],
+    wall: float,
+) -> dict[str, Any]:
+    """The figures, flat (the issue's names), with each phase's details below them."""
+    out: dict[str, Any] = {
+        "model": sizes["model"],
+        "quick": cfg.quick,
+        "agents": cfg.agents,
+        "turns": len(trace.turns),
+        "turns_per_agent": cfg.turns,
+        "seed": cfg.seed,
+        "concurrency": cfg.concurrency,
+        "max_tokens": cfg.max_tokens,
+        "ctx_tokens_max": one["ctx_tokens_max"],
+        "ctx_tokens_final_mean": one["ctx_tokens_final_mean"],
+        "budget_bytes": sizes["budget_bytes"],
+        "unbounded_bytes": one["unbounded_bytes"],
+        "disk_limit_bytes": int(one["unbounded_bytes"] * cfg.limit_share),
+        **{k: three[k] for k in ("warm_peak_bytes", "over_limit_samples", "demoted_cold")},
+        "re_prefilled_tokens": three["re_prefilled_tokens"],
+        "new_kv_bytes": one["new_kv_bytes"],
+        **{k: v for k, v in one.items() if k.startswith(("written_bytes", "write_amp"))},
+        **{k: v for k, v in three.items() if k.startswith(("written_bytes", "write_amp"))},
+        **{k: v for k, v in mlx.items() if k != "mlx_lm_wall_s"},
+        **{k: four[k] for k in four if k != "wall_s"},
+        "answers_identical": three["answers_identical"],
+        "answer_mismatches": three["answer_mismatches"],
+        "mismatch_examples": three["mismatch_examples"],
+        "first_mismatch_paths": three["first_mismatch_paths"],
+        "save_errors_unbounded": one["save_errors"],
+        "save_errors_limited": three["save_errors"],
+        "save_error_examples": three["save_error_examples"],
+        "avg_turns_between_leaving_hot": leaving_hot(one["records"]),
+        "avg_turns_between_leaving_hot_limited": leaving_hot(three["records"]),
+        "wall_s": {
+            "unbounded": one["wall_s"],
+            "mlx_lm": mlx["mlx_lm_wall_s"],
+            "limited": three["wall_s"],
+            "restart": four["wall_s"],
+            "total": round(wall, 1),
+        },
+        "config": {**asdict(cfg), "words": list(cfg.words)},
+        "probe": {k: v for k, v in sizes.items() if k != "layers"},
+        "unbounded": {k: v for k, v in one.items() if k != "records"},
+        "limited": {k: v for k, v in three.items() if k != "records"},
+    }
+    out["targets"] = {
+        "over_limit_samples == 0": out["over_limit_samples"] == 0,
+        "restart_over_limit == 0": out["restart_over_limit"] == 0,
+        f"write_amplification <= {TARGET_AMPLIFICATION}": out["write_amplification"]
+        <= TARGET_AMPLIFICATION,
+        "answers_identical": out["answers_identical"],
+    }
+    return out
+
+
+def mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def written_row(r: dict[str, Any], tag: str) -> tuple[str, str, str, str]:
+    """The bytes a phase wrote: the store's count / the write syscalls / the new files
+    seen; the store's count should be the syscalls' less a few lines of progress."""
+    store, calls = r[f"written_bytes{tag}_store"], r[f"written_bytes{tag}_syscalls"]
+    return (
+        f"written_bytes{tag} (store / write syscalls / new files seen)",
+        f"{mib(store)} / {mib(calls)} / {mib(r[f'written_bytes{tag}_files_seen'])}",
+        "store ~ syscalls",
+        "met" if abs(store - calls) <= max(calls // 100, 64 << 10) else "**not met**",
+    )
+
+
+def table(r: dict[str, Any]) -> str:
+    """The figures as a markdown table, with the issue's targets."""
+    ok = {True: "met", False: "**not met**"}
+    s = r["limited"]["sampler"]
+    gap = s["sample_gap_max_ms"]
+    rows = [
+        ("model", r["model"], "", ""),
+        ("agents / turns", f"{r['agents']} / {r['turns']} (x{r['turns_per_agent']})", "", ""),
+        (
+            "context tokens: max / final mean",
+            f"{r['ctx_tokens_max']} / {r['ctx_tokens_final_mean']}",
+            ">= 2048 (full mode)",
+            "",
+        ),
+        ("hot budget_bytes", mib(r["budget_bytes"]), "", ""),
+        ("unbounded warm tier (phase 1)", mib(r["unbounded_bytes"]), "", ""),
+        ("disk_limit_bytes", f"{mib(r['disk_limit_bytes'])} ({r['disk_limit_bytes']})", "", ""),
+        (
+            "warm_peak_bytes (sampled)",
+            f"{mib(r['warm_peak_bytes'])} ({r['warm_peak_bytes']})",
+            "<= limit",
+            ok[r["warm_peak_bytes"] <= r["disk_limit_bytes"]],
+        ),
+        (
+            "over_limit_samples",
+            f"{r['over_limit_samples']} of {s['samples']}",
+            "0",
+            ok[r["over_limit_samples"] == 0],
+        ),
+        (
+            "sample gap mean / p99 / max",
+            f"{s['sample_gap_mean_ms']} / {s['sample_gap_p99_ms']} / {gap} ms "
+            f"({s['sample_gaps_over_50ms']} of {s['samples']} over 50 ms)",
+            "<= 50 ms",
+            ok[gap <= 50],
+        ),
+        ("event loop blocked, longest (limited phase)", f"{s['event_loop_lag_max_ms']} ms", "", ""),
+        ("the store's own disk_peak_bytes", r["limited"]["store_disk_peak_bytes"], "", ""),
+        ("demoted_cold", r["demoted_cold"], "", ""),
+        ("cold turns (not first turns)", r["limited"]["cold_turns"], "", ""),
+        ("re_prefilled_tokens", r["re_prefilled_tokens"], "", ""),
+        ("new_kv_bytes", mib(r["new_kv_bytes"]), "", ""),
+        written_row(r, ""),
+        (
+            "write_amplification (write-through)",
+            r["write_amplification"],
+            f"<= {TARGET_AMPLIFICATION}",
+            ok[r["write_amplification"] <= TARGET_AMPLIFICATION],
+        ),
+        written_row(r, "_limited"),
+        ("write_amplification_limited", r["write_amplification_limited"], "", ""),
+        (
+            "mlx_lm_write_amplification",
+            f"{r['mlx_lm_write_amplification']} ({r['mlx_lm_agents']} agents)",
+            "",
+            "",
+        ),
+        (
+            "answers_identical (mismatches)",
+            f"{r['answers_identical']} ({r['answer_mismatches']} turns; each diverging "
+            f"agent's first, by path: {r['first_mismatch_paths']})",
+            "True",
+            ok[r["answers_identical"]],
+        ),
+        (
+            "save errors: unbounded / limited",
+            f"{r['save_errors_unbounded']} / {r['save_errors_limited']}",
+            "0 / 0",
+            "",
+        ),
+        ("restart limit", mib(r["restart_limit_bytes"]), "", ""),
+        ("restart bytes at open", mib(r["restart_bytes_at_open"]), "", ""),
+        ("restart_over_limit", r["restart_over_limit"], "0", ok[r["restart_over_limit"] == 0]),
+        ("restart: demoted cold at open", r["restart_demoted_cold"], "", ""),
+        (
+            "restart: a cold agent's turn",
+            f"{r['restart_turn_path']}, ok "
+            f"{r['restart_turn_ok']}, same as resumed {r['restart_turn_identical']}, "
+            f"same as a new agent's prefill {r['restart_turn_equals_fresh_prefill']}",
+            "",
+            "",
+        ),
+        ("avg_turns_between_leaving_hot", r["avg_turns_between_leaving_hot"], "", ""),
+        (
+            "wall s: unbounded / mlx-lm / limited / restart / total",
+            " / ".join(str(v) for v in r["wall_s"].values()),
+            "",
+            "",
+        ),
+    ]
+    lines = ["| figure | value | target | |", "|---|---:|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
+    """The configuration the command line asks for, and its ``--json`` path."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny model, small sizes")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--agents", type=int)
+    parser.add_argument("--turns", type=int, help="turns per agent")
+    parser.add_argument("--words", type=int, nargs=2, help="new words per turn: min max")
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--concurrency", type=int)
+    parser.add_argument("--hot-agents", type=int, help="agents the hot budget holds")
+    parser.add_argument("--limit-share", type=float)
+    parser.add_argument("--restart-share", type=float)
+    parser.add_argument("--sample-ms", type=float)
+    parser.add_argument("--mlx-agents", type=int, help="agents replayed for mlx-lm (0: all)")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--dir", dest="workdir", help="keep the cache directories here")
+    parser.add_argument("--json", metavar="PATH")
+    args = vars(parser.parse_args(argv))
+    json_path = args.pop("json")
+    base = QUICK if args.pop("quick") else Config()
+    given: dict[str, Any] = {k: v for k, v in args.items() if v is not None}
+    if "words" in given:
+        given["words"] = tuple(given["words"])
+    cfg = replace(base, **given)
+    if cfg.quick and cfg.model:
+        parser.error("--quick runs the tiny model: no --model")
+    return cfg, json_path
+
+
+if __name__ == "__main__":
+    config, json_path = parse()
+    result = anyio.run(run, config)
+    print(table(result))
+    if json_path:
+        write_json(json_path, result)

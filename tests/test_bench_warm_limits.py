@@ -1,0 +1,48 @@
+"""``bench/warm_limits.py`` at a tiny size of its quick mode (the tiny model): every figure
+the issue names is there, and the disk limit held throughout and across the restart."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import warm_limits  # bench/ is not a package: its folder on sys.path
+
+KEYS = (
+    "model",
+    "quick",
+    "agents",
+    "turns",
+    "seed",
+    "disk_limit_bytes",
+    "warm_peak_bytes",
+    "over_limit_samples",
+    "demoted_cold",
+    "re_prefilled_tokens",
+    "written_bytes",
+    "new_kv_bytes",
+    "write_amplification",
+    "write_amplification_limited",
+    "mlx_lm_write_amplification",
+    "restart_over_limit",
+    "answers_identical",
+    "avg_turns_between_leaving_hot",
+    "wall_s",
+)
+
+
+async def test_the_quick_bench_keeps_the_directory_under_its_limit(tmp_path: Path) -> None:
+    cfg = replace(
+        warm_limits.QUICK, agents=8, turns=3, words=(6, 10), max_tokens=6, workdir=str(tmp_path)
+    )
+    result = await warm_limits.run(cfg)
+    assert [k for k in KEYS if k not in result] == []
+    assert result["quick"] and result["turns"] == 24
+    assert result["over_limit_samples"] == 0
+    assert result["restart_over_limit"] == 0
+    assert 0 < result["warm_peak_bytes"] <= result["disk_limit_bytes"]
+    assert result["demoted_cold"] > 0  # a quarter of what they store: the limit bit
+    assert result["mlx_lm_write_amplification"] > result["write_amplification"] > 1
+    assert "| over_limit_samples |" in warm_limits.table(result)
