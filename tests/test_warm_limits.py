@@ -404,3 +404,7 @@ def test_serve_and_scenarios_take_a_disk_limit(tmp_path: Path) -> None:
         '[[phases]]\nname = "p"\nprompt = "hi"\n'
     )
     assert session_models(scenario)["disk_limit"] == 50_000_000
+    from kvactor.cli._demo import _overrides
+
+    args = parser.parse_args(["run", "demo", "--disk-limit", "20M"])
+    assert session_models(_overrides(scenario, args))["disk_limit"] == 20 << 20

@@ -253,6 +253,8 @@ def _overrides(scenario: Scenario, args: argparse.Namespace) -> Scenario:
         changes["cache_dir"] = args.cache_dir
     if getattr(args, "budget_mb", None) is not None:
         changes.update(budget_mb=args.budget_mb, hot_agents=None)
+    if getattr(args, "disk_limit", None) is not None:
+        changes["disk_limit_mb"] = args.disk_limit / 1e6
     return msgspec.structs.replace(scenario, **changes) if changes else scenario
 
 

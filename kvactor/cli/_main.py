@@ -271,6 +271,12 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--plot", metavar="PNG", help="draw TTFT per turn (kvactor[plot])")
     run.add_argument("--fresh", action="store_true", help="forget earlier runs' caches first")
     run.add_argument("--model", help="override the scenario's model (a path, or tiny)")
+    run.add_argument(
+        "--disk-limit",
+        type=_size,
+        metavar="SIZE",
+        help="override the scenario's disk limit on its warm tier (with K, M, G)",
+    )
     run.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     run.set_defaults(func=_run)
 
