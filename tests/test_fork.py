@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from lively import lively
+from mounts import tmpfs
 from multimodels import hot_pool
 
 import kvactor
@@ -152,16 +153,8 @@ async def test_forks_count_once_in_the_hot_budget() -> None:
 def fork_folder_elsewhere(tmp_path: Path) -> Iterator[Path]:
     """``tmp_path/agents/copy`` as another file system (a tmpfs mounted there): a hard link
     into it fails (EXDEV). Skipped where this process may not mount (not root)."""
-    folder = tmp_path / "agents" / "copy"
-    folder.mkdir(parents=True)
-    mount = ["mount", "-t", "tmpfs", "-o", "size=64m", "kvactor-test", str(folder)]
-    done = subprocess.run(mount, capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"mounting a tmpfs needs root (CAP_SYS_ADMIN): {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "agents" / "copy", 64 << 20) as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
 async def test_a_fork_on_another_file_system_gets_copies_and_resumes_as_its_source(
