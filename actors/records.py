@@ -222,6 +222,10 @@ class AgentSnapshot(msgspec.Struct, frozen=True):
     tokens: list[int]
     text: str
     messages: list[dict[str, Any]]
+    # Where its cache's stored ranges end (ascending; empty: not known), and how many of
+    # ``tokens`` are on disk (None: all; 0 for a cold cache, whose tokens are re-prefilled).
+    bounds: list[int] = []
+    on_disk: int | None = None
 
 
 class Completion(msgspec.Struct, frozen=True):

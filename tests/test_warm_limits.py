@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 
 import anyio
 import pytest
+from lively import lively
 from mounts import tmpfs
 
 import kvactor
@@ -49,7 +51,7 @@ async def _one_agent_bytes(tmp_path: Path) -> int:
 
 async def test_the_limit_holds_and_the_least_recently_used_go_cold(tmp_path: Path) -> None:
     one = await _one_agent_bytes(tmp_path)
-    limit = int(one * 2.5)
+    limit = int(one * 2.9)  # two agents and the headroom (DiskUsage.headroom)
     root = tmp_path / "cache"
     async with kvactor.open(model, cache_dir=root, disk_limit=limit, budget_bytes=None) as kv:
         for i in range(6):
@@ -89,6 +91,36 @@ async def test_the_bytes_written_are_the_new_files_with_a_limit_or_without(
         assert (await agent.generate("and more", max_tokens=8)).saved
         more = (await kv.stats()).warm_written_bytes - first
         assert 0 < more < on_disk(root)  # the new segment and manifest, not the folder
+
+
+async def test_a_cold_agent_answers_as_it_would_have_warm(tmp_path: Path) -> None:
+    """A cold manifest keeps the token ids the cache held and where its stored ranges
+    ended: the re-prefill is cut there, each range computed from the stored form of the
+    ones before, as the cache was made, so the answer is the warm resume's (the lively
+    model: its answers depend on every cached value; without the cuts they differ)."""
+    options: dict[str, Any] = {"deterministic": True, "share_prefixes": False}
+    asks = ["Tell me about the sea " * 8, "and the mountains? " * 6, "what of rivers " * 7]
+    root, copy = tmp_path / "cache", tmp_path / "warm-copy"
+    async with kvactor.open(lively(), cache_dir=root, disk_limit=None, **options) as kv:
+        agent = await kv.spawn_agent("a", system=SYSTEM)
+        for text in asks:
+            await agent.generate(text, max_tokens=12)
+    shutil.copytree(root, copy)
+    limit = int(on_disk(root) * 1.3)  # room for "a" and a little: "b" pushes it out
+    async with kvactor.open(lively(), cache_dir=root, disk_limit=limit, **options) as kv:
+        other = await kv.spawn_agent("b", system=SYSTEM)
+        for text in asks:
+            assert (await other.generate(text, max_tokens=12)).saved
+    assert {w.agent: w.tokens for w in list_agents(root)}["a"] == 0  # cold on disk
+    answers = []
+    for where, path in ((root, Tier.COLD), (copy, Tier.WARM)):
+        async with kvactor.open(lively(), cache_dir=where, disk_limit=None, **options) as kv:
+            done = await (await kv.spawn_agent("a", system=SYSTEM)).generate(
+                "and now?", max_tokens=12
+            )
+            assert done.path is path
+            answers.append(done.token_ids)
+    assert answers[0] == answers[1]
 
 
 async def test_a_restart_under_a_lower_limit_brings_the_directory_under_it(

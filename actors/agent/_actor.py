@@ -162,6 +162,9 @@ class AgentActor(Actor):
         if system:
             self.messages.append({"role": "system", "content": system})
         self.tokens: list[int] = []  # what the engine's cache holds for this agent
+        # Where that cache's stored ranges end: a re-prefill cut there (after the cache
+        # was dropped) rebuilds the ranges as they were, and answers as the cache would.
+        self.bounds: list[int] = []
         self.text = ""  # the text those tokens spell
         self.persisted = 0  # tokens safe in the warm tier
         self.restored = False
@@ -173,6 +176,7 @@ class AgentActor(Actor):
     def _take(self, state: AgentSnapshot) -> None:
         self.tokens, self.text = list(state.tokens), state.text
         self.messages = [dict(m) for m in state.messages]
+        self.bounds = [b for b in state.bounds if 0 < b <= len(self.tokens)]
 
     async def on_start(self) -> None:
         if self.warm is None or self.tokens:
@@ -184,7 +188,8 @@ class AgentActor(Actor):
             log.warning("agent %r: system prompt changed; not resuming its warm cache", self.name)
             return
         self._take(saved)
-        self.persisted = len(saved.tokens)
+        # A cold cache's tokens are known but not on disk: its next turn prefills them.
+        self.persisted = len(saved.tokens) if saved.on_disk is None else saved.on_disk
         self.restored = True
 
     async def receive(self, message: AgentMessage) -> Any:
@@ -200,7 +205,12 @@ class AgentActor(Actor):
                     raise ValueError("a raw prompt takes no tools (use chat)")
                 return self._turn(text, sampling, raw, tools=tools)
             case Snapshot():
-                return AgentSnapshot(list(self.tokens), self.text, [dict(m) for m in self.messages])
+                return AgentSnapshot(
+                    list(self.tokens),
+                    self.text,
+                    [dict(m) for m in self.messages],
+                    list(self.bounds),
+                )
             case GetState():
                 return AgentState(
                     agent=self.agent_id,
@@ -292,6 +302,7 @@ class AgentActor(Actor):
             sampling = msgspec.structs.replace(sampling, max_tokens=1)
         self._check_length(text, raw, history)
         prompt = await anyio.to_thread.run_sync(self._prompt, text, raw, history, prime, tools)
+        prompt = msgspec.structs.replace(prompt, cuts=self._cuts(prompt))
         # Tool calls are read out of the text (never left in it) when tools are offered.
         reader = ToolStream(self.tool_format) if tools is not None and tools.tools else None
         write_ran = False  # this turn's write ran (or there is no warm tier)
@@ -316,6 +327,13 @@ class AgentActor(Actor):
                 self.messages = [*prompt.messages, _assistant(content, calls)]
             self.tokens = finished.cache_tokens
             self.text = self.tokenizer.decode(self.tokens)
+            reused = finished.timings.reused_tokens
+            self.bounds = sorted(
+                {b for b in self.bounds if b < reused}
+                | ({reused} if reused else set())
+                | {c for c in prompt.cuts if reused < c < len(self.tokens)}
+                | {len(self.tokens)}
+            )
             self.turns += 1
             # The new tokens are made durable before the caller hears the turn is done,
             # so that the answer can say whether they were. Once started, the write
@@ -351,6 +369,19 @@ class AgentActor(Actor):
             save_error=error,
             tool_calls=calls,
         )
+
+    def _cuts(self, prompt: _Prompt) -> tuple[int, ...]:
+        """The prompt's cuts and the ends of this agent's stored ranges within the part of
+        the prompt its cache holds: a cache that is still there reuses past them (they
+        change nothing); one that was dropped is prefilled again range by range, each
+        from the stored form of the ones before, as the cache was made."""
+        held = 0
+        for a, b in zip(self.tokens, prompt.tokens, strict=False):
+            if a != b:
+                break
+            held += 1
+        known = {b for b in self.bounds if b <= held and b < len(prompt.tokens)}
+        return tuple(sorted(known.union(prompt.cuts)))
 
     async def _generate(
         self, prompt: _Prompt, sampling: Sampling, outcome: _Outcome

@@ -18,7 +18,7 @@ import msgspec
 
 from ..errors import CacheRejected, StoreWriteError
 from ._durable import commit, fsync_dir, orphans, remove_path, write_failed
-from ._manifest import CacheIdentity, load_manifest
+from ._manifest import COLD_KEY, CacheIdentity, load_manifest
 from ._paths import agent_dir, contained, rejected_dir
 from ._read import tree_bytes
 
@@ -115,8 +115,9 @@ def forget_cache(root: str | os.PathLike[str], agent: str) -> Forgotten:
 
 # ------------------------------------------------------------------------------ cold
 def demote_cold(root: str | os.PathLike[str], identity: CacheIdentity, agent: str) -> bool:
-    """Make the agent's warm cache cold: its manifest keeps its conversation (messages)
-    and no tokens, committed atomically, then its segment files go (a file another agent
+    """Make the agent's warm cache cold: its manifest keeps its conversation (messages),
+    no cached tokens, and in ``extra[COLD_KEY]`` the token ids the cache held and where its
+    stored ranges ended, committed atomically, then its segment files go (a file another agent
     names stays for it). Its next turn prefills the conversation again. Killed at any
     point it is warm (the old manifest) or cold (the new one; files the old one named are
     collected at the next open), never half. False when it had nothing to demote (no warm
@@ -130,11 +131,21 @@ def demote_cold(root: str | os.PathLike[str], identity: CacheIdentity, agent: st
         return False
     if loaded is None or loaded[0].n_tokens == 0:
         return False
+    warm = loaded[0]
+    # What the cache held, and where its stored ranges ended: a re-prefill of these exact
+    # tokens, cut at these points, rebuilds the ranges as they were stored (each computed
+    # from the quantized ones before it), so the agent answers as it would have warm.
+    held = {
+        "token_ids": list(warm.token_ids),
+        "text": warm.text,
+        "bounds": sorted({e.start + e.use for e in warm.segments}),
+    }
     cold = msgspec.structs.replace(
-        loaded[0],
+        warm,
         n_tokens=0,
         token_ids=[],
         text="",
+        extra={**warm.extra, COLD_KEY: held},
         segments=[],
         window_segments=[],
         state_segments=[],

@@ -253,6 +253,29 @@ class CacheManifest(msgspec.Struct, frozen=True, kw_only=True):
         return (*self.segments, *self.window_segments, *self.state_segments)
 
 
+#: In a cold manifest's ``extra``: what its cache held before it went cold (``token_ids``,
+#: ``text``) and where its stored ranges ended (``bounds``), for an exact re-prefill.
+COLD_KEY = "cold"
+
+
+def cold_state(m: CacheManifest) -> tuple[list[int], str, list[int]]:
+    """A cold manifest's tokens, text and range ends as they were warm (all empty for a
+    manifest with cached tokens, or one written before cold manifests kept them)."""
+    held = m.extra.get(COLD_KEY) if m.n_tokens == 0 else None
+    if not isinstance(held, dict):
+        return [], "", []
+    tokens, text, bounds = held.get("token_ids"), held.get("text"), held.get("bounds")
+    if not (
+        isinstance(tokens, list)
+        and all(isinstance(t, int) and t >= 0 for t in tokens)
+        and isinstance(text, str)
+        and isinstance(bounds, list)
+        and all(isinstance(b, int) and 0 < b <= len(tokens) for b in bounds)
+    ):
+        return [], "", []  # hand-edited or foreign: the agent re-renders its conversation
+    return tokens, text, sorted(set(bounds))
+
+
 class _Versioned(msgspec.Struct):
     format_version: int
 

@@ -454,7 +454,9 @@ class StoreActor(Actor):
     def _over(self, more: int, namespace: str | None) -> int:
         usage = self.usage
         assert usage is not None
-        return usage.over(more) if namespace is None else usage.over_quota(namespace, more)
+        if namespace is None:
+            return usage.over(more + usage.headroom(usage.limit))
+        return usage.over_quota(namespace, more + usage.headroom(usage.quota))
 
     async def _warm_agents(self) -> dict[str, WarmAgent]:
         """Every agent with tokens on disk, and when it was written (listed once)."""

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from ...runtime import ActorRef
 from ..errors import CacheRejected
 from ..records import AgentSnapshot
+from ._manifest import cold_state
 from ._prefetch import Prefetch, PrefetchMessage, Stage, StageResult
 from ._store import Append, Manifest, ShareCache, StoreMessage
 
@@ -78,9 +79,12 @@ class ActorWarmTier:
             return None
         if manifest is None:
             return None
-        return AgentSnapshot(
-            list(manifest.token_ids), manifest.text, [dict(m) for m in manifest.messages]
-        )
+        messages = [dict(m) for m in manifest.messages]
+        if manifest.n_tokens == 0:  # cold: the tokens it held, if its manifest kept them
+            tokens, text, bounds = cold_state(manifest)
+            return AgentSnapshot(tokens, text, messages, bounds, on_disk=0)
+        bounds = sorted({e.start + e.use for e in manifest.segments})
+        return AgentSnapshot(list(manifest.token_ids), manifest.text, messages, bounds)
 
     async def stage(self, agent: str) -> bool:
         result: StageResult = await self.prefetch.ask(Stage(agent), timeout=None)

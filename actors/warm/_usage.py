@@ -262,6 +262,16 @@ class DiskUsage:
         """Bytes past the limit were ``more`` bytes added now (0: within it, or no limit)."""
         return 0 if self.limit is None else max(self.used + more - self.limit, 0)
 
+    @staticmethod
+    def headroom(limit: int | None) -> int:
+        """What making room keeps free under ``limit`` (the limit or a quota) beyond what
+        a write needs: a cold demotion commits its new manifest before the old files go,
+        so both exist for a moment. A 64th of the limit (at least 64 KiB, at most an
+        eighth): more than any agent's manifest but of the largest contexts."""
+        if limit is None:
+            return 0
+        return min(max(64 << 10, limit // 64), limit // 8)
+
     def used_by(self, namespace: str) -> int:
         """What the agents of ``namespace`` hold (every root; a file several of them list
         counted once)."""
