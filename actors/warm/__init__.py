@@ -14,6 +14,7 @@ from ._forget import collect as collect
 from ._forget import demote_cold as demote_cold
 from ._forget import forget as forget
 from ._forget import forget_cache as forget_cache
+from ._link import fork_cache as fork_cache
 from ._manifest import MANIFEST as MANIFEST
 from ._manifest import SEGMENT_FILES as SEGMENT_FILES
 from ._manifest import CacheIdentity as CacheIdentity
@@ -95,6 +96,7 @@ __all__ = (
     "disk_footprint",
     "forget",
     "forget_cache",
+    "fork_cache",
     "link_or_copy",
     "list_agents",
     "lock_cache_dir",
