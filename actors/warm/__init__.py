@@ -40,6 +40,7 @@ from ._store import StoreActor as StoreActor
 from ._store import StoreMessage as StoreMessage
 from ._store import StoreStats as StoreStats
 from ._store import StoreStatsQuery as StoreStatsQuery
+from ._store import Sweep as Sweep
 from ._tier import ActorWarmTier as ActorWarmTier
 from ._tier import WarmTier as WarmTier
 from ._usage import DISK_CEILING as DISK_CEILING
@@ -87,6 +88,7 @@ __all__ = (
     "StoreMessage",
     "StoreStats",
     "StoreStatsQuery",
+    "Sweep",
     "WarmInfo",
     "WarmTier",
     "agent_dir",

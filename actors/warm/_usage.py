@@ -51,34 +51,43 @@ AgentFiles = dict[tuple[int, int], int]
 def agent_files(root: Path, agent: str) -> AgentFiles:
     """The regular files of ``agent``'s folder under ``root`` (blocking; none when it has
     no folder)."""
-    folder = agent_dir(root, agent)
+    return _folder_files(agent_dir(root, agent))
+
+
+def _folder_files(folder: str | Path) -> AgentFiles:
+    """The regular files directly in ``folder`` (none when it is not a folder)."""
     out: AgentFiles = {}
     try:
-        names = os.listdir(folder)
+        entries = os.scandir(folder)
     except (FileNotFoundError, NotADirectoryError):
         return out
-    for name in names:
-        try:
-            info = os.lstat(folder / name)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(info.st_mode):
-            out[(info.st_dev, info.st_ino)] = info.st_size
+    with entries:
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                out[(info.st_dev, info.st_ino)] = info.st_size
     return out
 
 
 def scan_agents(root: Path) -> dict[str, AgentFiles]:
-    """Every agent folder under ``root`` and its files (blocking)."""
+    """Every agent folder under ``root`` and its files (blocking). One pass over the
+    directory: ``agents/`` is checked not to be a symlink once, and a folder in it that
+    is one is skipped by its directory entry (no path is resolved per agent)."""
     base = contained(root, "agents")
     try:
-        names = sorted(os.listdir(base))
+        entries = os.scandir(base)
     except FileNotFoundError:
         return {}
-    return {
-        name: agent_files(root, name)
-        for name in names
-        if not name.startswith(".") and (base / name).is_dir() and not (base / name).is_symlink()
-    }
+    with entries:
+        folders = sorted(
+            (e.name, e.path)
+            for e in entries
+            if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+        )
+    return {name: _folder_files(path) for name, path in folders}
 
 
 def default_disk_limit(root: str | os.PathLike[str], used: int = 0) -> int:
