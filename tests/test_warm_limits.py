@@ -27,7 +27,7 @@ from kvactor.actors.enums import Tier
 from kvactor.actors.hot import HintBook, Rates, WorkflowPolicy, cold_candidates
 from kvactor.actors.messages import Hint, WarmAgent
 from kvactor.actors.models import make_tiny_model
-from kvactor.actors.warm import StoreActor, collect, disk_footprint, list_agents
+from kvactor.actors.warm import DiskUsage, StoreActor, collect, disk_footprint, list_agents
 
 model = functools.partial(make_tiny_model, 0, head_dim=64)
 SYSTEM = "You help."
@@ -205,6 +205,40 @@ async def test_an_agent_alone_over_its_quota_keeps_its_conversation(tmp_path: Pa
         assert len(await agent.history()) == 3
         again = await agent.generate("more", max_tokens=4)  # it goes on, hot
         assert again.path is Tier.HOT
+
+
+def test_each_namespace_is_counted_as_its_agents_folders_change() -> None:
+    """What a namespace holds is kept as folders change (a write under a quota does not sum
+    every agent's files): the distinct files its agents list, in every root, after each of
+    a seeded run of changes with files linked across agents and namespaces (forks, shared
+    prefixes) and a file that grows."""
+    rng = random.Random(3)
+    usage = DiskUsage(None, quota=1)
+    roots = (Path("/m1"), Path("/m2"))
+    agents = [f"{ns}.a{i}" for ns in ("t1", "t2", "t3") for i in range(4)] + ["solo"]
+    sizes = {(1, i): 100 + i for i in range(30)}
+    held: dict[tuple[Path, str], dict[tuple[int, int], int]] = {}
+    for step in range(400):
+        if step % 50 == 49:  # a file grows, wherever it is listed
+            grown = rng.choice(list(sizes))
+            sizes[grown] += 7
+        root, agent = rng.choice(roots), rng.choice(agents)
+        files = {i: sizes[i] for i in rng.sample(list(sizes), rng.randint(0, 4))}
+        held[(root, agent)] = files
+        usage.update(root, agent, files)
+        for r, a in held:  # the grown file's new size as each folder is listed again
+            held[(r, a)] = {i: sizes[i] for i in held[(r, a)]}
+            usage.update(r, a, held[(r, a)])
+        for ns in ("t1", "t2", "t3", "t4"):
+            listed = {
+                i: n for (_, a), f in held.items() if a.startswith(ns + ".") for i, n in f.items()
+            }
+            assert usage.used_by(ns) == sum(listed.values()), (step, ns)
+        assert usage.namespaces() == {
+            a.split(".")[0] for (_, a), f in held.items() if f and "." in a
+        }
+        everything = {i: n for f in held.values() for i, n in f.items()}
+        assert usage.used == sum(everything.values())
 
 
 @pytest.mark.parametrize(
