@@ -245,6 +245,9 @@ class StoreActor(Actor):
 
     #: Folders a Sweep collects before the store handles its next message.
     sweep_folders = 64
+    #: Manifests cached (the last read or loaded): a spawn reads its agent's, and a warm
+    #: turn asks for it again first; a miss reads the file again.
+    manifests_kept = 1024
 
     def __init__(
         self,
@@ -613,16 +616,24 @@ class StoreActor(Actor):
                 self._refused[agent] = exc.reason
             self._count(rejected=1)
             raise
-        self._manifests[agent] = loaded.manifest
+        self._keep(agent, loaded.manifest)
         self._count(reads=1, bytes_read=loaded.nbytes, read_s=time.perf_counter() - t0)
         return loaded
 
     async def _manifest(self, agent: str) -> CacheManifest | None:
-        if agent not in self._manifests:
-            self._manifests[agent] = await anyio.to_thread.run_sync(
-                read_manifest, self.root, self.identity, agent
-            )
-        return self._manifests[agent]
+        if agent in self._manifests:
+            return self._manifests[agent]
+        manifest = await anyio.to_thread.run_sync(read_manifest, self.root, self.identity, agent)
+        self._keep(agent, manifest)
+        return manifest
+
+    def _keep(self, agent: str, manifest: CacheManifest | None) -> None:
+        """Cache ``agent``'s manifest, the oldest cached going past ``manifests_kept``: an
+        idle agent (spawned, its cache on disk) costs the store nothing once it is out."""
+        self._manifests.pop(agent, None)
+        self._manifests[agent] = manifest
+        if len(self._manifests) > self.manifests_kept:
+            del self._manifests[next(iter(self._manifests))]
 
     async def _list(self) -> list[WarmInfo]:
         infos = await anyio.to_thread.run_sync(list_agents, self.root, self.identity)
