@@ -19,7 +19,8 @@ import msgspec
 
 from ..errors import CacheRejected, StoreWriteError
 from ._durable import commit, fsync_dir, orphans, remove_path, write_failed
-from ._manifest import CacheIdentity, load_manifest
+from ._fileio import open_regular
+from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, SEGMENT_FILES, CacheIdentity, load_manifest
 from ._paths import agent_dir, contained, rejected_dir
 from ._read import tree_bytes
 
@@ -176,6 +177,35 @@ def agent_folders(root: str | os.PathLike[str]) -> list[str]:
         )
 
 
+def _all_named(folder: Path) -> bool:
+    """A cheap look before ``collect`` checks a folder: True when it holds no temporary
+    file and its manifest's bytes name each of its segment files (``"file":"<name>"``),
+    so that nothing there is to go. It may only err towards keeping: a manifest that
+    seems to name a file it does not (in data of its own) keeps that file until the
+    agent's next write; a file is only ever removed after the manifest's full checks."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    if MANIFEST not in names or any(n.startswith(".") and n.endswith(".tmp") for n in names):
+        return False
+    try:
+        fd, size = open_regular(folder / MANIFEST, MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, CacheRejected):
+        return False
+    try:
+        raw = os.read(fd, size + 1)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return all(
+        b'"file":"%s"' % name.encode() in raw
+        for name in names
+        if any(p.fullmatch(name) for p in SEGMENT_FILES)
+    )
+
+
 def collect(root: str | os.PathLike[str]) -> Collected:
     """Remove what no manifest names: segment and temporary files in an agent's folder
     that its manifest does not list (left by a process killed mid-write, mid-fork or
@@ -201,6 +231,8 @@ def collect_agents(root: str | os.PathLike[str], agents: Iterable[str]) -> Colle
         for agent in agents:
             folder = base / agent
             if agent.startswith(".") or folder.is_symlink() or not folder.is_dir():
+                continue
+            if _all_named(folder):
                 continue
             try:
                 loaded = load_manifest(folder, None, agent)

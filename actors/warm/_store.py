@@ -244,7 +244,7 @@ class StoreActor(Actor):
     """
 
     #: Folders a Sweep collects before the store handles its next message.
-    sweep_folders = 64
+    sweep_folders = 32
     #: Manifests cached (the last read or loaded): a spawn reads its agent's, and a warm
     #: turn asks for it again first; a miss reads the file again.
     manifests_kept = 1024
