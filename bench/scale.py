@@ -22,10 +22,12 @@ At each size N, in one process:
   each full pass over the directory costs on its own (the collector's ``collect``, the
   disk count's ``scan_agents``, the store's ``list_agents``), timed directly.
 - a session with the default limit spawns all N agents (``spawn_s_per_agent``: a
-  manifest read each, its conversation restored), then alternates ``--rounds`` hot turns
-  of one agent (``hot_turn_s``) with warm turns of agents whose cache is on disk only
-  (``warm_turn_s``, one agent each): wall time of ``generate``, best round (medians in
-  the JSON); ``hot_turn_1_s`` is the floor: one agent in an empty directory.
+  manifest read each, its conversation restored), then runs ``--rounds`` rounds of three
+  hot turns (two agents in turn, ``hot_turn_s``) and one warm turn (three agents in turn,
+  each released before it, so that its cache is on disk only: ``warm_turn_s``): wall
+  time of ``generate``, best of the runs, and without the turn's own write to disk
+  (``*_nowrite_s``: each turn's fsyncs are the disk's noise); medians in the JSON.
+  ``hot_turn_1_s`` is the floor: one agent in an empty directory.
 - ``idle_agent_bytes``: the process's RSS grown over spawning the first N - K agents,
   per agent; ``idle_agent_traced_bytes``: Python's allocations (tracemalloc) over the
   last K, per agent, with the largest sites in the JSON.
@@ -80,14 +82,14 @@ TEMPLATE = 0  # the agent every other one is a fork of; it takes no turns
 OPEN_TARGET_S = 1.0  # at 10,000 agents
 TURN_TARGET = 1.1  # 10,000 vs 10
 IDLE_TARGET_BYTES = 64 << 10
-HOT_PER_WARM = 3  # hot turns per round (a warm turn needs an agent of its own)
+HOT_PER_WARM = 3  # hot turns per round, with one warm turn
 
 
 @dataclass(frozen=True)
 class Config:
     quick: bool = False
     sizes: tuple[int, ...] = (10, 1_000, 10_000)
-    rounds: int = 7
+    rounds: int = 12
     max_tokens: int = 4
     traced: int = 300  # agents spawned under tracemalloc at each size (at most half)
     verify: int = 16  # agents verified (read whole) at each size
@@ -237,35 +239,34 @@ async def spawn_all(kv: kvactor.Session, n: int, traced: int) -> dict[str, Any]:
 
 
 async def turn_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
-    """With all ``n`` agents spawned: hot turns of one agent (``HOT_PER_WARM`` a round)
-    alternated with warm turns of others (each cache on disk only), and what spawning
-    cost."""
+    """With all ``n`` agents spawned: ``HOT_PER_WARM`` hot turns a round (two agents in
+    turn, each hot since its first turn) and a warm turn (one of three agents in turn,
+    each released before its next, so its cache is on disk only), and what spawning
+    cost. The same agents' conversations grow the same way at every size."""
+    assert n > TEMPLATE + 5, f"{n} agents are too few"
     traced = min(cfg.traced, n // 2)
-    hot_agent = agent_name(n - 1)
-    warm_agents = [agent_name(n - 2 - r) for r in range(cfg.rounds)]
-    assert n - 2 - cfg.rounds > TEMPLATE, f"{n} agents are too few for {cfg.rounds} rounds"
+    hot_agents = [agent_name(n - 1), agent_name(n - 2)]
+    warm_agents = [agent_name(n - 3 - i) for i in range(3)]
     hot: list[Timed] = []
     warm: list[Timed] = []
-    wrong: list[str] = []
     async with kvactor.open(MODEL, cache_dir=root) as kv:
         memory = await spawn_all(kv, n, traced)
-        agents = kv.agents
-        first = await agents[hot_agent].generate(FIRST, max_tokens=cfg.max_tokens)
-        if first.path != Tier.WARM:
-            wrong.append(f"{hot_agent} first turn {first.path}")
-        ask = functools.partial(agents[hot_agent].generate, ASK, max_tokens=cfg.max_tokens)
+        for name in hot_agents:
+            first = await kv.agent(name).generate(FIRST, max_tokens=cfg.max_tokens)
+            assert first.path == Tier.WARM, (name, first.path)
         for r in range(cfg.rounds):
-            for _ in range(HOT_PER_WARM):
-                hot.append(await timed(ask))
-            first_turn = agents[warm_agents[r]].generate
-            warm.append(
-                await timed(functools.partial(first_turn, FIRST, max_tokens=cfg.max_tokens))
-            )
+            for i in range(HOT_PER_WARM):
+                turn = kv.agent(hot_agents[(r * HOT_PER_WARM + i) % 2]).generate
+                hot.append(await timed(functools.partial(turn, ASK, max_tokens=cfg.max_tokens)))
+            name = warm_agents[r % len(warm_agents)]
+            if r >= len(warm_agents):  # it was hot since its last turn: on disk only again
+                await kv.release(name)
+                await kv.spawn_agent(name, system=SYSTEM)
+            turn = kv.agent(name).generate
+            warm.append(await timed(functools.partial(turn, FIRST, max_tokens=cfg.max_tokens)))
         stats = await kv.stats()
-    wrong += [f"{hot_agent}: {t.path}" for t in hot if t.path != Tier.HOT]
-    wrong += [
-        f"{a}: {t.path}" for a, t in zip(warm_agents, warm, strict=True) if t.path != Tier.WARM
-    ]
+    wrong = [f"hot turn {i}: {t.path}" for i, t in enumerate(hot) if t.path != Tier.HOT]
+    wrong += [f"warm turn {i}: {t.path}" for i, t in enumerate(warm) if t.path != Tier.WARM]
     return {
         **memory,
         **figures("hot_turn", hot),
@@ -288,7 +289,7 @@ async def floor(root: Path, cfg: Config) -> dict[str, Any]:
     async with kvactor.open(MODEL, cache_dir=root) as kv:
         agent = await kv.spawn_agent("solo", system=SYSTEM)
         await agent.generate(FIRST, max_tokens=cfg.max_tokens)
-        for _ in range(cfg.rounds * HOT_PER_WARM):
+        for _ in range(cfg.rounds * HOT_PER_WARM // 2):  # as many as each sized run's two
             hot.append(
                 await timed(functools.partial(agent.generate, ASK, max_tokens=cfg.max_tokens))
             )
