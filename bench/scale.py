@@ -23,7 +23,7 @@ At each size N, in one process:
   disk count's ``scan_agents``, the store's ``list_agents``), timed directly.
 - a session with the default limit spawns all N agents (``spawn_s_per_agent``: a
   manifest read each, its conversation restored), then runs ``--rounds`` rounds of three
-  hot turns (two agents in turn, ``hot_turn_s``) and one warm turn (three agents in turn,
+  hot turns (six agents in turn, ``hot_turn_s``) and one warm turn (three agents in turn,
   each released before it, so that its cache is on disk only: ``warm_turn_s``): wall
   time of ``generate``, best of the runs, and without the turn's own write to disk
   (``*_nowrite_s``: each turn's fsyncs are the disk's noise); medians in the JSON.
@@ -83,6 +83,7 @@ OPEN_TARGET_S = 1.0  # at 10,000 agents
 TURN_TARGET = 1.1  # 10,000 vs 10
 IDLE_TARGET_BYTES = 64 << 10
 HOT_PER_WARM = 3  # hot turns per round, with one warm turn
+HOT_AGENTS, WARM_AGENTS = 6, 3  # whose turns are timed, in turn
 
 
 @dataclass(frozen=True)
@@ -239,14 +240,15 @@ async def spawn_all(kv: kvactor.Session, n: int, traced: int) -> dict[str, Any]:
 
 
 async def turn_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
-    """With all ``n`` agents spawned: ``HOT_PER_WARM`` hot turns a round (two agents in
-    turn, each hot since its first turn) and a warm turn (one of three agents in turn,
-    each released before its next, so its cache is on disk only), and what spawning
-    cost. The same agents' conversations grow the same way at every size."""
-    assert n > TEMPLATE + 5, f"{n} agents are too few"
+    """With all ``n`` agents spawned: ``HOT_PER_WARM`` hot turns a round (``HOT_AGENTS``
+    agents in turn, each hot since its first turn) and a warm turn (one of
+    ``WARM_AGENTS`` in turn, each released before its next, so its cache is on disk
+    only), and what spawning cost. The same agents' conversations grow the same way at
+    every size, and stay short (a turn's time grows with its context)."""
+    assert n > TEMPLATE + HOT_AGENTS + WARM_AGENTS, f"{n} agents are too few"
     traced = min(cfg.traced, n // 2)
-    hot_agents = [agent_name(n - 1), agent_name(n - 2)]
-    warm_agents = [agent_name(n - 3 - i) for i in range(3)]
+    hot_agents = [agent_name(n - 1 - i) for i in range(HOT_AGENTS)]
+    warm_agents = [agent_name(n - 1 - HOT_AGENTS - i) for i in range(WARM_AGENTS)]
     hot: list[Timed] = []
     warm: list[Timed] = []
     async with kvactor.open(MODEL, cache_dir=root) as kv:
@@ -256,7 +258,7 @@ async def turn_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
             assert first.path == Tier.WARM, (name, first.path)
         for r in range(cfg.rounds):
             for i in range(HOT_PER_WARM):
-                turn = kv.agent(hot_agents[(r * HOT_PER_WARM + i) % 2]).generate
+                turn = kv.agent(hot_agents[(r * HOT_PER_WARM + i) % HOT_AGENTS]).generate
                 hot.append(await timed(functools.partial(turn, ASK, max_tokens=cfg.max_tokens)))
             name = warm_agents[r % len(warm_agents)]
             if r >= len(warm_agents):  # it was hot since its last turn: on disk only again
@@ -289,7 +291,7 @@ async def floor(root: Path, cfg: Config) -> dict[str, Any]:
     async with kvactor.open(MODEL, cache_dir=root) as kv:
         agent = await kv.spawn_agent("solo", system=SYSTEM)
         await agent.generate(FIRST, max_tokens=cfg.max_tokens)
-        for _ in range(cfg.rounds * HOT_PER_WARM // 2):  # as many as each sized run's two
+        for _ in range(cfg.rounds * HOT_PER_WARM // HOT_AGENTS):  # as many as each one's
             hot.append(
                 await timed(functools.partial(agent.generate, ASK, max_tokens=cfg.max_tokens))
             )
@@ -371,6 +373,9 @@ def summary(
         "idle_agent_traced_bytes": large["idle_agent_traced_bytes"],
         f"hot_turn_{b}_vs_{a}": round(large["hot_turn_s"] / small["hot_turn_s"], 3),
         f"warm_turn_{b}_vs_{a}": round(large["warm_turn_s"] / small["warm_turn_s"], 3),
+        # Round by round (the same agents at the same point of their conversations).
+        f"hot_turn_{b}_vs_{a}_by_round": by_round(small, large, "hot"),
+        f"warm_turn_{b}_vs_{a}_by_round": by_round(small, large, "warm"),
         f"hot_turn_nowrite_{b}_vs_{a}": round(
             large["hot_turn_nowrite_s"] / small["hot_turn_nowrite_s"], 3
         ),
@@ -381,6 +386,12 @@ def summary(
         "wall_s": round(wall, 1),
     }
     return out
+
+
+def by_round(small: dict[str, Any], large: dict[str, Any], kind: str) -> float:
+    """The median over rounds of one size's turn time over the other's, round for round."""
+    pairs = zip(small["turn_runs"][kind], large["turn_runs"][kind], strict=True)
+    return round(statistics.median(b / a for a, b in pairs), 3)
 
 
 def table(r: dict[str, Any]) -> str:
@@ -411,6 +422,7 @@ def table(r: dict[str, Any]) -> str:
             f"<= {TURN_TARGET}{tail}",
             ok[hot_ratio <= TURN_TARGET],
         ),
+        (f"hot_turn_{b}_vs_{a}_by_round (median)", r[f"hot_turn_{b}_vs_{a}_by_round"], "", ""),
         ("hot turn without its write to disk", per("hot_turn_nowrite_s", 1.0, "{:.4f}"), "", ""),
         (f"hot_turn_nowrite_{b}_vs_{a}", r[f"hot_turn_nowrite_{b}_vs_{a}"], "", ""),
         ("warm_turn_s", per("warm_turn_s", 1.0, "{:.4f}"), "", ""),
@@ -420,6 +432,7 @@ def table(r: dict[str, Any]) -> str:
             f"<= {TURN_TARGET}{tail}",
             ok[warm_ratio <= TURN_TARGET],
         ),
+        (f"warm_turn_{b}_vs_{a}_by_round (median)", r[f"warm_turn_{b}_vs_{a}_by_round"], "", ""),
         ("warm turn without its write", per("warm_turn_nowrite_s", 1.0, "{:.4f}"), "", ""),
         (f"warm_turn_nowrite_{b}_vs_{a}", r[f"warm_turn_nowrite_{b}_vs_{a}"], "", ""),
         (
