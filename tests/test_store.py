@@ -929,6 +929,25 @@ async def test_actor_manifest_refusals_and_forget(tmp_path: Path) -> None:
             await store.ask(object())
 
 
+async def test_actor_keeps_only_its_last_manifests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that read more manifests than ``manifests_kept`` (every spawned agent's, idle
+    or not) keeps the last ones only and reads the others again: a rewrite behind its back,
+    never done in use, shows which it held."""
+    monkeypatch.setattr(StoreActor, "manifests_kept", 3)
+    for i in range(5):
+        put(tmp_path, f"a{i}", 0, 4, seed=i, text=f"old{i}")
+    async with Runtime() as rt:
+        store = await rt.spawn(StoreActor, IDENTITY, expect, tmp_path)
+        for i in range(5):
+            assert (await store.ask(Manifest(f"a{i}"))).text == f"old{i}"
+        for i in range(5):
+            append_cache(tmp_path, IDENTITY, expect, f"a{i}", 4, {}, tokens(4), text=f"new{i}")
+        texts = [(await store.ask(Manifest(f"a{i}"))).text for i in reversed(range(5))]
+        assert texts == ["old4", "old3", "old2", "new1", "new0"]
+
+
 async def test_actor_deletes_rejected_when_asked(tmp_path: Path) -> None:
     put(tmp_path, "a", 0, 10, seed=1)
     truncate(tmp_path)

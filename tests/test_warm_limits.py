@@ -29,7 +29,7 @@ from kvactor.actors.enums import Tier
 from kvactor.actors.hot import HintBook, Rates, WorkflowPolicy, cold_candidates
 from kvactor.actors.messages import Hint, WarmAgent
 from kvactor.actors.models import make_tiny_model
-from kvactor.actors.warm import collect, disk_footprint, list_agents
+from kvactor.actors.warm import DiskUsage, StoreActor, collect, disk_footprint, list_agents
 
 model = functools.partial(make_tiny_model, 0, head_dim=64)
 SYSTEM = "You help."
@@ -239,6 +239,40 @@ async def test_an_agent_alone_over_its_quota_keeps_its_conversation(tmp_path: Pa
         assert again.path is Tier.HOT
 
 
+def test_each_namespace_is_counted_as_its_agents_folders_change() -> None:
+    """What a namespace holds is kept as folders change (a write under a quota does not sum
+    every agent's files): the distinct files its agents list, in every root, after each of
+    a seeded run of changes with files linked across agents and namespaces (forks, shared
+    prefixes) and a file that grows."""
+    rng = random.Random(3)
+    usage = DiskUsage(None, quota=1)
+    roots = (Path("/m1"), Path("/m2"))
+    agents = [f"{ns}.a{i}" for ns in ("t1", "t2", "t3") for i in range(4)] + ["solo"]
+    sizes = {(1, i): 100 + i for i in range(30)}
+    held: dict[tuple[Path, str], dict[tuple[int, int], int]] = {}
+    for step in range(400):
+        if step % 50 == 49:  # a file grows, wherever it is listed
+            grown = rng.choice(list(sizes))
+            sizes[grown] += 7
+        root, agent = rng.choice(roots), rng.choice(agents)
+        files = {i: sizes[i] for i in rng.sample(list(sizes), rng.randint(0, 4))}
+        held[(root, agent)] = files
+        usage.update(root, agent, files)
+        for r, a in held:  # the grown file's new size as each folder is listed again
+            held[(r, a)] = {i: sizes[i] for i in held[(r, a)]}
+            usage.update(r, a, held[(r, a)])
+        for ns in ("t1", "t2", "t3", "t4"):
+            listed = {
+                i: n for (_, a), f in held.items() if a.startswith(ns + ".") for i, n in f.items()
+            }
+            assert usage.used_by(ns) == sum(listed.values()), (step, ns)
+        assert usage.namespaces() == {
+            a.split(".")[0] for (_, a), f in held.items() if f and "." in a
+        }
+        everything = {i: n for f in held.values() for i, n in f.items()}
+        assert usage.used == sum(everything.values())
+
+
 @pytest.mark.parametrize(
     ("key", "bad"),
     [("disk_quota", 0), ("disk_quota", 2.5), ("warm_ttl_s", -1), ("warm_ttl_s", "1h")],
@@ -297,6 +331,43 @@ async def test_agents_unused_past_the_ttl_go_cold_and_fresh_ones_stay(tmp_path: 
         await anyio.sleep(written + ttl - time.time() + 0.01)
     async with kvactor.open(model, cache_dir=root, warm_ttl_s=ttl) as kv:
         assert all(w.tokens == 0 for w in list_agents(root))
+
+
+# ------------------------------------------------------------------- the collector, later
+def _leftovers(root: Path) -> list[str]:
+    """What a killed writer left under ``root``: files no manifest names, a folder without."""
+    agents = root / "agents"
+    found = [str(p.relative_to(agents)) for p in agents.glob("*/seg-90.safetensors")]
+    found += [str(p.relative_to(agents)) for p in agents.glob("*/.*.tmp")]
+    return found + (["ghost"] if (agents / "ghost").exists() else [])
+
+
+async def test_what_a_killed_writer_left_goes_after_open_and_leaves_the_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "cache"
+    async with kvactor.open(model, cache_dir=root, disk_limit=None) as kv:
+        for i in range(5):
+            agent = await kv.spawn_agent(f"a{i}", system=SYSTEM)
+            await agent.generate(ASK, max_tokens=4)
+    agents = root / "agents"
+    for i in range(5):  # a segment and a manifest that were never committed
+        (agents / f"a{i}" / "seg-90.safetensors").write_bytes(b"x" * 4096)
+        (agents / f"a{i}" / ".manifest.json.1-abcd.tmp").write_bytes(b"{")
+    (agents / "ghost").mkdir()  # a first write that never got its manifest
+    (agents / "ghost" / "seg-0.safetensors").write_bytes(b"x" * 4096)
+    assert len(_leftovers(root)) == 11
+    # Open reads no manifest: the store collects a few folders between its messages.
+    monkeypatch.setattr(StoreActor, "sweep_folders", 2)
+    async with kvactor.open(model, cache_dir=root, disk_limit=1 << 30) as kv:
+        for _ in range(8):  # each message to the store lets the Sweep queued before it go
+            if not _leftovers(root):
+                break
+            await kv.warm_stats()
+        assert _leftovers(root) == []
+        assert (await kv.stats()).warm_bytes == on_disk(root)  # counted again, without
+        agent = await kv.spawn_agent("a3", system=SYSTEM)
+        assert (await agent.generate(ASK, max_tokens=2)).path == Tier.WARM
 
 
 # ------------------------------------------------------------------------------ kill -9

@@ -3,11 +3,8 @@ is, and its warm tier (a store and a prefetcher of its own, under its own folder
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-
-import anyio
 
 from ...kernels.geometry import CacheGeometry
 from ...kernels.qcodec import DEFAULT_CODEC
@@ -15,7 +12,6 @@ from ...kernels.stored import segment_layout
 from ...runtime import ActorRef, Runtime
 from ..agent import AgentEnv, prompt_chars_limit
 from ..engine import EngineConfig
-from ..errors import StoreWriteError, UnsafeCachePath
 from ..messages import EngineMessage, GetModelInfo
 from ..models import Tokenizer
 from ..records import ModelInfo
@@ -28,12 +24,9 @@ from ..warm import (
     PrefetchMessage,
     StoreActor,
     StoreMessage,
-    collect,
 )
 
 __all__ = ("ModelPart", "model_folder", "start_part")
-
-log = logging.getLogger("kvactor.session")
 
 
 def model_folder(root: Path, name: str) -> Path:
@@ -91,13 +84,6 @@ async def start_part(
         )
         geometry = CacheGeometry.from_description(identity.layer_geometry(), model.states)
         layout = segment_layout(codec, geometry)
-        # Files a killed process left unnamed (mid-write, mid-fork): we hold the lock.
-        try:
-            collected = await anyio.to_thread.run_sync(collect, root)
-            if collected.removed:
-                log.info("removed %d unreferenced cache files", len(collected.removed))
-        except (StoreWriteError, UnsafeCachePath) as exc:
-            log.warning("unreferenced cache files not collected: %s", exc)
         store = await runtime.spawn(
             StoreActor,
             identity,

@@ -20,6 +20,7 @@ from ..warm import (
     CacheDirLock,
     DiskUsage,
     FitDisk,
+    Sweep,
     default_disk_limit,
     lock_cache_dir,
     make_reserve,
@@ -137,6 +138,11 @@ class SessionModels:
             self._slots[part.name] = slot
         if self.usage is not None:
             await self._count_disk()
+        for part in self._parts.values():
+            # Files a killed process left unnamed (mid-write, mid-fork), collected in the
+            # background: the store holds the lock's promise that it alone writes here.
+            if part.store is not None:
+                await part.store.tell(Sweep())
         if root is not None and self.memory_limit is not None:
             names = list(self._parts)
             await anyio.to_thread.run_sync(record_limit, root, self.memory_limit, names)

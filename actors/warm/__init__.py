@@ -14,6 +14,7 @@ from ._forget import collect as collect
 from ._forget import demote_cold as demote_cold
 from ._forget import forget as forget
 from ._forget import forget_cache as forget_cache
+from ._link import fork_cache as fork_cache
 from ._manifest import MANIFEST as MANIFEST
 from ._manifest import SEGMENT_FILES as SEGMENT_FILES
 from ._manifest import CacheIdentity as CacheIdentity
@@ -39,6 +40,7 @@ from ._store import StoreActor as StoreActor
 from ._store import StoreMessage as StoreMessage
 from ._store import StoreStats as StoreStats
 from ._store import StoreStatsQuery as StoreStatsQuery
+from ._store import Sweep as Sweep
 from ._tier import ActorWarmTier as ActorWarmTier
 from ._tier import WarmTier as WarmTier
 from ._usage import DISK_CEILING as DISK_CEILING
@@ -86,6 +88,7 @@ __all__ = (
     "StoreMessage",
     "StoreStats",
     "StoreStatsQuery",
+    "Sweep",
     "WarmInfo",
     "WarmTier",
     "agent_dir",
@@ -95,6 +98,7 @@ __all__ = (
     "disk_footprint",
     "forget",
     "forget_cache",
+    "fork_cache",
     "link_or_copy",
     "list_agents",
     "lock_cache_dir",

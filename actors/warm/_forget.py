@@ -12,13 +12,22 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
 
 from ..errors import CacheRejected, StoreWriteError
 from ._durable import commit, fsync_dir, orphans, remove_path, write_failed
-from ._manifest import COLD_KEY, CacheIdentity, load_manifest
+from ._fileio import open_regular
+from ._manifest import (
+    COLD_KEY,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    SEGMENT_FILES,
+    CacheIdentity,
+    load_manifest,
+)
 from ._paths import agent_dir, contained, rejected_dir
 from ._read import tree_bytes
 
@@ -26,7 +35,9 @@ __all__ = (
     "Collected",
     "Forgotten",
     "SharedFile",
+    "agent_folders",
     "collect",
+    "collect_agents",
     "demote_cold",
     "forget",
     "forget_cache",
@@ -167,28 +178,79 @@ class Collected(msgspec.Struct, frozen=True):
     freed: int = 0
 
 
+def agent_folders(root: str | os.PathLike[str]) -> list[str]:
+    """The names of the agent folders under ``root`` (not hidden, not symlinks), sorted;
+    none when there is no ``agents/``. Raises UnsafeCachePath when ``agents/`` is a
+    symlink."""
+    base = contained(root, "agents")
+    try:
+        entries = os.scandir(base)
+    except FileNotFoundError:
+        return []
+    with entries:
+        return sorted(
+            entry.name
+            for entry in entries
+            if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False)
+        )
+
+
+def _all_named(folder: Path) -> bool:
+    """A cheap look before ``collect`` checks a folder: True when it holds no temporary
+    file and its manifest's bytes name each of its segment files (``"file":"<name>"``),
+    so that nothing there is to go. It may only err towards keeping: a manifest that
+    seems to name a file it does not (in data of its own) keeps that file until the
+    agent's next write; a file is only ever removed after the manifest's full checks."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    if MANIFEST not in names or any(n.startswith(".") and n.endswith(".tmp") for n in names):
+        return False
+    try:
+        fd, size = open_regular(folder / MANIFEST, MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, CacheRejected):
+        return False
+    try:
+        raw = os.read(fd, size + 1)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return all(
+        b'"file":"%s"' % name.encode() in raw
+        for name in names
+        if any(p.fullmatch(name) for p in SEGMENT_FILES)
+    )
+
+
 def collect(root: str | os.PathLike[str]) -> Collected:
     """Remove what no manifest names: segment and temporary files in an agent's folder
     that its manifest does not list (left by a process killed mid-write, mid-fork or
     mid-share), and folders that never got a manifest. A file's bytes go when its last
     name does, so a segment another agent's manifest names is never lost. Idempotent;
     safe to kill at any point. A refused cache is left alone (its owner's next write
-    sets it aside). Run it while holding the root's lock (a session does, at start).
+    sets it aside). Run it while holding the root's lock (a session's store does, a few
+    folders at a time: ``collect_agents``).
 
     Raises UnsafeCachePath when ``agents/`` is a symlink; StoreWriteError when a file
     cannot be removed.
     """
+    return collect_agents(root, agent_folders(root))
+
+
+def collect_agents(root: str | os.PathLike[str], agents: Iterable[str]) -> Collected:
+    """``collect`` over the folders of ``agents`` only (one that is gone, or is not a
+    folder, is skipped). Raises as ``collect`` does."""
     base = contained(root, "agents")
     removed: list[str] = []
     freed = 0
     try:
-        names = sorted(os.listdir(base))
-    except FileNotFoundError:
-        return Collected()
-    try:
-        for agent in names:
+        for agent in agents:
             folder = base / agent
             if agent.startswith(".") or folder.is_symlink() or not folder.is_dir():
+                continue
+            if _all_named(folder):
                 continue
             try:
                 loaded = load_manifest(folder, None, agent)

@@ -327,17 +327,20 @@ def list_agents(
     """
     base = contained(root, "agents")
     try:
-        names = sorted(os.listdir(base))
+        with os.scandir(base) as listed:
+            entries = sorted(listed, key=lambda e: e.name)
     except FileNotFoundError:
         return []
     out = []
-    for name in names:
-        folder = base / name
-        if name.startswith(".") or not folder.is_dir():
+    for entry in entries:
+        name, folder = entry.name, base / entry.name
+        if name.startswith(".") or not entry.is_dir():
             continue
         try:
             check_agent_id(name)
-            loaded = load_manifest(contained(root, "agents", name), identity, name)
+            if entry.is_symlink():  # refused (UnsafeCachePath); a real folder needs no check
+                contained(root, "agents", name)
+            loaded = load_manifest(folder, identity, name)
             if loaded is None:
                 raise CacheRejected("no manifest.json (an interrupted first write?)")
             manifest, size = loaded

@@ -28,13 +28,23 @@ import anyio
 import msgspec
 import numpy as np
 
-from ...runtime import Actor, ActorRef
-from ..errors import CacheRejected, StoreWriteError
+from ...runtime import Actor, ActorDeadError, ActorRef, MailboxFull
+from ..errors import CacheRejected, StoreWriteError, UnsafeCachePath
 from ..hot import LRUPolicy, Rates, cold_candidates
 from ..ids import check_agent_id, namespace_of
 from ..messages import EngineMessage, WarmAgent, WarmVictims
 from ._dirlock import LOCK_FILE, CacheDirLock, lock_cache_dir
-from ._forget import Collected, Forgotten, SharedFile, collect, demote_cold, forget, forget_cache
+from ._forget import (
+    Collected,
+    Forgotten,
+    SharedFile,
+    agent_folders,
+    collect,
+    collect_agents,
+    demote_cold,
+    forget,
+    forget_cache,
+)
 from ._link import fork_cache, share_cache
 from ._manifest import (
     FORMAT_VERSION,
@@ -82,6 +92,7 @@ __all__ = (
     "SharedFile",
     "StoreActor",
     "StoreMessage",
+    "Sweep",
     "WarmInfo",
     "agent_dir",
     "append_cache",
@@ -172,6 +183,13 @@ class FitDisk(msgspec.Struct, frozen=True, tag=True):
     many went cold."""
 
 
+class Sweep(msgspec.Struct, frozen=True, tag=True):
+    """Collect (see ``collect``) what no manifest names in the next few agent folders of
+    the directory, then tell itself the next Sweep until every folder the directory held
+    at the first one is done: a session's collector, in the background, so that opening
+    a directory of many agents reads none of their manifests. A tell; answers nothing."""
+
+
 class StoreStats(msgspec.Struct, frozen=True):
     """Bytes the warm tier read (verified loads) and wrote (the files its appends made:
     segments and manifests, exactly), and the seconds those took (the reads' and writes'
@@ -203,6 +221,7 @@ StoreMessage = (
     | ShareCache
     | StoreStatsQuery
     | FitDisk
+    | Sweep
 )
 
 
@@ -220,8 +239,15 @@ class StoreActor(Actor):
     from token 0 moves it to ``rejected/<agent>``. With ``delete_rejected`` it is deleted
     instead, at once when Load refuses it. Manifests are cached: this actor must be the
     only writer of its root, which the session that spawns it ensures by holding the
-    root's lock (``lock_cache_dir``).
+    root's lock (``lock_cache_dir``); that also makes its Sweep safe: a folder is collected
+    between two of its messages, never while it writes there.
     """
+
+    #: Folders a Sweep collects before the store handles its next message.
+    sweep_folders = 32
+    #: Manifests cached (the last read or loaded): a spawn reads its agent's, and a warm
+    #: turn asks for it again first; a miss reads the file again.
+    manifests_kept = 1024
 
     def __init__(
         self,
@@ -253,8 +279,15 @@ class StoreActor(Actor):
         # Agents whose cache was last written longer ago than this go cold (None: never).
         self.ttl_s = ttl_s
         self._expire_at = 0.0  # when to look for them next (monotonic)
+        # The folders the sweep has yet to collect, the last first (None: not started),
+        # whether a Sweep is queued, and the files it removed.
+        self._sweep: list[str] | None = None
+        self._sweep_queued = False
+        self.swept = 0
 
     async def receive(self, message: StoreMessage) -> Any:
+        if self._sweep and not self._sweep_queued:
+            self._queue_sweep()  # its mailbox was full when the last Sweep ended
         match message:
             case Append():
                 return await self._append(message)
@@ -295,6 +328,8 @@ class StoreActor(Actor):
                 return self._stats()
             case FitDisk():
                 return await self._fit_all()
+            case Sweep():
+                return await self._sweep_some()
         raise TypeError(f"the store does not handle {type(message).__name__}")
 
     def _count(self, **more: float) -> None:
@@ -583,16 +618,24 @@ class StoreActor(Actor):
                 self._refused[agent] = exc.reason
             self._count(rejected=1)
             raise
-        self._manifests[agent] = loaded.manifest
+        self._keep(agent, loaded.manifest)
         self._count(reads=1, bytes_read=loaded.nbytes, read_s=time.perf_counter() - t0)
         return loaded
 
     async def _manifest(self, agent: str) -> CacheManifest | None:
-        if agent not in self._manifests:
-            self._manifests[agent] = await anyio.to_thread.run_sync(
-                read_manifest, self.root, self.identity, agent
-            )
-        return self._manifests[agent]
+        if agent in self._manifests:
+            return self._manifests[agent]
+        manifest = await anyio.to_thread.run_sync(read_manifest, self.root, self.identity, agent)
+        self._keep(agent, manifest)
+        return manifest
+
+    def _keep(self, agent: str, manifest: CacheManifest | None) -> None:
+        """Cache ``agent``'s manifest, the oldest cached going past ``manifests_kept``: an
+        idle agent (spawned, its cache on disk) costs the store nothing once it is out."""
+        self._manifests.pop(agent, None)
+        self._manifests[agent] = manifest
+        if len(self._manifests) > self.manifests_kept:
+            del self._manifests[next(iter(self._manifests))]
 
     async def _list(self) -> list[WarmInfo]:
         infos = await anyio.to_thread.run_sync(list_agents, self.root, self.identity)
@@ -602,6 +645,40 @@ class StoreActor(Actor):
             else info
             for info in infos
         ]
+
+    # -- the collector, in the background -----------------------------------------------
+    async def _sweep_some(self) -> None:
+        """Collect the next ``sweep_folders`` folders, count them again where files went,
+        and queue the next Sweep."""
+        self._sweep_queued = False
+        try:
+            if self._sweep is None:
+                self._sweep = await anyio.to_thread.run_sync(agent_folders, self.root)
+                self._sweep.reverse()
+            some = self._sweep[-self.sweep_folders :]
+            del self._sweep[-self.sweep_folders :]
+            done = await anyio.to_thread.run_sync(collect_agents, self.root, some)
+        except (OSError, StoreWriteError, UnsafeCachePath) as exc:
+            log.warning("unreferenced cache files not collected: %s", exc)
+            self._sweep = []
+            return
+        for agent in sorted({path.split("/")[1] for path in done.removed}):
+            await self._recount(agent)
+        self.swept += len(done.removed)
+        if done.removed:
+            log.info("removed %d unreferenced cache files", len(done.removed))
+        self._queue_sweep()
+
+    def _queue_sweep(self) -> None:
+        """Tell this store the next Sweep if folders are left (a full mailbox: the next
+        message it handles tries again)."""
+        if not self._sweep:
+            return
+        try:
+            self.ref.tell_nowait(Sweep())
+        except (MailboxFull, ActorDeadError):
+            return
+        self._sweep_queued = True
 
     async def _forget(self, agent: str) -> Forgotten:
         self._manifests.pop(agent, None)

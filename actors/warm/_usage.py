@@ -51,34 +51,43 @@ AgentFiles = dict[tuple[int, int], int]
 def agent_files(root: Path, agent: str) -> AgentFiles:
     """The regular files of ``agent``'s folder under ``root`` (blocking; none when it has
     no folder)."""
-    folder = agent_dir(root, agent)
+    return _folder_files(agent_dir(root, agent))
+
+
+def _folder_files(folder: str | Path) -> AgentFiles:
+    """The regular files directly in ``folder`` (none when it is not a folder)."""
     out: AgentFiles = {}
     try:
-        names = os.listdir(folder)
+        entries = os.scandir(folder)
     except (FileNotFoundError, NotADirectoryError):
         return out
-    for name in names:
-        try:
-            info = os.lstat(folder / name)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(info.st_mode):
-            out[(info.st_dev, info.st_ino)] = info.st_size
+    with entries:
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                out[(info.st_dev, info.st_ino)] = info.st_size
     return out
 
 
 def scan_agents(root: Path) -> dict[str, AgentFiles]:
-    """Every agent folder under ``root`` and its files (blocking)."""
+    """Every agent folder under ``root`` and its files (blocking). One pass over the
+    directory: ``agents/`` is checked not to be a symlink once, and a folder in it that
+    is one is skipped by its directory entry (no path is resolved per agent)."""
     base = contained(root, "agents")
     try:
-        names = sorted(os.listdir(base))
+        entries = os.scandir(base)
     except FileNotFoundError:
         return {}
-    return {
-        name: agent_files(root, name)
-        for name in names
-        if not name.startswith(".") and (base / name).is_dir() and not (base / name).is_symlink()
-    }
+    with entries:
+        folders = sorted(
+            (e.name, e.path)
+            for e in entries
+            if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+        )
+    return {name: _folder_files(path) for name, path in folders}
 
 
 def default_disk_limit(root: str | os.PathLike[str], used: int = 0) -> int:
@@ -195,6 +204,9 @@ class DiskUsage:
         self._sizes: dict[tuple[int, int], int] = {}  # each file: its size
         self._users: dict[tuple[int, int], int] = {}  # each file: how many agents list it
         self._agents: dict[tuple[str, str], AgentFiles] = {}  # (root, agent) -> its files
+        # Each namespace: its files (how many of its agents list each), and their bytes.
+        self._spaces: dict[str, dict[tuple[int, int], int]] = {}
+        self._space_used: dict[str, int] = {}
         self.used = 0
         self.peak = 0
         # Bytes written per local day (carried over from DISK_FILE at open), and when they
@@ -206,7 +218,10 @@ class DiskUsage:
     def update(self, root: Path, agent: str, files: AgentFiles) -> None:
         """``agent``'s folder under ``root`` holds ``files`` now (none: it has no folder)."""
         key = (str(root), agent)
+        namespace = namespace_of(agent)
         for inode in self._agents.pop(key, {}):
+            if namespace is not None:
+                self._leave(namespace, inode)
             self._users[inode] -= 1
             if not self._users[inode]:
                 del self._users[inode]
@@ -216,13 +231,44 @@ class DiskUsage:
         for inode, size in files.items():
             if inode in self._users:
                 self._users[inode] += 1
-                self.used += size - self._sizes[inode]  # a file may have grown (a manifest)
+                grown = size - self._sizes[inode]  # a file may have grown (a manifest)
+                self.used += grown
+                if grown:
+                    self._grew(inode, grown)
             else:
                 self._users[inode] = 1
                 self.used += size
             self._sizes[inode] = size
+            if namespace is not None:
+                self._join(namespace, inode, size)
         self.peak = max(self.peak, self.used)
         assert self.used >= 0, "the disk count went below zero"
+
+    # Each namespace's bytes are kept as its agents' folders change, so that a write under a
+    # quota never sums the files of every agent (a server's tenants may have thousands).
+    def _join(self, namespace: str, inode: tuple[int, int], size: int) -> None:
+        users = self._spaces.setdefault(namespace, {})
+        if inode in users:
+            users[inode] += 1
+        else:
+            users[inode] = 1
+            self._space_used[namespace] = self._space_used.get(namespace, 0) + size
+
+    def _leave(self, namespace: str, inode: tuple[int, int]) -> None:
+        users = self._spaces[namespace]
+        users[inode] -= 1
+        if not users[inode]:
+            del users[inode]
+            self._space_used[namespace] -= self._sizes[inode]
+        if not users:
+            del self._spaces[namespace], self._space_used[namespace]
+
+    def _grew(self, inode: tuple[int, int], grown: int) -> None:
+        """A file listed before has ``grown`` bytes more now: in every namespace listing it
+        (rare: files are replaced, not rewritten; so the namespaces are searched)."""
+        for namespace, users in self._spaces.items():
+            if inode in users:
+                self._space_used[namespace] += grown
 
     def load(self, root: Path, agents: dict[str, AgentFiles]) -> None:
         """Count every agent of ``root`` as listed (at open)."""
@@ -275,11 +321,7 @@ class DiskUsage:
     def used_by(self, namespace: str) -> int:
         """What the agents of ``namespace`` hold (every root; a file several of them list
         counted once)."""
-        sizes: dict[tuple[int, int], int] = {}
-        for (_, agent), files in self._agents.items():
-            if namespace_of(agent) == namespace:
-                sizes.update(files)
-        return sum(sizes.values())
+        return self._space_used.get(namespace, 0)
 
     def over_quota(self, namespace: str | None, more: int = 0) -> int:
         """Bytes past the quota were ``more`` bytes added to ``namespace`` now (0: within
@@ -290,7 +332,7 @@ class DiskUsage:
 
     def namespaces(self) -> set[str]:
         """The namespaces with files counted."""
-        return {ns for _, agent in self._agents if (ns := namespace_of(agent)) is not None}
+        return set(self._space_used)
 
     def files_of(self, roots: Iterable[Path]) -> int:
         """How many agents of ``roots`` have files."""

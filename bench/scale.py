@@ -1,0 +1,485 @@
+"""The runtime's own cost as agents grow (issue 40, item 4), on the tiny random-weight model:
+``open()`` over a cache directory of N warm agents, a hot and a warm turn's time with all N
+agents spawned (all but the turns' agents idle on disk), what spawning costs per agent, and
+the memory each idle agent holds beyond its KV (it has none hot: its cache is on disk).
+
+    python bench/scale.py [--quick] [--sizes 10 1000 10000] [--rounds 5] [--max-tokens 4]
+        [--dir DIR] [--json PATH]
+
+How the directory is built, once, grown in place from one size to the next: a session
+writes agent ``agent-00000`` for real (a system prompt and one turn), then every other
+agent is the store's own fork of it (``fork_cache``: its segment files hard-linked, its
+manifest committed, as ``spawn_agent(fork_of=...)`` does on disk), so each is a real warm
+cache that reads and verifies; a sample is verified (``verify_cache``) at each size and the
+warm turns below must resume WARM. Agent 0 takes no turns, so every fork holds the same
+conversation; the turns at each size use agents no earlier size touched.
+
+At each size N, in one process:
+
+- ``open_s``: ``await kvactor.open(...)`` with the default disk limit, and
+  ``open_nolimit_s`` with ``disk_limit=None`` (best of ``--rounds``, alternated); the
+  floor is ``open_empty_s``, the same over an empty directory. ``open_parts_s``: what
+  each full pass over the directory costs on its own (the collector's ``collect``, the
+  disk count's ``scan_agents``, the store's ``list_agents``), timed directly.
+- a session with the default limit spawns all N agents (``spawn_s_per_agent``: a
+  manifest read each, its conversation restored), then runs ``--rounds`` rounds of three
+  hot turns (six agents in turn, ``hot_turn_s``) and one warm turn (three agents in turn,
+  each released before it, so that its cache is on disk only: ``warm_turn_s``): wall
+  time of ``generate``, best of the runs, and without the turn's own write to disk
+  (``*_nowrite_s``: each turn's fsyncs are the disk's noise); medians in the JSON.
+  ``hot_turn_1_s`` is the floor: one agent in an empty directory.
+- ``idle_agent_bytes``: the process's RSS grown over spawning the first N - K agents,
+  per agent; ``idle_agent_traced_bytes``: Python's allocations (tracemalloc) over the
+  last K, per agent, with the largest sites in the JSON.
+
+``--quick`` (sizes 10 / 300, about a minute); the full mode (10 / 1,000 / 10,000) takes
+a few minutes on a 2-core CPU. Targets: ``open_s`` <= 1 s at 10,000 agents, hot and warm
+turn 10,000 vs 10 <= 1.1x, ``idle_agent_bytes`` <= 64 KB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
+
+# isort: split
+import anyio
+from _results import write_json  # bench/ is the script's folder: on sys.path
+
+from kvactor.actors.enums import Tier
+from kvactor.actors.models import make_tiny_model
+from kvactor.actors.warm import (
+    CacheIdentity,
+    ExpectFn,
+    collect,
+    fork_cache,
+    list_agents,
+    lock_cache_dir,
+    scan_agents,
+    verify_cache,
+)
+
+MODEL = functools.partial(make_tiny_model, 0, head_dim=64)
+SYSTEM = "You are one of many agents. Answer briefly and keep to the point."
+FIRST = "Tell me about the lighthouse on the northern cape and its keeper."
+ASK = "And then what happened next, in one sentence?"
+TEMPLATE = 0  # the agent every other one is a fork of; it takes no turns
+
+OPEN_TARGET_S = 1.0  # at 10,000 agents
+TURN_TARGET = 1.1  # 10,000 vs 10
+IDLE_TARGET_BYTES = 64 << 10
+HOT_PER_WARM = 3  # hot turns per round, with one warm turn
+HOT_AGENTS, WARM_AGENTS = 6, 3  # whose turns are timed, in turn
+
+
+@dataclass(frozen=True)
+class Config:
+    quick: bool = False
+    sizes: tuple[int, ...] = (10, 1_000, 10_000)
+    rounds: int = 12
+    max_tokens: int = 4
+    traced: int = 300  # agents spawned under tracemalloc at each size (at most half)
+    verify: int = 16  # agents verified (read whole) at each size
+    workdir: str | None = None
+
+
+QUICK = Config(quick=True, sizes=(10, 300))
+
+
+def agent_name(i: int) -> str:
+    return f"agent-{i:05d}"
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (Linux: /proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------- the directory
+async def seed(root: Path) -> tuple[CacheIdentity, ExpectFn]:
+    """Write the template agent for real; the identity and layout its caches have."""
+    async with kvactor.open(MODEL, cache_dir=root, disk_limit=None) as kv:
+        agent = await kv.spawn_agent(agent_name(TEMPLATE), system=SYSTEM)
+        done = await agent.generate(FIRST, max_tokens=8)
+        assert done.saved, f"the template was not written: {done.save_error}"
+        assert kv.identity is not None and kv.layout is not None
+        return kv.identity, kv.layout
+
+
+def grow(root: Path, identity: CacheIdentity, have: int, want: int) -> None:
+    """Agents ``have`` .. ``want - 1``: forks of the template, by the store's own
+    ``fork_cache`` (links and a committed manifest), under the directory's lock."""
+    lock = lock_cache_dir(root)
+    try:
+        for i in range(max(have, TEMPLATE + 1), want):
+            info = fork_cache(root, identity, agent_name(TEMPLATE), agent_name(i))
+            assert info is not None and info.tokens > 0
+    finally:
+        lock.release()
+
+
+def verify_sample(root: Path, identity: CacheIdentity, layout: ExpectFn, n: int, k: int) -> int:
+    """Read and verify ``k`` agents spread over the first ``n`` (raises if one fails)."""
+    step = max(n // k, 1)
+    picked = range(TEMPLATE, n, step)
+    for i in picked:
+        verify_cache(root, identity, layout, agent_name(i))
+    return len(picked)
+
+
+def open_parts(root: Path, identity: CacheIdentity) -> dict[str, float]:
+    """What each full pass over the directory costs on its own (seconds)."""
+    out = {}
+    for key, fn in (
+        ("collect", lambda: collect(root)),
+        ("scan_agents", lambda: scan_agents(root)),
+        ("list_agents", lambda: list_agents(root, identity)),
+    ):
+        t0 = time.perf_counter()
+        fn()
+        out[key] = round(time.perf_counter() - t0, 4)
+    return out
+
+
+# -------------------------------------------------------------------------- measures
+async def open_once(root: Path, **options: Any) -> tuple[float, float]:
+    """Seconds to open a session over ``root``, and to close it."""
+    t0 = time.perf_counter()
+    kv = await kvactor.open(MODEL, cache_dir=root, **options)
+    t1 = time.perf_counter()
+    await kv.aclose()
+    return t1 - t0, time.perf_counter() - t1
+
+
+async def open_times(root: Path, rounds: int) -> dict[str, Any]:
+    """``open_s`` (default disk limit) and ``open_nolimit_s``, alternated, best of each."""
+    runs: dict[str, list[float]] = {"open_s": [], "open_nolimit_s": [], "close_s": []}
+    for _ in range(rounds):
+        opened, closed = await open_once(root)
+        runs["open_s"].append(opened)
+        runs["close_s"].append(closed)
+        runs["open_nolimit_s"].append((await open_once(root, disk_limit=None))[0])
+    out: dict[str, Any] = {k: round(min(v), 4) for k, v in runs.items()}
+    out["open_runs"] = {k: [round(x, 4) for x in v] for k, v in runs.items()}
+    return out
+
+
+async def timed(turn: Callable[[], Awaitable[kvactor.Completion]]) -> Timed:
+    """A turn's wall time, the part of it its write to disk took, and its tier."""
+    t0 = time.perf_counter()
+    done = await turn()
+    return Timed(time.perf_counter() - t0, done.timings.write_s, done.path)
+
+
+@dataclass(frozen=True)
+class Timed:
+    wall_s: float
+    write_s: float
+    path: Tier
+
+
+def figures(key: str, runs: list[Timed]) -> dict[str, Any]:
+    """Best and median wall time of ``runs``, and without their writes to disk (each
+    turn's write-through fsyncs: the disk's noise, not the runtime's)."""
+    walls = [t.wall_s for t in runs]
+    rest = [t.wall_s - t.write_s for t in runs]
+    return {
+        f"{key}_s": round(min(walls), 5),
+        f"{key}_median_s": round(statistics.median(walls), 5),
+        f"{key}_nowrite_s": round(min(rest), 5),
+        f"{key}_write_median_s": round(statistics.median(t.write_s for t in runs), 5),
+    }
+
+
+async def spawn_all(kv: kvactor.Session, n: int, traced: int) -> dict[str, Any]:
+    """Spawn agents 0 .. n-1: the first ``n - traced`` measured by RSS, the rest under
+    tracemalloc; their handles stay in the session."""
+    plain = n - traced
+    gc.collect()
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    for i in range(plain):
+        await kv.spawn_agent(agent_name(i), system=SYSTEM)
+    spawn_s = time.perf_counter() - t0
+    gc.collect()
+    grown = rss_bytes() - before
+    tracemalloc.start()
+    first = tracemalloc.take_snapshot()
+    for i in range(plain, n):
+        await kv.spawn_agent(agent_name(i), system=SYSTEM)
+    gc.collect()
+    last = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    stats = last.compare_to(first, "filename")
+    total = sum(s.size_diff for s in stats)
+    top = [
+        {"file": str(s.traceback).rsplit("site-packages/", 1)[-1], "bytes": s.size_diff}
+        for s in stats[:8]
+    ]
+    return {
+        "spawn_s_per_agent": round(spawn_s / max(plain, 1), 6),
+        "idle_agent_bytes": round(grown / max(plain, 1)),
+        "idle_agent_traced_bytes": round(total / max(traced, 1)),
+        "traced_top": top,
+    }
+
+
+async def turn_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
+    """With all ``n`` agents spawned: ``HOT_PER_WARM`` hot turns a round (``HOT_AGENTS``
+    agents in turn, each hot since its first turn) and a warm turn (one of
+    ``WARM_AGENTS`` in turn, each released before its next, so its cache is on disk
+    only), and what spawning cost. The same agents' conversations grow the same way at
+    every size, and stay short (a turn's time grows with its context)."""
+    assert n > TEMPLATE + HOT_AGENTS + WARM_AGENTS, f"{n} agents are too few"
+    traced = min(cfg.traced, n // 2)
+    hot_agents = [agent_name(n - 1 - i) for i in range(HOT_AGENTS)]
+    warm_agents = [agent_name(n - 1 - HOT_AGENTS - i) for i in range(WARM_AGENTS)]
+    hot: list[Timed] = []
+    warm: list[Timed] = []
+    async with kvactor.open(MODEL, cache_dir=root) as kv:
+        memory = await spawn_all(kv, n, traced)
+        for name in hot_agents:
+            first = await kv.agent(name).generate(FIRST, max_tokens=cfg.max_tokens)
+            assert first.path == Tier.WARM, (name, first.path)
+        for r in range(cfg.rounds):
+            for i in range(HOT_PER_WARM):
+                turn = kv.agent(hot_agents[(r * HOT_PER_WARM + i) % HOT_AGENTS]).generate
+                hot.append(await timed(functools.partial(turn, ASK, max_tokens=cfg.max_tokens)))
+            name = warm_agents[r % len(warm_agents)]
+            if r >= len(warm_agents):  # it was hot since its last turn: on disk only again
+                await kv.release(name)
+                await kv.spawn_agent(name, system=SYSTEM)
+            turn = kv.agent(name).generate
+            warm.append(await timed(functools.partial(turn, FIRST, max_tokens=cfg.max_tokens)))
+        stats = await kv.stats()
+    wrong = [f"hot turn {i}: {t.path}" for i, t in enumerate(hot) if t.path != Tier.HOT]
+    wrong += [f"warm turn {i}: {t.path}" for i, t in enumerate(warm) if t.path != Tier.WARM]
+    return {
+        **memory,
+        **figures("hot_turn", hot),
+        **figures("warm_turn", warm),
+        "turn_runs": {
+            "hot": [round(t.wall_s, 5) for t in hot],
+            "warm": [round(t.wall_s, 5) for t in warm],
+            "hot_write": [round(t.write_s, 5) for t in hot],
+            "warm_write": [round(t.write_s, 5) for t in warm],
+        },
+        "wrong_paths": wrong,
+        "warm_bytes": stats.warm_bytes,
+    }
+
+
+async def floor(root: Path, cfg: Config) -> dict[str, Any]:
+    """The floors: open over an empty directory, and a hot turn with one agent."""
+    opened = [(await open_once(root))[0] for _ in range(cfg.rounds)]
+    hot = []
+    async with kvactor.open(MODEL, cache_dir=root) as kv:
+        agent = await kv.spawn_agent("solo", system=SYSTEM)
+        await agent.generate(FIRST, max_tokens=cfg.max_tokens)
+        for _ in range(cfg.rounds * HOT_PER_WARM // HOT_AGENTS):  # as many as each one's
+            hot.append(
+                await timed(functools.partial(agent.generate, ASK, max_tokens=cfg.max_tokens))
+            )
+    assert all(t.path == Tier.HOT for t in hot), [t.path for t in hot]
+    return {"open_empty_s": round(min(opened), 4), **figures("hot_turn_1", hot)}
+
+
+# ------------------------------------------------------------------------------- run
+async def measure_size(
+    root: Path, identity: CacheIdentity, layout: ExpectFn, n: int, cfg: Config
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"agents": n}
+    row["verified"] = verify_sample(root, identity, layout, n, cfg.verify)
+    row["open_parts_s"] = open_parts(root, identity)
+    row.update(await open_times(root, cfg.rounds))
+    row.update(await turn_times(root, n, cfg))
+    return row
+
+
+async def run(cfg: Config) -> dict[str, Any]:
+    """Every size in a work directory (``cfg.workdir``, else a temporary one, removed)."""
+    began = time.perf_counter()
+    work = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="scale-"))
+    root, empty = work / "agents-cache", work / "empty"
+    for old in (root, empty):
+        shutil.rmtree(old, ignore_errors=True)
+    rows = []
+    try:
+        base = await floor(empty, cfg)
+        identity, layout = await seed(root)
+        have = 1
+        for n in sorted(cfg.sizes):
+            t0 = time.perf_counter()
+            await anyio.to_thread.run_sync(grow, root, identity, have, n)
+            build_s = time.perf_counter() - t0
+            have = n
+            print(f"[{n} agents] built in {build_s:.1f} s", file=sys.stderr, flush=True)
+            row = await measure_size(root, identity, layout, n, cfg)
+            row["build_s"] = round(build_s, 2)
+            rows.append(row)
+            print(f"[{n} agents] {short(row)}", file=sys.stderr, flush=True)
+    finally:
+        if not cfg.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    return summary(cfg, base, rows, time.perf_counter() - began)
+
+
+def short(row: dict[str, Any]) -> str:
+    keys = ("open_s", "open_nolimit_s", "hot_turn_s", "warm_turn_s", "idle_agent_bytes")
+    return ", ".join(f"{k} {row[k]}" for k in keys)
+
+
+def summary(
+    cfg: Config, base: dict[str, Any], rows: list[dict[str, Any]], wall: float
+) -> dict[str, Any]:
+    """The figures the issue names, by size (keys: the sizes, as str), and the ratios."""
+    small, large = rows[0], rows[-1]
+    by = {
+        key: {str(r["agents"]): r[key] for r in rows}
+        for key in (
+            "open_s",
+            "open_nolimit_s",
+            "hot_turn_s",
+            "hot_turn_nowrite_s",
+            "warm_turn_s",
+            "warm_turn_nowrite_s",
+            "spawn_s_per_agent",
+        )
+    }
+    a, b = small["agents"], large["agents"]
+    out: dict[str, Any] = {
+        "model": "tiny llama, head_dim 64 (random weights)",
+        "quick": cfg.quick,
+        "config": {k: v for k, v in asdict(cfg).items() if k != "workdir"},
+        "sizes": [r["agents"] for r in rows],
+        **base,
+        **by,
+        "idle_agent_bytes": large["idle_agent_bytes"],
+        "idle_agent_traced_bytes": large["idle_agent_traced_bytes"],
+        f"hot_turn_{b}_vs_{a}": round(large["hot_turn_s"] / small["hot_turn_s"], 3),
+        f"warm_turn_{b}_vs_{a}": round(large["warm_turn_s"] / small["warm_turn_s"], 3),
+        # Round by round (the same agents at the same point of their conversations).
+        f"hot_turn_{b}_vs_{a}_by_round": by_round(small, large, "hot"),
+        f"warm_turn_{b}_vs_{a}_by_round": by_round(small, large, "warm"),
+        f"hot_turn_nowrite_{b}_vs_{a}": round(
+            large["hot_turn_nowrite_s"] / small["hot_turn_nowrite_s"], 3
+        ),
+        f"warm_turn_nowrite_{b}_vs_{a}": round(
+            large["warm_turn_nowrite_s"] / small["warm_turn_nowrite_s"], 3
+        ),
+        "rows": rows,
+        "wall_s": round(wall, 1),
+    }
+    return out
+
+
+def by_round(small: dict[str, Any], large: dict[str, Any], kind: str) -> float:
+    """The median over rounds of one size's turn time over the other's, round for round."""
+    pairs = zip(small["turn_runs"][kind], large["turn_runs"][kind], strict=True)
+    return round(statistics.median(b / a for a, b in pairs), 3)
+
+
+def table(r: dict[str, Any]) -> str:
+    """The figures as a markdown table, with the issue's targets."""
+    ok = {True: "met", False: "**not met**"}
+    sizes = r["sizes"]
+    a, b = sizes[0], sizes[-1]
+    full = b >= 10_000
+
+    def per(key: str, unit: float = 1.0, fmt: str = "{:.3f}") -> str:
+        return " / ".join(fmt.format(r[key][str(n)] * unit) for n in sizes)
+
+    at = str(b)
+    open_ok = ok[r["open_s"][at] <= OPEN_TARGET_S] if full else "(full mode)"
+    hot_ratio, warm_ratio = r[f"hot_turn_{b}_vs_{a}"], r[f"warm_turn_{b}_vs_{a}"]
+    tail = "" if full else " (full mode: 10,000)"
+    rows = [
+        ("agents", " / ".join(f"{n:,}" for n in sizes), "", ""),
+        ("open_s (default disk limit)", per("open_s"), "<= 1 s at 10,000", open_ok),
+        ("open_nolimit_s (disk_limit=None)", per("open_nolimit_s"), "", ""),
+        ("open_empty_s (floor: an empty directory)", f"{r['open_empty_s']:.3f}", "", ""),
+        ("spawn per agent, ms", per("spawn_s_per_agent", 1e3, "{:.2f}"), "", ""),
+        ("hot_turn_s", per("hot_turn_s", 1.0, "{:.4f}"), "", ""),
+        ("hot_turn_1_s (floor: one agent)", f"{r['hot_turn_1_s']:.4f}", "", ""),
+        (
+            f"hot_turn_{b}_vs_{a}",
+            hot_ratio,
+            f"<= {TURN_TARGET}{tail}",
+            ok[hot_ratio <= TURN_TARGET],
+        ),
+        (f"hot_turn_{b}_vs_{a}_by_round (median)", r[f"hot_turn_{b}_vs_{a}_by_round"], "", ""),
+        ("hot turn without its write to disk", per("hot_turn_nowrite_s", 1.0, "{:.4f}"), "", ""),
+        (f"hot_turn_nowrite_{b}_vs_{a}", r[f"hot_turn_nowrite_{b}_vs_{a}"], "", ""),
+        ("warm_turn_s", per("warm_turn_s", 1.0, "{:.4f}"), "", ""),
+        (
+            f"warm_turn_{b}_vs_{a}",
+            warm_ratio,
+            f"<= {TURN_TARGET}{tail}",
+            ok[warm_ratio <= TURN_TARGET],
+        ),
+        (f"warm_turn_{b}_vs_{a}_by_round (median)", r[f"warm_turn_{b}_vs_{a}_by_round"], "", ""),
+        ("warm turn without its write", per("warm_turn_nowrite_s", 1.0, "{:.4f}"), "", ""),
+        (f"warm_turn_nowrite_{b}_vs_{a}", r[f"warm_turn_nowrite_{b}_vs_{a}"], "", ""),
+        (
+            f"idle_agent_bytes (RSS, at {b:,})",
+            f"{r['idle_agent_bytes']:,}",
+            "<= 64 KB",
+            ok[r["idle_agent_bytes"] <= IDLE_TARGET_BYTES],
+        ),
+        ("idle_agent_traced_bytes (tracemalloc)", f"{r['idle_agent_traced_bytes']:,}", "", ""),
+    ]
+    for row in r["rows"]:
+        parts = row["open_parts_s"]
+        rows.append(
+            (
+                f"full passes at {row['agents']:,}: collect / scan_agents / list_agents, s",
+                f"{parts['collect']:.3f} / {parts['scan_agents']:.3f} / {parts['list_agents']:.3f}",
+                "",
+                "",
+            )
+        )
+    wrong = [w for row in r["rows"] for w in row["wrong_paths"]]
+    rows.append(("turns not on their expected tier", len(wrong), "0", ok[not wrong]))
+    lines = ["| figure | value | target | |", "|---|---:|---|---|"]
+    lines += [f"| {w} | {x} | {y} | {z} |" for w, x, y, z in rows]
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="sizes 10 / 300")
+    parser.add_argument("--sizes", type=int, nargs="+")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--dir", dest="workdir", help="keep the cache directories here")
+    parser.add_argument("--json", metavar="PATH")
+    args = vars(parser.parse_args(argv))
+    json_path = args.pop("json")
+    base = QUICK if args.pop("quick") else Config()
+    given: dict[str, Any] = {k: v for k, v in args.items() if v is not None}
+    if "sizes" in given:
+        given["sizes"] = tuple(sorted(given["sizes"]))
+    return replace(base, **given), json_path
+
+
+if __name__ == "__main__":
+    config, json_path = parse()
+    result = anyio.run(run, config)
+    print(table(result))
+    if json_path:
+        write_json(json_path, result)

@@ -1,0 +1,49 @@
+"""``bench/scale.py`` at a tiny size (the tiny model): every figure the issue names is
+there, the directory it builds holds real warm caches (a sample resumes WARM in a new
+session), and the turns it timed ran on the tiers it meant."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import kvactor
+from kvactor.actors.enums import Tier
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import scale  # bench/ is not a package: its folder on sys.path
+
+KEYS = (
+    "sizes",
+    "open_s",
+    "open_nolimit_s",
+    "open_empty_s",
+    "hot_turn_s",
+    "hot_turn_1_s",
+    "warm_turn_s",
+    "spawn_s_per_agent",
+    "idle_agent_bytes",
+    "idle_agent_traced_bytes",
+    "hot_turn_14_vs_10",
+    "warm_turn_14_vs_10",
+    "rows",
+)
+
+
+async def test_the_bench_measures_real_warm_agents(tmp_path: Path) -> None:
+    cfg = replace(scale.QUICK, sizes=(10, 14), rounds=2, traced=2, verify=4, workdir=str(tmp_path))
+    result = await scale.run(cfg)
+    assert [k for k in KEYS if k not in result] == []
+    assert sorted(result["open_s"]) == ["10", "14"]
+    assert [w for row in result["rows"] for w in row["wrong_paths"]] == []
+    assert all(row["verified"] > 0 for row in result["rows"])
+    assert "| hot_turn_14_vs_10 |" in scale.table(result)
+    # A sample of the forks the bench made, never turned: each resumes from disk.
+    root = tmp_path / "agents-cache"
+    async with kvactor.open(scale.MODEL, cache_dir=root) as kv:
+        assert len(await kv.warm_agents()) == 14
+        for i in (1, 3, 5):
+            agent = await kv.spawn_agent(scale.agent_name(i), system=scale.SYSTEM)
+            done = await agent.generate(scale.ASK, max_tokens=2)
+            assert done.path == Tier.WARM
