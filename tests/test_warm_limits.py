@@ -339,7 +339,7 @@ def _leftovers(root: Path) -> list[str]:
     agents = root / "agents"
     found = [str(p.relative_to(agents)) for p in agents.glob("*/seg-90.safetensors")]
     found += [str(p.relative_to(agents)) for p in agents.glob("*/.*.tmp")]
-    return found + (["ghost"] if (agents / "ghost").exists() else [])
+    return found + [name for name in ("ghost", "not an id") if (agents / name).exists()]
 
 
 async def test_what_a_killed_writer_left_goes_after_open_and_leaves_the_count(
@@ -354,9 +354,10 @@ async def test_what_a_killed_writer_left_goes_after_open_and_leaves_the_count(
     for i in range(5):  # a segment and a manifest that were never committed
         (agents / f"a{i}" / "seg-90.safetensors").write_bytes(b"x" * 4096)
         (agents / f"a{i}" / ".manifest.json.1-abcd.tmp").write_bytes(b"{")
-    (agents / "ghost").mkdir()  # a first write that never got its manifest
-    (agents / "ghost" / "seg-0.safetensors").write_bytes(b"x" * 4096)
-    assert len(_leftovers(root)) == 11
+    for name in ("ghost", "not an id"):  # a first write that never got its manifest
+        (agents / name).mkdir()
+        (agents / name / "seg-0.safetensors").write_bytes(b"x" * 4096)
+    assert len(_leftovers(root)) == 12
     # Open reads no manifest: the store collects a few folders between its messages.
     monkeypatch.setattr(StoreActor, "sweep_folders", 2)
     async with kvactor.open(model, cache_dir=root, disk_limit=1 << 30) as kv:

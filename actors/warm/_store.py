@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 
 from ...runtime import Actor, ActorDeadError, ActorRef, MailboxFull
-from ..errors import CacheRejected, StoreWriteError, UnsafeCachePath
+from ..errors import CacheRejected, StoreWriteError
 from ..hot import LRUPolicy, Rates, cold_candidates
 from ..ids import check_agent_id, namespace_of
 from ..messages import EngineMessage, WarmAgent, WarmVictims
@@ -63,6 +63,7 @@ from ._usage import (
     AgentFiles,
     DiskUsage,
     agent_files,
+    folder_files,
     free_reserve,
     make_reserve,
     record_disk_limit,
@@ -649,7 +650,8 @@ class StoreActor(Actor):
     # -- the collector, in the background -----------------------------------------------
     async def _sweep_some(self) -> None:
         """Collect the next ``sweep_folders`` folders, count them again where files went,
-        and queue the next Sweep."""
+        and queue the next Sweep. A failure ends the sweep with a warning: a tell must not
+        crash the store."""
         self._sweep_queued = False
         try:
             if self._sweep is None:
@@ -658,12 +660,15 @@ class StoreActor(Actor):
             some = self._sweep[-self.sweep_folders :]
             del self._sweep[-self.sweep_folders :]
             done = await anyio.to_thread.run_sync(collect_agents, self.root, some)
-        except (OSError, StoreWriteError, UnsafeCachePath) as exc:
+            # A folder it emptied may not be named as an agent's could be: listed by name.
+            for name in sorted({path.split("/")[1] for path in done.removed}):
+                files = await anyio.to_thread.run_sync(folder_files, self.root, name)
+                if self.usage is not None:
+                    self.usage.update(self.root, name, files)
+        except Exception as exc:
             log.warning("unreferenced cache files not collected: %s", exc)
             self._sweep = []
             return
-        for agent in sorted({path.split("/")[1] for path in done.removed}):
-            await self._recount(agent)
         self.swept += len(done.removed)
         if done.removed:
             log.info("removed %d unreferenced cache files", len(done.removed))

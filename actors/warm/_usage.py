@@ -29,6 +29,7 @@ __all__ = (
     "DiskUsage",
     "agent_files",
     "default_disk_limit",
+    "folder_files",
     "read_disk_limit",
     "read_written",
     "RESERVE_FILE",
@@ -52,6 +53,13 @@ def agent_files(root: Path, agent: str) -> AgentFiles:
     """The regular files of ``agent``'s folder under ``root`` (blocking; none when it has
     no folder)."""
     return _folder_files(agent_dir(root, agent))
+
+
+def folder_files(root: Path, name: str) -> AgentFiles:
+    """The regular files of the folder ``name`` in ``root``'s ``agents/``, whatever its
+    name (a folder the collector went through need not be a valid agent id's). Blocking;
+    raises UnsafeCachePath when ``agents/`` is a symlink."""
+    return _folder_files(contained(root, "agents") / name)
 
 
 def _folder_files(folder: str | Path) -> AgentFiles:
