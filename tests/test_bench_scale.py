@@ -8,6 +8,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 import kvactor
 from kvactor.actors.enums import Tier
 
@@ -31,6 +33,7 @@ KEYS = (
 )
 
 
+@pytest.mark.slow  # a bench's run, seconds: the whole suite's
 async def test_the_bench_measures_real_warm_agents(tmp_path: Path) -> None:
     cfg = replace(scale.QUICK, sizes=(10, 14), rounds=2, traced=2, verify=4, workdir=str(tmp_path))
     result = await scale.run(cfg)

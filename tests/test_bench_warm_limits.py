@@ -7,6 +7,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import warm_limits  # bench/ is not a package: its folder on sys.path
 
@@ -33,6 +35,7 @@ KEYS = (
 )
 
 
+@pytest.mark.slow  # a bench's run, seconds: the whole suite's
 async def test_the_quick_bench_keeps_the_directory_under_its_limit(tmp_path: Path) -> None:
     cfg = replace(
         warm_limits.QUICK, agents=8, turns=3, words=(6, 10), max_tokens=6, workdir=str(tmp_path)

@@ -164,6 +164,7 @@ async def test_a_cut_inside_a_shared_range_copies_and_leaves_the_source_whole() 
         assert again.token_ids == first.token_ids and again.timings.shared_tokens == len(held)
 
 
+@pytest.mark.slow  # another process: the whole suite's
 async def test_on_disk_shared_segments_are_one_file_and_load_in_another_process(
     tmp_path: Path,
 ) -> None:
@@ -331,6 +332,7 @@ def test_kill_9_during_shares_and_forks_leaves_every_agent_loadable(
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow  # processes killed: the whole suite's
 def test_the_collector_removes_only_what_no_manifest_names_and_survives_kill_9(
     tmp_path: Path,
 ) -> None:
