@@ -58,7 +58,7 @@ import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
 
 # isort: split
 import anyio
-from _results import write_json  # bench/ is the script's folder: on sys.path
+from _results import figure_table, write_json  # bench/ is the script's folder: on sys.path
 
 from kvactor.actors.enums import Tier
 from kvactor.actors.models import make_tiny_model
@@ -455,9 +455,7 @@ def table(r: dict[str, Any]) -> str:
         )
     wrong = [w for row in r["rows"] for w in row["wrong_paths"]]
     rows.append(("turns not on their expected tier", len(wrong), "0", ok[not wrong]))
-    lines = ["| figure | value | target | |", "|---|---:|---|---|"]
-    lines += [f"| {w} | {x} | {y} | {z} |" for w, x, y, z in rows]
-    return "\n".join(lines)
+    return figure_table(rows)
 
 
 def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:

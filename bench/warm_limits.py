@@ -71,7 +71,7 @@ import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
 import anyio
 import mlx.core as mx
 import msgspec
-from _results import write_json  # bench/ is the script's folder: on sys.path
+from _results import figure_table, write_json  # bench/ is the script's folder: on sys.path
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.models.cache import QuantizedKVCache, save_prompt_cache
 
@@ -925,9 +925,7 @@ def table(r: dict[str, Any]) -> str:
             "",
         ),
     ]
-    lines = ["| figure | value | target | |", "|---|---:|---|---|"]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
-    return "\n".join(lines)
+    return figure_table(rows)
 
 
 def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
