@@ -329,7 +329,8 @@ async def test_agents_unused_past_the_ttl_go_cold_and_fresh_ones_stay(tmp_path: 
     written = max(w.updated for w in list_agents(root))
     while time.time() <= written + ttl:
         await anyio.sleep(written + ttl - time.time() + 0.01)
-    async with kvactor.open(model, cache_dir=root, warm_ttl_s=ttl) as kv:
+    # (without a disk limit too: nothing is counted, the TTL holds all the same)
+    async with kvactor.open(model, cache_dir=root, warm_ttl_s=ttl, disk_limit=None) as kv:
         assert all(w.tokens == 0 for w in list_agents(root))
 
 

@@ -138,6 +138,8 @@ class SessionModels:
             self._slots[part.name] = slot
         if self.usage is not None:
             await self._count_disk()
+        elif self._warm_ttl_s is not None:  # no count, but agents past the TTL go cold now
+            await self._fit_disk()
         for part in self._parts.values():
             # Files a killed process left unnamed (mid-write, mid-fork), collected in the
             # background: the store holds the lock's promise that it alone writes here.
@@ -148,9 +150,9 @@ class SessionModels:
             await anyio.to_thread.run_sync(record_limit, root, self.memory_limit, names)
 
     async def _count_disk(self) -> None:
-        """Count every model's warm caches (after the collector ran), set the default
-        limit when none was given, and bring the directory under it (a lower limit than
-        the one it was filled under goes cold by policy, least recently written first)."""
+        """Count every model's warm caches (before the collector's sweep: files a killed
+        process left count until it removes them), set the default limit when none was
+        given, and bring the directory under it (``_fit_disk``)."""
         usage = self.usage
         assert usage is not None
         for part in self._parts.values():
@@ -166,12 +168,18 @@ class SessionModels:
         usage.written = await anyio.to_thread.run_sync(read_written, self._root)
         if self._disk_limit is DEFAULT:
             usage.limit = await anyio.to_thread.run_sync(default_disk_limit, self._root, usage.used)
-        for part in self._parts.values():
-            if part.store is not None:
-                await part.store.ask(FitDisk())
+        await self._fit_disk()
         await anyio.to_thread.run_sync(record_disk_limit, self._root, usage.limit, usage.written)
         await anyio.to_thread.run_sync(make_reserve, self._root)
         log.info("warm tier: %d of %s bytes on disk", usage.used, usage.limit)
+
+    async def _fit_disk(self) -> None:
+        """Every store makes cold what is past the TTL, and brings the directory under a
+        lower limit or quota than the one it was filled under (by policy, least recently
+        written first)."""
+        for part in self._parts.values():
+            if part.store is not None:
+                await part.store.ask(FitDisk())
 
     def release_locks(self) -> None:
         """At close: record the bytes written (``kvactor inspect``), then unlock."""

@@ -179,9 +179,9 @@ class StoreStatsQuery(msgspec.Struct, frozen=True, tag=True):
 
 
 class FitDisk(msgspec.Struct, frozen=True, tag=True):
-    """Bring the warm tier under its disk limit (at open: a lower limit than the one the
-    directory was filled under) by making agents cold in the policy's order: answers how
-    many went cold."""
+    """Make agents past the store's TTL cold, and bring the warm tier under its disk limit
+    and each namespace under its quota (at open: lower ones than the directory was filled
+    under) by making agents cold in the policy's order: answers how many went cold."""
 
 
 class Sweep(msgspec.Struct, frozen=True, tag=True):
@@ -344,7 +344,7 @@ class StoreActor(Actor):
         await self._expire()
         usage = self.usage
         if usage is not None:
-            await self._make_room(agent, _write_bound(m, len(self._files(agent))))
+            await self._make_room(agent, _write_bound(m, len(usage.files(self.root, agent))))
         before = await self._listed(agent)
         t0 = time.perf_counter()
         try:
@@ -355,7 +355,7 @@ class StoreActor(Actor):
             if usage is None or not _no_space(exc) or not await self._adapt_limit():
                 raise
             try:
-                await self._make_room(agent, _write_bound(m, len(self._files(agent))))
+                await self._make_room(agent, _write_bound(m, len(usage.files(self.root, agent))))
                 info, after = await self._write(m, agent)
             finally:
                 if usage.home is not None:  # the reserve again, once there is room
@@ -434,9 +434,6 @@ class StoreActor(Actor):
         return True
 
     # -- the disk limit ---------------------------------------------------------------
-    def _files(self, agent: str) -> AgentFiles:
-        return {} if self.usage is None else self.usage.files(self.root, agent)
-
     async def _recount(self, agent: str) -> AgentFiles:
         """List ``agent``'s folder again and count it (its files now)."""
         files = await anyio.to_thread.run_sync(agent_files, self.root, agent)
