@@ -10,6 +10,7 @@ from ..errors import HostLost
 from ..records import Completion, ToolCallDelta, ToolRequest
 from ..session import AgentTurns, TurnKind
 from ..tools import tool_options
+from ..warm import PortableInfo
 from ._calls import RESTART_WAIT_S, Host
 from ._host import EngineHost
 
@@ -142,3 +143,7 @@ class ClusterAgent(AgentTurns):
     async def done(self) -> None:
         """Advice: this agent is done for now (``Agent.done``)."""
         await self._session.hint(done=[self.name])
+
+    async def export(self, dest: Any) -> PortableInfo:
+        """Write this agent's cache as one portable file (``Agent.export``)."""
+        return await self._session.export_agent(self.name, dest)

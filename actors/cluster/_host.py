@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import os
 import secrets
 import shutil
@@ -255,37 +256,53 @@ class EngineHost:
         return 0 if self._session is None else await self._session.end_turns()
 
     # -- migration --------------------------------------------------------------------
-    async def export(self, name: str) -> dict[str, bytes]:
-        """Release agent ``name`` (its last turn saved, its hot cache dropped) and hand over
-        its warm cache's files, by name. It stays here until ``forget``: a migration that
-        fails on the other side loses nothing. Raises UnknownAgent when it has no warm
-        cache here."""
+    async def export(self, name: str) -> bytes:
+        """Release agent ``name`` (its last turn saved, its hot cache dropped) and hand
+        over its warm cache as one portable file (``Session.export_agent``'s format: one
+        format for moving agents, between hosts or by hand). It stays here until
+        ``forget``: a migration that fails on the other side loses nothing. Raises
+        UnknownAgent when it has no warm cache here."""
         session = await self._open()
         check_agent_id(name)
         if name in session.agents:
             await session.release(name)
-        folder = agent_dir(self.cache_dir, name)
-        if not (folder / MANIFEST).is_file():
-            raise UnknownAgent(f"agent {name!r} has no warm cache on host {self.name!r}")
-        files = await anyio.to_thread.run_sync(_read_files, folder)
-        self._out += 1
-        return files
-
-    async def adopt(self, name: str, files: dict[str, bytes]) -> int:
-        """Take agent ``name`` from another host: its warm cache's ``files`` are written
-        to a staging folder, verified as a warm load verifies them, then moved into place,
-        and the agent resumes from them; returns the bytes taken. Raises CacheRejected
-        (nothing kept) for files that fail, ValueError when an agent of that name is here
-        already."""
-        session = await self._free_name(name)
-        staging = contained(self.cache_dir, "incoming", secrets.token_hex(8))
+        buffer = io.BytesIO()
         try:
-            await anyio.to_thread.run_sync(_write_files, staging, name, files)
-            await self._install(session, staging, name)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            await session.export_agent(name, buffer)
+        except UnknownAgent:
+            raise UnknownAgent(f"agent {name!r} has no warm cache on host {self.name!r}") from None
+        self._out += 1
+        return buffer.getvalue()
+
+    async def adopt(self, name: str, data: bytes) -> int:
+        """Take agent ``name`` from another host: its portable file ``data`` (``export``)
+        is imported (``Session.import_agent``: staged, verified as a warm load verifies a
+        cache, then moved into place) and the agent resumes from it; returns the bytes
+        taken. Raises CacheRejected (nothing kept) for a file that fails, ValueError when
+        an agent of that name is here already."""
+        session = await self._free_name(name)
+        if not isinstance(data, (bytes, bytearray)):
+            raise CacheRejected(f"a migration brings bytes, not {type(data).__name__}")
+        await session.import_agent(bytes(data), name, max_bytes=MAX_MIGRATION_BYTES)
         self._in += 1
-        return sum(len(data) for data in files.values())
+        return len(data)
+
+    async def export_portable(self, name: str) -> bytes:
+        """Agent ``name``'s portable file (``Session.export_agent``), the agent kept
+        running here."""
+        session = await self._open()
+        await self._agent(name)  # resumed if it is on disk only
+        buffer = io.BytesIO()
+        await session.export_agent(name, buffer)
+        return buffer.getvalue()
+
+    async def import_portable(self, data: bytes, name: str | None, replace: bool) -> str:
+        """The agent of portable file ``data`` here (``Session.import_agent``); its name."""
+        session = await self._open()
+        agent = await session.import_agent(
+            bytes(data), name, replace=replace, max_bytes=MAX_MIGRATION_BYTES
+        )
+        return agent.name
 
     async def _free_name(self, name: str) -> Session:
         session = await self._open()

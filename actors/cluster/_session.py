@@ -43,8 +43,8 @@ from ..errors import HostLost, UnknownAgent
 from ..hot import split_hint
 from ..ids import check_agent_id
 from ..messages import Hint, MakeContext, SpawnAgent
-from ..session import Opening, OpenOptions, SessionAPI
-from ..warm import Forgotten
+from ..session import Opening, OpenOptions, SessionAPI, read_source, write_bytes
+from ..warm import MAX_IMPORT_BYTES, Forgotten, PortableInfo, read_header
 from ._agent import ClusterAgent
 from ._calls import Host, Hosts
 from ._connect import connect, loopback_before_import
@@ -319,6 +319,51 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         del self._where[name]
         await self._drop_replica(name)
         return done
+
+    async def export_agent(self, name: str, dest: Any) -> PortableInfo:
+        """``Session.export_agent`` from the agent's host: the portable file comes here
+        whole (through Ray's object store), then goes to ``dest``."""
+        data: bytes = await self.engine_hosts.call(
+            self.host_of(name), EngineHost.export_portable, name
+        )
+        header = await anyio.to_thread.run_sync(read_header, data)
+        await anyio.to_thread.run_sync(write_bytes, data, dest)
+        return PortableInfo(header.agent, header.tokens, len(data), header.nbytes)
+
+    async def import_agent(
+        self,
+        src: Any,
+        name: str | None = None,
+        *,
+        replace: bool = False,
+        model: str | None = None,
+        scope: str | None = None,
+        max_bytes: int = MAX_IMPORT_BYTES,
+        host: str | None = None,
+    ) -> ClusterAgent:
+        """``Session.import_agent`` on ``host`` (default: where the agent of that name is,
+        else where the placement policy says): the file is read here whole, then sent to
+        the host, which verifies it."""
+        if model is not None:
+            raise ValueError("a cluster session serves one model: no model=")
+        if scope is not None:
+            raise ValueError('a cluster\'s imported agents are of scope ""')
+        data = await read_source(src, max_bytes)
+        header = await anyio.to_thread.run_sync(read_header, data)
+        target = name or header.agent
+        check_agent_id(target)
+        if target in self._where:
+            if not replace:
+                raise ValueError(f"agent {target!r} already exists (on {self._where[target]!r})")
+            if host is not None and host != self._where[target]:
+                raise ValueError(f"agent {target!r} is on host {self._where[target]!r}")
+            host = self._where[target]
+        where = host or self.placement.choose(target, await self.hosts())
+        hosts = self.engine_hosts
+        await hosts.call(hosts.get(where), EngineHost.import_portable, data, target, replace)
+        self._where[target] = where
+        await self.replicate(target)
+        return ClusterAgent(self, target)
 
     async def prefetch(self, name: str) -> None:
         await self.engine_hosts.call(self.host_of(name), EngineHost.prefetch, name)

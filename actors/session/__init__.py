@@ -9,6 +9,10 @@ from ._api import AgentTurns as AgentTurns
 from ._api import SessionAPI as SessionAPI
 from ._api import TurnKind as TurnKind
 from ._api import TurnStream as TurnStream
+from ._carry import ExportStream as ExportStream
+from ._carry import ImportSource as ImportSource
+from ._carry import read_source as read_source
+from ._carry import write_bytes as write_bytes
 from ._handle import Agent as Agent
 from ._handle import TextStream as TextStream
 from ._model_part import model_folder as model_folder
@@ -20,6 +24,10 @@ from ._session import Session as Session
 
 __all__ = (
     "Agent",
+    "ExportStream",
+    "ImportSource",
+    "read_source",
+    "write_bytes",
     "AgentAPI",
     "AgentTurns",
     "MODELS_KEYS",

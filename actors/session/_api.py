@@ -20,7 +20,7 @@ from ..messages import Hint, MakeContext, SpawnAgent
 from ..options import Sampling
 from ..records import Completion, EngineStats, ToolCallDelta, ToolRequest
 from ..tools import TOOL_OPTIONS, tool_request
-from ..warm import Forgotten
+from ..warm import Forgotten, PortableInfo
 
 __all__ = (
     "AgentAPI",
@@ -88,6 +88,7 @@ class AgentAPI(Protocol):
         self, *, expect_in_s: float | None = None, priority: int | None = None
     ) -> None: ...
     async def done(self) -> None: ...
+    async def export(self, dest: Any) -> PortableInfo: ...
 
 
 def scope_name(scope: object) -> str:
@@ -249,6 +250,41 @@ class SessionAPI(ABC, Generic[AgentT]):
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         await self._hint(hint, prefetch)
+
+    @abstractmethod
+    async def export_agent(self, name: str, dest: Any) -> PortableInfo:
+        """Write agent ``name``'s cache as one portable file (docs: moving-agents) to
+        ``dest``: a path (written whole or not at all: a temp file renamed at the end) or
+        a binary file object (a pipe, a socket, ``sys.stdout.buffer``). It holds the
+        agent's manifest (conversation, tokens) and every segment file, a fork's shared
+        ones included, with the model and tokenizer fingerprint, codec and format, every
+        byte checksummed. A running agent is asked between its turns. Raises UnknownAgent
+        when it has no warm cache, StoreWriteError when its last turns are not on disk
+        (their write failed: the export would lose them), CacheRejected when a file on
+        disk fails its checksum, ValueError without a warm tier."""
+
+    @abstractmethod
+    async def import_agent(
+        self,
+        src: Any,
+        name: str | None = None,
+        *,
+        replace: bool = False,
+        model: str | None = None,
+        scope: str | None = None,
+        max_bytes: int = ...,
+    ) -> AgentT:
+        """The agent of a portable file (``export_agent``), resumed here warm: ``src`` is a
+        path, the bytes, a binary file object or an async iterable of byte pieces (read as
+        a stream: no copy of the whole). ``name``: the agent's name here (default: the
+        one it was exported under); ``replace``: replace an agent of that name (else
+        ValueError), atomically; ``model``, ``scope``: as ``spawn_agent``'s;
+        ``max_bytes``: the most bytes of cache it takes. The file is verified as a warm
+        load verifies a cache (checksums, identity, headers, shapes) before the agent
+        exists. Raises CacheRejected with the reason (another model, tokenizer or
+        codec, a newer format, a truncated or altered file, a header that lies, a cache
+        past the disk limit, its quota or the hot budget) and StoreWriteError (no room
+        can be made under the disk limit): nothing of a refused import stays."""
 
     @abstractmethod
     async def _spawn(self, spawn: SpawnAgent) -> AgentT:

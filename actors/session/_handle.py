@@ -12,6 +12,7 @@ from ..errors import StoreWriteError
 from ..messages import AgentMessage, CacheQuery, GetState, Turn
 from ..options import Sampling
 from ..records import AgentState, CacheInfo, Completion, ToolCallDelta, ToolRequest
+from ..warm import PortableInfo
 from ._api import AgentTurns, TurnKind
 
 if TYPE_CHECKING:
@@ -133,6 +134,11 @@ class Agent(AgentTurns):
     async def done(self) -> None:
         """Advice: this agent is done for now, so its cache is demoted before others'."""
         await self._session.hint(done=[self.name])
+
+    async def export(self, dest: Any) -> PortableInfo:
+        """Write this agent's cache as one portable file to ``dest`` (a path or a binary
+        file): ``Session.export_agent``."""
+        return await self._session.export_agent(self.name, dest)
 
     async def cache_info(self) -> CacheInfo:
         info: CacheInfo = await self._session.engine_for(self.name).ask(CacheQuery(self.name))

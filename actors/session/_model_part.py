@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
+
 from ...kernels.geometry import CacheGeometry
 from ...kernels.qcodec import DEFAULT_CODEC
 from ...kernels.stored import segment_layout
@@ -24,6 +26,7 @@ from ..warm import (
     PrefetchMessage,
     StoreActor,
     StoreMessage,
+    settle_imports,
 )
 
 __all__ = ("ModelPart", "model_folder", "start_part")
@@ -71,6 +74,8 @@ async def start_part(
     model, tokenizer = await engine.ask(GetModelInfo())
     store = prefetcher = warm = identity = layout = None
     if root is not None:
+        # Imports a crash stopped once verified are finished, other staging removed.
+        await anyio.to_thread.run_sync(settle_imports, root)
         codec = config.codec or DEFAULT_CODEC
         identity = CacheIdentity(
             model_fingerprint=model.fingerprint,

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -33,7 +34,9 @@ from ..models import Tokenizer
 from ..options import Sampling
 from ..records import AgentSnapshot, CacheInfo, EngineStats, ModelInfo, ModelState
 from ..warm import (
+    MAX_IMPORT_BYTES,
     ActorWarmTier,
+    Adopt,
     CacheDirLock,
     CacheIdentity,
     ExpectFn,
@@ -41,6 +44,7 @@ from ..warm import (
     Forgotten,
     ForkCache,
     ListAgents,
+    PortableInfo,
     Prefetch,
     PrefetchMessage,
     StoreMessage,
@@ -50,6 +54,15 @@ from ..warm import (
     lock_cache_dir,
 )
 from ._api import SessionAPI, drain, scope_name
+from ._carry import (
+    ExportStream,
+    ImportSource,
+    behind,
+    export_to,
+    folder_taken,
+    open_export,
+    stage_import,
+)
 from ._handle import Agent
 from ._model_part import ModelPart
 from ._models import DEFAULT, Default, Models, SessionModels
@@ -389,6 +402,68 @@ class Session(SessionAPI[Agent]):
         assert agent is not None and part is not None
         await agent.ref.stop()
         await part.engine.ask(DropCache(name))
+
+    # -- carrying agents (declared in SessionAPI) -------------------------------------
+    async def export_agent(self, name: str, dest: Any) -> PortableInfo:
+        part, check = await self._exporting(name)
+        return await export_to(part, name, dest, check)
+
+    async def export_stream(self, name: str) -> ExportStream:
+        """Agent ``name``'s export as a stream of bytes (``async for``; its ``header``
+        first): what ``export_agent`` writes. Raises as that does, before the first byte."""
+        part, check = await self._exporting(name)
+        return await open_export(part, name, check)
+
+    async def _exporting(self, name: str) -> tuple[ModelPart, Any]:
+        """The model part of agent ``name``, and (running) the check that its warm cache
+        holds all its turns: asked between its turns, so a turn under way finishes first."""
+        check_agent_id(name)
+        part = self._models.part_of(name)
+        agent = self._agents.get(name)
+        if agent is None:
+            return part, None
+        messages = len((await agent.state()).messages)
+        return part, functools.partial(behind, messages)
+
+    async def import_agent(
+        self,
+        src: ImportSource,
+        name: str | None = None,
+        *,
+        replace: bool = False,
+        model: str | None = None,
+        scope: str | None = None,
+        max_bytes: int = MAX_IMPORT_BYTES,
+    ) -> Agent:
+        part = self._models.part(model)
+        if part.store is None:
+            raise ValueError("importing an agent needs a warm tier: open with a cache_dir")
+        stats = await self._models.stats()
+
+        def taken(target: str) -> bool:
+            return not replace and (target in self._agents or folder_taken(part.root, target))
+
+        staged = await stage_import(
+            part,
+            src,
+            name,
+            taken=taken,
+            usage=self._models.usage,
+            budget=stats.budget_bytes,
+            max_bytes=max_bytes,
+        )
+        target = staged.name
+        try:
+            if target in self._agents:
+                if not replace:
+                    raise ValueError(f"agent {target!r} already exists")
+                await self.release(target)
+            adopt = Adopt(str(staged.staging), target, staged.header.nbytes, replace=replace)
+            await part.store.ask(adopt)
+        finally:
+            staged.discard()
+        await part.engine.ask(DropCache(target))  # a hot copy staged before is stale
+        return await self.spawn_agent(target, model=model, scope=scope)
 
     async def prefetch(self, name: str) -> None:
         """Hint that agent ``name`` runs next: its warm cache is staged into the hot tier in

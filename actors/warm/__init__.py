@@ -25,6 +25,17 @@ from ._manifest import read_manifest as read_manifest
 from ._paths import agent_dir as agent_dir
 from ._paths import contained as contained
 from ._paths import default_cache_dir as default_cache_dir
+from ._portable import MAX_HEADER_BYTES as MAX_HEADER_BYTES
+from ._portable import MAX_IMPORT_BYTES as MAX_IMPORT_BYTES
+from ._portable import PortableHeader as PortableHeader
+from ._portable import PortableInfo as PortableInfo
+from ._portable import PortableReader as PortableReader
+from ._portable import mark_ready as mark_ready
+from ._portable import portable_chunks as portable_chunks
+from ._portable import read_header as read_header
+from ._portable import rename_staged as rename_staged
+from ._portable import settle_imports as settle_imports
+from ._portable import staging_dir as staging_dir
 from ._prefetch import Prefetch as Prefetch
 from ._prefetch import PrefetchActor as PrefetchActor
 from ._prefetch import PrefetchMessage as PrefetchMessage
@@ -32,6 +43,7 @@ from ._read import disk_footprint as disk_footprint
 from ._read import list_agents as list_agents
 from ._read import read_cache as read_cache
 from ._read import verify_cache as verify_cache
+from ._store import Adopt as Adopt
 from ._store import FitDisk as FitDisk
 from ._store import Forget as Forget
 from ._store import ForkCache as ForkCache
@@ -56,6 +68,18 @@ from ._usage import record_disk_limit as record_disk_limit
 from ._usage import scan_agents as scan_agents
 
 __all__ = (
+    "Adopt",
+    "MAX_HEADER_BYTES",
+    "MAX_IMPORT_BYTES",
+    "PortableHeader",
+    "PortableInfo",
+    "PortableReader",
+    "mark_ready",
+    "portable_chunks",
+    "read_header",
+    "rename_staged",
+    "settle_imports",
+    "staging_dir",
     "DISK_FILE",
     "record_disk_limit",
     "read_disk_limit",

@@ -24,6 +24,7 @@ import xxhash
 __all__ = (
     "PIECE",
     "SEGMENT_CHECKSUM",
+    "TreeHasher",
     "body_checksum",
     "body_matches",
     "file_checksum",
@@ -74,6 +75,38 @@ def file_checksum(buffers: Iterable[memoryview]) -> str:
     if filled:
         digests.append(int(hasher.intdigest()))
     return tree_checksum(digests)
+
+
+class TreeHasher:
+    """``file_checksum`` of bytes that come in pieces of any size (a stream): ``update``
+    with each, ``checksum`` at the end."""
+
+    def __init__(self) -> None:
+        self._digests: list[int] = []
+        self._hasher = xxhash.xxh3_64()
+        self._filled = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        at = 0
+        while at < view.nbytes:
+            take = min(PIECE - self._filled, view.nbytes - at)
+            if self._filled == 0 and take == PIECE:
+                self._digests.append(piece_digest(view[at : at + take]))
+            else:
+                self._hasher.update(view[at : at + take])
+                self._filled += take
+                if self._filled == PIECE:
+                    self._digests.append(int(self._hasher.intdigest()))
+                    self._hasher.reset()
+                    self._filled = 0
+            at += take
+
+    def checksum(self) -> str:
+        digests = list(self._digests)
+        if self._filled:
+            digests.append(int(self._hasher.intdigest()))
+        return tree_checksum(digests)
 
 
 def segment_version(checksum: str) -> int:

@@ -63,6 +63,7 @@ __all__ = (
     "default_cache_dir",
     "encode_manifest",
     "load_manifest",
+    "parse_manifest",
     "read_manifest",
     "rejected_dir",
     "segment_metadata",
@@ -516,12 +517,20 @@ def load_manifest(
     finally:
         os.close(fd)
     raw = b"".join(parts)
+    return parse_manifest(raw, path, identity, agent), len(raw)
+
+
+def parse_manifest(
+    raw: bytes, path: Path, identity: CacheIdentity | None, agent: str
+) -> CacheManifest:
+    """The bytes ``raw`` of ``manifest.json`` (at ``path``, for reasons) decoded and checked
+    as ``load_manifest`` checks them. Raises CacheRejected."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CacheRejected(f"{MANIFEST} exceeds {MAX_MANIFEST_BYTES} bytes", str(path))
     readable = identity.readable() if identity is not None else READABLE_VERSIONS
     manifest = _decode_manifest(raw, path, readable)
     _check_manifest(manifest, identity, agent, path)
-    return manifest, len(raw)
+    return manifest
 
 
 def read_manifest(

@@ -58,6 +58,7 @@ from ._manifest import (
     read_manifest,
 )
 from ._paths import agent_dir, default_cache_dir
+from ._portable import install_import
 from ._read import disk_footprint, list_agents, read_cache
 from ._usage import (
     AgentFiles,
@@ -76,6 +77,7 @@ __all__ = (
     "FORMAT_VERSION",
     "LOCK_FILE",
     "MAX_MANIFEST_BYTES",
+    "Adopt",
     "Append",
     "CacheDirLock",
     "CacheIdentity",
@@ -174,6 +176,18 @@ class ShareCache(msgspec.Struct, frozen=True, tag=True):
     messages: list[dict[str, Any]] = []
 
 
+class Adopt(msgspec.Struct, frozen=True, tag=True):
+    """Move agent ``agent``, verified and staged under ``staging`` (an import), into place:
+    room made under the disk limit and its namespace's quota first (other agents go cold
+    by policy), an agent of that name there replaced only with ``replace`` (ValueError
+    without). Answers a WarmInfo; raises StoreWriteError when no room can be made."""
+
+    staging: str
+    agent: str
+    nbytes: int
+    replace: bool = False
+
+
 class StoreStatsQuery(msgspec.Struct, frozen=True, tag=True):
     """The warm tier's I/O so far: answers a StoreStats."""
 
@@ -220,6 +234,7 @@ StoreMessage = (
     | Forget
     | ForkCache
     | ShareCache
+    | Adopt
     | StoreStatsQuery
     | FitDisk
     | Sweep
@@ -325,6 +340,8 @@ class StoreActor(Actor):
                 )
                 await self._counted(new, shared)
                 return shared
+            case Adopt():
+                return await self._adopt(message)
             case StoreStatsQuery():
                 return self._stats()
             case FitDisk():
@@ -371,6 +388,39 @@ class StoreActor(Actor):
                 )
             await self._fit(0, keep=agent)  # a bound that fell short: back under at once
             await self._fit(0, keep=agent, namespace=namespace_of(agent))
+        return info
+
+    async def _adopt(self, m: Adopt) -> WarmInfo:
+        agent = check_agent_id(m.agent)
+        staging = Path(m.staging)
+        if staging.parent != self.root / "incoming":
+            raise ValueError(f"{m.staging} is not a staging folder of {self.root}")
+        here = await anyio.to_thread.run_sync(os.path.lexists, agent_dir(self.root, agent))
+        if here and not m.replace:
+            raise ValueError(
+                f"agent {agent!r} already has a cache here: import it with replace to replace it"
+            )
+        self._manifests.pop(agent, None)
+        if self.usage is not None:
+            await self._make_room(agent, m.nbytes)
+        before = await self._listed(agent)
+        t0 = time.perf_counter()
+        try:
+            await anyio.to_thread.run_sync(install_import, self.root, staging, agent)
+        finally:
+            after = await self._recount(agent)
+        self._refused.pop(agent, None)
+        self._wrote(_new_bytes(before, after), writes=1, write_s=time.perf_counter() - t0)
+        manifest = await self._manifest(agent)
+        assert manifest is not None  # verified before it was staged
+        info = WarmInfo(
+            agent=agent,
+            tokens=manifest.n_tokens,
+            nbytes=sum(after.values()),
+            segments=len(manifest.segments),
+            updated=manifest.updated,
+        )
+        self._remember(agent, info)
         return info
 
     async def _write(self, m: Append, agent: str) -> tuple[WarmInfo, AgentFiles]:
