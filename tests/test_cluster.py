@@ -7,6 +7,7 @@ starts and stops its own local cluster (~10 s)."""
 from __future__ import annotations
 
 import functools
+import io
 import os
 import signal
 import subprocess
@@ -294,6 +295,17 @@ async def test_placement_affinity_and_migration_on_a_local_cluster(tmp_path: Pat
         stayed = await twin.generate("second question", **GREEDY)
         assert after.path == kvactor.Tier.WARM and stayed.path == kvactor.Tier.HOT
         assert after.token_ids == stayed.token_ids
+        # Carried out of the cluster as one portable file, and in again on the other host.
+        out = io.BytesIO()
+        info = await agents[0].export(out)
+        assert info.agent == "a0" and info.nbytes == len(out.getvalue())
+        copy = await kv.import_agent(out.getvalue(), "a0copy", host=home)
+        assert copy.host == home
+        with pytest.raises(ValueError, match="already exists"):
+            await kv.import_agent(out.getvalue(), "a0copy")
+        ahead = await copy.generate("what next?", **GREEDY)
+        twin_next = await twin.generate("what next?", **GREEDY)
+        assert ahead.path == kvactor.Tier.WARM and ahead.token_ids == twin_next.token_ids
         # Streaming through a host, and stats that show hosts and migrations.
         async with agents[1].stream("stream this", **GREEDY) as pieces:
             text = "".join([p async for p in pieces])
