@@ -1,6 +1,6 @@
 """The kvactor command line: the parser, and the commands that need no module of their own
-(``demo`` and ``run``: ``_demo``; ``inspect``: ``_inspect``; ``scenarios``:
-``_scenario_shipped``)."""
+(``demo`` and ``run``: ``_demo``; ``inspect``: ``_inspect``; ``export`` and ``import``:
+``_carry``; ``scenarios``: ``_scenario_shipped``)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,18 @@ def _inspect(args: argparse.Namespace) -> int:
     from ._inspect import run_inspect
 
     return run_inspect(args)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ._carry import run_export
+
+    return run_export(args)
+
+
+def _import(args: argparse.Namespace) -> int:
+    from ._carry import run_import
+
+    return run_import(args)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -420,6 +432,13 @@ def _add_serve_limits(limits: argparse._ArgumentGroup) -> None:
     limits.add_argument(
         "--max-anonymous", type=int, default=16, help="id-less conversations kept per tenant"
     )
+    limits.add_argument(
+        "--max-import-bytes",
+        type=_size,
+        default=16 << 30,
+        metavar="SIZE",
+        help="the largest agent file PUT /v1/agents/ID/cache takes, with K, M, G (default: 16G)",
+    )
 
 
 def _add_fetch_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -491,6 +510,46 @@ def _add_cache_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     gc.set_defaults(func=_gc)
 
 
+def _add_carry_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    export = _command(
+        sub,
+        "export",
+        help="write an agent's warm cache as one portable file (to move it elsewhere)",
+        description="Write AGENT's warm cache (its conversation and every cache file, "
+        "checksummed, with the model, codec and format it was made with) as one file that "
+        "kvactor import, Session.import_agent or a server's PUT /v1/agents/ID/cache takes "
+        "on another machine. Loads no model, and works while a session uses the cache "
+        "directory. Without -o it writes AGENT.kvagent here, or to stdout when stdout is "
+        "not a terminal. Exits with 2 for a bad id, an agent without a warm cache or a "
+        "cache that fails its checks.",
+        example="kvactor export planner -o planner.kvagent --cache-dir ./warm",
+    )
+    export.add_argument("agent", metavar="AGENT")
+    export.add_argument("-o", "--output", metavar="FILE", help="where to write it; - for stdout")
+    export.add_argument("--cache-dir", type=Path, help=f"cache directory (default: {CACHE_ROOT})")
+    export.set_defaults(func=_export)
+    imp = _command(
+        sub,
+        "import",
+        help="import an agent's portable file (kvactor export) into a cache directory",
+        description="Verify FILE (- for stdin) as a warm load would and move it into the "
+        "cache directory, where the agent resumes warm. Needs the model the file was made "
+        "with (--model; default: the default model). Exits with 2 when the file is refused "
+        "(another model, truncated or altered, a name taken: --replace or --as), 3 while a "
+        "session uses the directory: import through that server's PUT /v1/agents/ID/cache "
+        "instead.",
+        example="kvactor import planner.kvagent --as planner2 --cache-dir ./warm",
+    )
+    imp.add_argument("file", metavar="FILE", help="an agent file, or - for stdin")
+    imp.add_argument("--as", dest="name", metavar="NAME", help="import under this name")
+    imp.add_argument("--replace", action="store_true", help="replace an agent of that name")
+    imp.add_argument("--cache-dir", type=Path, help=f"cache directory (default: {CACHE_ROOT})")
+    imp.add_argument(
+        "--model", help="model path (default: the default model; tiny: the test model)"
+    )
+    imp.set_defaults(func=_import)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvactor",
@@ -503,6 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_demo, _add_run, _add_scenarios, _add_serve, _add_fetch_model):
         add(sub)
     _add_cache_commands(sub)
+    _add_carry_commands(sub)
     return parser
 
 

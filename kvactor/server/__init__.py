@@ -23,7 +23,8 @@ docs/serving-others.md.
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``POST
 /v1/messages`` (Anthropic), ``GET /health``, ``GET /v1/agents``, ``DELETE /v1/agents/{id}``,
 ``POST /v1/agents/{id}/prefetch``, ``POST /v1/agents/{id}/hint`` (``expect_in_s``,
-``priority``, ``done``), ``GET /metrics`` (Prometheus text). A turn request may say which
+``priority``, ``done``), ``GET`` / ``PUT /v1/agents/{id}/cache`` (the agent's portable
+file, streamed out and in), ``GET /metrics`` (Prometheus text). A turn request may say which
 agents run after it (``X-KVActor-Next``) and which are done for now (``X-KVActor-Done``):
 hints for the memory policy. Errors come in each API's own shape: 400 for malformed JSON
 (nested too deep, too many values), unknown fields, a field of the wrong type, bad values,
@@ -37,11 +38,11 @@ parsed on a worker thread: nothing a client sends holds the event loop.
 
 The modules, one concept each: ``_app`` (the app, its routes, the key check, the one error
 handler), ``_openai`` and ``_anthropic`` (the two APIs), ``_agents`` and ``_status`` (agent
-routes, health, metrics), ``_turn`` (running a turn whole or streamed, cancelled when its
-client leaves), ``_admission`` (requests in flight), ``_routing`` (which agent answers),
-``_tenants`` (keys and tenants), ``_request`` and ``_json`` (body checks), ``_errors``,
-``_metrics``, ``_state`` (what the routes share), ``_serve`` (uvicorn, signals, the default
-budget), ``_cli`` (``kvactor serve``'s arguments).
+routes, health, metrics), ``_carry`` (an agent's file out and in), ``_turn`` (running a turn
+whole or streamed, cancelled when its client leaves), ``_admission`` (requests in flight),
+``_routing`` (which agent answers), ``_tenants`` (keys and tenants), ``_request`` and
+``_json`` (body checks), ``_errors``, ``_metrics``, ``_state`` (what the routes share),
+``_serve`` (uvicorn, signals, the default budget), ``_cli`` (``kvactor serve``'s arguments).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..actors.session import Session
-from . import _agents, _anthropic, _hints, _openai, _status
+from . import _agents, _anthropic, _carry, _hints, _openai, _status
 from ._errors import Api, ApiError, error_response
-from ._state import ServerState, server_state
+from ._state import DEFAULT_MAX_IMPORT_BYTES, ServerState, server_state
 from ._tenants import Keys
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -66,6 +66,8 @@ ROUTES = (
     _route("/v1/agents/{agent_id}", "forget", "DELETE", _O, _agents.forget),
     _route("/v1/agents/{agent_id}/prefetch", "prefetch", "POST", _O, _agents.prefetch),
     _route("/v1/agents/{agent_id}/hint", "hint", "POST", _O, _hints.agent_hint),
+    _route("/v1/agents/{agent_id}/cache", "export", "GET", _O, _carry.export_cache),
+    _route("/v1/agents/{agent_id}/cache", "import", "PUT", _O, _carry.import_cache),
     _route("/metrics", "metrics", "GET", _O, _status.metrics),
 )
 
@@ -77,6 +79,7 @@ def create_app(
     strict_model: bool = False,
     max_pending: int = 64,
     max_body_bytes: int = 16 << 20,
+    max_import_bytes: int = DEFAULT_MAX_IMPORT_BYTES,
     max_anonymous: int = 16,
     api_keys: Iterable[str] = (),
     admin_keys: Iterable[str] = (),
@@ -87,6 +90,8 @@ def create_app(
     served answers), unless ``strict_model``: then only ``model_id`` or ``"default"``,
     else a 404. ``max_pending``: requests in flight
     before 429s; ``max_body_bytes``: the largest request body (413 past it);
+    ``max_import_bytes``: the largest agent file ``PUT /v1/agents/{id}/cache`` takes
+    (413 past it);
     ``max_anonymous``: anonymous agents kept per tenant (the least recently used idle one
     is forgotten past it). ``api_keys``: key entries (``KEY`` or ``NAME:KEY``, optionally
     then ``admin``: see ``kvactor.server._tenants``), each a tenant that sees only its own
@@ -101,6 +106,7 @@ def create_app(
         strict_model=strict_model,
         max_pending=max_pending,
         max_body_bytes=max_body_bytes,
+        max_import_bytes=max_import_bytes,
         max_anonymous=max_anonymous,
         keys=Keys(api_keys, admin_keys),
     )

@@ -113,6 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_id=args.model_id,
         strict_model=args.strict_model,
         max_pending=args.max_pending,
+        max_import_bytes=args.max_import_bytes,
         max_anonymous=args.max_anonymous,
         json_start=args.json,
         drain_s=args.drain_seconds,

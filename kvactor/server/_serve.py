@@ -22,7 +22,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from ._app import create_app
-from ._state import ServerState
+from ._state import DEFAULT_MAX_IMPORT_BYTES, ServerState
 from ._tenants import Keys
 
 BUDGET_FRACTION = 4  # the default hot budget is 1/4 of the machine's memory...
@@ -166,6 +166,7 @@ async def serve(
     model_id: str | None = None,
     strict_model: bool = False,
     max_pending: int = 64,
+    max_import_bytes: int = DEFAULT_MAX_IMPORT_BYTES,
     json_start: bool = False,
     api_keys: Sequence[str] = (),
     admin_keys: Sequence[str] = (),
@@ -176,14 +177,15 @@ async def serve(
     """Open a session (``model`` and ``options`` as ``kvactor.open`` takes them; without
     ``budget_bytes``, :func:`default_budget_bytes`) and serve it until SIGINT / SIGTERM:
     then the server stops taking connections, lets in-flight turns finish (their warm
-    writes included) for up to ``drain_s`` seconds, ends the rest (``Session.end_turns``:
-    a decoding turn at its next step, saved; one not decoding yet unrun), and the session
-    closes (a second signal stops at once). ``api_keys`` / ``admin_keys``,
-    ``strict_model``: as ``create_app`` takes them (no keys: no authentication, said at
-    start). ``port`` 0 picks a free one. Once it listens it prints its start line on
-    stderr (:func:`start_line`; one JSON object with ``json_start``) and calls
-    ``ready(port)``. Raises ValueError for a malformed key entry (before anything
-    starts), what ``kvactor.open`` raises, and OSError when the address cannot be bound."""
+    writes included) for up to ``drain_s`` seconds, ends the rest
+    (``Session.end_turns``: a decoding turn at its next step, saved; one not decoding
+    yet unrun), and the session closes (a second signal stops at once). ``api_keys`` /
+    ``admin_keys``, ``strict_model``, ``max_import_bytes``: as ``create_app`` takes them
+    (no keys: no authentication, said at start). ``port`` 0 picks a free one. Once it
+    listens it prints its start line on stderr (:func:`start_line`; one JSON object with
+    ``json_start``) and calls ``ready(port)``. Raises ValueError for a malformed key
+    entry (before anything starts), what ``kvactor.open`` raises, and OSError when the
+    address cannot be bound."""
     from ..actors.opening import open as open_session
 
     keys = Keys(api_keys, admin_keys)  # malformed entries fail before the model loads
@@ -194,6 +196,7 @@ async def serve(
             model_id=model_id,
             strict_model=strict_model,
             max_pending=max_pending,
+            max_import_bytes=max_import_bytes,
             max_anonymous=max_anonymous,
             api_keys=api_keys,
             admin_keys=admin_keys,

@@ -22,6 +22,8 @@ from ._tenants import Keys, Tenant
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_IMPORT_BYTES = 16 << 30  # the largest agent file a PUT takes, by default
+
 
 @dataclass
 class ServerState:
@@ -32,6 +34,7 @@ class ServerState:
     models: tuple[str, ...]  # several models: the names requests choose among (else any)
     strict_model: bool  # only model_id (or "default") is a model's name; else any is
     max_body_bytes: int
+    max_import_bytes: int  # the largest agent file PUT /v1/agents/{id}/cache takes
     max_prompt_chars: int  # past it no prompt fits the context: refused before any work
     keys: Keys
     metrics: Metrics
@@ -57,6 +60,7 @@ class ServerState:
         max_pending: int,
         max_body_bytes: int,
         max_anonymous: int,
+        max_import_bytes: int = DEFAULT_MAX_IMPORT_BYTES,
         keys: Keys,
     ) -> ServerState:
         """The state of a new app over ``session``."""
@@ -67,6 +71,7 @@ class ServerState:
             models=session.model_names,
             strict_model=strict_model,
             max_body_bytes=max_body_bytes,
+            max_import_bytes=max_import_bytes,
             max_prompt_chars=session.max_prompt_chars,
             keys=keys,
             metrics=metrics,
