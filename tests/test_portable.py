@@ -11,6 +11,7 @@ import random
 import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -58,7 +59,7 @@ async def test_an_imported_agent_resumes_warm_and_answers_as_its_source(tmp_path
         for at in range(0, len(data), 7_777):
             yield data[at : at + 7_777]
 
-    sources = {
+    sources: dict[str, Any] = {
         "path": tmp_path / "doc.kvagent",
         "bytes": data,
         "file": io.BytesIO(data),
@@ -188,6 +189,7 @@ async def test_an_import_past_the_disk_limit_or_hot_budget_is_refused(tmp_path: 
         await _reader(kv, "resident")
         await kv.import_agent(data)
         stats = await kv.stats()
+        assert stats.warm_limit_bytes is not None
         assert stats.warm_bytes <= stats.warm_limit_bytes
         assert stats.demoted_warm_to_cold == 1
 

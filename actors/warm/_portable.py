@@ -305,7 +305,7 @@ class PortableReader:
         self._whole = xxhash.xxh3_64()
         self._pending = bytearray()  # a frame's bytes not yet complete
         self._need = len(MAGIC) + _LEN.size  # bytes the current frame needs
-        self._step = self._magic
+        self._step: Callable[[bytes], None] = self._magic
         self._file = 0  # the index of the file being staged
         self._fd: int | None = None
         self._left = 0  # bytes of that file still to come
