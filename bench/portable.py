@@ -6,11 +6,13 @@ Per context:
 - ``export_bytes`` (the portable file) and ``export_vs_fp16_bytes`` (against the same
   tokens' K/V in fp16: target <= 0.30);
 - ``export_s`` (``Agent.export`` to a path: the file written and fsynced) and
-  ``import_s`` (``Session.import_agent`` from it: read, staged, fsynced, verified as a
-  warm load verifies a cache, moved into place, the agent spawned), each against the disk
-  floor of the same bytes measured in the same round (``floor_s``: read a file of that
-  size, write it to a new file, fsync: the least any copy to disk costs): targets
-  ``export_vs_floor`` and ``import_vs_floor`` <= 1.5;
+  ``import_s`` (``Session.import_agent`` from it, out of the page cache: read, staged,
+  fsynced, verified as a warm load verifies a cache, moved into place, the agent
+  spawned), each against the disk floor of the same bytes measured in the same round: a
+  copy of the file to a new one with an fsync, its source in the page cache for the
+  export (``export_floor_s``: the segments it reads were just written) and out of it for
+  the import (``import_floor_s``), each from a synced disk: targets ``export_vs_floor``
+  and ``import_vs_floor`` <= 1.5;
 - ``first_token_after_import_s`` (the imported agent's next turn, to its first token, its
   files out of the page cache) against a warm resume of the source agent itself
   (``warm_resume_s``: released, page cache dropped, the same turn): target <= 1.2;
@@ -21,7 +23,8 @@ Per context:
   users save it, and 4-bit): ``mlx_lm_bytes``, ``mlx_lm_save_s``, ``mlx_lm_q4_bytes``,
   ``mlx_lm_q4_save_s`` (it writes without an fsync).
 
-Medians of ``--rounds`` rounds, the export, import, floor and resumes alternating in each.
+Medians of ``--rounds`` rounds (after one that warms the sessions up), the export, import,
+floors and resumes alternating in each.
 
     python bench/portable.py [--contexts 1024 4096] [--rounds 3] [--json PATH] [--quick]
 
@@ -60,8 +63,17 @@ def fp16_bytes(model: Any, tokens: int) -> int:
     return tokens * sum(h * (k + v) * 2 for h, k, v, _ in (g for g in geometry if g))
 
 
-def floor_s(src: Path, dst: Path) -> float:
-    """Read ``src`` whole and write it to ``dst`` with an fsync: the disk floor of a copy."""
+def floor_s(src: Path, dst: Path, *, cold: bool = False) -> float:
+    """Read ``src`` whole and write it to ``dst`` with an fsync, from a synced disk: the
+    disk floor of a copy. ``cold``: ``src`` out of the page cache first (as an import
+    reads its file); else as it is (an export reads the segments a turn just wrote)."""
+    if cold:
+        fd = os.open(src, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    os.sync()
     t0 = time.perf_counter()
     with open(src, "rb", buffering=0) as f, open(dst, "wb", buffering=0) as out:
         while piece := f.read(4 << 20):
@@ -107,7 +119,7 @@ def mlx_lm_save(model: Any, ids: list[int], root: Path) -> dict[str, float]:
 
 async def measure(n: int, text: str, root: Path, rounds: int, spec: Any) -> dict[str, Any]:
     a, b = root / f"a{n}", root / f"b{n}"
-    exports, imports, floors, resumes, warms, answers = [], [], [], [], [], []
+    exports, imports, hot_floors, cold_floors, resumes, warms, answers = ([] for _ in range(7))
     async with kvactor.open(spec, cache_dir=a) as kv, kvactor.open(spec, cache_dir=b) as kb:
         prompt = kv.tokenizer.decode(kv.tokenizer.encode(text)[:n])
         ids = kv.tokenizer.encode(prompt)
@@ -115,32 +127,46 @@ async def measure(n: int, text: str, root: Path, rounds: int, spec: Any) -> dict
         agent = await kv.spawn_agent("doc")
         await agent.complete(prompt, max_tokens=1)
         source_answer = None
-        for r in range(rounds):  # each round: export, floor, import, the two resumes
+        # Each round: export, its floor, import, its floor, the two warm resumes. Round 0
+        # warms both sessions up (the first turn of a session pays for MLX's first
+        # allocations) and is not counted. Every timed step starts from a synced disk.
+        for r in range(rounds + 1):
             path = root / f"doc{n}-{r}.kvagent"
+            os.sync()
             t0 = time.perf_counter()
             info = await agent.export(path)
-            exports.append(time.perf_counter() - t0)
-            floors.append(statistics.median(floor_s(path, root / "floor.bin") for _ in range(3)))
+            export_s = time.perf_counter() - t0
+            hot_floor = statistics.median(floor_s(path, root / "floor.bin") for _ in range(3))
+            cold_floor = statistics.median(
+                floor_s(path, root / "floor.bin", cold=True) for _ in range(3)
+            )
+            if "doc" in kb.agents:
+                await kb.forget("doc")  # a fresh import each round, not a replace
             drop_page_cache(root)
+            os.sync()
             t0 = time.perf_counter()
-            imported = await kb.import_agent(path, f"doc{r}")
-            imports.append(time.perf_counter() - t0)
-            # The source's own warm resume: released, its files out of the page cache.
-            await kv.release("doc")
-            drop_page_cache(a / "agents" / "doc")
-            agent = await kv.spawn_agent("doc")
-            seconds, done = await first_token_s(agent, prompt + NEXT)
-            warms.append(seconds)
-            source_answer = source_answer or done.token_ids
-            # The imported agent's, the same way.
-            await kb.release(imported.name)
-            drop_page_cache(b / "agents" / imported.name)
-            imported = await kb.spawn_agent(imported.name)
-            seconds, done = await first_token_s(imported, prompt + NEXT)
-            resumes.append(seconds)
-            answers.append(done.token_ids)
-            # Back to the state it was exported in (its next turn is not in the file).
+            await kb.import_agent(path, "doc")
+            import_s = time.perf_counter() - t0
+            # The source's own warm resume, and the imported agent's, the same way:
+            # released, their files out of the page cache, the same next turn.
+            resumed = []
+            for session, folder in ((kv, a), (kb, b)):
+                await session.release("doc")
+                drop_page_cache(folder / "agents" / "doc")
+                seconds, done = await first_token_s(await session.spawn_agent("doc"), prompt + NEXT)
+                resumed.append((seconds, done.token_ids))
+            # The source back to the state it was exported in (that turn is not in the file).
             agent = await kv.import_agent(path, "doc", replace=True)
+            if r == 0:
+                source_answer = resumed[0][1]
+                continue
+            exports.append(export_s)
+            imports.append(import_s)
+            hot_floors.append(hot_floor)
+            cold_floors.append(cold_floor)
+            warms.append(resumed[0][0])
+            resumes.append(resumed[1][0])
+            answers += [resumed[0][1], resumed[1][1]]
     identical_api = all(x == source_answer for x in answers)
     turn = (prompt + NEXT, ANSWER, source_answer)
     identical_cli = await via_cli(spec, a, root / f"cli{n}", "doc", turn)
@@ -153,9 +179,10 @@ async def measure(n: int, text: str, root: Path, rounds: int, spec: Any) -> dict
         "export_vs_fp16_bytes": info.nbytes / fp16_bytes(model, info.tokens),
         "export_s": median(exports),
         "import_s": median(imports),
-        "floor_s": median(floors),
-        "export_vs_floor": median(e / f for e, f in zip(exports, floors, strict=True)),
-        "import_vs_floor": median(i / f for i, f in zip(imports, floors, strict=True)),
+        "export_floor_s": median(hot_floors),
+        "import_floor_s": median(cold_floors),
+        "export_vs_floor": median(e / f for e, f in zip(exports, hot_floors, strict=True)),
+        "import_vs_floor": median(i / f for i, f in zip(imports, cold_floors, strict=True)),
         "first_token_after_import_s": median(resumes),
         "warm_resume_s": median(warms),
         "first_token_vs_warm_resume": median(i / w for i, w in zip(resumes, warms, strict=True)),
@@ -167,7 +194,8 @@ async def measure(n: int, text: str, root: Path, rounds: int, spec: Any) -> dict
         "each_round": {
             "export_s": exports,
             "import_s": imports,
-            "floor_s": floors,
+            "export_floor_s": hot_floors,
+            "import_floor_s": cold_floors,
             "first_token_after_import_s": resumes,
             "warm_resume_s": warms,
         },

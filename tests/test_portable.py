@@ -20,7 +20,9 @@ from lively import lively
 
 import kvactor
 from kvactor.actors.models import make_tiny_model
-from kvactor.actors.warm import read_header
+from kvactor.actors.warm import MANIFEST, read_header
+from kvactor.actors.warm._checksum import TreeHasher
+from kvactor.actors.warm._manifest import CacheManifest, encode_manifest
 from kvactor.kernels.qcodec import KVCodec
 
 tiny = lively()  # greedy answers that depend on the whole context (tests/lively.py)
@@ -149,6 +151,7 @@ async def test_what_cannot_be_trusted_is_refused_with_a_reason(tmp_path: Path) -
             _reframed(data, files=[*header.files[:-1], _resized(seg, 1 << 50)]),
             "more than this import takes",
         ),
+        "a segment that lies, every checksum made right": (_lying_segment(data), "metadata"),
         "truncated": (data[:-100], "truncated"),
         "altered": (_flipped(data, len(data) // 2), "checksum"),
         "bytes after its end": (data + b"\0", "after the end"),
@@ -281,3 +284,41 @@ def _reframed(data: bytes, **changes: object) -> bytes:
     framed += struct.pack("<Q", xxhash.xxh3_64_intdigest(body)) + rest
     return framed + struct.pack("<Q", xxhash.xxh3_64_intdigest(framed))
 
+
+def _lying_segment(data: bytes) -> bytes:
+    """``data`` with its last segment's header saying another agent wrote it, and every
+    checksum that covers it (the manifest's entry, the manifest's own, the file's, the
+    whole file's) made right: only the header check can refuse it."""
+    header = read_header(data)
+    (length,) = struct.unpack("<I", data[14:18])
+    at = 18 + length + 8
+    files: dict[str, bytes] = {}
+    for f in header.files:
+        files[f.name] = data[at : at + f.size]
+        at += f.size
+    seg = header.files[-1].name
+    head = files[seg][:4096]
+    assert b'"doc"' in head
+    files[seg] = files[seg].replace(b'"doc"', b'"dog"', 1)
+    hasher = TreeHasher()
+    hasher.update(files[seg])
+    raw = files[MANIFEST]
+    body = raw[raw.index(b',"manifest":') + len(b',"manifest":') : -1]
+    manifest = msgspec.json.decode(body, type=CacheManifest)
+    entries = [
+        msgspec.structs.replace(e, checksum=hasher.checksum()) if e.file == seg else e
+        for e in manifest.segments
+    ]
+    files[MANIFEST] = encode_manifest(msgspec.structs.replace(manifest, segments=entries))
+    listed = []
+    for f in header.files:
+        summed = TreeHasher()
+        summed.update(files[f.name])
+        listed.append(
+            msgspec.structs.replace(f, size=len(files[f.name]), checksum=summed.checksum())
+        )
+    whole = _reframed(data, files=listed)
+    (length,) = struct.unpack("<I", whole[14:18])
+    start = 18 + length + 8
+    framed = whole[:start] + b"".join(files[f.name] for f in header.files)
+    return framed + struct.pack("<Q", xxhash.xxh3_64_intdigest(framed))

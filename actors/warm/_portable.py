@@ -237,15 +237,15 @@ def _framed(
     body = msgspec.json.encode(header)
     yield out(MAGIC + _LEN.pack(len(body)) + body + _SUM.pack(xxhash.xxh3_64_intdigest(body)))
     yield out(raw)
-    buffer = bytearray(_CHUNK)
     for file in header.files[1:]:
         fd, hasher, got = fds[file.name], TreeHasher(), 0
         os.lseek(fd, 0, os.SEEK_SET)
         while got < file.size:
-            n = os.readv(fd, [memoryview(buffer)[: min(_CHUNK, file.size - got)]])
+            buffer = bytearray(min(_CHUNK, file.size - got))  # its own: the consumer keeps it
+            n = os.readv(fd, [buffer])
             if not n:
                 raise CacheRejected(f"{file.name} shrank while it was exported", str(folder))
-            piece = bytes(buffer[:n])
+            piece = memoryview(buffer)[:n]
             hasher.update(piece)
             got += n
             yield out(piece)

@@ -78,9 +78,14 @@ def _read_segment(
     identity: CacheIdentity,
     agent: str,
     version: int,
+    *,
+    summed: str | None = None,
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read and verify one segment file. FileNotFoundError propagates (a concurrent
-    rewrite may have removed it); every other problem is a CacheRejected."""
+    rewrite may have removed it); every other problem is a CacheRejected. ``summed``: the
+    file's ``xxh3t`` checksum, taken as its bytes were written (an import): then only its
+    header is read, the data bytes left as they are on disk (the arrays returned are not
+    the file's: a check only)."""
 
     def refuse(reason: str) -> CacheRejected:
         return CacheRejected(f"{entry.file}: {reason}", str(path))
@@ -93,7 +98,10 @@ def _read_segment(
         if size != entry.nbytes:
             raise refuse(f"{size} bytes, the manifest says {entry.nbytes}")
         try:
-            buffer, pieces = read_whole(fd, size)
+            if summed is not None:
+                buffer = _read_header(fd, size)
+            else:
+                buffer, pieces = read_whole(fd, size)
         except ShortRead as exc:
             raise refuse(f"truncated while reading: {exc.got} of {size} bytes") from None
         except OSError as exc:
@@ -101,7 +109,10 @@ def _read_segment(
     finally:
         os.close(fd)
     # The sum covers the header too: nothing of the file is parsed before it matches.
-    found = segment_matches(entry.checksum, buffer, pieces)
+    if summed is not None:
+        found = None if summed == entry.checksum else summed
+    else:
+        found = segment_matches(entry.checksum, buffer, pieces)
     if found is not None:
         raise refuse(f"checksum mismatch: the file has {found}, manifest says {entry.checksum}")
     try:
@@ -122,6 +133,22 @@ def _read_segment(
         if said != value:
             raise refuse(f"metadata {key} is {str(said)[:80]!r}, expected {value!r}")
     return parsed.tensors
+
+
+def _read_header(fd: int, size: int) -> np.ndarray[Any, Any]:
+    """A buffer of the file's ``size`` with only its safetensors header read in (the rest
+    never touched: numpy's empty pages), for ``parse_segment`` to check."""
+    buffer = np.empty(size, np.uint8)
+    view = buffer.data
+    head = os.pread(fd, min(size, 8), 0)
+    view[: len(head)] = head
+    if size >= 8:
+        length = min(int.from_bytes(head, "little"), size - 8, MAX_HEADER_BYTES)
+        got = os.pread(fd, length, 8)
+        if len(got) < length:
+            raise ShortRead(8 + len(got))
+        view[8 : 8 + length] = got
+    return buffer
 
 
 def _planned(
@@ -176,12 +203,15 @@ def verify_cache(
     agent: str,
     *,
     trusted: Mapping[str, SegmentEntry] | None = None,
+    summed: Mapping[str, str] | None = None,
 ) -> CacheManifest:
     """``read_cache``'s checks of the agent's warm cache, its arrays not kept; its
     manifest. A file of ``trusted`` (verified before, as the manifest entry given there:
     a segment kept unchanged, files are never rewritten) is read only when the manifest
     now says another checksum or size of it; else it must still be a regular file of
-    its size. Raises as ``read_cache`` does (without setting anything aside)."""
+    its size. A file of ``summed`` (its ``xxh3t`` checksum taken as it was written: an
+    import) must have the manifest's checksum, and only its header is read and checked.
+    Raises as ``read_cache`` does (without setting anything aside)."""
     folder = agent_dir(root, agent)
     loaded = load_manifest(folder, identity, agent)
     if loaded is None:
@@ -202,6 +232,9 @@ def verify_cache(
             if not stat.S_ISREG(info.st_mode) or info.st_size != entry.nbytes:
                 raise CacheRejected(f"{entry.file}: not the file the manifest names", str(path))
             continue
+        sum_taken = (summed or {}).get(entry.file)
+        if sum_taken is not None and not entry.checksum.startswith("xxh3t:"):
+            sum_taken = None  # a format-2 segment: its CRC is taken by reading it
         _read_segment(
             path,
             entry,
@@ -209,6 +242,7 @@ def verify_cache(
             identity,
             manifest.agent,
             manifest.format_version,
+            summed=sum_taken,
         )
     return manifest
 

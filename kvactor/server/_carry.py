@@ -88,12 +88,14 @@ def _model(request: Request, state: ServerState) -> str | None:
     return model
 
 
-async def _limited(pieces: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
-    """The body's pieces; raises ApiError (413) once they pass ``limit`` bytes."""
-    size = 0
+async def _limited(
+    pieces: AsyncIterator[bytes], limit: int, seen: list[int]
+) -> AsyncIterator[bytes]:
+    """The body's pieces (their bytes counted in ``seen[0]``); raises ApiError (413) once
+    they pass ``limit`` bytes."""
     async for piece in pieces:
-        size += len(piece)
-        if size > limit:
+        seen[0] += len(piece)
+        if seen[0] > limit:
             raise _too_big(limit)
         yield piece
 
@@ -140,9 +142,10 @@ async def import_cache(request: Request) -> Response:
         raise ApiError(409, "the agent is answering a request", code="agent_busy", param="agent_id")
     if not replace and full in state.session.agents:
         raise taken  # before any byte is read
+    seen = [0]
     try:
-        await state.session.import_agent(
-            _limited(request.stream(), limit),
+        agent = await state.session.import_agent(
+            _limited(request.stream(), limit, seen),
             full,
             replace=replace,
             model=model,
@@ -151,8 +154,7 @@ async def import_cache(request: Request) -> Response:
         )
     except (CacheRejected, StoreWriteError, ValueError) as exc:
         raise _refused(exc, taken) from None
-    warm = [w for w in await state.session.warm_agents() if w.agent == full]
-    tokens, nbytes = (warm[0].tokens, warm[0].nbytes) if warm else (0, 0)
+    tokens = (await agent.state()).tokens  # not a listing of every agent: one ask
     return JSONResponse(
-        {"id": name, "object": "agent", "tokens": tokens, "bytes": nbytes}, status_code=201
+        {"id": name, "object": "agent", "tokens": tokens, "bytes": seen[0]}, status_code=201
     )
