@@ -238,7 +238,8 @@ async def test_a_crash_during_a_replace_is_finished_at_the_next_open(tmp_path: P
         unverified = await stage_import(
             part, old, None, taken=lambda _: False, usage=None, budget=None
         )
-        os.unlink(unverified.staging / "ready")
+        # Not verified yet: its folder not renamed ready (what mark_ready does last).
+        os.rename(unverified.staging, unverified.staging.with_name("import-unverified"))
         os.rename(root / "agents" / "doc", staged.staging / "replaced")  # then the crash
     async with kvactor.open(tiny, cache_dir=root) as kv:
         assert _staged(root) == []

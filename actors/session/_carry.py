@@ -269,19 +269,19 @@ async def stage_import(
         header = await anyio.to_thread.run_sync(reader.finish)
         target = name or header.agent
 
-        def verify() -> None:
+        def verify() -> Path:
             rename_staged(staging, identity, header, target)
             # Each file's checksum was taken as it was staged: its data is not read again.
             summed = {f.name: f.checksum for f in header.files}
             verify_cache(staging, identity, layout, target, summed=summed)
-            mark_ready(staging, target)
+            return mark_ready(staging)
 
-        await anyio.to_thread.run_sync(verify)
+        ready = await anyio.to_thread.run_sync(verify)
     except BaseException:
         reader.close()
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Staged(staging, header, target, reader.nbytes)
+    return Staged(ready, header, target, reader.nbytes)
 
 
 def _fits(header: PortableHeader, name: str, usage: DiskUsage | None, budget: int | None) -> None:

@@ -91,7 +91,7 @@ _LEN = struct.Struct("<I")
 _SUM = struct.Struct("<Q")
 #: Marks a staging folder whose agent is verified: a crash while it is moved into place
 #: finishes the move at the next open (``settle_imports``).
-_READY = "ready"
+_STAGING, _READY = "import-", "ready-"
 
 
 class PortableFile(msgspec.Struct, frozen=True):
@@ -511,7 +511,7 @@ def _version_of(body: bytes) -> int:
 # ---------------------------------------------------------------------------- install
 def staging_dir(root: str | os.PathLike[str]) -> Path:
     """A new folder name under ``<root>/incoming/`` for an import to stage into."""
-    return contained(root, "incoming", f"import-{secrets.token_hex(8)}")
+    return contained(root, "incoming", f"{_STAGING}{secrets.token_hex(8)}")
 
 
 def rename_staged(
@@ -554,30 +554,28 @@ def rename_staged(
     return renamed
 
 
-def mark_ready(staging: Path, name: str) -> None:
-    """Say that the staged agent ``name`` is verified (``settle_imports`` may finish its
-    move into place after a crash)."""
-    fd = os.open(staging / _READY, os.O_WRONLY | os.O_CREAT | os.O_EXCL | CLOEXEC, 0o644)
-    try:
-        os.write(fd, name.encode())
-        sync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(staging)
+def mark_ready(staging: Path) -> Path:
+    """Say that the agent staged in ``staging`` (``import-<hex>``) is verified: the folder
+    becomes ``ready-<hex>`` (one rename, made durable), which ``settle_imports`` moves into
+    place after a crash. Returns its new path."""
+    ready = staging.with_name(_READY + staging.name[len(_STAGING) :])
+    os.rename(staging, ready)
+    fsync_dir(ready.parent)
+    return ready
 
 
 def install_import(root: str | os.PathLike[str], staging: Path, name: str) -> None:
-    """Move the verified, staged agent ``name`` into ``<root>/agents/``, replacing the
-    agent of that name there if any; ``staging`` is removed. A crash between the two
-    renames of a replace leaves the old folder aside and the new one staged and marked
-    ready: ``settle_imports`` finishes the move at the next open, so the agent is the old
-    one or the new one, never neither once settled."""
+    """Move the verified agent ``name`` staged in ``staging`` (ready) into
+    ``<root>/agents/``, replacing the agent of that name there if any; ``staging`` is
+    removed. A crash before the move is durable leaves the ready folder, and a crash
+    between the two renames of a replace leaves the old folder aside in it: either way
+    ``settle_imports`` finishes the move at the next open, so the agent is the old one or
+    the new one, never neither once settled (no fsync here: that is what makes it so)."""
     target = agent_dir(root, name)
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():
         os.rename(target, staging / "replaced")
     os.rename(agent_dir(staging, name), target)
-    fsync_dir(target.parent)
     shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -591,12 +589,14 @@ def settle_imports(root: str | os.PathLike[str]) -> int:
     done = 0
     for entry in sorted(os.listdir(incoming)):
         staging = incoming / entry
-        if not entry.startswith("import-") or not staging.is_dir():
+        if not entry.startswith((_STAGING, _READY)) or not staging.is_dir():
             continue
-        with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
-            name = check_agent_id((staging / _READY).read_text())
-            if agent_dir(staging, name).is_dir() and not agent_dir(root, name).exists():
-                install_import(root, staging, name)
-                done += 1
+        if entry.startswith(_READY):
+            with contextlib.suppress(OSError, ValueError):
+                names = os.listdir(staging / "agents")
+                name = check_agent_id(names[0]) if len(names) == 1 else ""
+                if name and not agent_dir(root, name).exists():
+                    install_import(root, staging, name)
+                    done += 1
         shutil.rmtree(staging, ignore_errors=True)
     return done

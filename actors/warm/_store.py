@@ -395,24 +395,21 @@ class StoreActor(Actor):
         staging = Path(m.staging)
         if staging.parent != self.root / "incoming":
             raise ValueError(f"{m.staging} is not a staging folder of {self.root}")
-        here = await anyio.to_thread.run_sync(os.path.lexists, agent_dir(self.root, agent))
-        if here and not m.replace:
-            raise ValueError(
-                f"agent {agent!r} already has a cache here: import it with replace to replace it"
-            )
         self._manifests.pop(agent, None)
         if self.usage is not None:
             await self._make_room(agent, m.nbytes)
-        before = await self._listed(agent)
+        before = self.usage.files(self.root, agent) if self.usage is not None else None
         t0 = time.perf_counter()
-        try:
-            await anyio.to_thread.run_sync(install_import, self.root, staging, agent)
-        finally:
-            after = await self._recount(agent)
+        # One trip to a worker thread: the check, the move, the count, the manifest.
+        adopt = functools.partial(
+            _adopt_files, self.root, self.identity, staging, agent, m.replace, before
+        )
+        before, after, manifest = await anyio.to_thread.run_sync(adopt)
+        if self.usage is not None:
+            self.usage.update(self.root, agent, after)
         self._refused.pop(agent, None)
         self._wrote(_new_bytes(before, after), writes=1, write_s=time.perf_counter() - t0)
-        manifest = await self._manifest(agent)
-        assert manifest is not None  # verified before it was staged
+        self._keep(agent, manifest)
         info = WarmInfo(
             agent=agent,
             tokens=manifest.n_tokens,
@@ -742,6 +739,29 @@ class StoreActor(Actor):
         finally:
             await self._recount(agent)
         return done
+
+
+def _adopt_files(
+    root: Path,
+    identity: CacheIdentity,
+    staging: Path,
+    agent: str,
+    replace: bool,
+    before: AgentFiles | None,
+) -> tuple[AgentFiles, AgentFiles, CacheManifest]:
+    """The files of ``Adopt``: an agent of that name there refused unless ``replace``,
+    the staged one moved into place, its files before (``before``: as counted) and after,
+    and its manifest (checked)."""
+    if os.path.lexists(agent_dir(root, agent)) and not replace:
+        raise ValueError(
+            f"agent {agent!r} already has a cache here: import it with replace to replace it"
+        )
+    if before is None:
+        before = agent_files(root, agent)
+    install_import(root, staging, agent)
+    manifest = read_manifest(root, identity, agent)
+    assert manifest is not None  # verified before it was staged
+    return before, agent_files(root, agent), manifest
 
 
 def _new_bytes(before: AgentFiles, after: AgentFiles) -> int:
