@@ -284,5 +284,12 @@ document.getElementById("filter").addEventListener("input", () => {
   if (view.status && view.status.ready) drawAgents(view.status);
 });
 
+window.addEventListener("hashchange", () => {
+  // Another key given in the address: start over with what it may see.
+  takeKeyFromUrl();
+  Object.assign(view, { instance: null, since: 0, events: [], status: null });
+  poll();
+});
+
 takeKeyFromUrl();
 poll();
