@@ -22,6 +22,8 @@ import anyio
 from anyio.abc import TaskStatus
 
 from ._app import create_app
+from ._board import Board
+from ._dashboard import create_dashboard_app
 from ._state import DEFAULT_MAX_IMPORT_BYTES, ServerState
 from ._tenants import Keys
 
@@ -247,3 +249,31 @@ async def serve(
             tg.start_soon(announce)
             await server.serve(sockets=[sock])
             tg.cancel_scope.cancel()
+
+
+async def serve_dashboard(
+    board: Board,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    ready: Callable[[int], None] | None = None,
+    stop: anyio.Event,
+) -> None:
+    """Serve the dashboard alone over ``board`` (``kvactor run --dashboard``) on
+    ``host:port`` (0: a free port) until ``stop`` is set; ``ready(port)`` once it
+    listens. Raises OSError when the address cannot be bound."""
+    sock = _bound(host, port)
+    server = _uvicorn_server(create_dashboard_app(board), drain_s=0.0)
+
+    async def watch() -> None:
+        while not server.started:  # uvicorn offers no event for it
+            await anyio.sleep(0.01)
+        if ready is not None:
+            ready(sock.getsockname()[1])
+        await stop.wait()
+        server.should_exit = True
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        await server.serve(sockets=[sock])
+        tg.cancel_scope.cancel()

@@ -184,7 +184,9 @@ function drawTimeline(s) {
   box.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const events = view.events;
   const end = s.final && events.length ? events[events.length - 1].t + 1 : s.time;
-  const start = s.final && events.length ? Math.min(events[0].t, end - 10) : end - WINDOW_S;
+  // The last ten minutes, or since the first event when that is sooner (a short run).
+  const first = events.length ? events[0].t - 1 : end - WINDOW_S;
+  const start = Math.min(Math.max(end - WINDOW_S, first), end - 10);
   const turns = events.filter((e) => e.kind === "turn" && e.t >= start);
   const x = (t) => L + (W - L - R) * (t - start) / Math.max(end - start, 1);
   const maxTtft = Math.max(0.1, ...turns.map((e) => e.ttft_s));
@@ -199,7 +201,7 @@ function drawTimeline(s) {
     nodes.push(svg("line", { x1: L, y1: y(v), x2: W - R, y2: y(v), stroke: "#f1f3f5" }));
   }
   nodes.push(svg("text", { x: W - R + 4, y: T + 8 }, rate(maxRate)));
-  nodes.push(svg("text", { x: L, y: H - 4 }, s.final ? "the run, start to end" : "last 10 min"));
+  nodes.push(svg("text", { x: L, y: H - 4 }, end - start < WINDOW_S ? "since the first turn" : "last 10 min"));
   const points = turns.filter((e) => e.decode_tok_s > 0)
     .map((e) => `${x(e.t).toFixed(1)},${yr(e.decode_tok_s).toFixed(1)}`);
   if (points.length > 1) {
