@@ -120,6 +120,11 @@ class CacheQuery(msgspec.Struct, frozen=True, tag=True):
     agent: str
 
 
+class HotQuery(msgspec.Struct, frozen=True, tag=True):
+    """Answers a CacheInfo for every hot cache of the model (none while it is unloaded):
+    one message for a dashboard's table, however many agents are hot."""
+
+
 class Fork(msgspec.Struct, frozen=True, tag=True):
     """Make ``new``'s hot cache the ``source``'s, sharing its stored arrays (they are never
     written in place), if the source is hot, idle and holds exactly ``tokens``: answers
@@ -199,6 +204,7 @@ EngineMessage = (
     | Release
     | DropCache
     | CacheQuery
+    | HotQuery
     | Fork
     | ToolWait
     | Hint

@@ -131,6 +131,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     warm_write_failures: int = 0  # turns whose warm write failed (Completion.save_error)
     ready_agents: int = 0  # hot agents keeping a ready (float) copy between turns
     ready_bytes: int = 0  # the bytes of those copies (part of cache_bytes)
+    working_bytes: int = 0  # running turns' working caches now (part of cache_bytes)
     dropped_ready: int = 0  # ready copies dropped for room (float -> quantized)
     ready_turns: int = 0  # turns that started from a ready copy (nothing dequantized)
     shared_turns: int = 0  # turns that reused another agent's stored ranges (share_prefixes)
@@ -154,6 +155,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     warm_bytes: int = 0
     warm_limit_bytes: int | None = None
     warm_written_bytes: int = 0
+    warm_written_today_bytes: int = 0  # of those, on today's local date (with a disk limit)
     demoted_warm_to_cold: int = 0
 
 

@@ -597,12 +597,13 @@ async def test_serve_prints_a_json_start_line_answers_and_stops_on_sigterm(
             await listening.wait()
             async with httpx.AsyncClient() as http:
                 health = (await http.get(f"http://127.0.0.1:{ports[0]}/health")).json()
-            assert health == {"status": "ok", "model": "t", "in_flight": 0}
+            assert health == {"status": "ok", "model": "t", "models": ["t"], "in_flight": 0}
             os.kill(os.getpid(), signal.SIGTERM)  # serve's own handler: a graceful stop
     lines = capsys.readouterr().err.splitlines()
     start = json.loads(lines[0])
     assert start["event"] == "serving" and start["port"] == ports[0] and start["model"] == "t"
     assert start["url"] == f"http://127.0.0.1:{ports[0]}/v1" and start["cache_dir"] is None
+    assert start["models"] == ["t"] and start["dashboard"].endswith(f":{ports[0]}/dashboard")
 
 
 async def test_the_agent_is_the_header_else_user_else_metadata_user_id() -> None:

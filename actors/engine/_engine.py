@@ -39,6 +39,7 @@ from ..messages import (
     ForModel,
     Generate,
     GetModelInfo,
+    HotQuery,
     Install,
     ModelsQuery,
     Release,
@@ -379,6 +380,8 @@ class EngineActor(ThreadActor):
                 return self.config.policy.victims(cold_candidates(agents, None, Rates()), need)
             case CacheQuery(agent) | Export(agent):
                 raise UnknownAgent(f"agent {agent!r} has no hot cache (its model is unloaded)")
+            case HotQuery():
+                return []
         raise TypeError(f"the engine does not handle {type(message).__name__}")
 
     def _behind(self, slot: _Slot, message: Any) -> bool:

@@ -39,6 +39,7 @@ from ..messages import (
     Generate,
     GetModelInfo,
     Hint,
+    HotQuery,
     Install,
     Release,
     Reserve,
@@ -248,6 +249,8 @@ class ModelRunner:
                 return pool.fork(check_agent_id(source), check_agent_id(new), tokens)
             case CacheQuery(agent):
                 return pool.info(agent)
+            case HotQuery():
+                return pool.infos()
             case ToolWait(agent, ttl_s):
                 pool.tool_wait(agent, self.config.tool_wait_s if ttl_s is None else ttl_s)
                 return None
@@ -281,6 +284,7 @@ class ModelRunner:
             demoted_cold=pool.demotions[Tier.COLD],
             ready_agents=pool.ready_agents,
             ready_bytes=pool.ready_bytes,
+            working_bytes=pool.ledger.working(),
             dropped_ready=pool.ready.drops,
             ready_turns=self._ready_turns,
             shared_turns=pool.shared_turns,

@@ -116,13 +116,17 @@ class Ledger:
         )
         return used
 
+    def working(self) -> int:
+        """Bytes of running turns' working caches now (in :meth:`measure`'s count)."""
+        return sum(e.kv.work_bytes for e in self._residents.values()) + self._batch_bytes
+
     def committed(self) -> int:
         """Bytes in use, counting running turns' working caches at their reserved maximum
         (the reserve covers the batch's padding and the merge copy, and what a turn stores
         before it ends: a cut's range, a recurrent layer's checkpoint)."""
         used = self.measure()
         entries = list(self._residents.values())
-        working = sum(e.kv.work_bytes for e in entries) + self._batch_bytes
+        working = self.working()
         reserved = sum(
             max(e.turn_reserve - max(e.kv.stored_bytes - e.turn_stored, 0), 0)
             for e in entries

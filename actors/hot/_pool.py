@@ -162,6 +162,10 @@ class CachePool:
             checkpoint_bytes=kv.checkpoint_bytes,
         )
 
+    def infos(self) -> list[CacheInfo]:
+        """What every hot cache holds (:meth:`info` of each)."""
+        return [self.info(agent) for agent in list(self.residents)]
+
     def new_kv(self) -> AgentKV:
         """An empty cache of this pool's codec, geometry and attention mode."""
         return AgentKV(

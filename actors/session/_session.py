@@ -25,6 +25,7 @@ from ..messages import (
     EngineMessage,
     Fork,
     Hint,
+    HotQuery,
     MakeContext,
     Snapshot,
     SpawnAgent,
@@ -510,6 +511,7 @@ class Session(SessionAPI[Agent]):
             warm_bytes=0 if usage is None else usage.used,
             warm_limit_bytes=None if usage is None else usage.limit,
             warm_written_bytes=written,
+            warm_written_today_bytes=0 if usage is None else usage.written_today(),
             demoted_warm_to_cold=cold,
         )
 
@@ -520,6 +522,14 @@ class Session(SessionAPI[Agent]):
         engine = self._models.engine_for(check_agent_id(name))
         info: CacheInfo = await engine.ask(CacheQuery(name))
         return info
+
+    async def hot_caches(self) -> list[CacheInfo]:
+        """Every hot cache of every model (as :meth:`cache_info` tells one), one question
+        per model however many agents are hot."""
+        infos: list[CacheInfo] = []
+        for part in self._models.parts():
+            infos += await part.engine.ask(HotQuery())
+        return infos
 
     async def warm_stats(self) -> StoreStats:
         """The warm tier's reads and writes so far (all zero without a warm tier)."""

@@ -303,6 +303,10 @@ class DiskUsage:
         day = today()
         self.written[day] = self.written.get(day, 0) + nbytes
 
+    def written_today(self) -> int:
+        """Bytes written to the warm tier on today's local date (the days before: none)."""
+        return self.written.get(today(), 0)
+
     def written_due(self) -> bool:
         """Whether the bytes written are due to be recorded (at most every WRITTEN_FLUSH_S);
         True starts the next wait."""

@@ -202,8 +202,35 @@ def _execute(
         print("kvactor: --plot needs matplotlib: pip install 'kvactor[plot]'", file=sys.stderr)
         return 2
     view = LiveView(out)
+    port = getattr(args, "dashboard", None)
+
+    def finish(results: Results) -> _Done:
+        fresh = bool(getattr(args, "fresh", False))
+        view.write(["", *format_summary(results), "", next_run(results, fresh=fresh)])
+        if results.cache_dir is not None:
+            remember_model(results.cache_dir, results.model.fingerprint, results.model.name)
+        if json_path:
+            write_results(results, json_path)
+            print(f"results: {json_path}", file=out)
+        if plot_path:
+            plot_ttft(results, plot_path)
+            print(f"plot: {plot_path}", file=out)
+        return _Done(results=results, caches=cache_commands(results), results_file=json_path)
+
     try:
-        results = anyio.run(lambda: run_scenario(scenario, on_event=view), backend=args.backend)
+        if port is None:
+            results = anyio.run(lambda: run_scenario(scenario, on_event=view), backend=args.backend)
+            return finish(results)
+        from ._watch import dashboard_backend, port_taken, run_watched  # the server extra
+
+        why = dashboard_backend(args.backend)
+        if why is not None:
+            print(f"kvactor run: {why}", file=sys.stderr)
+            return 2
+        try:
+            return anyio.run(run_watched, scenario, view, port, out, finish)
+        except OSError as exc:
+            return port_taken(port, exc)
     except (ScenarioError, ModelLoadError) as exc:
         print(f"kvactor: {exc}", file=sys.stderr)
         return 2
@@ -213,17 +240,6 @@ def _execute(
     except KvactorError as exc:
         print(f"kvactor: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    fresh = bool(getattr(args, "fresh", False))
-    view.write(["", *format_summary(results), "", next_run(results, fresh=fresh)])
-    if results.cache_dir is not None:
-        remember_model(results.cache_dir, results.model.fingerprint, results.model.name)
-    if json_path:
-        write_results(results, json_path)
-        print(f"results: {json_path}", file=out)
-    if plot_path:
-        plot_ttft(results, plot_path)
-        print(f"plot: {plot_path}", file=out)
-    return _Done(results=results, caches=cache_commands(results), results_file=json_path)
 
 
 def next_run(results: Results, *, fresh: bool = False) -> str:

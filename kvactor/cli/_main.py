@@ -21,6 +21,9 @@ DESCRIPTION = (
 CACHE_ROOT = "$KVACTOR_CACHE_DIR, else ~/.cache/kvactor/agents-cache"
 
 
+DASHBOARD_PORT = 8470  # kvactor run --dashboard without a port
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ._demo import run_demo
 
@@ -290,6 +293,15 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="override the scenario's disk limit on its warm tier (with K, M, G)",
     )
     run.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    run.add_argument(
+        "--dashboard",
+        nargs="?",
+        type=int,
+        const=DASHBOARD_PORT,
+        metavar="PORT",
+        help=f"watch the run live at http://127.0.0.1:PORT/dashboard (default {DASHBOARD_PORT}; "
+        "0: a free port); after the run it shows the final state until Ctrl-C",
+    )
     run.set_defaults(func=_run)
 
 

@@ -3,10 +3,12 @@ the estimates before (``_scenario_estimate``) and the measures after (``_scenari
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -356,16 +358,38 @@ class _Runner:
         self.emit(TurnFinished(record=record, total=self.total, agents=await self.rows()))
 
 
+def _open(
+    scenario: Scenario, spec: Any, models: dict[str, Any], budget: int | None, root: Path | None
+) -> Any:
+    """The run's session, not opened yet (several models: ``models`` names them)."""
+    return open_session(
+        None if "models" in models else spec,
+        **models,
+        max_batch=scenario.max_batch,
+        prefill_chunk=scenario.prefill_chunk,
+        attention=scenario.attention,
+        budget_bytes=budget,
+        policy=POLICIES[scenario.policy](),
+        cache_dir=root,
+        share_prefixes=scenario.share_prefixes,
+        deterministic=scenario.deterministic,
+    )
+
+
 async def run_scenario(
-    scenario: Scenario, *, on_event: Callable[[Event], None] | None = None
+    scenario: Scenario,
+    *,
+    on_event: Callable[[Event], None] | None = None,
+    watch: Callable[[Session], AbstractAsyncContextManager[object]] | None = None,
 ) -> Results:
     """Run every phase of ``scenario`` on one session and measure every turn.
 
     ``on_event`` (a plain function) sees RunStarted, PhaseStarted, TurnStarted and
-    TurnFinished as they happen. Raises ScenarioError for a model path that does not
-    exist or a shared context file that cannot be read, ModelLoadError for a model that
-    cannot be loaded, and what a turn raises (BudgetExceeded when ``budget_mb`` cannot
-    hold one turn's working cache).
+    TurnFinished as they happen; ``watch(session)`` is entered once the session is open
+    and left before it closes (a dashboard: its last look at the session). Raises
+    ScenarioError for a model path that does not exist or a shared context file that
+    cannot be read, ModelLoadError for a model that cannot be loaded, and what a turn
+    raises (BudgetExceeded when ``budget_mb`` cannot hold one turn's working cache).
     """
     started_at = time.time()
     t0 = time.perf_counter()
@@ -384,18 +408,8 @@ async def run_scenario(
         # The estimate needs the model's shape and tokenizer before the budget is set.
         async with open_session(spec, max_batch=1) as probe:
             budget, note = estimate_budget(scenario, probe.model, probe.tokenizer, disk.tokens)
-    async with open_session(
-        None if "models" in models else spec,
-        **models,
-        max_batch=scenario.max_batch,
-        prefill_chunk=scenario.prefill_chunk,
-        attention=scenario.attention,
-        budget_bytes=budget,
-        policy=POLICIES[scenario.policy](),
-        cache_dir=root,
-        share_prefixes=scenario.share_prefixes,
-        deterministic=scenario.deterministic,
-    ) as kv:
+    opened = _open(scenario, spec, models, budget, root)
+    async with opened as kv, watch(kv) if watch is not None else contextlib.nullcontext():
         # Without share_prefixes no shared context is made: the text is each agent's own.
         shared = text if scenario.share_prefixes else None
         runner = _Runner(scenario, kv, on_event, shared)

@@ -24,7 +24,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 /v1/messages`` (Anthropic), ``GET /health``, ``GET /v1/agents``, ``DELETE /v1/agents/{id}``,
 ``POST /v1/agents/{id}/prefetch``, ``POST /v1/agents/{id}/hint`` (``expect_in_s``,
 ``priority``, ``done``), ``GET`` / ``PUT /v1/agents/{id}/cache`` (the agent's portable
-file, streamed out and in), ``GET /metrics`` (Prometheus text). A turn request may say which
+file, streamed out and in), ``GET /metrics`` (Prometheus text), ``GET /dashboard`` (a live
+page of agents, tiers and memory) and ``GET /v1/status`` (its JSON). A turn request may say which
 agents run after it (``X-KVActor-Next``) and which are done for now (``X-KVActor-Done``):
 hints for the memory policy. Errors come in each API's own shape: 400 for malformed JSON
 (nested too deep, too many values), unknown fields, a field of the wrong type, bad values,
@@ -42,7 +43,9 @@ routes, health, metrics), ``_carry`` (an agent's file out and in), ``_turn`` (ru
 whole or streamed, cancelled when its client leaves), ``_admission`` (requests in flight),
 ``_routing`` (which agent answers), ``_tenants`` (keys and tenants), ``_request`` and
 ``_json`` (body checks), ``_errors``, ``_metrics``, ``_state`` (what the routes share),
-``_serve`` (uvicorn, signals, the default budget), ``_cli`` (``kvactor serve``'s arguments).
+``_serve`` (uvicorn, signals, the default budget), ``_cli`` (``kvactor serve``'s arguments),
+``_dashboard`` (``/dashboard`` and ``/v1/status``), ``_board`` (what it samples of the
+session), ``_activity`` (the recent turns and demotions it shows).
 """
 
 from __future__ import annotations
@@ -56,8 +59,11 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         f"(Starlette, uvicorn, prometheus-client): {exc}"
     ) from exc
 
+from ._activity import TurnSeen as TurnSeen
 from ._app import create_app as create_app
 from ._cli import run_serve as run_serve
+from ._dashboard import new_board as new_board
 from ._serve import serve as serve
+from ._serve import serve_dashboard as serve_dashboard
 
-__all__ = ("create_app", "run_serve", "serve")
+__all__ = ("TurnSeen", "create_app", "new_board", "run_serve", "serve", "serve_dashboard")

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..actors.session import Session
-from . import _agents, _anthropic, _carry, _hints, _openai, _status
+from . import _agents, _anthropic, _carry, _dashboard, _hints, _openai, _status
 from ._errors import Api, ApiError, error_response
 from ._state import DEFAULT_MAX_IMPORT_BYTES, ServerState, server_state
 from ._tenants import Keys
@@ -69,6 +69,10 @@ ROUTES = (
     _route("/v1/agents/{agent_id}/cache", "export", "GET", _O, _carry.export_cache),
     _route("/v1/agents/{agent_id}/cache", "import", "PUT", _O, _carry.import_cache),
     _route("/metrics", "metrics", "GET", _O, _status.metrics),
+    # The dashboard checks the key of /v1/status itself: the page and its files hold no data.
+    _route("/v1/status", "status", "GET", _O, _dashboard.status, open_route=True),
+    _route("/dashboard", "dashboard", "GET", _O, _dashboard.page, open_route=True),
+    _route("/dashboard/{name}", "dashboard_file", "GET", _O, _dashboard.asset, open_route=True),
 )
 
 
@@ -100,7 +104,7 @@ def create_app(
     lifespan: the session is the caller's to open and close. Raises ValueError for a
     malformed key entry."""
     app = Starlette(routes=list(ROUTES))
-    app.state.kvactor = ServerState.build(
+    state = app.state.kvactor = ServerState.build(
         session,
         model_id=model_id or session.model.name,
         strict_model=strict_model,
@@ -110,4 +114,5 @@ def create_app(
         max_anonymous=max_anonymous,
         keys=Keys(api_keys, admin_keys),
     )
+    app.state.dashboard = state.dashboard
     return app

@@ -41,7 +41,12 @@ async def header_hints(request: Request) -> None:
     ApiError / InvalidAgentId (400s) for a malformed header."""
     following, done = _ids(request, NEXT_HEADER), _ids(request, DONE_HEADER)
     if following or done:
-        await server_state(request).session.hint(next=following, done=done)
+        state = server_state(request)
+        await state.session.hint(next=following, done=done)
+        for rank, agent in enumerate(following):
+            state.activity.hinted(agent, "next" if rank == 0 else f"next +{rank}")
+        for agent in done:
+            state.activity.hinted(agent, "done")
 
 
 def _number(body: dict[str, Any], name: str) -> float | None:
@@ -79,4 +84,7 @@ async def agent_hint(request: Request) -> Response:
         )
     except ValueError as exc:
         raise ApiError(400, str(exc).replace(full, name)) from None
+    said = [] if wait is None else [f"in {wait:g} s"]
+    said += [] if rank is None else [f"priority {rank}"]
+    state.activity.hinted(full, "done" if done else ", ".join(said) or "none")
     return JSONResponse({"id": name, "hinted": True}, status_code=202)

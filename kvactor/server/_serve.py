@@ -22,6 +22,8 @@ import anyio
 from anyio.abc import TaskStatus
 
 from ._app import create_app
+from ._board import Board
+from ._dashboard import create_dashboard_app
 from ._state import DEFAULT_MAX_IMPORT_BYTES, ServerState
 from ._tenants import Keys
 
@@ -74,11 +76,13 @@ def start_line(
     auth: bool | None = None,
     tenants: int | None = None,
     budget_bytes: int | None = None,
+    models: Sequence[str] = (),
 ) -> str:
     """The line ``serve`` prints once it listens: text for people, or one JSON object
     (``as_json``) for programs: ``{"event": "serving", "url", "host", "port", "model",
-    "cache_dir", "pid"}``, with ``"auth"`` (whether keys are needed), ``"tenants"`` and
-    ``"budget_bytes"`` when given."""
+    "cache_dir", "pid"}``, with ``"auth"`` (whether keys are needed), ``"tenants"``,
+    ``"budget_bytes"`` and ``"models"`` (every model served; ``"dashboard"``: its page)
+    when given."""
     url = f"http://{host}:{port}/v1"
     if as_json:
         fields: dict[str, Any] = {
@@ -96,13 +100,19 @@ def start_line(
             fields["tenants"] = tenants
         if budget_bytes is not None:
             fields["budget_bytes"] = budget_bytes
+        if models:
+            fields["models"] = list(models)
+            fields["dashboard"] = f"http://{host}:{port}/dashboard"
         return json.dumps(fields)
     where = f"cache {cache_dir}" if cache_dir else "no warm tier"
+    if len(models) > 1:
+        where = f"models {', '.join(models)}; {where}"
     if budget_bytes is not None:
         where += f", hot budget {budget_bytes / (1 << 30):.2f} GiB"
     if tenants:
         where += f", {tenants} tenant{'s' * (tenants > 1)}"
-    return f"kvactor serving on {url} ({where}); Ctrl-C stops"
+    board = f"; dashboard http://{host}:{port}/dashboard" if models else ""
+    return f"kvactor serving on {url} ({where}){board}; Ctrl-C stops"
 
 
 def _bound(host: str, port: int) -> socket.socket:
@@ -225,6 +235,7 @@ async def serve(
                 auth=bool(keys),
                 tenants=keys.tenants,
                 budget_bytes=budget,
+                models=state.models or (state.model_id,),
             )
             print(line, file=sys.stderr, flush=True)
             if not keys:
@@ -238,3 +249,31 @@ async def serve(
             tg.start_soon(announce)
             await server.serve(sockets=[sock])
             tg.cancel_scope.cancel()
+
+
+async def serve_dashboard(
+    board: Board,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    ready: Callable[[int], None] | None = None,
+    stop: anyio.Event,
+) -> None:
+    """Serve the dashboard alone over ``board`` (``kvactor run --dashboard``) on
+    ``host:port`` (0: a free port) until ``stop`` is set; ``ready(port)`` once it
+    listens. Raises OSError when the address cannot be bound."""
+    sock = _bound(host, port)
+    server = _uvicorn_server(create_dashboard_app(board), drain_s=0.0)
+
+    async def watch() -> None:
+        while not server.started:  # uvicorn offers no event for it
+            await anyio.sleep(0.01)
+        if ready is not None:
+            ready(sock.getsockname()[1])
+        await stop.wait()
+        server.should_exit = True
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        await server.serve(sockets=[sock])
+        tg.cancel_scope.cancel()

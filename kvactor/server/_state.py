@@ -15,7 +15,10 @@ from starlette.requests import Request
 from ..actors.enums import FinishReason
 from ..actors.records import Completion
 from ..actors.session import Agent, Session
+from ._activity import Activity, TurnSeen
 from ._admission import Admission
+from ._board import Board
+from ._dashboard import Dashboard
 from ._metrics import Metrics
 from ._routing import AgentRouter, Conversation
 from ._tenants import Keys, Tenant
@@ -40,6 +43,7 @@ class ServerState:
     metrics: Metrics
     admission: Admission
     agents: AgentRouter
+    dashboard: Dashboard  # what /dashboard and /v1/status read (the recent turns included)
     created: int = field(default_factory=lambda: int(time.time()))
     # Agents staged by the prefetch route and not used since (their next turn is labelled).
     prefetched: set[str] = field(default_factory=set)
@@ -65,6 +69,8 @@ class ServerState:
     ) -> ServerState:
         """The state of a new app over ``session``."""
         metrics = Metrics()
+        router = AgentRouter(session, max_anonymous, keys.scope_of)
+        board = Board(session, Activity())
         return cls(
             session=session,
             model_id=model_id,
@@ -76,7 +82,8 @@ class ServerState:
             keys=keys,
             metrics=metrics,
             admission=Admission(max_pending, metrics.in_flight),
-            agents=AgentRouter(session, max_anonymous, keys.scope_of),
+            agents=router,
+            dashboard=Dashboard(board, keys, keys.scope_of, router.last_used),
         )
 
     @contextlib.contextmanager
@@ -123,6 +130,12 @@ class ServerState:
         prefetched = agent.name in self.prefetched
         self.prefetched.discard(agent.name)
         self.metrics.turn(done, prefetched)
+        self.activity.turn(TurnSeen.of(agent.name, done, prefetched))
+
+    @property
+    def activity(self) -> Activity:
+        """The recent turns, demotions and hints the dashboard shows."""
+        return self.dashboard.board.activity
 
 
 def server_state(request: Request) -> ServerState:

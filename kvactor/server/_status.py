@@ -18,11 +18,12 @@ from ._state import server_state, tenant_of
 
 
 async def health(request: Request) -> Response:
-    """``GET /health``: ok, the model id, the turn requests in flight (for an admin, or
-    anyone without keys)."""
+    """``GET /health``: ok, the model id (the first model's), every model served, the
+    turn requests in flight (for an admin, or anyone without keys)."""
     state = server_state(request)
     tenant = getattr(request.state, "tenant", None)  # None: no valid key presented
-    body: dict[str, Any] = {"status": "ok", "model": state.model_id}
+    models = list(state.models or (state.model_id,))
+    body: dict[str, Any] = {"status": "ok", "model": state.model_id, "models": models}
     if tenant is not None and tenant.admin:
         body["in_flight"] = state.admission.pending
     return JSONResponse(body)
