@@ -11,8 +11,10 @@ from ._api import TurnKind as TurnKind
 from ._api import TurnStream as TurnStream
 from ._carry import ExportStream as ExportStream
 from ._carry import ImportSource as ImportSource
+from ._carry import kvactor_version as kvactor_version
 from ._carry import read_source as read_source
 from ._carry import write_bytes as write_bytes
+from ._carry import write_pieces as write_pieces
 from ._handle import Agent as Agent
 from ._handle import TextStream as TextStream
 from ._model_part import model_folder as model_folder
@@ -26,8 +28,10 @@ __all__ = (
     "Agent",
     "ExportStream",
     "ImportSource",
+    "kvactor_version",
     "read_source",
     "write_bytes",
+    "write_pieces",
     "AgentAPI",
     "AgentTurns",
     "MODELS_KEYS",

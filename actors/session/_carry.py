@@ -11,7 +11,7 @@ import functools
 import os
 import secrets
 import shutil
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -43,9 +43,11 @@ __all__ = (
     "ImportSource",
     "Staged",
     "export_to",
+    "kvactor_version",
     "open_export",
     "read_source",
     "write_bytes",
+    "write_pieces",
     "stage_import",
 )
 
@@ -59,6 +61,7 @@ _FEED = 4 << 20  # bytes handed to the reader's thread at a time
 
 @functools.cache
 def kvactor_version() -> str:
+    """This kvactor's version ("" when it is not installed): what an export says made it."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -84,13 +87,18 @@ def _chunks(
     )
 
 
-def _write_all(chunks: Iterator[bytes | memoryview], dest: Any) -> int:
-    """Write every piece to ``dest`` (a path: through a temp file renamed at the end, so
-    that the path never holds a partial export; a file object: as it is)."""
+def write_pieces(chunks: Iterable[bytes | memoryview], dest: Any) -> int:
+    """Write every piece of an export to ``dest`` (a path: through a temp file renamed at
+    the end, so that the path never holds a partial export; a binary file object: as it
+    is, flushed at the end); the bytes written."""
     if not isinstance(dest, (str, os.PathLike)):
         if not callable(getattr(dest, "write", None)):
             raise TypeError(f"export to a path or a binary file, not {type(dest).__name__}")
-        return sum(_write_piece(dest, piece) for piece in chunks)
+        total = sum(_write_piece(dest, piece) for piece in chunks)
+        flush = getattr(dest, "flush", None)
+        if callable(flush):
+            flush()
+        return total
     path = Path(dest)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
@@ -109,7 +117,7 @@ def _write_all(chunks: Iterator[bytes | memoryview], dest: Any) -> int:
 def write_bytes(data: bytes, dest: Any) -> int:
     """Write a whole portable file held in memory to ``dest`` (as ``export_agent`` does)."""
     view = memoryview(data)
-    return _write_all(iter([view[at : at + _FEED] for at in range(0, len(view), _FEED)]), dest)
+    return write_pieces(iter([view[at : at + _FEED] for at in range(0, len(view), _FEED)]), dest)
 
 
 async def read_source(src: ImportSource, max_bytes: int = MAX_IMPORT_BYTES) -> bytes:
@@ -197,7 +205,7 @@ async def export_to(
         seen.append(header)
 
     def run() -> int:
-        return _write_all(_chunks(part, name, hear), dest)
+        return write_pieces(_chunks(part, name, hear), dest)
 
     nbytes = await anyio.to_thread.run_sync(run)
     header = seen[0]

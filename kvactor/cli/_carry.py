@@ -15,10 +15,8 @@ fails (the model cannot load, the disk cannot be written)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
-import secrets
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +32,7 @@ from ..actors.errors import (
     UnknownAgent,
 )
 from ..actors.ids import check_agent_id
+from ..actors.session import kvactor_version, write_pieces
 from ..actors.warm import PortableHeader, default_cache_dir, portable_chunks
 from ..runtime import KvactorError
 
@@ -46,15 +45,6 @@ def _say(command: str, message: str) -> None:
     print(f"kvactor {command}: {message}", file=sys.stderr, flush=True)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvactor")
-    except PackageNotFoundError:
-        return ""
-
-
 # ------------------------------------------------------------------------------ export
 def _destination(output: str | None, agent: str, stdout: IO[str]) -> Path | None:
     """Where the export goes: None for stdout (``-o -``, or no ``-o`` when stdout is not
@@ -62,36 +52,6 @@ def _destination(output: str | None, agent: str, stdout: IO[str]) -> Path | None
     if output == "-" or (output is None and not stdout.isatty()):
         return None
     return Path(output) if output is not None else Path(agent + SUFFIX)
-
-
-def _write_pieces(pieces: Iterator[bytes | memoryview], f: IO[bytes]) -> int:
-    total = 0
-    for piece in pieces:
-        f.write(piece)
-        total += len(piece)
-    return total
-
-
-def _write(pieces: Iterator[bytes | memoryview], dest: Path | None) -> int:
-    """Write every piece to stdout (``dest`` None) or to ``dest`` through a temporary file
-    renamed once whole."""
-    if dest is None:
-        out = sys.stdout.buffer
-        total = _write_pieces(pieces, out)
-        out.flush()
-        return total
-    tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            total = _write_pieces(pieces, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return total
 
 
 def export_agent(root: str | os.PathLike[str], agent: str, dest: Path | None) -> PortableHeader:
@@ -103,14 +63,14 @@ def export_agent(root: str | os.PathLike[str], agent: str, dest: Path | None) ->
     if not os.path.isdir(root):
         raise UnknownAgent(f"no cache directory {root}")
     seen: list[PortableHeader] = []
-    pieces = portable_chunks(root, agent, version=_version(), sizes=seen.append)
+    pieces = portable_chunks(root, agent, version=kvactor_version(), sizes=seen.append)
     first = next(pieces)  # its refusals come before anything is written
 
     def every() -> Iterator[bytes | memoryview]:
         yield first
         yield from pieces
 
-    _write(every(), dest)
+    write_pieces(every(), sys.stdout.buffer if dest is None else dest)
     return seen[0]
 
 
