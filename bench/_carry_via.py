@@ -54,20 +54,20 @@ async def via_cli(spec: Any, source: Path, root: Path, name: str, turn: Turn) ->
 @contextlib.asynccontextmanager
 async def _served(kv: kvactor.Session) -> AsyncIterator[str]:
     """``kv`` served on 127.0.0.1 on a free port until the block ends."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(kv), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(functools.partial(server.serve, sockets=[sock]))
-        with anyio.fail_after(30):
-            while not server.started:
-                await anyio.sleep(0.01)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.should_exit = True
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(create_app(kv), log_level="warning", lifespan="off")
+        server = uvicorn.Server(config)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(server.serve, sockets=[sock]))
+            with anyio.fail_after(30):
+                while not server.started:
+                    await anyio.sleep(0.01)
+            try:
+                yield f"http://127.0.0.1:{port}"
+            finally:
+                server.should_exit = True
 
 
 async def via_http(spec: Any, source: Path, root: Path, name: str, turn: Turn) -> bool | None:

@@ -78,22 +78,24 @@ async def running(
     block."""
     async with kvactor.open(model, **options) as kv:
         app = create_app(kv, model_id="tiny", **(app_options or {}))
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.bind(("127.0.0.1", 0))  # the protocol named: asyncio sets TCP_NODELAY
-        port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
-        )
-        server = uvicorn.Server(config)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(functools.partial(server.serve, sockets=[sock]))
-            with anyio.fail_after(10):
-                while not server.started:
-                    await anyio.sleep(0.01)
-            try:
-                yield kv, f"http://127.0.0.1:{port}"
-            finally:
-                server.should_exit = True
+        # Closed on the way out whatever happened (a server that failed to start never
+        # closes it, and a socket left to the collector fails a later test).
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as sock:
+            sock.bind(("127.0.0.1", 0))  # the protocol named: asyncio sets TCP_NODELAY
+            port = sock.getsockname()[1]
+            config = uvicorn.Config(
+                app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
+            )
+            server = uvicorn.Server(config)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(server.serve, sockets=[sock]))
+                with anyio.fail_after(10):
+                    while not server.started:
+                        await anyio.sleep(0.01)
+                try:
+                    yield kv, f"http://127.0.0.1:{port}"
+                finally:
+                    server.should_exit = True
 
 
 def metric(text: str, name: str, **labels: str) -> float:

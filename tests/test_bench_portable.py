@@ -35,6 +35,11 @@ KEYS = (
 )
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # its HTTP leg serves with uvicorn, which runs on asyncio
+
+
 @pytest.mark.slow  # a bench's run, seconds: the whole suite's
 async def test_the_quick_bench_carries_the_agent_and_reports_every_figure() -> None:
     out = await portable.main([200], 1, True)

@@ -64,7 +64,8 @@ async def test_requests_need_a_key_and_get_401_in_each_apis_shape() -> None:
             message = await a.messages.create(**chat("hi"))
             assert message.content[0].type == "text"
         # /health answers anyone (a liveness probe), the load only to an admin.
-        assert (await http.get(f"{base}/health")).json() == {"status": "ok", "model": "tiny"}
+        public = {"status": "ok", "model": "tiny", "models": ["tiny"]}  # every model named
+        assert (await http.get(f"{base}/health")).json() == public
         health = (await http.get(f"{base}/health", headers=auth(ROOT))).json()
         assert health["in_flight"] == 0
 
