@@ -398,11 +398,11 @@ class StoreActor(Actor):
         self._manifests.pop(agent, None)
         if self.usage is not None:
             await self._make_room(agent, m.nbytes)
-        before = self.usage.files(self.root, agent) if self.usage is not None else None
+        counted = self.usage.files(self.root, agent) if self.usage is not None else None
         t0 = time.perf_counter()
         # One trip to a worker thread: the check, the move, the count, the manifest.
         adopt = functools.partial(
-            _adopt_files, self.root, self.identity, staging, agent, m.replace, before
+            _adopt_files, self.root, self.identity, staging, agent, m.replace, counted
         )
         before, after, manifest = await anyio.to_thread.run_sync(adopt)
         if self.usage is not None:
