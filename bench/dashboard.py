@@ -17,8 +17,8 @@ none, three...) after one untimed round, ``--rounds`` of each (3); figures are m
 - ``status_ms``: the median ``GET /v1/status`` as a client times it, each asked when the
   last sample is stale (a fresh sample: the session asked), the agents idle; and
   ``status_ms_decoding``, the same while the agents decode (an extra, untimed round);
-- ``status_requests_per_s``: the pages' requests during the ``three`` rounds (proof they
-  polled).
+- ``status_requests_per_s``: the pages' requests from their load to the end of each
+  ``three`` round (proof they polled).
 
 The three browsers run on this machine's CPUs beside the engine: their rendering is part of
 what is measured. The bench stops its server and browsers itself.
@@ -217,8 +217,8 @@ async def main(rounds: int, agents: int, tokens: int, quick: bool) -> dict[str, 
                     for r in range(rounds):
                         for kind in ("none", "three"):
                             url = f"{base}/dashboard" if kind == "three" else None
+                            before, t0 = app.status, time.perf_counter()  # from the page's load
                             await anyio.to_thread.run_sync(show, pages, url)
-                            before, t0 = app.status, time.perf_counter()
                             rate = await decode_round(kv, agents, tokens, f"{kind}{r}")
                             rates[kind].append(rate)
                             if kind == "three":
