@@ -125,6 +125,14 @@ class HotQuery(msgspec.Struct, frozen=True, tag=True):
     one message for a dashboard's table, however many agents are hot."""
 
 
+class TierEvents(msgspec.Struct, frozen=True, tag=True):
+    """Answers the model's hot-tier moves (demotions, installs from the warm tier) after
+    seq ``since`` as a TierMoves, loaded or not: one message for a dashboard's timeline,
+    however many moves came since it last asked."""
+
+    since: int = 0
+
+
 class Fork(msgspec.Struct, frozen=True, tag=True):
     """Make ``new``'s hot cache the ``source``'s, sharing its stored arrays (they are never
     written in place), if the source is hot, idle and holds exactly ``tokens``: answers
@@ -205,6 +213,7 @@ EngineMessage = (
     | DropCache
     | CacheQuery
     | HotQuery
+    | TierEvents
     | Fork
     | ToolWait
     | Hint

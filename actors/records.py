@@ -23,6 +23,8 @@ __all__ = (
     "ModelState",
     "Piece",
     "Timings",
+    "TierMove",
+    "TierMoves",
     "ToolCall",
     "ToolCallDelta",
     "ToolRequest",
@@ -95,6 +97,32 @@ class CacheInfo(msgspec.Struct, frozen=True):
     checkpoints: int = 0
     checkpoint_tokens: list[int] = msgspec.field(default_factory=list)
     checkpoint_bytes: int = 0
+
+
+class TierMove(msgspec.Struct, frozen=True):
+    """One cache leaving or entering a model's hot tier, as the hot tier logged it:
+    ``kind`` ``"demoted"`` (to ``tier`` ``"warm"`` or ``"cold"``, ``nbytes`` freed) or
+    ``"installed"`` (a warm cache staged from disk, ``nbytes`` of it; ``source``
+    ``"prefetch"`` or ``"turn"``). ``seq`` numbers the model's moves from 1, ``t`` is
+    unix seconds."""
+
+    seq: int
+    t: float
+    kind: str
+    agent: str
+    nbytes: int
+    tier: str = ""  # a demotion's destination
+    source: str = ""  # an install's cause
+
+
+class TierMoves(msgspec.Struct, frozen=True):
+    """A model's moves after a ``since`` (``TierEvents``), oldest first; ``last``: the
+    seq of its latest move (ask after it next time); ``lost``: moves after ``since``
+    that had left the log (it keeps the latest ones only)."""
+
+    moves: list[TierMove]
+    last: int
+    lost: int = 0
 
 
 class ModelInfo(msgspec.Struct, frozen=True):

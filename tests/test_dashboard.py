@@ -11,11 +11,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from multimodels import MODELS
 from serving import running
 
+import kvactor
+from kvactor.actors.records import TierMove, TierMoves
 from kvactor.server._activity import Activity
 from kvactor.server._serve import start_line
 
@@ -62,9 +65,31 @@ async def status(http: httpx.AsyncClient, base: str, **params: Any) -> dict[str,
     return body
 
 
+async def moves_match(
+    kv: kvactor.Session, http: httpx.AsyncClient, base: str, headers: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Every demotion and reload event ``headers``' key sees once they number what the
+    engine counted (a sample is taken at most every quarter second: it polls for that)."""
+    events: list[dict[str, Any]] = []
+    since = 0
+    with anyio.fail_after(30):
+        while True:
+            s = await status(http, base, since=since, headers=headers)
+            events += [e for e in s["events"] if e["kind"] in ("demoted", "reloaded")]
+            since = s["events_next"]
+            c = await kv.stats()
+            demoted = [e for e in events if e["kind"] == "demoted"]
+            if (
+                len(demoted) >= c.demoted_warm + c.demoted_cold
+                and len(events) - len(demoted) >= c.installs
+            ):
+                return events
+            await anyio.sleep(0.05)  # the next sample: a quarter second after the last
+
+
 async def test_status_follows_agents_through_the_tiers(tmp_path: Path) -> None:
     async with (
-        running(budget_bytes=BUDGET, cache_dir=tmp_path) as (_, base),
+        running(budget_bytes=BUDGET, cache_dir=tmp_path) as (kv, base),
         httpx.AsyncClient(timeout=60) as http,
     ):
         seen: dict[str, set[str]] = {a: set() for a in AGENTS}
@@ -111,6 +136,19 @@ async def test_status_follows_agents_through_the_tiers(tmp_path: Path) -> None:
         for bad in ({"limit": "-1"}, {"limit": "9999"}, {"since": "x"}):
             r = await http.get(f"{base}/v1/status", params=bad)
             assert r.status_code == 400 and r.json()["error"]["param"] in bad
+        # Every move the hot tier made is an event, exactly: none lost between samples.
+        moves = await moves_match(kv, http, base, {})
+        c = await kv.stats()
+        demoted = [e for e in moves if e["kind"] == "demoted"]
+        assert len(demoted) == c.demoted_warm + c.demoted_cold > len(AGENTS)
+        assert sum(e["to"] == "warm" for e in demoted) == c.demoted_warm
+        reloads = [e for e in moves if e["kind"] == "reloaded"]
+        assert len(reloads) == c.installs > 0 and {e["source"] for e in reloads} <= {
+            "turn",
+            "prefetch",
+        }
+        assert all(e["bytes"] > 0 and e["agent"] in AGENTS for e in moves)
+        assert [e["seq"] for e in moves] == sorted({e["seq"] for e in moves})
 
 
 async def test_a_tenant_sees_its_own_agents_and_an_admin_all() -> None:
@@ -143,6 +181,27 @@ async def test_a_tenant_sees_its_own_agents_and_an_admin_all() -> None:
         assert admin["counters"]["turns"] == 3
 
 
+async def test_a_tenant_sees_only_its_own_agents_moves(tmp_path: Path) -> None:
+    async with (
+        running(app_options=KEYS, budget_bytes=BUDGET, cache_dir=tmp_path) as (kv, base),
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        mine = {ALICE: ["a1", "a2", "a3"], BOB: ["b1", "b2", "b3"]}
+        for step in range(2):
+            for i in range(3):  # alternately: each tenant's caches push the other's out
+                for entry, agents in mine.items():
+                    await turn(http, base, agents[i], step, auth(entry))
+        every = await moves_match(kv, http, base, auth(ROOT))
+        seen = {}
+        for entry, agents in mine.items():
+            own = (await status(http, base, headers=auth(entry)))["events"]
+            seen[entry] = [e for e in own if e["kind"] in ("demoted", "reloaded")]
+            assert seen[entry] and {e["agent"] for e in seen[entry]} <= set(agents)
+        # The admin's are both tenants' (by their scoped ids), no more.
+        assert len(every) == len(seen[ALICE]) + len(seen[BOB])
+        assert {e["agent"].split(".")[0] for e in every} == {"alice", "bob"}
+
+
 async def test_health_and_the_start_line_name_every_model() -> None:
     async with running(None, models=MODELS) as (_, base), httpx.AsyncClient() as http:
         health = (await http.get(f"{base}/health")).json()
@@ -155,6 +214,23 @@ async def test_health_and_the_start_line_name_every_model() -> None:
     assert fields["models"] == ["a", "b"] and fields["dashboard"] == "http://h:8/dashboard"
 
 
+def test_the_move_log_is_bounded_and_numbered() -> None:
+    from kvactor.actors.enums import Tier
+    from kvactor.actors.hot import MoveLog
+
+    log = MoveLog(limit=4)
+    for i in range(10):
+        log.demoted(f"a{i}", Tier.WARM, 10 + i)
+    log.installed("a0", 5, prefetch=False)
+    (last,) = log.after(10).moves
+    assert last == TierMove(11, last.t, "installed", "a0", 5, source="turn")
+    assert [m.seq for m in log.after(9).moves] == [10, 11]
+    old = log.after(0)  # the first seven left the log: counted, not returned
+    assert [m.seq for m in old.moves] == [8, 9, 10, 11] and old.lost == 7 and old.last == 11
+    assert log.after(11).moves == [] and log.after(50).last == 11  # ahead: all kept
+    assert old.moves[0].tier == "warm" and old.moves[0].nbytes == 17
+
+
 def test_the_activity_log_is_bounded() -> None:
     from kvactor.server._activity import TurnSeen
 
@@ -163,15 +239,32 @@ def test_the_activity_log_is_bounded() -> None:
         log.turn(TurnSeen(f"a{i}", "cold", 0.1, 5.0, 10, 0, 2))
     assert len(log.events(lambda _: True)) == 10 and log.seq == 50
     assert log.last_turn("a49") is not None and log.last_turn("a0") is None
-    log.tiers(["a48", "a49"], [])
-    log.tiers(["a49"], ["a48"])
-    assert log.events(lambda _: True)[-1] | {"t": 0} == {
-        "seq": 51,
-        "t": 0,
-        "kind": "demoted",
-        "agent": "a48",
-        "to": "warm",
-    }
+    moved = [
+        TierMove(1, 5.0, "demoted", "a48", 100, tier="warm"),
+        TierMove(2, 6.0, "installed", "a48", 90, source="prefetch"),
+    ]
+    log.moved({"tiny": TierMoves(moved, last=9, lost=7)})
+    assert [e | {"seq": 0} for e in log.events(lambda _: True)[-2:]] == [
+        {
+            "seq": 0,
+            "t": 5.0,
+            "kind": "demoted",
+            "agent": "a48",
+            "bytes": 100,
+            "model": "tiny",
+            "to": "warm",
+        },
+        {
+            "seq": 0,
+            "t": 6.0,
+            "kind": "reloaded",
+            "agent": "a48",
+            "bytes": 90,
+            "model": "tiny",
+            "source": "prefetch",
+        },
+    ]
+    assert log.seq == 52 and log.moves_lost == 7
     again = TurnSeen("a49", "cold", 0.1, 5.0, 10, 0, 2)
     log.turn(again)  # a cold turn of an agent seen before: its cache was lost
     assert log.events(lambda _: True)[-1]["reprefill"] is True

@@ -45,6 +45,7 @@ from ..messages import (
     Release,
     Reserve,
     StatsQuery,
+    TierEvents,
     ToolWait,
     WarmVictims,
     Written,
@@ -382,6 +383,8 @@ class EngineActor(ThreadActor):
                 raise UnknownAgent(f"agent {agent!r} has no hot cache (its model is unloaded)")
             case HotQuery():
                 return []
+            case TierEvents(since):  # its log outlives its loads
+                return slot.runner.moves.after(since)
         raise TypeError(f"the engine does not handle {type(message).__name__}")
 
     def _behind(self, slot: _Slot, message: Any) -> bool:

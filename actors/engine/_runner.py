@@ -27,7 +27,7 @@ from ..errors import (
     ModelLoadError,
     TurnEnded,
 )
-from ..hot import CachePool, HotEntry
+from ..hot import CachePool, HotEntry, MoveLog
 from ..ids import check_agent_id
 from ..messages import (
     CacheQuery,
@@ -44,6 +44,7 @@ from ..messages import (
     Release,
     Reserve,
     StatsQuery,
+    TierEvents,
     ToolWait,
     WarmVictims,
     Written,
@@ -106,6 +107,7 @@ class ModelRunner:
         self._grammars: GrammarCompiler  # compiles Generate.constraint (set at load)
         self._ready_turns = 0
         self._ending = False  # EndTurns came: turns end, new ones are refused
+        self.moves = MoveLog()  # its hot tier's moves, kept across loads (each pool's log)
 
     @property
     def loaded(self) -> bool:
@@ -130,6 +132,7 @@ class ModelRunner:
             turn_cache=self.turn_cache,
             ready_copies=config.ready_copies,
             checkpoints=config.checkpoints,
+            moves=self.moves,
         )
         self.batch = DecodeBatch(self.lm.model)
         self._eos = frozenset(self.lm.tokenizer.eos_token_ids)
@@ -251,6 +254,8 @@ class ModelRunner:
                 return pool.info(agent)
             case HotQuery():
                 return pool.infos()
+            case TierEvents(since):
+                return self.moves.after(since)
             case ToolWait(agent, ttl_s):
                 pool.tool_wait(agent, self.config.tool_wait_s if ttl_s is None else ttl_s)
                 return None

@@ -2,7 +2,8 @@
 parts, each the only writer of its state: ``Residents`` (entries, busy agents, scopes, the
 shared-prefix index), the ``Ledger`` (the budget's counts), ``ReadyCopies``, ``Demotion``
 (whom to demote, through a policy) and ``WarmTraffic`` (stagings in, exports out); the
-policies and the application's hints (``HintBook``) live here too."""
+two log each demotion and install in a ``MoveLog``. The policies and the application's
+hints (``HintBook``) live here too."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from ._hints import HintBook as HintBook
 from ._hints import make_hint as make_hint
 from ._hints import split_hint as split_hint
 from ._ledger import Ledger as Ledger
+from ._moves import MAX_MOVES as MAX_MOVES
+from ._moves import MoveLog as MoveLog
 from ._policy import Candidate as Candidate
 from ._policy import EvictionPolicy as EvictionPolicy
 from ._policy import LRUPolicy as LRUPolicy
@@ -25,6 +28,7 @@ from ._residents import Residents as Residents
 from ._traffic import WarmTraffic as WarmTraffic
 
 __all__ = (
+    "MAX_MOVES",
     "PRIORITY_LIMIT",
     "CachePool",
     "Candidate",
@@ -34,6 +38,7 @@ __all__ = (
     "HotEntry",
     "LRUPolicy",
     "Ledger",
+    "MoveLog",
     "Rates",
     "ReadyCopies",
     "Residents",

@@ -12,6 +12,7 @@ from ..messages import WarmAgent
 from ._entry import HotEntry
 from ._hints import HintBook
 from ._ledger import Ledger
+from ._moves import MoveLog
 from ._policy import Candidate, EvictionPolicy, Rates
 from ._ready import ReadyCopies
 from ._residents import Residents
@@ -55,8 +56,8 @@ class Demotion:
     complete on disk goes warm; any other goes cold.
 
     Invariant: the only remover of residents for room, and the only writer of
-    ``demotions``; a cache with a turn running, or a write due or under way, is never
-    demoted."""
+    ``demotions`` and of the demotions in ``moves``; a cache with a turn running, or a
+    write due or under way, is never demoted."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class Demotion:
         policy: EvictionPolicy,
         *,
         persistent: bool,
+        moves: MoveLog | None = None,
     ) -> None:
         self._residents = residents
         self._ledger = ledger
@@ -77,6 +79,7 @@ class Demotion:
         self.policy = policy
         self.persistent = persistent
         self.demotions = {Tier.WARM: 0, Tier.COLD: 0}
+        self.moves = moves if moves is not None else MoveLog()  # each demotion logged
 
     # -- who waits --------------------------------------------------------------------
     def waiting(self, agent: str, entry: HotEntry) -> bool:
@@ -220,11 +223,13 @@ class Demotion:
                 for c in self.candidates(exclude)
                 if (turn or not c.waiting) and c.agent not in keep
             ]
-            tiers = {c.agent: c.demote_to for c in candidates}
+            chosen = {c.agent: c for c in candidates}
             for agent in self.policy.victims(candidates, missing):
-                assert agent in tiers, f"the policy chose {agent!r}, not a candidate"
+                assert agent in chosen, f"the policy chose {agent!r}, not a candidate"
                 self._residents.remove(agent)
-                self.demotions[tiers[agent]] += 1
+                victim = chosen[agent]
+                self.demotions[victim.demote_to] += 1
+                self.moves.demoted(agent, victim.demote_to, victim.nbytes)
         return ledger.committed() + need <= ledger.limit
 
     def cold_victims(self, agents: Sequence[WarmAgent], need: int) -> list[str]:

@@ -27,6 +27,7 @@ from ._demotion import Demotion
 from ._entry import HotEntry, common_prefix
 from ._hints import HintBook
 from ._ledger import Ledger
+from ._moves import MoveLog
 from ._policy import Candidate, EvictionPolicy, Rates
 from ._ready import ReadyCopies
 from ._residents import Residents
@@ -42,6 +43,8 @@ class CachePool:
     caches complete on disk may be demoted (to warm); without one, demotion drops a cache to
     cold. New agents' caches are of ``codec``, ``geometry`` and the attention mode's
     ``turn_cache``; ``ready_copies``: keep float copies between turns (:class:`ReadyCopies`).
+    ``moves``: the log its demotions and installs go to (:class:`MoveLog`; None: its own),
+    handed in by a runner whose log outlives each load's pool.
 
     The engine runs turns on the entries' caches through the methods here (claim, base,
     start, store a cut, end) and reports its running batch's bytes. The pool is the only
@@ -59,6 +62,7 @@ class CachePool:
         turn_cache: type[TurnCache] = FloatTurnCache,
         ready_copies: bool = True,
         checkpoints: int = DEFAULT_CHECKPOINTS,
+        moves: MoveLog | None = None,
     ) -> None:
         self._checkpoints = checkpoints
         self.persistent = persistent
@@ -76,6 +80,7 @@ class CachePool:
             self.rates,
             policy,
             persistent=persistent,
+            moves=moves,
         )
         self.warm = WarmTraffic(self.residents, self.ledger, self.demotion)
         self.shared_turns = 0  # turns based on another cache's stored ranges
@@ -105,6 +110,10 @@ class CachePool:
     @property
     def demotions(self) -> dict[Tier, int]:
         return self.demotion.demotions
+
+    @property
+    def moves(self) -> MoveLog:
+        return self.demotion.moves
 
     def measure(self) -> int:
         return self.ledger.measure()

@@ -34,9 +34,10 @@ class _Waiter:
 class WarmTraffic:
     """Stagings in and exports out, a part of the :class:`~kvactor.actors.hot.CachePool`.
 
-    Invariant: the only writer of the stagings waiting for room and of the counts of
-    installs and writes; every staged or exported byte is in the ledger from the moment
-    it is reserved or pinned until it is installed or written."""
+    Invariant: the only writer of the stagings waiting for room, of the counts of
+    installs and writes and of the installs in the demotion's move log; every staged or
+    exported byte is in the ledger from the moment it is reserved or pinned until it is
+    installed or written."""
 
     def __init__(self, residents: Residents, ledger: Ledger, demotion: Demotion) -> None:
         self._residents = residents
@@ -98,7 +99,8 @@ class WarmTraffic:
         """Make a staged warm cache of ``nbytes`` hot (``build`` makes it); False when the
         agent is hot already (that copy is at least as new). Raises BudgetExceeded when
         nothing was reserved for it and it does not fit. ``from_disk=False``: a cache made
-        in memory (a fork), not counted in ``installs`` (reloads from disk)."""
+        in memory (a fork), not counted in ``installs`` (reloads from disk) nor logged.
+        ``pin``: staged for a turn (its agent's turn waits for it), else a prefetch's."""
         reserved = self._ledger.unreserve(agent)
         if agent in self._residents:
             return False
@@ -110,7 +112,9 @@ class WarmTraffic:
             kv, now, persisted=len(kv.tokens), pinned=pin, next_use=None if pin else now
         )
         self._residents.add(agent, entry)
-        self.installs += from_disk
+        if from_disk:
+            self.installs += 1
+            self._demotion.moves.installed(agent, nbytes, prefetch=not pin)
         self._ledger.measure()
         return True
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -29,11 +30,12 @@ from ..messages import (
     MakeContext,
     Snapshot,
     SpawnAgent,
+    TierEvents,
     Turn,
 )
 from ..models import Tokenizer
 from ..options import Sampling
-from ..records import AgentSnapshot, CacheInfo, EngineStats, ModelInfo, ModelState
+from ..records import AgentSnapshot, CacheInfo, EngineStats, ModelInfo, ModelState, TierMoves
 from ..warm import (
     MAX_IMPORT_BYTES,
     ActorWarmTier,
@@ -530,6 +532,16 @@ class Session(SessionAPI[Agent]):
         for part in self._models.parts():
             infos += await part.engine.ask(HotQuery())
         return infos
+
+    async def tier_moves(self, since: Mapping[str, int] | None = None) -> dict[str, TierMoves]:
+        """Each model's hot-tier moves (demotions, installs from the warm tier; see
+        :class:`~kvactor.actors.records.TierMove`) after the seq ``since`` names for it
+        (none named: from its first), by model name; one question per model."""
+        since = since or {}
+        moves: dict[str, TierMoves] = {}
+        for part in self._models.parts():
+            moves[part.name] = await part.engine.ask(TierEvents(since.get(part.name, 0)))
+        return moves
 
     async def warm_stats(self) -> StoreStats:
         """The warm tier's reads and writes so far (all zero without a warm tier)."""

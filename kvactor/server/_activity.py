@@ -1,23 +1,24 @@
 """What happened lately, for the dashboard: a bounded log of events (turns with their
-path, TTFT and decode rate; caches leaving the hot tier; hints) and each agent's last
-turn and hint. Never a prompt's or an answer's text: only figures and agent ids.
+path, TTFT and decode rate; caches leaving the hot tier and warm caches reloaded into
+it; hints) and each agent's last turn and hint. Never a prompt's or an answer's text:
+only figures and agent ids.
 
 Whoever sees turns end feeds it (the server's routes, ``kvactor run``'s events); the
-dashboard's sampler tells it which agents are hot now (:meth:`Activity.tiers`), from
-which it records demotions. It keeps at most ``max_events`` events and ``max_agents``
-agents' last turns (the least recently seen go first): its size is bounded however
-long a server runs."""
+dashboard's sampler hands it the hot tiers' own logs of moves (:meth:`Activity.moved`),
+each demotion and reload as the engine made it, however fast they came. It keeps at
+most ``max_events`` events and ``max_agents`` agents' last turns (the least recently
+seen go first): its size is bounded however long a server runs."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..actors.enums import Tier
-from ..actors.records import Completion
+from ..actors.records import Completion, TierMoves
 
 __all__ = ("Activity", "TurnSeen")
 
@@ -64,14 +65,15 @@ class Activity:
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._last: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._hints: OrderedDict[str, str] = OrderedDict()
-        self._hot: set[str] | None = None  # the hot agents at the last look (None: none yet)
         self._max_agents = max_agents
         self.seq = 0
         self.turns = 0
+        self.moves_lost = 0  # moves that left a hot tier's log before they were read
 
-    def _add(self, kind: str, agent: str, **fields: Any) -> dict[str, Any]:
+    def _add(self, kind: str, agent: str, t: float | None = None, **fields: Any) -> dict[str, Any]:
         self.seq += 1
-        event = {"seq": self.seq, "t": time.time(), "kind": kind, "agent": agent, **fields}
+        when = time.time() if t is None else t
+        event = {"seq": self.seq, "t": when, "kind": kind, "agent": agent, **fields}
         self._events.append(event)
         return event
 
@@ -96,18 +98,20 @@ class Activity:
         "in 5 s", "priority 2", "done")."""
         self._remember(self._hints, agent, hint)
 
-    def tiers(self, hot: Collection[str], warm: Collection[str]) -> None:
-        """The agents hot now and those with a warm cache: each agent hot at the last look
-        and not now was demoted (to warm, or to cold without a warm cache) meanwhile."""
-        now = set(hot)
-        if self._hot is not None:
-            for agent in sorted(self._hot - now):
-                self._add("demoted", agent, to="warm" if agent in warm else "cold")
-        self._hot = now
-
-    def left_hot(self, hot: Collection[str]) -> set[str]:
-        """The agents hot at the last look and not in ``hot``."""
-        return set() if self._hot is None else self._hot - set(hot)
+    def moved(self, moves: Mapping[str, TierMoves]) -> None:
+        """New moves of each model's hot tier (by model name), as its log numbered them:
+        an event per move, at the time the engine made it. ``demoted`` (``to`` warm or
+        cold, ``bytes`` freed) or ``reloaded`` (a warm cache installed, ``bytes`` of it,
+        ``source`` ``prefetch`` or ``turn``)."""
+        for model, part in moves.items():
+            self.moves_lost += part.lost
+            for m in part.moves:
+                if m.kind == "demoted":
+                    self._add("demoted", m.agent, m.t, to=m.tier, bytes=m.nbytes, model=model)
+                else:
+                    self._add(
+                        "reloaded", m.agent, m.t, source=m.source, bytes=m.nbytes, model=model
+                    )
 
     def last_turn(self, agent: str) -> dict[str, Any] | None:
         """``agent``'s last turn event (None: none seen)."""

@@ -1,5 +1,7 @@
 """What the dashboard reads of a session, sampled cheaply: the engine's figures, every hot
-cache (one question per model), the models' states and the warm tier's agents.
+cache (one question per model), the models' states and the warm tier's agents; and each
+model's hot-tier moves since the last sample (one question per model), which it hands to
+the activity log: the timeline shows every demotion and reload, not what two samples tell.
 
 However many pages poll, the session is asked at most every ``FRESH_S`` (pages asking
 meanwhile share the last sample), and the warm tier's list (a read of every agent's
@@ -56,17 +58,19 @@ class Board:
     # A new id per board: a page that sees it change knows the server restarted.
     instance: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     final: bool = False  # frozen: the run is over, the last sample is its final state
-    # Invariant: only sample() writes these.
+    # Invariant: only sample() writes these (attach() starts the moves' count anew).
     _last: Sample | None = None
     _warm: list[WarmInfo] = field(default_factory=list)
     _warm_at: float = float("-inf")
     _warm_cost_s: float = 0.0
+    _moves_since: dict[str, int] = field(default_factory=dict)  # model -> last move read
     _lock: anyio.Lock = field(default_factory=anyio.Lock)
 
     def attach(self, session: Session) -> None:
         """Sample ``session`` from now on (``kvactor run``: once it is open)."""
         self.session = session
         self.final = False
+        self._moves_since = {}  # a new session's logs number their moves from 1
 
     async def freeze(self) -> None:
         """Take a last sample and keep it (the session is about to close)."""
@@ -94,6 +98,11 @@ class Board:
         stats = await session.stats()
         hot = await session.hot_caches()
         hot_now = {c.agent for c in hot}
+        moves = await session.tier_moves(self._moves_since)
+        # Read and recorded with no wait between: a sample cancelled earlier reads them again.
+        self._moves_since = {model: part.last for model, part in moves.items()}
+        self.activity.moved(moves)
+        left = {m.agent for part in moves.values() for m in part.moves if m.tier == "warm"}
         running = {}
         for name in list(session.agents):
             with contextlib.suppress(UnknownAgent):  # forgotten meanwhile
@@ -101,7 +110,7 @@ class Board:
         usable = {w.agent for w in self._warm if w.rejected is None}
         # An agent neither hot nor in the list read last may have been written since (its
         # first warm write): read the list again now when that is cheap.
-        unknown = (set(running) | self.activity.left_hot(hot_now)) - hot_now - usable
+        unknown = (set(running) | left) - hot_now - usable
         if warm or (unknown and self._warm_cost_s < CHEAP_WARM_S):
             started = anyio.current_time()
             self._warm = await session.warm_agents()
@@ -109,7 +118,6 @@ class Board:
             self._warm_cost_s = self._warm_at - started
             usable = {w.agent for w in self._warm if w.rejected is None}
         states = await session.model_states()
-        self.activity.tiers(hot_now, usable)
         return Sample(
             t=time.time(),
             stats=stats,

@@ -5,10 +5,11 @@ under ``kvactor/server/dashboard/``; nothing fetched from elsewhere) and ``GET
 ``/v1/status`` says, for the key that asks: the memory limit split (weights, hot caches,
 ready copies, working copies, the rest, free), the disk limit (used, free, written
 today), the agents (tier, tokens, bytes, last turn's path and TTFT, hint, tool wait,
-last use), the loaded models and the recent events (turns, demotions). A tenant's key
-sees its own agents, by the ids it knows them by, and totals of them only (the memory
-bar: its hot caches against the limit); an admin key, or a server without keys, sees
-everything. No prompt or answer text is ever in it.
+last use), the loaded models and the recent events (turns; every demotion and reload
+the hot tiers logged, with its bytes and, for a reload, whether a prefetch or a turn
+staged it). A tenant's key sees its own agents, by the ids it knows them by, and
+totals of them only (the memory bar: its hot caches against the limit); an admin key,
+or a server without keys, sees everything. No prompt or answer text is ever in it.
 
 Its work is bounded per request: the session is sampled at most every quarter second
 whoever asks (``_board``), at most ``limit`` agents are sent (default 300, the most
@@ -153,6 +154,7 @@ def _body(
             "demoted_warm": s.demoted_warm,
             "demoted_cold": s.demoted_cold + s.demoted_warm_to_cold,
             "reloads": s.installs,
+            "moves_lost": activity.moves_lost,  # left a hot tier's log before it was read
             "decoding": s.decoding,
             "waiting": s.waiting,
             "generated_tokens": s.generated_tokens,

@@ -167,7 +167,8 @@ function drawLegend() {
   const box = document.getElementById("legend");
   if (box.childElementCount) return;
   const items = [["hot", "TTFT: hot"], ["prefetched", "prefetched"], ["warm", "warm (reload)"],
-    ["cold", "cold"], ["reprefill", "re-prefill"], ["demoted", "demotion"], ["rate", "decode tok/s"]];
+    ["cold", "cold"], ["reprefill", "re-prefill"], ["demoted", "demotion (below the axis)"],
+    ["reloaded", "reload (above it)"], ["rate", "decode tok/s"]];
   for (const [key, label] of items) {
     const item = el("span");
     const dot = el("i");
@@ -210,9 +211,14 @@ function drawTimeline(s) {
   }
   for (const e of events) {
     if (e.t < start) continue;
-    if (e.kind === "demoted") {
-      nodes.push(svg("line", { x1: x(e.t), x2: x(e.t), y1: H - B, y2: H - B + 8,
-        stroke: "var(--demoted)", "stroke-width": 2 }));
+    if (e.kind === "demoted" || e.kind === "reloaded") {
+      // Every move the hot tier made: demotions tick below the axis, reloads above it.
+      const down = e.kind === "demoted";
+      const mark = svg("line", { x1: x(e.t), x2: x(e.t), y1: H - B, y2: H - B + (down ? 8 : -8),
+        stroke: `var(--${e.kind})`, "stroke-width": 2, class: e.kind });
+      mark.append(svg("title", {}, `${e.agent}: ${down ? `demoted to ${e.to}` :
+        `reloaded (${e.source})`}, ${bytes(e.bytes)}`));
+      nodes.push(mark);
     } else if (e.kind === "turn") {
       const c = svg("circle", { cx: x(e.t), cy: y(e.ttft_s), r: 3.5, fill: COLORS[e.path] || "#000",
         stroke: e.reprefill ? "var(--reprefill)" : "none", "stroke-width": 2 });

@@ -1,0 +1,289 @@
+"""What the live dashboard costs: decode tok/s of agents decoding together while three
+headless Chromium pages have ``/dashboard`` open and polling, against none, in one run.
+
+A session on the default model (with a warm tier in a scratch folder) is served in this
+process on 127.0.0.1 (a free port). Three Chromium pages (the distribution's, driven by
+Selenium, the flags of the dashboard's tests) are started once, before anything is timed;
+for a ``three`` round they open ``/dashboard`` and wait until it is live, for a ``none``
+round they go to ``about:blank``, so that only the pages' polling (one ``/v1/status`` a
+second each, the session sampled at most every 0.25 s) differs. Each round, ``--agents``
+new agents (4) each decode ``--tokens`` greedy tokens (64) together through the Python API;
+what counts is the window in which all of them decode (from the last one's first token to
+the first one's last, as ``bench/decode_batch.py`` counts). Rounds alternate (none, three,
+none, three...) after one untimed round, ``--rounds`` of each (3); figures are medians:
+
+- ``decode_tok_s_no_dashboard``, ``decode_tok_s_three_dashboards`` and ``dashboard_cost``
+  (1 - three / none; target <= 0.02);
+- ``status_ms``: the median ``GET /v1/status`` as a client times it, each asked when the
+  last sample is stale (a fresh sample: the session asked), the agents idle; and
+  ``status_ms_decoding``, the same while the agents decode (an extra, untimed round);
+- ``status_requests_per_s``: the pages' requests from their load to the end of each
+  ``three`` round (proof they polled).
+
+The three browsers run on this machine's CPUs beside the engine: their rendering is part of
+what is measured. The bench stops its server and browsers itself.
+
+    python bench/dashboard.py [--rounds 3] [--agents 4] [--tokens 64] [--json PATH] [--quick]
+
+``--quick`` runs on a tiny random model, one round of each (a smoke test, not a
+measurement). Needs ``chromium`` and ``chromedriver`` on the PATH and ``selenium``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import kvactor  # first: it loads an optimized BLAS before mlx.core
+
+# isort: split
+import anyio
+import httpx
+import uvicorn
+from _results import figure_table, write_json  # bench/ is the script's folder: on sys.path
+
+from kvactor.server._app import create_app
+
+PAGES = 3
+TARGET = 0.02
+PROMPTS = [
+    "Write a long story about a lighthouse keeper.",
+    "Describe the water cycle in detail.",
+    "Explain how a steam engine works, step by step.",
+    "Tell me about the history of the printing press.",
+    "Write a poem about autumn leaves and rain.",
+    "Describe a busy market in a coastal town.",
+    "Explain why the sky is blue to a child.",
+    "Write a letter to a friend about a long journey.",
+]
+# As the dashboard's browser tests start Chromium (tests/browsing.py): headless, and no
+# background networking (the closed network here refuses it, and slows starts).
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1400,1000",
+)
+
+
+def missing() -> str | None:
+    """Why the bench cannot run here (None: it can)."""
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (the test extra has it)"
+    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        return "no chromium: apt-get install chromium chromium-driver"
+    if not shutil.which("chromedriver"):
+        return "no chromedriver: apt-get install chromium-driver"
+    return None
+
+
+@contextlib.contextmanager
+def browsers(n: int) -> Iterator[list[Any]]:
+    """``n`` headless Chromium pages on ``about:blank``, each with a fresh profile; quit
+    with the block."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    drivers: list[Any] = []
+    with contextlib.ExitStack() as stack:
+        for _ in range(n):
+            profile = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvactor-bench-"))
+            options = webdriver.ChromeOptions()
+            options.binary_location = str(binary)
+            for flag in FLAGS:
+                options.add_argument(flag)
+            options.add_argument(f"--user-data-dir={profile}")
+            service = Service(str(shutil.which("chromedriver")))
+            driver = webdriver.Chrome(options=options, service=service)
+            stack.callback(driver.quit)
+            drivers.append(driver)
+        yield drivers
+
+
+def show(drivers: list[Any], url: str | None) -> None:
+    """Each page to the dashboard at ``url``, live (None: to ``about:blank``)."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    for driver in drivers:
+        driver.get(url or "about:blank")
+    if url is None:
+        return
+    live = "return document.getElementById('state').dataset.state === 'live';"
+    for driver in drivers:
+        WebDriverWait(driver, 60, poll_frequency=0.05).until(lambda d: d.execute_script(live))
+
+
+class Counted:
+    """An ASGI app that counts the ``GET /v1/status`` requests it passes on."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.status = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/status":
+            self.status += 1
+        await self.app(scope, receive, send)
+
+
+@contextlib.asynccontextmanager
+async def served(app: Any) -> AsyncIterator[str]:
+    """``app`` served on 127.0.0.1 on a free port until the block ends."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(server.serve, sockets=[sock]))
+        with anyio.fail_after(30):
+            while not server.started:
+                await anyio.sleep(0.01)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+
+
+async def decode_round(kv: kvactor.Session, agents: int, tokens: int, tag: str) -> float:
+    """Tokens/s summed over ``agents`` new agents while all of them decode together."""
+    team = [await kv.spawn_agent(f"{tag}-{i}") for i in range(agents)]
+    stamps: list[list[float]] = [[] for _ in team]
+
+    async def run(i: int) -> None:
+        async for _ in team[i].stream(PROMPTS[i % len(PROMPTS)], max_tokens=tokens):
+            stamps[i].append(time.perf_counter())
+
+    async with anyio.create_task_group() as tg:
+        for i in range(agents):
+            tg.start_soon(run, i)
+    for agent in team:
+        await kv.forget(agent.name)
+    start = max(s[0] for s in stamps)  # the last agent's first token: all decode now
+    end = min(s[-1] for s in stamps)  # the first to finish leaves the batch
+    produced = sum(1 for s in stamps for t in s if start < t <= end)
+    if end <= start or produced < agents:
+        raise RuntimeError("no window where all agents decoded together: raise --tokens")
+    return produced / (end - start)
+
+
+async def status_ms(http: httpx.AsyncClient, base: str, n: int) -> list[float]:
+    """``n`` timed ``GET /v1/status``, each after the last sample went stale (0.25 s)."""
+    out = []
+    for _ in range(n):
+        await anyio.sleep(0.3)  # the board shares a sample younger than 0.25 s
+        t0 = time.perf_counter()
+        r = await http.get(f"{base}/v1/status")
+        out.append((time.perf_counter() - t0) * 1e3)
+        r.raise_for_status()
+    return out
+
+
+async def main(rounds: int, agents: int, tokens: int, quick: bool) -> dict[str, Any]:
+    """The figures of the module doc. Raises RuntimeError where no browser can run."""
+    why = missing()
+    if why is not None:
+        raise RuntimeError(why)
+    spec: Any = None
+    if quick:
+        from kvactor.actors.models import make_tiny_model
+
+        spec = functools.partial(make_tiny_model, 0, head_dim=64)
+    rates: dict[str, list[float]] = {"none": [], "three": []}
+    polled = polled_s = 0.0
+    with tempfile.TemporaryDirectory(prefix="kvactor-bench-dash-") as tmp:
+        async with kvactor.open(spec, cache_dir=Path(tmp)) as kv:
+            app = Counted(create_app(kv))
+            async with served(app) as base, httpx.AsyncClient(timeout=60) as http:
+                with browsers(PAGES) as pages:
+                    await decode_round(kv, agents, tokens, "warmup")  # untimed
+                    for r in range(rounds):
+                        for kind in ("none", "three"):
+                            url = f"{base}/dashboard" if kind == "three" else None
+                            before, t0 = app.status, time.perf_counter()  # from the page's load
+                            await anyio.to_thread.run_sync(show, pages, url)
+                            rate = await decode_round(kv, agents, tokens, f"{kind}{r}")
+                            rates[kind].append(rate)
+                            if kind == "three":
+                                polled += app.status - before
+                                polled_s += time.perf_counter() - t0
+                    await anyio.to_thread.run_sync(show, pages, None)
+                idle = await status_ms(http, base, 5 if quick else 15)
+                busy: list[float] = []
+                async with anyio.create_task_group() as tg:
+
+                    async def probe() -> None:
+                        busy.extend(await status_ms(http, base, 3 if quick else 8))
+
+                    tg.start_soon(probe)
+                    while not busy:  # decode until the probe is done
+                        await decode_round(kv, agents, tokens, f"probe{len(busy)}")
+    none, three = statistics.median(rates["none"]), statistics.median(rates["three"])
+    return {
+        "model": "tiny (random)" if quick else "default",
+        "quick": quick,
+        "blas": kvactor.BLAS.name,
+        "agents": agents,
+        "tokens": tokens,
+        "rounds": rounds,
+        "pages": PAGES,
+        "decode_tok_s_no_dashboard": none,
+        "decode_tok_s_three_dashboards": three,
+        "dashboard_cost": 1 - three / none,
+        "rounds_tok_s": rates,
+        "status_ms": statistics.median(idle),
+        "status_ms_decoding": statistics.median(busy),
+        "status_requests_per_s": polled / polled_s if polled_s else 0.0,
+    }
+
+
+def _table(out: dict[str, Any]) -> str:
+    cost = out["dashboard_cost"]
+    return figure_table(
+        [
+            ("decode tok/s, no dashboard", f"{out['decode_tok_s_no_dashboard']:.1f}", "", ""),
+            (
+                f"decode tok/s, {out['pages']} dashboards",
+                f"{out['decode_tok_s_three_dashboards']:.1f}",
+                "",
+                "",
+            ),
+            ("dashboard cost (1 - three / none)", f"{cost:+.3f}", f"<= {TARGET}", cost <= TARGET),
+            ("GET /v1/status, idle (median)", f"{out['status_ms']:.1f} ms", "", ""),
+            ("GET /v1/status, decoding (median)", f"{out['status_ms_decoding']:.1f} ms", "", ""),
+            ("status requests/s (three pages)", f"{out['status_requests_per_s']:.2f}", "", ""),
+        ]
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="a tiny random model, one round")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds = 1
+    results = anyio.run(main, args.rounds, args.agents, args.tokens, args.quick)
+    print(_table(results))
+    if args.json:
+        write_json(args.json, results)

@@ -1,0 +1,40 @@
+"""``bench/dashboard.py`` in its quick mode (the tiny model, one round of each kind, three
+real headless Chromium pages): every figure is there, and the pages polled while they were
+open. Skips without Chromium, chromedriver or selenium."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import dashboard  # bench/ is not a package: its folder on sys.path
+
+KEYS = (
+    "decode_tok_s_no_dashboard",
+    "decode_tok_s_three_dashboards",
+    "dashboard_cost",
+    "status_ms",
+    "status_ms_decoding",
+    "status_requests_per_s",
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # uvicorn runs on asyncio
+
+
+@pytest.mark.slow  # a bench's run with three browsers, seconds: the whole suite's
+async def test_the_quick_bench_reports_the_dashboards_cost() -> None:
+    why = dashboard.missing()
+    if why is not None:
+        pytest.skip(why)
+    out = await dashboard.main(1, 2, 32, True)
+    assert set(KEYS) <= set(out)
+    assert out["decode_tok_s_no_dashboard"] > 0 and out["decode_tok_s_three_dashboards"] > 0
+    assert out["status_requests_per_s"] > 0  # the pages polled during their rounds
+    assert out["status_ms"] > 0 and out["status_ms_decoding"] > 0
+    assert "| dashboard cost (1 - three / none) |" in dashboard._table(out)
