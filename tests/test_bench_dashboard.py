@@ -16,6 +16,7 @@ KEYS = (
     "decode_tok_s_no_dashboard",
     "decode_tok_s_three_dashboards",
     "dashboard_cost",
+    "dashboard_cost_of_medians",
     "status_ms",
     "status_ms_decoding",
     "status_requests_per_s",
@@ -37,4 +38,5 @@ async def test_the_quick_bench_reports_the_dashboards_cost() -> None:
     assert out["decode_tok_s_no_dashboard"] > 0 and out["decode_tok_s_three_dashboards"] > 0
     assert out["status_requests_per_s"] > 0  # the pages polled during their rounds
     assert out["status_ms"] > 0 and out["status_ms_decoding"] > 0
-    assert "| dashboard cost (1 - three / none) |" in dashboard._table(out)
+    assert "| dashboard cost (median of rounds' 1 - three / none) |" in dashboard._table(out)
+    assert len(out["rounds_cost"]) == out["rounds"]
