@@ -5,18 +5,15 @@ turn equals the source's (None: not run, the CLI cannot load a test model by nam
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
-import uvicorn
+from _serving import served  # bench/ is the script's folder: on sys.path
 
 import kvactor
 from kvactor.server._app import create_app
@@ -51,33 +48,14 @@ async def via_cli(spec: Any, source: Path, root: Path, name: str, turn: Turn) ->
     return await _answer(spec, root, name, turn)
 
 
-@contextlib.asynccontextmanager
-async def _served(kv: kvactor.Session) -> AsyncIterator[str]:
-    """``kv`` served on 127.0.0.1 on a free port until the block ends."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        config = uvicorn.Config(create_app(kv), log_level="warning", lifespan="off")
-        server = uvicorn.Server(config)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(functools.partial(server.serve, sockets=[sock]))
-            with anyio.fail_after(30):
-                while not server.started:
-                    await anyio.sleep(0.01)
-            try:
-                yield f"http://127.0.0.1:{port}"
-            finally:
-                server.should_exit = True
-
-
 async def via_http(spec: Any, source: Path, root: Path, name: str, turn: Turn) -> bool | None:
     """The agent streamed from a server over ``source`` (``GET``) into one over ``root``
     (``PUT``), piece by piece; then the carried agent's turn."""
     async with (
         kvactor.open(spec, cache_dir=source) as a,
         kvactor.open(spec, cache_dir=root) as b,
-        _served(a) as here,
-        _served(b) as there,
+        served(create_app(a)) as here,
+        served(create_app(b)) as there,
         httpx.AsyncClient(timeout=120) as client,
         client.stream("GET", f"{here}/v1/agents/{name}/cache") as got,
     ):

@@ -36,12 +36,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import shutil
-import socket
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +48,9 @@ import kvactor  # first: it loads an optimized BLAS before mlx.core
 # isort: split
 import anyio
 import httpx
-import uvicorn
+from _chromium import chromium, missing
 from _results import figure_table, write_json  # bench/ is the script's folder: on sys.path
+from _serving import served
 
 from kvactor.server._app import create_app
 
@@ -67,57 +66,14 @@ PROMPTS = [
     "Explain why the sky is blue to a child.",
     "Write a letter to a friend about a long journey.",
 ]
-# As the dashboard's browser tests start Chromium (tests/browsing.py): headless, and no
-# background networking (the closed network here refuses it, and slows starts).
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-    "--window-size=1400,1000",
-)
-
-
-def missing() -> str | None:
-    """Why the bench cannot run here (None: it can)."""
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "selenium is not installed (the test extra has it)"
-    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
-        return "no chromium: apt-get install chromium chromium-driver"
-    if not shutil.which("chromedriver"):
-        return "no chromedriver: apt-get install chromium-driver"
-    return None
 
 
 @contextlib.contextmanager
 def browsers(n: int) -> Iterator[list[Any]]:
     """``n`` headless Chromium pages on ``about:blank``, each with a fresh profile; quit
     with the block."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    drivers: list[Any] = []
     with contextlib.ExitStack() as stack:
-        for _ in range(n):
-            profile = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvactor-bench-"))
-            options = webdriver.ChromeOptions()
-            options.binary_location = str(binary)
-            for flag in FLAGS:
-                options.add_argument(flag)
-            options.add_argument(f"--user-data-dir={profile}")
-            service = Service(str(shutil.which("chromedriver")))
-            driver = webdriver.Chrome(options=options, service=service)
-            stack.callback(driver.quit)
-            drivers.append(driver)
-        yield drivers
+        yield [stack.enter_context(chromium()) for _ in range(n)]
 
 
 def show(drivers: list[Any], url: str | None) -> None:
@@ -144,24 +100,6 @@ class Counted:
         if scope["type"] == "http" and scope["path"] == "/v1/status":
             self.status += 1
         await self.app(scope, receive, send)
-
-
-@contextlib.asynccontextmanager
-async def served(app: Any) -> AsyncIterator[str]:
-    """``app`` served on 127.0.0.1 on a free port until the block ends."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(functools.partial(server.serve, sockets=[sock]))
-        with anyio.fail_after(30):
-            while not server.started:
-                await anyio.sleep(0.01)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.should_exit = True
 
 
 async def decode_round(kv: kvactor.Session, agents: int, tokens: int, tag: str) -> float:

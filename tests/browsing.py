@@ -6,41 +6,16 @@ the page's agents table as the browser shows it (:func:`shown_tiers`)."""
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-
-# Without the background-networking flags Chromium dials out at start, and the closed
-# network here refuses it (errors in its log, slow starts).
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-    "--window-size=1400,1000",
-)
-
-
-def missing() -> str | None:
-    """Why no browser test can run here (None: they can)."""
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "selenium is not installed (the test extra has it)"
-    if CHROMIUM is None or CHROMEDRIVER is None:
-        return "no chromium / chromedriver: apt-get install chromium chromium-driver"
-    return None
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from _chromium import chromium as launched  # one launch for tests, bench and tools
+from _chromium import missing as missing
 
 
 @contextlib.contextmanager
@@ -50,21 +25,8 @@ def chromium() -> Iterator[Any]:
     why = missing()
     if why is not None:
         pytest.skip(why)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    with tempfile.TemporaryDirectory(prefix="kvactor-chromium-") as profile:
-        options = webdriver.ChromeOptions()
-        options.binary_location = str(CHROMIUM)
-        for flag in FLAGS:
-            options.add_argument(flag)
-        options.add_argument(f"--user-data-dir={profile}")
-        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-        driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
-        try:
-            yield driver
-        finally:
-            driver.quit()
+    with launched(console=True) as driver:
+        yield driver
 
 
 def console_errors(driver: Any) -> list[str]:

@@ -21,30 +21,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from _chromium import chromium  # noqa: E402 (the launch the dashboard's tests use)
+
 AGENTS = 12
 ROLES = ("planner", "coder", "reviewer", "tester", "writer", "critic", "designer")
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-    "--hide-scrollbars",
-)
 PHASES = (
     ("propose", "Our task: {task}. As the {agent}, give your first idea in two sentences."),
     ("respond", "The team said:\n\n{outputs}\n\nAs the {agent}, respond in two sentences."),
@@ -92,51 +81,36 @@ def scenario(folder: Path) -> Path:
     return path
 
 
-def browser(width: int, height: int) -> Any:
-    """A headless Chromium of the dashboard tests' flags, its window ``width`` x ``height``."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(shutil.which("chromium") or shutil.which("chromium-browser"))
-    for flag in (*FLAGS, f"--window-size={width},{height}"):
-        options.add_argument(flag)
-    return webdriver.Chrome(options=options, service=Service(str(shutil.which("chromedriver"))))
-
-
 def take(out: Path, after_s: float, width: int, height: int) -> dict[str, object]:
     """Run the scenario and take the screenshot (see the module doc); what the page showed."""
     with tempfile.TemporaryDirectory(prefix="kvactor-shot-") as tmp:
         path = scenario(Path(tmp))
         cmd = [sys.executable, "-m", "kvactor", "run", str(path), "--fresh", "--dashboard", "0"]
         proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, text=True, env=os.environ)
-        driver: Any = None
         try:
             assert proc.stdout is not None
             first = proc.stdout.readline()
             if not first.startswith("dashboard: "):
                 raise RuntimeError(f"kvactor run printed {first!r}")
-            driver = browser(width, height)
-            driver.get(first.split()[1])
-            started = time.monotonic()
-            while True:
-                shown = driver.execute_script(SHOWN)
-                if shown["state"] == "final":
-                    raise RuntimeError(f"the run ended before the page showed enough: {shown}")
-                if (
-                    time.monotonic() - started >= after_s
-                    and shown["demoted"] >= 5
-                    and shown["reloaded"] >= 3
-                    and shown["hot"] >= 1
-                    and shown["warm"] >= 3
-                ):
-                    break
-                time.sleep(0.5)  # the page polls every second
-            out.write_bytes(driver.get_screenshot_as_png())
-            return dict(shown, seconds=round(time.monotonic() - started, 1))
+            with chromium("--hide-scrollbars", window=(width, height)) as driver:
+                driver.get(first.split()[1])
+                started = time.monotonic()
+                while True:
+                    shown = driver.execute_script(SHOWN)
+                    if shown["state"] == "final":
+                        raise RuntimeError(f"the run ended before the page showed enough: {shown}")
+                    if (
+                        time.monotonic() - started >= after_s
+                        and shown["demoted"] >= 5
+                        and shown["reloaded"] >= 3
+                        and shown["hot"] >= 1
+                        and shown["warm"] >= 3
+                    ):
+                        break
+                    time.sleep(0.5)  # the page polls every second
+                out.write_bytes(driver.get_screenshot_as_png())
+                return dict(shown, seconds=round(time.monotonic() - started, 1))
         finally:
-            if driver is not None:
-                driver.quit()
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=120)
 

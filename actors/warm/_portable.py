@@ -213,7 +213,7 @@ def portable_chunks(
             vocab_size=identity.vocab_size if identity is not None else 0,
             model=model,
             messages=len(manifest.messages),
-            exported=_now(),
+            exported=time.time(),
             kvactor=version,
             files=files,
         )
@@ -269,10 +269,6 @@ def _fd_checksum(fd: int) -> str:
     while piece := os.read(fd, _CHUNK):
         hasher.update(piece)
     return hasher.checksum()
-
-
-def _now() -> float:
-    return time.time()
 
 
 # ------------------------------------------------------------------------------- read
@@ -498,10 +494,11 @@ def read_header(data: bytes | memoryview) -> PortableHeader:
         raise CacheRejected(f"not a sound agent file: a malformed header: {exc}") from None
 
 
-def _version_of(body: bytes) -> int:
-    class _Versioned(msgspec.Struct):
-        portable_version: int
+class _Versioned(msgspec.Struct):
+    portable_version: int
 
+
+def _version_of(body: bytes) -> int:
     try:
         return msgspec.json.decode(body, type=_Versioned).portable_version
     except (msgspec.DecodeError, RecursionError):
