@@ -9,6 +9,7 @@ them: ``{entry}.k.{part}`` / ``{entry}.v.{part}`` for K/V, ``{entry}.s.{j}`` for
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,7 +126,10 @@ def segment_layout(
     Raises ValueError like ``KVCodec.expected_parts`` (at the first call)."""
     roles: tuple[tuple[str, Role], ...] = (("k", "key"), ("v", "value"))
 
-    def expect(start: int, stop: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    # Every warm load and import asks for the same few ranges (a segment's tokens): the
+    # answer is a pure function of them, kept for the ranges asked most recently.
+    @functools.lru_cache(maxsize=256)
+    def layout(start: int, stop: int) -> dict[str, tuple[tuple[int, ...], str]]:
         n = stop - start
         out: dict[str, tuple[tuple[int, ...], str]] = {}
         for kind, role in roles:
@@ -141,6 +145,9 @@ def segment_layout(
             for j, (shape, dtype) in enumerate(zip(s.shapes, s.dtypes, strict=True)):
                 out[f"{layer}.s.{j}"] = (tuple(shape), storage_dtype(dtype))
         return out
+
+    def expect(start: int, stop: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        return dict(layout(start, stop))  # the caller's own copy
 
     return expect
 

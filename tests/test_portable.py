@@ -152,6 +152,7 @@ async def test_what_cannot_be_trusted_is_refused_with_a_reason(tmp_path: Path) -
             "more than this import takes",
         ),
         "a segment that lies, every checksum made right": (_lying_segment(data), "metadata"),
+        "a manifest naming a file it lacks": (_without_a_segment(data), "does not hold"),
         "truncated": (data[:-100], "truncated"),
         "altered": (_flipped(data, len(data) // 2), "checksum"),
         "bytes after its end": (data + b"\0", "after the end"),
@@ -290,14 +291,8 @@ def _lying_segment(data: bytes) -> bytes:
     """``data`` with its last segment's header saying another agent wrote it, and every
     checksum that covers it (the manifest's entry, the manifest's own, the file's, the
     whole file's) made right: only the header check can refuse it."""
-    header = read_header(data)
-    (length,) = struct.unpack("<I", data[14:18])
-    at = 18 + length + 8
-    files: dict[str, bytes] = {}
-    for f in header.files:
-        files[f.name] = data[at : at + f.size]
-        at += f.size
-    seg = header.files[-1].name
+    files = _files_of(data)
+    seg = read_header(data).files[-1].name
     head = files[seg][:4096]
     assert b'"doc"' in head
     files[seg] = files[seg].replace(b'"doc"', b'"dog"', 1)
@@ -311,15 +306,41 @@ def _lying_segment(data: bytes) -> bytes:
         for e in manifest.segments
     ]
     files[MANIFEST] = encode_manifest(msgspec.structs.replace(manifest, segments=entries))
-    listed = []
+    return _rebuilt(data, files)
+
+
+def _files_of(data: bytes) -> dict[str, bytes]:
+    """Each file of an export, by name, in its order."""
+    header = read_header(data)
+    (length,) = struct.unpack("<I", data[14:18])
+    at = 18 + length + 8
+    files: dict[str, bytes] = {}
     for f in header.files:
-        summed = TreeHasher()
-        summed.update(files[f.name])
-        listed.append(
-            msgspec.structs.replace(f, size=len(files[f.name]), checksum=summed.checksum())
-        )
+        files[f.name] = data[at : at + f.size]
+        at += f.size
+    return files
+
+
+def _rebuilt(data: bytes, files: dict[str, bytes]) -> bytes:
+    """``data`` holding ``files`` (a subset of its own, changed or not), every checksum
+    that covers them made right."""
+    listed = []
+    for f in read_header(data).files:
+        if f.name in files:
+            summed = TreeHasher()
+            summed.update(files[f.name])
+            listed.append(
+                msgspec.structs.replace(f, size=len(files[f.name]), checksum=summed.checksum())
+            )
     whole = _reframed(data, files=listed)
     (length,) = struct.unpack("<I", whole[14:18])
     start = 18 + length + 8
-    framed = whole[:start] + b"".join(files[f.name] for f in header.files)
+    framed = whole[:start] + b"".join(files[f.name] for f in listed)
     return framed + struct.pack("<Q", xxhash.xxh3_64_intdigest(framed))
+
+
+def _without_a_segment(data: bytes) -> bytes:
+    """``data`` without the last segment its manifest names, every checksum made right."""
+    files = _files_of(data)
+    del files[read_header(data).files[-1].name]
+    return _rebuilt(data, files)

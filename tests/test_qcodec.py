@@ -578,3 +578,17 @@ def test_dequantize_with_room_joins_ranges_bit_for_bit(rotated: bool) -> None:
             assert got.dtype == mx.float32 and got.shape[2] == 20 + room
             np.testing.assert_array_equal(np.array(got[:, :, :20]), np.array(want))
             assert not np.array(got[:, :, 20:]).any()
+
+
+def test_segment_layout_gives_each_caller_its_own_answer() -> None:
+    # The layout of a range is kept for the next load that asks: a caller that changes
+    # its answer must not change the next one's.
+    from kvactor.kernels.geometry import CacheGeometry
+    from kvactor.kernels.stored import segment_layout
+
+    expect = segment_layout(DEFAULT_CODEC, CacheGeometry.uniform(2, H, D))
+    first = expect(0, 10)
+    want = dict(first)
+    first.clear()
+    assert expect(0, 10) == want and want
+    assert expect(0, 11) != want  # another range: another answer

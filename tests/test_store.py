@@ -454,6 +454,12 @@ def hostile(kind: str) -> Any:
             header["0.k.q"]["shape"] = [2**62, 2**62]
         elif kind == "extra key":
             header["0.k.q"]["evil"] = 1
+        elif kind in ("bool dim", "float dim"):  # equal to the int in Python: not allowed
+            shape = header["0.k.q"]["shape"]
+            assert shape[0] == 1
+            header["0.k.q"]["shape"] = [True if kind == "bool dim" else 1.0, *shape[1:]]
+        elif kind == "float offsets":
+            header["0.k.q"]["data_offsets"] = [float(o) for o in header["0.k.q"]["data_offsets"]]
         rewrite_segment(root, json.dumps(header).encode(), data)
 
     return craft
@@ -573,6 +579,9 @@ REFUSALS = {
     "wrong shape": (hostile("wrong shape"), "expected uint32"),
     "huge shape": (hostile("huge shape"), "bad shape"),
     "extra key": (hostile("extra key"), "exactly dtype"),
+    "bool dim": (hostile("bool dim"), "bad shape"),
+    "float dim": (hostile("float dim"), "bad shape"),
+    "float offsets": (hostile("float offsets"), "data offsets"),
 }
 
 

@@ -11,6 +11,7 @@ import functools
 import os
 import secrets
 import shutil
+import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,16 +24,20 @@ from ..ids import check_agent_id, namespace_of
 from ..warm import (
     MAX_HEADER_BYTES,
     MAX_IMPORT_BYTES,
+    CacheManifest,
     DiskUsage,
     PortableHeader,
     PortableInfo,
     PortableReader,
+    SegmentEntry,
     agent_dir,
     mark_ready,
     portable_chunks,
+    read_manifest,
     rename_staged,
     staging_dir,
     verify_cache,
+    verify_file,
 )
 from ._model_part import ModelPart
 
@@ -57,6 +62,7 @@ ImportSource = (
     str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes] | AsyncIterable[bytes]
 )
 _FEED = 4 << 20  # bytes handed to the reader's thread at a time
+_READ = 1 << 20  # bytes read from an import's file at a time
 
 
 @functools.cache
@@ -232,6 +238,7 @@ class Staged:
     header: PortableHeader
     name: str
     nbytes: int  # the portable file's
+    manifest: CacheManifest  # verified, under ``name``
 
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
@@ -269,27 +276,76 @@ async def stage_import(
             )
         _fits(header, target, usage, budget)
 
+    checker = _FileChecker(staging, identity, layout)
     reader = PortableReader(
-        staging, identity, tokenizer=part.tokenizer.digest, max_bytes=max_bytes, check=check
+        staging,
+        identity,
+        tokenizer=part.tokenizer.digest,
+        max_bytes=max_bytes,
+        check=check,
+        on_file=checker.check,
     )
+    checker.reader = reader
     try:
         await _feed(src, reader)
-        header = await anyio.to_thread.run_sync(reader.finish)
-        target = name or header.agent
 
-        def verify() -> Path:
-            rename_staged(staging, identity, header, target)
-            # Each file's checksum was taken as it was staged: its data is not read again.
-            summed = {f.name: f.checksum for f in header.files}
-            verify_cache(staging, identity, layout, target, summed=summed)
-            return mark_ready(staging)
+        def verify() -> tuple[Path, PortableHeader, CacheManifest]:
+            header = reader.finish()
+            reader.sync_staged()  # each file checked and flushed as it was staged
+            # The whole as a warm load checks it, the files checked above trusted.
+            try:
+                manifest = verify_cache(
+                    staging, identity, layout, header.agent, trusted=checker.checked
+                )
+            except FileNotFoundError as exc:
+                raise CacheRejected(
+                    f"not a sound agent file: its manifest names {Path(str(exc.filename)).name}, "
+                    "which it does not hold"
+                ) from None
+            manifest = rename_staged(staging, manifest, header, name or header.agent)
+            return mark_ready(staging), header, manifest
 
-        ready = await anyio.to_thread.run_sync(verify)
+        ready, header, manifest = await anyio.to_thread.run_sync(verify)
     except BaseException:
         reader.close()
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Staged(ready, header, target, reader.nbytes)
+    return Staged(ready, header, manifest.agent, reader.nbytes, manifest)
+
+
+class _FileChecker:
+    """Checks each file of an import as a warm load does, as soon as it is staged (in
+    the reader's worker threads, while the next bytes are read): the manifest parsed
+    once, each segment's header against it (the file's data was summed as it was
+    written: it is not read again). ``checked``: the manifest's entries of the files
+    checked, which ``verify_cache`` then trusts."""
+
+    def __init__(self, staging: Path, identity: Any, layout: Any) -> None:
+        self.staging, self.identity, self.layout = staging, identity, layout
+        self.reader: PortableReader | None = None
+        self.checked: dict[str, SegmentEntry] = {}
+        self._manifest: CacheManifest | None = None
+        self._sums: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def check(self, file: str) -> None:
+        assert self.reader is not None and self.reader.header is not None
+        header = self.reader.header
+        if file == header.files[0].name:
+            return  # the manifest: read with the first segment (or by verify_cache)
+        with self._lock:  # every file after the manifest is staged after it
+            if self._manifest is None:
+                self._manifest = read_manifest(self.staging, self.identity, header.agent)
+                self._sums = {f.name: f.checksum for f in header.files}
+            manifest = self._manifest
+        if manifest is None:
+            raise CacheRejected("the agent file holds no manifest")
+        entry = verify_file(
+            self.staging, self.identity, self.layout, manifest, file, self._sums[file]
+        )
+        if entry is not None:
+            with self._lock:
+                self.checked[file] = entry
 
 
 def _fits(header: PortableHeader, name: str, usage: DiskUsage | None, budget: int | None) -> None:
@@ -337,11 +393,15 @@ def _feed_file(path: Path, reader: PortableReader) -> None:
     except FileNotFoundError:
         raise FileNotFoundError(f"no agent file {path}") from None
     with f:
+        # The kernel reads the rest of the file ahead while each piece (a MiB: the pieces
+        # overlap best so) is hashed and staged.
+        with contextlib.suppress(AttributeError, OSError):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
         _feed_reads(f, reader)
 
 
 def _feed_reads(f: Any, reader: PortableReader) -> None:
-    while piece := f.read(_FEED):
+    while piece := f.read(_READ):
         if not isinstance(piece, (bytes, bytearray, memoryview)):
             raise TypeError("import from a file opened in binary mode")
         reader.feed(piece)

@@ -274,6 +274,11 @@ class SessionModels:
         return tuple(self._parts) if len(self._parts) > 1 else ()
 
     @property
+    def budget_bytes(self) -> int | None:
+        """The hot tier's byte budget (None: unbounded), as the engine was opened with it."""
+        return self._config.budget_bytes
+
+    @property
     def max_prompt_chars(self) -> int:
         """Characters past which no prompt fits any model's context."""
         return max(part.env.max_prompt_chars for part in self._parts.values())

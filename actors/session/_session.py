@@ -441,7 +441,6 @@ class Session(SessionAPI[Agent]):
         part = self._models.part(model)
         if part.store is None:
             raise ValueError("importing an agent needs a warm tier: open with a cache_dir")
-        stats = await self._models.stats()
 
         def taken(target: str) -> bool:
             return not replace and (target in self._agents or folder_taken(part.root, target))
@@ -452,7 +451,7 @@ class Session(SessionAPI[Agent]):
             name,
             taken=taken,
             usage=self._models.usage,
-            budget=stats.budget_bytes,
+            budget=self._models.budget_bytes,
             max_bytes=max_bytes,
         )
         target = staged.name
@@ -461,7 +460,13 @@ class Session(SessionAPI[Agent]):
                 if not replace:
                     raise ValueError(f"agent {target!r} already exists")
                 await self.release(target)
-            adopt = Adopt(str(staged.staging), target, staged.header.nbytes, replace=replace)
+            adopt = Adopt(
+                str(staged.staging),
+                target,
+                staged.header.nbytes,
+                replace=replace,
+                manifest=staged.manifest,
+            )
             await part.store.ask(adopt)
         finally:
             staged.discard()

@@ -18,6 +18,7 @@ from ._link import fork_cache as fork_cache
 from ._manifest import MANIFEST as MANIFEST
 from ._manifest import SEGMENT_FILES as SEGMENT_FILES
 from ._manifest import CacheIdentity as CacheIdentity
+from ._manifest import CacheManifest as CacheManifest
 from ._manifest import ExpectFn as ExpectFn
 from ._manifest import SegmentEntry as SegmentEntry
 from ._manifest import WarmInfo as WarmInfo
@@ -43,6 +44,7 @@ from ._read import disk_footprint as disk_footprint
 from ._read import list_agents as list_agents
 from ._read import read_cache as read_cache
 from ._read import verify_cache as verify_cache
+from ._read import verify_file as verify_file
 from ._store import Adopt as Adopt
 from ._store import FitDisk as FitDisk
 from ._store import Forget as Forget
@@ -96,6 +98,7 @@ __all__ = (
     "ActorWarmTier",
     "CacheDirLock",
     "CacheIdentity",
+    "CacheManifest",
     "ExpectFn",
     "Forget",
     "Forgotten",
@@ -129,4 +132,5 @@ __all__ = (
     "read_cache",
     "read_manifest",
     "verify_cache",
+    "verify_file",
 )

@@ -37,6 +37,7 @@ import shutil
 import struct
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,6 @@ from ._manifest import (
     CacheManifest,
     codec_key,
     encode_manifest,
-    load_manifest,
     parse_manifest,
 )
 from ._paths import agent_dir, contained
@@ -278,7 +278,9 @@ class PortableReader:
 
     ``identity`` and ``tokenizer``: what the cache must have been made with;
     ``max_bytes``: the most bytes of files it takes; ``check(header)``: the caller's own
-    refusals (a name taken, a limit) before any file is written. Raises CacheRejected
+    refusals (a name taken, a limit) before any file is written; ``on_file(name)``: the
+    caller's own check of each file once staged and summed, in a worker thread (its
+    error is raised by ``sync_staged``). Raises CacheRejected
     with the reason at the first byte that proves the file wrong (nothing staged is
     kept: the caller removes ``staging``)."""
 
@@ -290,6 +292,7 @@ class PortableReader:
         tokenizer: str = "",
         max_bytes: int = MAX_IMPORT_BYTES,
         check: Callable[[PortableHeader], None] | None = None,
+        on_file: Callable[[str], None] | None = None,
     ) -> None:
         self.staging = staging
         self.identity = identity
@@ -307,6 +310,13 @@ class PortableReader:
         self._left = 0  # bytes of that file still to come
         self._hasher = TreeHasher()
         self._done = False
+        self.on_file = on_file
+        # Each staged file is checked (``on_file``) and flushed to disk by worker threads
+        # as soon as its last byte is written, while the next is read and staged; the
+        # manifest's flush waits for the last file's, to share its commit to the disk.
+        self._workers: ThreadPoolExecutor | None = None
+        self._jobs: list[Future[None]] = []
+        self._held: int | None = None
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Take the next bytes of the stream."""
@@ -340,11 +350,30 @@ class PortableReader:
         assert self.header is not None
         return self.header
 
+    def sync_staged(self) -> None:
+        """Wait for each staged file's check and flush (begun as each was staged), then
+        make their folder durable (after ``finish``). Raises the first check's error."""
+        assert self._done and self.header is not None
+        try:
+            for job in self._jobs:
+                job.result()
+        finally:
+            self._stop_workers()
+        fsync_dir(agent_dir(self.staging, self.header.agent))
+
     def close(self) -> None:
-        """Close the file being staged (a stream given up)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Close the files being staged and wait for the work under way (a stream given
+        up, or done with)."""
+        for fd in (self._fd, self._held):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._held = None
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        if self._workers is not None:
+            self._workers.shutdown(wait=True)
+            self._workers = None
 
     def _refuse(self, reason: str) -> CacheRejected:
         return CacheRejected(f"not a sound agent file: {reason}")
@@ -429,8 +458,7 @@ class PortableReader:
             )
 
     def _next_file(self) -> None:
-        assert self.header is not None
-        self.close()
+        assert self.header is not None and self._fd is None
         files = self.header.files
         if self._file >= len(files):
             self._frame(_SUM.size, self._trailer)
@@ -458,16 +486,32 @@ class PortableReader:
         file = self.header.files[self._file]
         if self._hasher.checksum() != file.checksum:
             raise self._refuse(f"{file.name} does not match its checksum")
-        sync(self._fd)
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(3, "kvactor-import")
+        if self.on_file is not None:
+            self._jobs.append(self._workers.submit(self.on_file, file.name))
+        fd, self._fd = self._fd, None
+        if self._file == 0 and len(self.header.files) > 1:
+            self._held = fd
+        else:
+            self._jobs.append(self._workers.submit(_sync_close, fd))
+            if self._file == len(self.header.files) - 1 and self._held is not None:
+                self._jobs.append(self._workers.submit(_sync_close, self._held))
+                self._held = None
         self._file += 1
         self._next_file()
 
     def _trailer(self, frame: bytes) -> None:
         if _SUM.unpack(frame)[0] != self._whole.intdigest():
             raise self._refuse("the file does not match its checksum")
-        assert self.header is not None
-        fsync_dir(agent_dir(self.staging, self.header.agent))
         self._done = True
+
+
+def _sync_close(fd: int) -> None:
+    try:
+        sync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_header(data: bytes | memoryview) -> PortableHeader:
@@ -512,18 +556,15 @@ def staging_dir(root: str | os.PathLike[str]) -> Path:
 
 
 def rename_staged(
-    staging: Path, identity: CacheIdentity, header: PortableHeader, name: str
+    staging: Path, manifest: CacheManifest, header: PortableHeader, name: str
 ) -> CacheManifest:
-    """The staged agent of ``header`` under its new ``name``: its folder renamed, its
-    manifest rewritten for ``name`` (each segment naming the agent it was written for, as
-    a fork's do: their headers say so). Returns the manifest."""
-    old = agent_dir(staging, header.agent)
-    loaded = load_manifest(old, identity, header.agent)
-    if loaded is None:
-        raise CacheRejected("the agent file holds no manifest")
-    manifest = loaded[0]
+    """Put the staged agent of ``header`` (its verified ``manifest``) under its new
+    ``name`` (nothing to do for its own): its folder renamed, its manifest rewritten for
+    ``name`` (each segment naming the agent it was written for, as a fork's do: their
+    headers say so). Returns the manifest as it is now."""
     if name == header.agent:
         return manifest
+    old = agent_dir(staging, header.agent)
     owned = [
         [msgspec.structs.replace(s, owner=s.owner or header.agent) for s in entries]
         for entries in (manifest.segments, manifest.window_segments, manifest.state_segments)
@@ -573,7 +614,11 @@ def install_import(root: str | os.PathLike[str], staging: Path, name: str) -> No
     if target.exists():
         os.rename(target, staging / "replaced")
     os.rename(agent_dir(staging, name), target)
-    shutil.rmtree(staging, ignore_errors=True)
+    try:  # what is left: empty folders, unless an agent was replaced
+        os.rmdir(staging / "agents")
+        os.rmdir(staging)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def settle_imports(root: str | os.PathLike[str]) -> int:

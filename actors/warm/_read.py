@@ -39,7 +39,14 @@ from ._manifest import (
 from ._paths import agent_dir, contained
 from ._safetensors import MAX_HEADER_BYTES, Expected, parse_segment
 
-__all__ = ("disk_footprint", "list_agents", "read_cache", "tree_bytes", "verify_cache")
+__all__ = (
+    "disk_footprint",
+    "list_agents",
+    "read_cache",
+    "tree_bytes",
+    "verify_cache",
+    "verify_file",
+)
 
 _READ_ATTEMPTS = 8
 
@@ -80,12 +87,13 @@ def _read_segment(
     version: int,
     *,
     summed: str | None = None,
+    arrays: bool = True,
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read and verify one segment file. FileNotFoundError propagates (a concurrent
     rewrite may have removed it); every other problem is a CacheRejected. ``summed``: the
     file's ``xxh3t`` checksum, taken as its bytes were written (an import): then only its
     header is read, the data bytes left as they are on disk (the arrays returned are not
-    the file's: a check only)."""
+    the file's: a check only). ``arrays`` False: a check only, no arrays returned."""
 
     def refuse(reason: str) -> CacheRejected:
         return CacheRejected(f"{entry.file}: {reason}", str(path))
@@ -116,7 +124,7 @@ def _read_segment(
     if found is not None:
         raise refuse(f"checksum mismatch: the file has {found}, manifest says {entry.checksum}")
     try:
-        parsed = parse_segment(buffer, expected)
+        parsed = parse_segment(buffer, expected, arrays=arrays)
     except CacheRejected as exc:
         raise refuse(exc.reason) from None
     # A fork's segments are its source's files (linked): their header names the source.
@@ -232,19 +240,50 @@ def verify_cache(
             if not stat.S_ISREG(info.st_mode) or info.st_size != entry.nbytes:
                 raise CacheRejected(f"{entry.file}: not the file the manifest names", str(path))
             continue
-        sum_taken = (summed or {}).get(entry.file)
-        if sum_taken is not None and not entry.checksum.startswith("xxh3t:"):
-            sum_taken = None  # a format-2 segment: its CRC is taken by reading it
-        _read_segment(
-            path,
-            entry,
-            layout(entry.start, entry.stop),
-            identity,
-            manifest.agent,
-            manifest.format_version,
-            summed=sum_taken,
-        )
+        _check_file(path, entry, layout, identity, manifest, (summed or {}).get(entry.file))
     return manifest
+
+
+def verify_file(
+    root: str | os.PathLike[str],
+    identity: CacheIdentity,
+    expect: ExpectFn,
+    manifest: CacheManifest,
+    file: str,
+    summed: str,
+) -> SegmentEntry | None:
+    """``verify_cache``'s check of the one file ``file`` of ``manifest``'s agent (its
+    ``xxh3t`` checksum ``summed`` taken as it was written: an import checks each file as
+    it is staged); the manifest's entry of it (then ``verify_cache`` may trust it), None
+    for a file the manifest does not name."""
+    folder = agent_dir(root, manifest.agent)
+    for _, entry, path, layout in _planned(folder, manifest, identity, expect):
+        if entry.file == file:
+            _check_file(path, entry, layout, identity, manifest, summed)
+            return entry
+    return None
+
+
+def _check_file(
+    path: Path,
+    entry: SegmentEntry,
+    layout: Callable[[int, int], Expected],
+    identity: CacheIdentity,
+    manifest: CacheManifest,
+    summed: str | None,
+) -> None:
+    if summed is not None and not entry.checksum.startswith("xxh3t:"):
+        summed = None  # a format-2 segment: its CRC is taken by reading it
+    _read_segment(
+        path,
+        entry,
+        layout(entry.start, entry.stop),
+        identity,
+        manifest.agent,
+        manifest.format_version,
+        summed=summed,
+        arrays=False,
+    )
 
 
 def read_cache(

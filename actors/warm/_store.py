@@ -180,12 +180,14 @@ class Adopt(msgspec.Struct, frozen=True, tag=True):
     """Move agent ``agent``, verified and staged under ``staging`` (an import), into place:
     room made under the disk limit and its namespace's quota first (other agents go cold
     by policy), an agent of that name there replaced only with ``replace`` (ValueError
-    without). Answers a WarmInfo; raises StoreWriteError when no room can be made."""
+    without). ``manifest``: the staged one as its verification read it (else it is read
+    again). Answers a WarmInfo; raises StoreWriteError when no room can be made."""
 
     staging: str
     agent: str
     nbytes: int
     replace: bool = False
+    manifest: CacheManifest | None = None
 
 
 class StoreStatsQuery(msgspec.Struct, frozen=True, tag=True):
@@ -402,7 +404,7 @@ class StoreActor(Actor):
         t0 = time.perf_counter()
         # One trip to a worker thread: the check, the move, the count, the manifest.
         adopt = functools.partial(
-            _adopt_files, self.root, self.identity, staging, agent, m.replace, counted
+            _adopt_files, self.root, self.identity, staging, agent, m.replace, counted, m.manifest
         )
         before, after, manifest = await anyio.to_thread.run_sync(adopt)
         if self.usage is not None:
@@ -748,18 +750,22 @@ def _adopt_files(
     agent: str,
     replace: bool,
     before: AgentFiles | None,
+    manifest: CacheManifest | None,
 ) -> tuple[AgentFiles, AgentFiles, CacheManifest]:
     """The files of ``Adopt``: an agent of that name there refused unless ``replace``,
     the staged one moved into place, its files before (``before``: as counted) and after,
-    and its manifest (checked)."""
+    and its manifest (checked: ``manifest``, the one verified, else read again)."""
     if os.path.lexists(agent_dir(root, agent)) and not replace:
         raise ValueError(
             f"agent {agent!r} already has a cache here: import it with replace to replace it"
         )
     if before is None:
         before = agent_files(root, agent)
+    if manifest is not None and manifest.agent != agent:
+        raise ValueError(f"the staged manifest is agent {manifest.agent!r}'s, not {agent!r}'s")
     install_import(root, staging, agent)
-    manifest = read_manifest(root, identity, agent)
+    if manifest is None:
+        manifest = read_manifest(root, identity, agent)
     assert manifest is not None  # verified before it was staged
     return before, agent_files(root, agent), manifest
 
