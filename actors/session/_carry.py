@@ -294,7 +294,7 @@ async def stage_import(
             reader.sync_staged()  # each file checked and flushed as it was staged
             # The whole as a warm load checks it, the files checked above trusted.
             try:
-                manifest = verify_cache(
+                manifest = checker.whole() or verify_cache(
                     staging, identity, layout, header.agent, trusted=checker.checked
                 )
             except FileNotFoundError as exc:
@@ -346,6 +346,17 @@ class _FileChecker:
         if entry is not None:
             with self._lock:
                 self.checked[file] = entry
+
+    def whole(self) -> CacheManifest | None:
+        """The manifest, when every file it names was checked as it was staged (then
+        nothing is left to check); else None (``verify_cache`` checks the rest)."""
+        manifest = self._manifest
+        if manifest is None:
+            return None
+        named = manifest.all_segments
+        if len(named) != len(self.checked) or any(self.checked.get(s.file) != s for s in named):
+            return None
+        return manifest
 
 
 def _fits(header: PortableHeader, name: str, usage: DiskUsage | None, budget: int | None) -> None:
