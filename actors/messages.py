@@ -11,6 +11,7 @@ from .options import Constraint, Sampling
 from .records import ToolRequest
 
 __all__ = (
+    "BoardQuery",
     "WarmAgent",
     "WarmVictims",
     "MakeContext",
@@ -131,6 +132,15 @@ class TierEvents(msgspec.Struct, frozen=True, tag=True):
     however many moves came since it last asked."""
 
     since: int = 0
+
+
+class BoardQuery(msgspec.Struct, frozen=True, tag=True):
+    """Answers an EngineBoard: what ``StatsQuery``, each model's ``HotQuery`` and
+    ``TierEvents`` (after ``since[model]``, 0 for a model not named) and ``ModelsQuery``
+    answer, at one moment and in one message (a dashboard's sample waits for one
+    decode step, not four)."""
+
+    since: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class Fork(msgspec.Struct, frozen=True, tag=True):

@@ -16,6 +16,7 @@ __all__ = (
     "AgentState",
     "CacheInfo",
     "Completion",
+    "EngineBoard",
     "EngineStats",
     "Exported",
     "Finished",
@@ -123,6 +124,17 @@ class TierMoves(msgspec.Struct, frozen=True):
     moves: list[TierMove]
     last: int
     lost: int = 0
+
+
+class EngineBoard(msgspec.Struct, frozen=True):
+    """The engine as a dashboard samples it, in one answer (``BoardQuery``): its stats,
+    and by the engine's name of each model its hot caches, its moves after the seq asked
+    and its state."""
+
+    stats: EngineStats
+    hot: dict[str, list[CacheInfo]]
+    moves: dict[str, TierMoves]
+    states: list[ModelState]
 
 
 class ModelInfo(msgspec.Struct, frozen=True):

@@ -31,6 +31,7 @@ from ..enums import Room
 from ..errors import BudgetExceeded, ModelLoadError, TurnEnded, UnknownAgent
 from ..hot import Rates, cold_candidates
 from ..messages import (
+    BoardQuery,
     CacheQuery,
     DropCache,
     EndTurns,
@@ -50,7 +51,7 @@ from ..messages import (
     WarmVictims,
     Written,
 )
-from ..records import EngineStats, ModelInfo, ModelState
+from ..records import EngineBoard, EngineStats, ModelInfo, ModelState
 from ._config import EngineConfig, ModelSpec
 from ._memory import (
     MEMORY_SHARE,
@@ -320,14 +321,21 @@ class EngineActor(ThreadActor):
                     raise ValueError(f"no model {model!r}: the models are {sorted(self._slots)}")
                 return self._for(slot, inner)
             case ModelsQuery():
-                self._expire()  # what is due goes before the answer says what is loaded
-                now = time.monotonic()
-                return [
-                    ModelState(s.name, s.loaded, s.pinned, s.weights, s.loads, now - s.last_used)
-                    for s in self._slots.values()
-                ]
+                return self._states()
             case StatsQuery():
                 return self.stats()
+            case BoardQuery(since):
+                states = self._states()
+                return EngineBoard(
+                    stats=self.stats(),
+                    hot={
+                        n: s.runner.pool.infos() if s.loaded else [] for n, s in self._slots.items()
+                    },
+                    moves={
+                        n: s.runner.moves.after(since.get(n, 0)) for n, s in self._slots.items()
+                    },
+                    states=states,
+                )
             case EndTurns():  # every model's; a turn waiting for its model to load fails
                 self._ending = True
                 ended = sum(
@@ -337,6 +345,14 @@ class EngineActor(ThreadActor):
                     self._fail_pending(slot, TurnEnded("the session ended its turns"))
                 return ended + sum(s.runner.end_turns() for s in self._loaded())
         raise TypeError(f"the engine does not handle {type(message).__name__}")
+
+    def _states(self) -> list[ModelState]:
+        self._expire()  # what is due goes before the answer says what is loaded
+        now = time.monotonic()
+        return [
+            ModelState(s.name, s.loaded, s.pinned, s.weights, s.loads, now - s.last_used)
+            for s in self._slots.values()
+        ]
 
     def _for(self, slot: _Slot, message: Any) -> Any:
         if self._ending and isinstance(message, Generate):

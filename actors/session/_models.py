@@ -4,6 +4,7 @@ reference, what the model is, its warm tier), and the model each running agent r
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 
@@ -14,8 +15,8 @@ from ...runtime import ActorRef, Runtime
 from ..engine import EngineActor, EngineConfig, ModelRef, ModelSpec, record_limit
 from ..errors import UnknownAgent, UnsafeCachePath
 from ..ids import check_agent_id
-from ..messages import EndTurns, EngineMessage, ModelsQuery, StatsQuery
-from ..records import EngineStats, ModelInfo, ModelState
+from ..messages import BoardQuery, EndTurns, EngineMessage, ModelsQuery, StatsQuery
+from ..records import EngineBoard, EngineStats, ModelInfo, ModelState
 from ..warm import (
     CacheDirLock,
     DiskUsage,
@@ -255,6 +256,21 @@ class SessionModels:
     async def stats(self) -> EngineStats:
         stats: EngineStats = await self._whole().ask(StatsQuery())
         return stats
+
+    async def board(self, since: Mapping[str, int]) -> EngineBoard:
+        """The engine's ``BoardQuery`` answer, by the session's names of the models (moves
+        after ``since[name]``)."""
+        names = {slot: name for name, slot in self._slots.items()}
+        ask = {self._slots[n]: seq for n, seq in since.items() if n in self._slots}
+        board: EngineBoard = await self._whole().ask(BoardQuery(ask))
+        return EngineBoard(
+            stats=board.stats,
+            hot={names.get(k, k): v for k, v in board.hot.items()},
+            moves={names.get(k, k): v for k, v in board.moves.items()},
+            states=[
+                msgspec.structs.replace(s, name=names.get(s.name, s.name)) for s in board.states
+            ],
+        )
 
     async def states(self) -> list[ModelState]:
         """Each model: loaded or not, pinned, weights, loads (named as the session names

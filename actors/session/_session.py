@@ -35,7 +35,15 @@ from ..messages import (
 )
 from ..models import Tokenizer
 from ..options import Sampling
-from ..records import AgentSnapshot, CacheInfo, EngineStats, ModelInfo, ModelState, TierMoves
+from ..records import (
+    AgentSnapshot,
+    CacheInfo,
+    EngineBoard,
+    EngineStats,
+    ModelInfo,
+    ModelState,
+    TierMoves,
+)
 from ..warm import (
     MAX_IMPORT_BYTES,
     ActorWarmTier,
@@ -505,7 +513,17 @@ class Session(SessionAPI[Agent]):
     async def stats(self) -> EngineStats:
         """The engine's figures (several models: summed, with the memory limit's), and the
         warm tier's on disk (its bytes against its limit, what it wrote, who went cold)."""
-        stats = await self._models.stats()
+        return await self._with_warm(await self._models.stats())
+
+    async def board(self, since: Mapping[str, int] | None = None) -> EngineBoard:
+        """What :meth:`stats`, :meth:`hot_caches`, :meth:`tier_moves` (after ``since``)
+        and :meth:`model_states` answer, at one moment of the engine and in one question
+        to it (a dashboard's sample: it waits for one decode step, not four). Its ``hot``,
+        ``moves`` and ``states`` are by model name."""
+        board = await self._models.board(since or {})
+        return msgspec.structs.replace(board, stats=await self._with_warm(board.stats))
+
+    async def _with_warm(self, stats: EngineStats) -> EngineStats:
         written = cold = 0
         for part in self._models.parts():
             if part.store is not None:

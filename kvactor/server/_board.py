@@ -95,10 +95,10 @@ class Board:
             return self._last
 
     async def _read(self, session: Session, *, warm: bool) -> Sample:
-        stats = await session.stats()
-        hot = await session.hot_caches()
+        board = await session.board(self._moves_since)  # one question to the engine
+        stats, moves, states = board.stats, board.moves, board.states
+        hot = [c for caches in board.hot.values() for c in caches]
         hot_now = {c.agent for c in hot}
-        moves = await session.tier_moves(self._moves_since)
         # Read and recorded with no wait between: a sample cancelled earlier reads them again.
         self._moves_since = {model: part.last for model, part in moves.items()}
         self.activity.moved(moves)
@@ -117,7 +117,6 @@ class Board:
             self._warm_at = anyio.current_time()
             self._warm_cost_s = self._warm_at - started
             usable = {w.agent for w in self._warm if w.rejected is None}
-        states = await session.model_states()
         return Sample(
             t=time.time(),
             stats=stats,
