@@ -13,10 +13,12 @@ if TYPE_CHECKING:
 
 __all__ = (
     "AgentBusy",
+    "AgentExists",
     "BudgetExceeded",
     "CacheDirLocked",
     "CacheMiss",
     "CacheRejected",
+    "CacheTooLarge",
     "ContextOverflow",
     "EngineStopped",
     "InvalidAgentId",
@@ -44,6 +46,11 @@ class UnknownAgent(KvactorError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class AgentExists(KvactorError, ValueError):
+    """An agent of that name already exists (running, or its cache on disk): a spawn or
+    an import under that name is refused (an import with ``replace`` replaces it)."""
 
 
 class AgentBusy(KvactorError):
@@ -78,6 +85,10 @@ class CacheRejected(KvactorError):
         super().__init__(f"{reason} ({path})" if path else reason)
         self.reason = reason
         self.path = path
+
+
+class CacheTooLarge(CacheRejected):
+    """An agent file whose cache is larger than the import takes (its ``max_bytes``)."""
 
 
 class StoreWriteError(KvactorError):

@@ -25,10 +25,12 @@ from .actors.enums import FinishReason as FinishReason
 from .actors.enums import Match as Match
 from .actors.enums import Tier as Tier
 from .actors.errors import AgentBusy as AgentBusy
+from .actors.errors import AgentExists as AgentExists
 from .actors.errors import BudgetExceeded as BudgetExceeded
 from .actors.errors import CacheDirLocked as CacheDirLocked
 from .actors.errors import CacheMiss as CacheMiss
 from .actors.errors import CacheRejected as CacheRejected
+from .actors.errors import CacheTooLarge as CacheTooLarge
 from .actors.errors import ContextOverflow as ContextOverflow
 from .actors.errors import EngineStopped as EngineStopped
 from .actors.errors import HostLost as HostLost
@@ -73,6 +75,7 @@ __all__ = (
     "Agent",
     "AgentAPI",
     "AgentBusy",
+    "AgentExists",
     "AskTimeout",
     "Attention",
     "BudgetExceeded",
@@ -80,6 +83,7 @@ __all__ = (
     "CacheInfo",
     "CacheMiss",
     "CacheRejected",
+    "CacheTooLarge",
     "Candidate",
     "ClusterSession",
     "Completion",

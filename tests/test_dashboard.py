@@ -126,15 +126,15 @@ async def test_status_follows_agents_through_the_tiers(tmp_path: Path) -> None:
         board = await kv.board()
         (name,) = kv.models
         assert board.hot == {name: await kv.hot_caches()} and board.hot[name]
-        moves = await kv.tier_moves()
-        assert board.moves == moves and moves[name].moves
+        logged = await kv.tier_moves()
+        assert board.moves == logged and logged[name].moves
         states = await kv.model_states()
         assert [(m.name, m.loaded) for m in board.states] == [(m.name, m.loaded) for m in states]
         stats = await kv.stats()
         for key in ("agents_cached", "cache_bytes", "demoted_warm", "warm_bytes"):
             assert getattr(board.stats, key) == getattr(stats, key), key
-        later = await kv.board({name: moves[name].last})
-        assert later.moves[name].moves == [] and later.moves[name].last == moves[name].last
+        later = await kv.board({name: logged[name].last})
+        assert later.moves[name].moves == [] and later.moves[name].last == logged[name].last
         # No prompt's text, no answer's.
         text = json.dumps(s)
         assert MARK not in text

@@ -264,7 +264,7 @@ async def test_bad_input_gets_clear_errors_and_the_engine_keeps_serving() -> Non
         for hostile in ["../x", "a/b", "", "a\\b", "..", "x" * 200, "nul\x00"]:
             with pytest.raises(InvalidAgentId):
                 await session.spawn_agent(hostile)
-        with pytest.raises(ValueError, match="already exists"):
+        with pytest.raises(kvactor.AgentExists, match="already exists"):
             await session.spawn_agent("a")
         with pytest.raises(UnknownAgent):
             session.agent("nobody")

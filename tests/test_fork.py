@@ -60,7 +60,7 @@ async def test_fork_errors() -> None:
     async with kvactor.open(tiny) as kv:
         await (await kv.spawn_agent("a")).generate("hi", max_tokens=2)
         await kv.spawn_agent("b")
-        with pytest.raises(ValueError, match="already exists"):
+        with pytest.raises(kvactor.AgentExists, match="already exists"):
             await kv.fork("a", "b")
         with pytest.raises(kvactor.UnknownAgent):
             await kv.fork("nobody", "c")

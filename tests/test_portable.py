@@ -106,7 +106,7 @@ async def test_a_running_agent_is_exported_between_its_turns_and_replaced_atomic
         new = io.BytesIO()
         await agent.export(new)
         # The older file replaces the running agent only when asked to.
-        with pytest.raises(ValueError, match="already exists"):
+        with pytest.raises(kvactor.AgentExists, match="already exists"):
             await kv.import_agent(old)
         back = await kv.import_agent(old, replace=True)
         assert len(await back.history()) == 3  # the older conversation, whole
@@ -163,15 +163,17 @@ async def test_what_cannot_be_trusted_is_refused_with_a_reason(tmp_path: Path) -
             with pytest.raises(kvactor.CacheRejected, match=reason):
                 await kv.import_agent(bad)
             _refused(kv, tmp_path / "b", "doc")
+        with pytest.raises(kvactor.CacheTooLarge):  # its own kind: a 413 over HTTP
+            await kv.import_agent(cases["a huge size"][0])
         with pytest.raises(kvactor.InvalidAgentId):
             await kv.import_agent(data, "../doc")
         # The sound file still goes in; its name is then taken.
         await kv.import_agent(data)
-        with pytest.raises(ValueError, match="already exists"):
+        with pytest.raises(kvactor.AgentExists, match="already exists"):
             await kv.import_agent(data)
     # On disk only (not running): the name is taken all the same.
     async with kvactor.open(tiny, cache_dir=tmp_path / "b") as kv:
-        with pytest.raises(ValueError, match="already exists"):
+        with pytest.raises(kvactor.AgentExists, match="already exists"):
             await kv.import_agent(data)
         assert "doc" not in kv.agents
 

@@ -34,7 +34,7 @@ import anyio
 import msgspec
 
 from ..engine import ModelSpec, default_memory_limit
-from ..errors import CacheRejected, UnknownAgent
+from ..errors import AgentExists, CacheRejected, UnknownAgent
 from ..ids import check_agent_id
 from ..messages import Hint, MakeContext, SpawnAgent
 from ..records import Completion, EngineStats
@@ -308,7 +308,7 @@ class EngineHost:
         session = await self._open()
         check_agent_id(name)
         if name in session.agents or agent_dir(self.cache_dir, name).exists():
-            raise ValueError(f"agent {name!r} already exists on host {self.name!r}")
+            raise AgentExists(f"agent {name!r} already exists on host {self.name!r}")
         return session
 
     async def _install(self, session: Session, root: Path, name: str) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 import anyio
 
 from ..engine import ModelSpec
-from ..errors import HostLost, UnknownAgent
+from ..errors import AgentExists, HostLost, UnknownAgent
 from ..hot import split_hint
 from ..ids import check_agent_id
 from ..messages import Hint, MakeContext, SpawnAgent
@@ -271,7 +271,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         if spawn.model is not None:
             raise ValueError("a cluster session serves one model: no model=")
         if name in self._where:
-            raise ValueError(f"agent {name!r} already exists (on host {self._where[name]!r})")
+            raise AgentExists(f"agent {name!r} already exists (on host {self._where[name]!r})")
         source = spawn.fork_of if spawn.fork_of is not None else spawn.context
         if source is not None:
             home = self.host_of(source)
@@ -292,7 +292,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         if made.model is not None:
             raise ValueError("a cluster session serves one model: no model=")
         if made.name in self._where:
-            raise ValueError(f"agent {made.name!r} already exists")
+            raise AgentExists(f"agent {made.name!r} already exists")
         where = made.host or self.placement.choose(made.name, await self.hosts())
         target = self.engine_hosts.get(where)
         await self.engine_hosts.call(target, EngineHost.context, made)
@@ -354,7 +354,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         check_agent_id(target)
         if target in self._where:
             if not replace:
-                raise ValueError(f"agent {target!r} already exists (on {self._where[target]!r})")
+                raise AgentExists(f"agent {target!r} already exists (on {self._where[target]!r})")
             if host is not None and host != self._where[target]:
                 raise ValueError(f"agent {target!r} is on host {self._where[target]!r}")
             host = self._where[target]

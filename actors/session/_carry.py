@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import anyio
 
-from ..errors import CacheRejected, StoreWriteError
+from ..errors import AgentExists, CacheRejected, StoreWriteError
 from ..ids import check_agent_id, namespace_of
 from ..warm import (
     MAX_HEADER_BYTES,
@@ -270,7 +270,7 @@ async def stage_import(
     def check(header: PortableHeader) -> None:
         target = check_agent_id(name or header.agent)
         if taken(target):
-            raise ValueError(
+            raise AgentExists(
                 f"agent {target!r} already exists: import with replace=True to replace it, "
                 "or under another name"
             )

@@ -17,7 +17,7 @@ import msgspec
 from ...runtime import ActorRef, Runtime
 from ..agent import AgentActor
 from ..engine import EngineConfig, ModelSpec
-from ..errors import UnknownAgent
+from ..errors import AgentExists, UnknownAgent
 from ..hot import split_hint
 from ..ids import check_agent_id
 from ..messages import (
@@ -251,7 +251,7 @@ class Session(SessionAPI[Agent]):
             scope = self._same_scope(spawn.context, scope)
             part = self._models.same_model(spawn.context, spawn.model)
         if spawn.name in self._agents:
-            raise ValueError(f"agent {spawn.name!r} already exists")
+            raise AgentExists(f"agent {spawn.name!r} already exists")
         return await self._start_agent(
             part,
             spawn.name,
@@ -300,7 +300,7 @@ class Session(SessionAPI[Agent]):
         source, name, scope, model = spawn.fork_of, spawn.name, spawn.scope, spawn.model
         assert source is not None
         if name in self._agents:
-            raise ValueError(f"agent {name!r} already exists")
+            raise AgentExists(f"agent {name!r} already exists")
         running = self._agents.get(source)
         if running is not None:
             scope = self._same_scope(source, scope)
@@ -466,7 +466,7 @@ class Session(SessionAPI[Agent]):
         try:
             if target in self._agents:
                 if not replace:
-                    raise ValueError(f"agent {target!r} already exists")
+                    raise AgentExists(f"agent {target!r} already exists")
                 await self.release(target)
             adopt = Adopt(
                 str(staged.staging),

@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from ..errors import CacheRejected, UnknownAgent
+from ..errors import CacheRejected, CacheTooLarge, UnknownAgent
 from ..ids import check_agent_id
 from ._checksum import TreeHasher
 from ._durable import fsync_dir, sync
@@ -453,7 +453,7 @@ class PortableReader:
         if h.files[0].size > MAX_MANIFEST_BYTES:
             raise self._refuse(f"a manifest of {h.files[0].size} bytes")
         if h.nbytes > self.max_bytes:
-            raise CacheRejected(
+            raise CacheTooLarge(
                 f"its {h.nbytes} bytes of cache are more than this import takes ({self.max_bytes})"
             )
 

@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 
 from ...runtime import Actor, ActorDeadError, ActorRef, MailboxFull
-from ..errors import CacheRejected, StoreWriteError
+from ..errors import AgentExists, CacheRejected, StoreWriteError
 from ..hot import LRUPolicy, Rates, cold_candidates
 from ..ids import check_agent_id, namespace_of
 from ..messages import EngineMessage, WarmAgent, WarmVictims
@@ -756,7 +756,7 @@ def _adopt_files(
     the staged one moved into place, its files before (``before``: as counted) and after,
     and its manifest (checked: ``manifest``, the one verified, else read again)."""
     if os.path.lexists(agent_dir(root, agent)) and not replace:
-        raise ValueError(
+        raise AgentExists(
             f"agent {agent!r} already has a cache here: import it with replace to replace it"
         )
     if before is None:

@@ -25,6 +25,7 @@ from typing import IO, Any
 import anyio
 
 from ..actors.errors import (
+    AgentExists,
     CacheDirLocked,
     CacheRejected,
     InvalidAgentId,
@@ -134,7 +135,7 @@ def _refusal(exc: Exception, args: argparse.Namespace) -> str:
         return f"the file is refused: {exc.reason}"
     if isinstance(exc, FileNotFoundError):
         return f"no such file: {args.file}"
-    if isinstance(exc, ValueError) and "already exists" in str(exc):
+    if isinstance(exc, AgentExists):
         name = args.name or "the agent"
         return f"{exc}: give --replace to replace {name}, or --as NAME to import it as another"
     return str(exc)

@@ -18,15 +18,19 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..actors.errors import CacheRejected, InvalidAgentId, StoreWriteError, UnknownAgent
+from ..actors.errors import (
+    AgentExists,
+    CacheRejected,
+    CacheTooLarge,
+    StoreWriteError,
+    UnknownAgent,
+)
 from ._errors import ApiError
 from ._routing import ANONYMOUS
 from ._state import ServerState, server_state, tenant_of
 
 MEDIA_TYPE = "application/octet-stream"
 SUFFIX = ".kvagent"
-# What the reader's refusal of a header declaring more than ``max_bytes`` says: a 413 too.
-_OVER_LIMIT = "more than this import takes"
 
 
 def _too_big(limit: int) -> ApiError:
@@ -103,12 +107,12 @@ async def _limited(
 def _refused(exc: Exception, taken: ApiError) -> Exception:
     """What an import's refusal ``exc`` answers (``taken``: for a name already taken)."""
     if isinstance(exc, CacheRejected):
-        if _OVER_LIMIT in exc.reason:  # its header says it is bigger than the limit
+        if isinstance(exc, CacheTooLarge):  # its header says it is bigger than the limit
             return ApiError(413, f"agent file refused: {exc.reason}", code="request_too_large")
         return _rejected(exc)
     if isinstance(exc, StoreWriteError):
         return _no_room(exc)
-    if not isinstance(exc, InvalidAgentId) and "already exists" in str(exc):
+    if isinstance(exc, AgentExists):
         return taken  # an agent of that name came meanwhile, or a cold one has it
     return exc
 
