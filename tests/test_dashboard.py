@@ -8,6 +8,7 @@ in a real browser: test_dashboard_browser.py."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,15 @@ async def status(http: httpx.AsyncClient, base: str, **params: Any) -> dict[str,
     return body
 
 
+async def sampled_after(http: httpx.AsyncClient, base: str, t: float) -> dict[str, Any]:
+    """The first status whose sample was taken after ``t`` (a sample is shared for a
+    quarter second: it polls for the next)."""
+    with anyio.fail_after(30):
+        while (s := await status(http, base))["sampled_at"] < t:
+            await anyio.sleep(0.05)
+    return s
+
+
 async def moves_match(
     kv: kvactor.Session, http: httpx.AsyncClient, base: str, headers: dict[str, str]
 ) -> list[dict[str, Any]]:
@@ -97,7 +107,7 @@ async def test_status_follows_agents_through_the_tiers(tmp_path: Path) -> None:
         for step in range(2):  # within 256 tokens: a turn reserves 1 MiB of working cache
             for agent in AGENTS:
                 replies.append((await turn(http, base, agent, step))["choices"][0])
-                for row in (await status(http, base))["agents"]:
+                for row in (await sampled_after(http, base, time.time()))["agents"]:
                     seen[row["id"]].add(row["tier"])
         s = await status(http, base)
         # The table followed the agents in and out of the hot tier.
@@ -162,6 +172,35 @@ async def test_status_follows_agents_through_the_tiers(tmp_path: Path) -> None:
         }
         assert all(e["bytes"] > 0 and e["agent"] in AGENTS for e in moves)
         assert [e["seq"] for e in moves] == sorted({e["seq"] for e in moves})
+
+
+async def test_agents_the_warm_tier_makes_cold_are_events_too(tmp_path: Path) -> None:
+    async with (
+        running(cache_dir=tmp_path / "probe", disk_limit=1 << 30) as (kv, base),
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        await turn(http, base, "probe", 0)
+        one = (await kv.stats()).warm_bytes
+    limit = int(one * 2.9)  # two agents and the headroom (as in test_warm_limits)
+    async with (
+        running(cache_dir=tmp_path / "cache", disk_limit=limit) as (kv, base),
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        for agent in AGENTS[:5]:
+            await turn(http, base, agent, 0)
+        cold: list[dict[str, Any]] = []
+        since = 0
+        with anyio.fail_after(30):
+            while True:
+                s = await status(http, base, since=since)
+                since = s["events_next"]
+                cold += [e for e in s["events"] if e["kind"] == "demoted" and e["from"] == "warm"]
+                made = (await kv.stats()).demoted_warm_to_cold
+                if made >= 3 and len(cold) >= made:
+                    break
+                await anyio.sleep(0.05)  # the next sample: a quarter second after the last
+        assert len(cold) == made and {e["to"] for e in cold} == {"cold"}
+        assert cold[0]["agent"] == AGENTS[0] and all(e["bytes"] > 0 for e in cold)
 
 
 async def test_a_tenant_sees_its_own_agents_and_an_admin_all() -> None:
@@ -266,6 +305,7 @@ def test_the_activity_log_is_bounded() -> None:
             "bytes": 100,
             "model": "tiny",
             "to": "warm",
+            "from": "hot",
         },
         {
             "seq": 0,

@@ -63,6 +63,13 @@ async def test_the_limit_holds_and_the_least_recently_used_go_cold(tmp_path: Pat
         assert stats.disk_limit_bytes == limit
         assert stats.disk_peak_bytes <= limit and stats.disk_bytes == on_disk(root)
         assert stats.demoted_cold >= 3
+        # Each agent made cold is a move of the warm tier's log, with the bytes it freed.
+        (moves,) = (await kv.warm_moves()).values()
+        assert [(m.kind, m.tier, m.source) for m in moves.moves] == [
+            ("demoted", "cold", "warm")
+        ] * stats.demoted_cold
+        assert moves.moves[0].agent == "a0" and all(m.nbytes > 0 for m in moves.moves)
+        assert (await kv.warm_moves({kv.model.name: moves.last}))[kv.model.name].moves == []
         tokens = {w.agent: w.tokens for w in list_agents(root)}
         assert tokens["a5"] > 0 and tokens["a4"] > 0  # the newest stay warm
         assert tokens["a0"] == 0  # the oldest went cold first

@@ -1,6 +1,7 @@
-"""The hot tier's moves: a bounded log of each cache demoted out of it and each warm cache
-installed into it, numbered, for a dashboard to show every move however fast they come
-(a sampler comparing who is hot now and then misses a demote-and-reload between looks)."""
+"""A tier's moves: a bounded log of each cache demoted out of the hot tier and each warm
+cache installed into it (the hot tier's log), or of each warm cache made cold (the warm
+tier's), numbered, for a dashboard to show every move however fast they come (a sampler
+comparing who is hot now and then misses a demote-and-reload between looks)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ MAX_MOVES = 4096  # the latest moves kept; older ones are counted as lost to a l
 
 
 class MoveLog:
-    """The last ``limit`` moves of one model's hot tier, each numbered by ``seq`` from 1.
+    """The last ``limit`` moves of one model's hot tier (or of its warm tier), each
+    numbered by ``seq`` from 1.
 
-    Invariant: only :meth:`demoted` and :meth:`installed` write it (the hot tier's
-    :class:`Demotion` and :class:`WarmTraffic`); ``last`` is the seq of the latest move
+    Invariant: only :meth:`demoted` and :meth:`installed` write a hot tier's (its
+    :class:`Demotion` and :class:`WarmTraffic`), only :meth:`went_cold` a warm tier's (its
+    store); ``last`` is the seq of the latest move
     and the kept moves' seqs are consecutive, so recording and reading a move are O(1)
     each (nothing scans the agents or the older moves). It outlives the model's loads:
     its runner hands the same log to each new pool, so seqs never go back."""
@@ -36,6 +39,11 @@ class MoveLog:
     def demoted(self, agent: str, to: Tier, nbytes: int) -> None:
         """``agent``'s cache left the hot tier for ``to`` (warm or cold), freeing ``nbytes``."""
         self._add("demoted", agent, nbytes, tier=str(to))
+
+    def went_cold(self, agent: str, nbytes: int) -> None:
+        """``agent``'s warm cache left the warm tier (its files removed, ``nbytes`` freed;
+        its conversation kept): a demotion to cold ``source`` warm."""
+        self._add("demoted", agent, nbytes, tier=str(Tier.COLD), source=str(Tier.WARM))
 
     def installed(self, agent: str, nbytes: int, *, prefetch: bool) -> None:
         """``agent``'s warm cache of ``nbytes`` was staged from disk into the hot tier,

@@ -62,6 +62,7 @@ from ..warm import (
     StoreStats,
     StoreStatsQuery,
     WarmInfo,
+    WarmMoves,
     lock_cache_dir,
 )
 from ._api import SessionAPI, drain, scope_name
@@ -564,6 +565,17 @@ class Session(SessionAPI[Agent]):
         moves: dict[str, TierMoves] = {}
         for part in self._models.parts():
             moves[part.name] = await part.engine.ask(TierEvents(since.get(part.name, 0)))
+        return moves
+
+    async def warm_moves(self, since: Mapping[str, int] | None = None) -> dict[str, TierMoves]:
+        """Each model's warm-tier moves (agents made cold: for room under the disk limit
+        or a quota, or past the TTL; ``kind`` demoted, ``tier`` cold, ``source`` warm)
+        after the seq ``since`` names for it, by model name; none without a warm tier."""
+        since = since or {}
+        moves: dict[str, TierMoves] = {}
+        for part in self._models.parts():
+            if part.store is not None:
+                moves[part.name] = await part.store.ask(WarmMoves(since.get(part.name, 0)))
         return moves
 
     async def warm_stats(self) -> StoreStats:

@@ -55,6 +55,7 @@ from ._store import StoreMessage as StoreMessage
 from ._store import StoreStats as StoreStats
 from ._store import StoreStatsQuery as StoreStatsQuery
 from ._store import Sweep as Sweep
+from ._store import WarmMoves as WarmMoves
 from ._tier import ActorWarmTier as ActorWarmTier
 from ._tier import WarmTier as WarmTier
 from ._usage import DISK_CEILING as DISK_CEILING
@@ -133,4 +134,5 @@ __all__ = (
     "read_manifest",
     "verify_cache",
     "verify_file",
+    "WarmMoves",
 )

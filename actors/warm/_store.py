@@ -30,7 +30,7 @@ import numpy as np
 
 from ...runtime import Actor, ActorDeadError, ActorRef, MailboxFull
 from ..errors import AgentExists, CacheRejected, StoreWriteError
-from ..hot import LRUPolicy, Rates, cold_candidates
+from ..hot import LRUPolicy, MoveLog, Rates, cold_candidates
 from ..ids import check_agent_id, namespace_of
 from ..messages import EngineMessage, WarmAgent, WarmVictims
 from ._dirlock import LOCK_FILE, CacheDirLock, lock_cache_dir
@@ -97,6 +97,7 @@ __all__ = (
     "StoreMessage",
     "Sweep",
     "WarmInfo",
+    "WarmMoves",
     "agent_dir",
     "append_cache",
     "collect",
@@ -194,6 +195,13 @@ class StoreStatsQuery(msgspec.Struct, frozen=True, tag=True):
     """The warm tier's I/O so far: answers a StoreStats."""
 
 
+class WarmMoves(msgspec.Struct, frozen=True, tag=True):
+    """The warm tier's moves (agents made cold: for room under the disk limit or a quota,
+    or past the TTL) after seq ``since``: answers a TierMoves."""
+
+    since: int = 0
+
+
 class FitDisk(msgspec.Struct, frozen=True, tag=True):
     """Make agents past the store's TTL cold, and bring the warm tier under its disk limit
     and each namespace under its quota (at open: lower ones than the directory was filled
@@ -238,6 +246,7 @@ StoreMessage = (
     | ShareCache
     | Adopt
     | StoreStatsQuery
+    | WarmMoves
     | FitDisk
     | Sweep
 )
@@ -289,6 +298,7 @@ class StoreActor(Actor):
         # Append sets it aside instead of building on it.
         self._refused: dict[str, str] = {}
         self._io = StoreStats()
+        self.moves = MoveLog()  # the agents it made cold, for a dashboard
         # The disk limit (a count shared by the stores of one cache directory) and the
         # engine whose policy and hints order the agents that go cold (None: LRU).
         self.usage = usage
@@ -346,6 +356,8 @@ class StoreActor(Actor):
                 return await self._adopt(message)
             case StoreStatsQuery():
                 return self._stats()
+            case WarmMoves(since):
+                return self.moves.after(since)
             case FitDisk():
                 return await self._fit_all()
             case Sweep():
@@ -593,6 +605,9 @@ class StoreActor(Actor):
                 self._warm.pop(agent, None)
             after = await self._recount(agent)
             self._wrote(_new_bytes(before, after))
+        if done:
+            freed = sum(size for inode, size in before.items() if inode not in after)
+            self.moves.went_cold(agent, freed)
         return bool(done)
 
     async def _fit_all(self) -> int:

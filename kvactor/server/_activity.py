@@ -99,15 +99,25 @@ class Activity:
         self._remember(self._hints, agent, hint)
 
     def moved(self, moves: Mapping[str, TierMoves]) -> None:
-        """New moves of each model's hot tier (by model name), as its log numbered them:
-        an event per move, at the time the engine made it. ``demoted`` (``to`` warm or
-        cold, ``bytes`` freed) or ``reloaded`` (a warm cache installed, ``bytes`` of it,
+        """New moves of each model's hot tier or warm tier (by model name), as its log
+        numbered them: an event per move, at the time it was made. ``demoted`` (``to``
+        warm or cold, ``bytes`` freed; ``from`` warm for an agent the warm tier made
+        cold, else hot) or ``reloaded`` (a warm cache installed, ``bytes`` of it,
         ``source`` ``prefetch`` or ``turn``)."""
         for model, part in moves.items():
             self.moves_lost += part.lost
             for m in part.moves:
                 if m.kind == "demoted":
-                    self._add("demoted", m.agent, m.t, to=m.tier, bytes=m.nbytes, model=model)
+                    where = m.source or "hot"
+                    self._add(
+                        "demoted",
+                        m.agent,
+                        m.t,
+                        to=m.tier,
+                        bytes=m.nbytes,
+                        model=model,
+                        **{"from": where},
+                    )
                 else:
                     self._add(
                         "reloaded", m.agent, m.t, source=m.source, bytes=m.nbytes, model=model

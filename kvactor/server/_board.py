@@ -64,6 +64,7 @@ class Board:
     _warm_at: float = float("-inf")
     _warm_cost_s: float = 0.0
     _moves_since: dict[str, int] = field(default_factory=dict)  # model -> last move read
+    _cold_since: dict[str, int] = field(default_factory=dict)  # the same, of the warm tiers
     _lock: anyio.Lock = field(default_factory=anyio.Lock)
 
     def attach(self, session: Session) -> None:
@@ -71,6 +72,7 @@ class Board:
         self.session = session
         self.final = False
         self._moves_since = {}  # a new session's logs number their moves from 1
+        self._cold_since = {}
 
     async def freeze(self) -> None:
         """Take a last sample and keep it (the session is about to close)."""
@@ -102,6 +104,9 @@ class Board:
         # Read and recorded with no wait between: a sample cancelled earlier reads them again.
         self._moves_since = {model: part.last for model, part in moves.items()}
         self.activity.moved(moves)
+        cold = await session.warm_moves(self._cold_since)  # the stores': no engine wait
+        self._cold_since = {model: part.last for model, part in cold.items()}
+        self.activity.moved(cold)
         left = {m.agent for part in moves.values() for m in part.moves if m.tier == "warm"}
         running = {}
         for name in list(session.agents):

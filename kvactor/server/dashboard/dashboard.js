@@ -212,11 +212,13 @@ function drawTimeline(s) {
   for (const e of events) {
     if (e.t < start) continue;
     if (e.kind === "demoted" || e.kind === "reloaded") {
-      // Every move the hot tier made: demotions tick below the axis, reloads above it.
+      // Every move of the tiers: demotions tick below the axis (out of the warm tier:
+      // longer), reloads above it.
       const down = e.kind === "demoted";
-      const mark = svg("line", { x1: x(e.t), x2: x(e.t), y1: H - B, y2: H - B + (down ? 8 : -8),
+      const reach = down ? (e.from === "warm" ? 14 : 8) : -8;
+      const mark = svg("line", { x1: x(e.t), x2: x(e.t), y1: H - B, y2: H - B + reach,
         stroke: `var(--${e.kind})`, "stroke-width": 2, class: e.kind });
-      mark.append(svg("title", {}, `${e.agent}: ${down ? `demoted to ${e.to}` :
+      mark.append(svg("title", {}, `${e.agent}: ${down ? `demoted from ${e.from || "hot"} to ${e.to}` :
         `reloaded (${e.source})`}, ${bytes(e.bytes)}`));
       nodes.push(mark);
     } else if (e.kind === "turn") {
