@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -227,3 +228,44 @@ async def test_a_body_over_the_limit_is_413_and_leaves_nothing(tmp_path: Path) -
             assert r.json()["error"]["code"] == "request_too_large"
         assert list(kv.agents) == ["src"]
         assert list(await listed(http, "", ALICE)) == ["src"]
+
+
+async def test_a_turn_that_comes_during_an_import_waits_for_it(tmp_path: Path) -> None:
+    async with (
+        running(app_options=KEYS, cache_dir=tmp_path / "a") as (_, one),
+        running(app_options=KEYS, cache_dir=tmp_path / "b") as (_, two),
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        first = await chat(one, ALICE, "notes", first_turn())
+        data = await exported(http, one, ALICE, "notes")
+        gate = anyio.Event()
+
+        async def slowly() -> AsyncIterator[bytes]:
+            yield data[:4096]
+            await gate.wait()
+            yield data[4096:]
+
+        async def in_flight(n: int) -> None:
+            with anyio.fail_after(20):
+                while (await http.get(f"{two}/health", headers=auth(ROOT))).json()["in_flight"] < n:
+                    await anyio.sleep(0.01)
+
+        done: dict[str, Any] = {}
+
+        async def put() -> None:
+            done["put"] = await http.put(
+                two + cache("notes"), content=slowly(), headers=auth(ALICE)
+            )
+
+        async def turn() -> None:
+            done["turn"] = await chat(two, ALICE, "notes", next_turn(first))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(put)
+            await in_flight(1)  # the import holds its admission slot and the agent
+            tg.start_soon(turn)
+            await in_flight(2)  # the turn too, waiting for the import to end
+            gate.set()
+        assert done["put"].status_code == 201, done["put"].text
+        info = (done["turn"].model_extra or {})["kvactor"]
+        assert info["path"] == "warm" and info["reused_tokens"] > 0  # on the imported cache

@@ -142,23 +142,24 @@ async def import_cache(request: Request) -> Response:
         code="agent_exists",
         param="agent_id",
     )
-    if state.agents.busy(full):
-        raise ApiError(409, "the agent is answering a request", code="agent_busy", param="agent_id")
     if not replace and full in state.session.agents:
         raise taken  # before any byte is read
     seen = [0]
-    try:
-        agent = await state.session.import_agent(
-            _limited(request.stream(), limit, seen),
-            full,
-            replace=replace,
-            model=model,
-            scope=state.keys.scope_of(full),
-            max_bytes=limit,
-        )
-    except (CacheRejected, StoreWriteError, ValueError) as exc:
-        raise _refused(exc, taken) from None
-    tokens = (await agent.state()).tokens  # not a listing of every agent: one ask
+    # An import is a request like a turn (it takes an admission slot), and holds the
+    # agent: a turn for it that comes meanwhile waits for the import to end.
+    async with state.admission.slot(), state.agents.importing(full):
+        try:
+            agent = await state.session.import_agent(
+                _limited(request.stream(), limit, seen),
+                full,
+                replace=replace,
+                model=model,
+                scope=state.keys.scope_of(full),
+                max_bytes=limit,
+            )
+        except (CacheRejected, StoreWriteError, ValueError) as exc:
+            raise _refused(exc, taken) from None
+        tokens = (await agent.state()).tokens  # not a listing of every agent: one ask
     return JSONResponse(
         {"id": name, "object": "agent", "tokens": tokens, "bytes": seen[0]}, status_code=201
     )

@@ -71,6 +71,7 @@ class AgentRouter:
         self._users: Counter[str] = Counter()
         self._spawning: dict[str, anyio.Event] = {}
         self._forgetting: dict[str, anyio.Event] = {}
+        self._importing: dict[str, anyio.Event] = {}  # a request for one waits for it
         self._counter = 0
         self.last_used: dict[str, float] = {}  # agent -> when a request last named it
 
@@ -122,7 +123,7 @@ class AgentRouter:
         """Forget the session's agent ``full``: its caches and its place here. Raises
         ApiError (409) while a request holds it or it is being forgotten already: a
         forget never waits for a turn."""
-        if self.busy(full) or full in self._forgetting:
+        if self.busy(full) or full in self._forgetting or full in self._importing:
             raise ApiError(
                 409,
                 "the agent is answering a request: forget it once that ends",
@@ -131,6 +132,25 @@ class AgentRouter:
             )
         self._mark_forgotten(full)
         return await self._forget_marked(full)
+
+    @contextlib.asynccontextmanager
+    async def importing(self, full: str) -> AsyncIterator[None]:
+        """Hold the session's agent ``full`` for an import, for the block: a request for
+        it meanwhile waits until the import has ended (then runs on what it left).
+        Raises ApiError (409) while a request holds it, or a forget or an import of it is
+        under way."""
+        if self.busy(full) or full in self._forgetting or full in self._importing:
+            raise ApiError(
+                409,
+                "the agent is answering a request, or being imported or forgotten",
+                code="agent_busy",
+                param="agent_id",
+            )
+        self._importing[full] = anyio.Event()
+        try:
+            yield
+        finally:
+            self._importing.pop(full).set()
 
     def _mark_forgotten(self, full: str) -> None:
         """From now on a request for ``full`` waits until it is forgotten."""
@@ -153,8 +173,8 @@ class AgentRouter:
     async def _ready(self, full: str, model: str | None) -> Agent:
         """The running agent ``full`` (the caller holds it): after a forget of it under
         way, spawned if new (one spawn at a time per agent, none for others to wait on)."""
-        while (forgetting := self._forgetting.get(full)) is not None:
-            await forgetting.wait()
+        while (moving := self._forgetting.get(full) or self._importing.get(full)) is not None:
+            await moving.wait()
         while (spawning := self._spawning.get(full)) is not None:
             await spawning.wait()
         agent = self._session.agents.get(full)
