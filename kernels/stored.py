@@ -127,8 +127,9 @@ def segment_layout(
     roles: tuple[tuple[str, Role], ...] = (("k", "key"), ("v", "value"))
 
     # Every warm load and import asks for the same few ranges (a segment's tokens): the
-    # answer is a pure function of them, kept for the ranges asked most recently.
-    @functools.lru_cache(maxsize=256)
+    # answer is a pure function of them, kept for the 32 ranges asked most recently
+    # (~33 KiB each on the default model: ~1 MiB at most).
+    @functools.lru_cache(maxsize=32)
     def layout(start: int, stop: int) -> dict[str, tuple[tuple[int, ...], str]]:
         n = stop - start
         out: dict[str, tuple[tuple[int, ...], str]] = {}
