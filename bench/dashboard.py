@@ -20,7 +20,11 @@ three, none, none, three...: each round's pair in both orders) after one untimed
   last sample is stale (a fresh sample: the session asked), the agents idle; and
   ``status_ms_decoding``, the same while the agents decode (an extra, untimed round);
 - ``status_requests_per_s``: the pages' requests from their load to the end of each
-  ``three`` round (proof they polled).
+  ``three`` round (proof they polled);
+- the bound, where the CPU goes during each round's decode window (Linux): ``cpu_share``
+  by kind of round, the share of the machine's cores (CPU seconds over the window's wall
+  seconds times the cores) used by the Chromium processes (``browsers``) and by this
+  process (``kvactor``: the engine, the server, the board), medians over rounds.
 
 The three browsers run on this machine's CPUs beside the engine: their rendering is part of
 what is measured. The bench stops its server and browsers itself.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import statistics
 import tempfile
 import time
@@ -102,6 +107,39 @@ class Counted:
         await self.app(scope, receive, send)
 
 
+def browsers_cpu_s() -> float:
+    """The CPU seconds every Chromium process alive now has used (0 without ``/proc``)."""
+    total = 0
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if not f.read().startswith(("chrom", "headless")):
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime: clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class CpuShare:
+    """The share of the machine's cores the browsers and this process use over a span."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self.browsers, self.own = browsers_cpu_s(), time.process_time()
+
+    def shares(self) -> dict[str, float]:
+        wall = (time.perf_counter() - self.t) * (os.cpu_count() or 1)
+        return {
+            "browsers": (browsers_cpu_s() - self.browsers) / wall,
+            "kvactor": (time.process_time() - self.own) / wall,
+        }
+
+
 async def decode_round(kv: kvactor.Session, agents: int, tokens: int, tag: str) -> float:
     """Tokens/s summed over ``agents`` new agents while all of them decode together."""
     team = [await kv.spawn_agent(f"{tag}-{i}") for i in range(agents)]
@@ -147,6 +185,7 @@ async def main(rounds: int, agents: int, tokens: int, quick: bool) -> dict[str, 
 
         spec = functools.partial(make_tiny_model, 0, head_dim=64)
     rates: dict[str, list[float]] = {"none": [], "three": []}
+    shares: dict[str, list[dict[str, float]]] = {"none": [], "three": []}
     polled = polled_s = 0.0
     with tempfile.TemporaryDirectory(prefix="kvactor-bench-dash-") as tmp:
         async with kvactor.open(spec, cache_dir=Path(tmp)) as kv:
@@ -161,7 +200,9 @@ async def main(rounds: int, agents: int, tokens: int, quick: bool) -> dict[str, 
                             url = f"{base}/dashboard" if kind == "three" else None
                             before, t0 = app.status, time.perf_counter()  # from the page's load
                             await anyio.to_thread.run_sync(show, pages, url)
+                            span = CpuShare()
                             rate = await decode_round(kv, agents, tokens, f"{kind}{r}")
+                            shares[kind].append(span.shares())
                             rates[kind].append(rate)
                             if kind == "three":
                                 polled += app.status - before
@@ -198,6 +239,10 @@ async def main(rounds: int, agents: int, tokens: int, quick: bool) -> dict[str, 
         "status_ms": statistics.median(idle),
         "status_ms_decoding": statistics.median(busy),
         "status_requests_per_s": polled / polled_s if polled_s else 0.0,
+        "cpu_share": {
+            kind: {who: statistics.median(s[who] for s in spans) for who in ("browsers", "kvactor")}
+            for kind, spans in shares.items()
+        },
     }
 
 
@@ -227,6 +272,15 @@ def _table(out: dict[str, Any]) -> str:
             ("GET /v1/status, idle (median)", f"{out['status_ms']:.1f} ms", "", ""),
             ("GET /v1/status, decoding (median)", f"{out['status_ms_decoding']:.1f} ms", "", ""),
             ("status requests/s (three pages)", f"{out['status_requests_per_s']:.2f}", "", ""),
+            *(
+                (
+                    f"CPU share, {kind} round: browsers / kvactor",
+                    f"{cpu['browsers']:.3f} / {cpu['kvactor']:.3f}",
+                    "",
+                    "",
+                )
+                for kind, cpu in out["cpu_share"].items()
+            ),
         ]
     )
 

@@ -20,6 +20,7 @@ KEYS = (
     "status_ms",
     "status_ms_decoding",
     "status_requests_per_s",
+    "cpu_share",
 )
 
 
@@ -40,3 +41,6 @@ async def test_the_quick_bench_reports_the_dashboards_cost() -> None:
     assert out["status_ms"] > 0 and out["status_ms_decoding"] > 0
     assert "| dashboard cost (median of rounds' 1 - three / none) |" in dashboard._table(out)
     assert len(out["rounds_cost"]) == out["rounds"]
+    cpu = out["cpu_share"]
+    assert set(cpu) == {"none", "three"} and cpu["three"]["kvactor"] > 0
+    assert cpu["three"]["browsers"] > 0  # the pages' own work, while they poll
