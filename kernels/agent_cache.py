@@ -232,7 +232,7 @@ class AgentKV:
         """Keep the checkpoints of the last ``checkpoints`` ranges only."""
         if self.geometry.recurrent:
             for r in self.ranges[: -self.checkpoints]:
-                r.states = {}
+                r.drop_states()
 
     def slide(self, persisted: int) -> None:
         """Drop the sliding-window layers' parts of every stored range that lies wholly
@@ -250,7 +250,7 @@ class AgentKV:
             if r.stop <= self.window_start:
                 continue
             for i in sliding:
-                r.layers[i] = ({}, {})
+                r.drop_layer(i)
             self.window_start = r.stop
 
     def layer_parts(self, layer: int, role: Role) -> list[Parts]:

@@ -29,12 +29,17 @@ Parts = dict[str, mx.array]
 class StoredRange:
     """Tokens [start, stop) of every entry: ``layers[i] = (k_parts, v_parts)`` of a K/V
     entry (``({}, {})`` for a state entry); ``states[i]``: state entry ``i`` after the
-    range's last token (empty when this range keeps no checkpoint)."""
+    range's last token (empty when this range keeps no checkpoint).
+
+    Invariant: its arrays change only by :meth:`drop_states` and :meth:`drop_layer` (a
+    range is otherwise made whole and left so), which keeps :attr:`nbytes` (counted once:
+    the hot tier's count reads it every decode step) true."""
 
     start: int
     stop: int
     layers: list[tuple[Parts, Parts]]
     states: dict[int, Parts] = field(default_factory=dict)
+    _nbytes: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def arrays(self) -> Iterator[mx.array]:
         """Every part array of every layer, and the checkpoint's arrays."""
@@ -46,7 +51,19 @@ class StoredRange:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+        if self._nbytes is None:
+            self._nbytes = sum(a.nbytes for a in self.arrays())
+        return self._nbytes
+
+    def drop_states(self) -> None:
+        """Keep no checkpoint (its state arrays let go)."""
+        self.states = {}
+        self._nbytes = None
+
+    def drop_layer(self, layer: int) -> None:
+        """Let go of one entry's parts (a sliding layer's, behind the window)."""
+        self.layers[layer] = ({}, {})
+        self._nbytes = None
 
     @property
     def state_bytes(self) -> int:

@@ -592,3 +592,24 @@ def test_segment_layout_gives_each_caller_its_own_answer() -> None:
     first.clear()
     assert expect(0, 10) == want and want
     assert expect(0, 11) != want  # another range: another answer
+
+
+def test_a_stored_ranges_bytes_follow_what_it_lets_go() -> None:
+    # The hot tier reads a range's bytes every decode step: counted once, and again
+    # when a checkpoint or a sliding layer's parts are let go.
+    from kvactor.kernels.stored import StoredRange
+
+    x = with_outliers(12)
+    parts = [(DEFAULT_CODEC.quantize(x, 0, role="key"), DEFAULT_CODEC.quantize(x, 0, role="value"))]
+    r = StoredRange(0, 12, parts * 2, {2: {"h": mx.zeros((1, 4, 8))}})
+
+    def counted() -> int:
+        return sum(a.nbytes for a in r.arrays())
+
+    assert r.nbytes == counted() > 0
+    r.drop_states()
+    assert r.nbytes == counted() and not r.states
+    r.drop_layer(1)
+    assert r.nbytes == counted() and r.layers[1] == ({}, {})
+    r.drop_layer(0)
+    assert r.nbytes == 0
