@@ -80,11 +80,7 @@ def floor_s(src: Path, dst: Path, *, cold: bool = False, ahead: bool = False) ->
     time (the copy overlaps reading and writing: faster from a cold file), else 4 MiB
     pieces read as asked."""
     if cold:
-        fd = os.open(src, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        _uncache(src)
     os.sync()
     t0 = time.perf_counter()
     with open(src, "rb", buffering=0) as f, open(dst, "wb", buffering=0) as out:
@@ -104,11 +100,7 @@ def durable_floor_s(src: Path, folder: Path, first: int) -> float:
     ``first`` bytes, as a manifest, and the rest), both fsynced at once (two threads),
     the folder fsynced, then renamed and its parent fsynced: what an import must do on
     disk at the least, without parsing, checking or summing a byte."""
-    fd = os.open(src, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    _uncache(src)
     os.sync()
     staging, done = folder / "staging", folder / "done"
     t0 = time.perf_counter()
@@ -130,6 +122,15 @@ def durable_floor_s(src: Path, folder: Path, first: int) -> float:
     elapsed = time.perf_counter() - t0
     shutil.rmtree(folder)
     return elapsed
+
+
+def _uncache(path: Path) -> None:
+    """``path`` out of the page cache (its pages are clean: no root needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(folder: Path) -> None:
