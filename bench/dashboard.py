@@ -56,21 +56,12 @@ import httpx
 from _chromium import chromium, missing
 from _results import figure_table, write_json  # bench/ is the script's folder: on sys.path
 from _serving import served
+from decode_batch import measure as decode_round
 
 from kvactor.server._app import create_app
 
 PAGES = 3
 TARGET = 0.02
-PROMPTS = [
-    "Write a long story about a lighthouse keeper.",
-    "Describe the water cycle in detail.",
-    "Explain how a steam engine works, step by step.",
-    "Tell me about the history of the printing press.",
-    "Write a poem about autumn leaves and rain.",
-    "Describe a busy market in a coastal town.",
-    "Explain why the sky is blue to a child.",
-    "Write a letter to a friend about a long journey.",
-]
 
 
 @contextlib.contextmanager
@@ -138,28 +129,6 @@ class CpuShare:
             "browsers": (browsers_cpu_s() - self.browsers) / wall,
             "kvactor": (time.process_time() - self.own) / wall,
         }
-
-
-async def decode_round(kv: kvactor.Session, agents: int, tokens: int, tag: str) -> float:
-    """Tokens/s summed over ``agents`` new agents while all of them decode together."""
-    team = [await kv.spawn_agent(f"{tag}-{i}") for i in range(agents)]
-    stamps: list[list[float]] = [[] for _ in team]
-
-    async def run(i: int) -> None:
-        async for _ in team[i].stream(PROMPTS[i % len(PROMPTS)], max_tokens=tokens):
-            stamps[i].append(time.perf_counter())
-
-    async with anyio.create_task_group() as tg:
-        for i in range(agents):
-            tg.start_soon(run, i)
-    for agent in team:
-        await kv.forget(agent.name)
-    start = max(s[0] for s in stamps)  # the last agent's first token: all decode now
-    end = min(s[-1] for s in stamps)  # the first to finish leaves the batch
-    produced = sum(1 for s in stamps for t in s if start < t <= end)
-    if end <= start or produced < agents:
-        raise RuntimeError("no window where all agents decoded together: raise --tokens")
-    return produced / (end - start)
 
 
 async def status_ms(http: httpx.AsyncClient, base: str, n: int) -> list[float]:

@@ -34,13 +34,14 @@ PROMPTS = [
 ]
 
 
-async def measure(session: kvactor.Session, n: int, tokens: int, round_: int) -> float:
-    """Tokens/s summed over n agents while all n are in the batch together."""
+async def measure(session: kvactor.Session, n: int, tokens: int, round_: int | str) -> float:
+    """Tokens/s summed over n new agents (named after ``round_``) while all n are in the
+    batch together (``bench/dashboard.py`` counts its rounds with it too)."""
     agents = [await session.spawn_agent(f"r{round_}-n{n}-{i}") for i in range(n)]
     stamps: list[list[float]] = [[] for _ in range(n)]
 
     async def run(i: int) -> None:
-        async for _ in agents[i].stream(PROMPTS[i], max_tokens=tokens):
+        async for _ in agents[i].stream(PROMPTS[i % len(PROMPTS)], max_tokens=tokens):
             stamps[i].append(time.perf_counter())
 
     async with anyio.create_task_group() as tg:
