@@ -12,7 +12,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import uvicorn
 from anyio.abc import SocketStream
 from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from _serving import served  # one in-process server for tests and benches
 
 import kvactor
 from kvactor.actors.models import make_tiny_model
@@ -78,24 +79,8 @@ async def running(
     block."""
     async with kvactor.open(model, **options) as kv:
         app = create_app(kv, model_id="tiny", **(app_options or {}))
-        # Closed on the way out whatever happened (a server that failed to start never
-        # closes it, and a socket left to the collector fails a later test).
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as sock:
-            sock.bind(("127.0.0.1", 0))  # the protocol named: asyncio sets TCP_NODELAY
-            port = sock.getsockname()[1]
-            config = uvicorn.Config(
-                app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
-            )
-            server = uvicorn.Server(config)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(functools.partial(server.serve, sockets=[sock]))
-                with anyio.fail_after(10):
-                    while not server.started:
-                        await anyio.sleep(0.01)
-                try:
-                    yield kv, f"http://127.0.0.1:{port}"
-                finally:
-                    server.should_exit = True
+        async with served(app, start_s=10) as base:
+            yield kv, base
 
 
 def metric(text: str, name: str, **labels: str) -> float:
