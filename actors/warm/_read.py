@@ -183,14 +183,7 @@ def _read_segments(
 ) -> Loaded:
     out: dict[SegmentKind, list[dict[str, np.ndarray[Any, Any]]]] = {k: [] for k in SegmentKind}
     for kind, entry, path, layout in _planned(folder, manifest, identity, expect):
-        tensors = _read_segment(
-            path,
-            entry,
-            layout(entry.start, entry.stop),
-            identity,
-            manifest.agent,
-            manifest.format_version,
-        )
+        tensors = _read_entry(path, entry, layout, identity, manifest)
         if entry.use < entry.stop - entry.start:
             tensors = _prefix(tensors, layout(entry.start, entry.start + entry.use))
         out[kind].append(tensors)
@@ -240,7 +233,8 @@ def verify_cache(
             if not stat.S_ISREG(info.st_mode) or info.st_size != entry.nbytes:
                 raise CacheRejected(f"{entry.file}: not the file the manifest names", str(path))
             continue
-        _check_file(path, entry, layout, identity, manifest, (summed or {}).get(entry.file))
+        summed_now = (summed or {}).get(entry.file)
+        _read_entry(path, entry, layout, identity, manifest, summed_now, arrays=False)
     return manifest
 
 
@@ -259,22 +253,25 @@ def verify_file(
     folder = agent_dir(root, manifest.agent)
     for _, entry, path, layout in _planned(folder, manifest, identity, expect):
         if entry.file == file:
-            _check_file(path, entry, layout, identity, manifest, summed)
+            _read_entry(path, entry, layout, identity, manifest, summed, arrays=False)
             return entry
     return None
 
 
-def _check_file(
+def _read_entry(
     path: Path,
     entry: SegmentEntry,
     layout: Callable[[int, int], Expected],
     identity: CacheIdentity,
     manifest: CacheManifest,
-    summed: str | None,
-) -> None:
+    summed: str | None = None,
+    *,
+    arrays: bool = True,
+) -> dict[str, np.ndarray[Any, Any]]:
+    """``_read_segment`` of the file of ``manifest``'s ``entry`` (at ``path``)."""
     if summed is not None and not entry.checksum.startswith("xxh3t:"):
         summed = None  # a format-2 segment: its CRC is taken by reading it
-    _read_segment(
+    return _read_segment(
         path,
         entry,
         layout(entry.start, entry.stop),
@@ -282,7 +279,7 @@ def _check_file(
         manifest.agent,
         manifest.format_version,
         summed=summed,
-        arrays=False,
+        arrays=arrays,
     )
 
 
