@@ -121,15 +121,9 @@ class AgentRouter:
 
     async def forget(self, full: str) -> Forgotten:
         """Forget the session's agent ``full``: its caches and its place here. Raises
-        ApiError (409) while a request holds it or it is being forgotten already: a
-        forget never waits for a turn."""
-        if self.busy(full) or full in self._forgetting or full in self._importing:
-            raise ApiError(
-                409,
-                "the agent is answering a request: forget it once that ends",
-                code="agent_busy",
-                param="agent_id",
-            )
+        ApiError (409) while a request holds it, or a forget or an import of it is under
+        way: a forget never waits for a turn."""
+        self._free_or_409(full, "the agent is answering a request: forget it once that ends")
         self._mark_forgotten(full)
         return await self._forget_marked(full)
 
@@ -139,18 +133,18 @@ class AgentRouter:
         it meanwhile waits until the import has ended (then runs on what it left).
         Raises ApiError (409) while a request holds it, or a forget or an import of it is
         under way."""
-        if self.busy(full) or full in self._forgetting or full in self._importing:
-            raise ApiError(
-                409,
-                "the agent is answering a request, or being imported or forgotten",
-                code="agent_busy",
-                param="agent_id",
-            )
+        self._free_or_409(full, "the agent is answering a request, or being imported or forgotten")
         self._importing[full] = anyio.Event()
         try:
             yield
         finally:
             self._importing.pop(full).set()
+
+    def _free_or_409(self, full: str, message: str) -> None:
+        """Raise ApiError (409, ``message``) while a request holds ``full``, or a forget
+        or an import of it is under way."""
+        if self.busy(full) or full in self._forgetting or full in self._importing:
+            raise ApiError(409, message, code="agent_busy", param="agent_id")
 
     def _mark_forgotten(self, full: str) -> None:
         """From now on a request for ``full`` waits until it is forgotten."""
