@@ -24,8 +24,10 @@ from ..ids import check_agent_id, namespace_of
 from ..warm import (
     MAX_HEADER_BYTES,
     MAX_IMPORT_BYTES,
+    CacheIdentity,
     CacheManifest,
     DiskUsage,
+    ExpectFn,
     PortableHeader,
     PortableInfo,
     PortableReader,
@@ -285,7 +287,6 @@ async def stage_import(
         check=check,
         on_file=checker.check,
     )
-    checker.reader = reader
     try:
         await _feed(src, reader)
 
@@ -320,17 +321,14 @@ class _FileChecker:
     written: it is not read again). ``checked``: the manifest's entries of the files
     checked, which ``verify_cache`` then trusts."""
 
-    def __init__(self, staging: Path, identity: Any, layout: Any) -> None:
+    def __init__(self, staging: Path, identity: CacheIdentity, layout: ExpectFn) -> None:
         self.staging, self.identity, self.layout = staging, identity, layout
-        self.reader: PortableReader | None = None
         self.checked: dict[str, SegmentEntry] = {}
         self._manifest: CacheManifest | None = None
         self._sums: dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def check(self, file: str) -> None:
-        assert self.reader is not None and self.reader.header is not None
-        header = self.reader.header
+    def check(self, header: PortableHeader, file: str) -> None:
         if file == header.files[0].name:
             return  # the manifest: read with the first segment (or by verify_cache)
         with self._lock:  # every file after the manifest is staged after it

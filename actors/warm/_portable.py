@@ -278,8 +278,8 @@ class PortableReader:
 
     ``identity`` and ``tokenizer``: what the cache must have been made with;
     ``max_bytes``: the most bytes of files it takes; ``check(header)``: the caller's own
-    refusals (a name taken, a limit) before any file is written; ``on_file(name)``: the
-    caller's own check of each file once staged and summed, in a worker thread (its
+    refusals (a name taken, a limit) before any file is written; ``on_file(header,
+    name)``: the caller's own check of each file once staged and summed, in a worker thread (its
     error is raised by ``sync_staged``). Raises CacheRejected
     with the reason at the first byte that proves the file wrong (nothing staged is
     kept: the caller removes ``staging``)."""
@@ -292,7 +292,7 @@ class PortableReader:
         tokenizer: str = "",
         max_bytes: int = MAX_IMPORT_BYTES,
         check: Callable[[PortableHeader], None] | None = None,
-        on_file: Callable[[str], None] | None = None,
+        on_file: Callable[[PortableHeader, str], None] | None = None,
     ) -> None:
         self.staging = staging
         self.identity = identity
@@ -489,7 +489,7 @@ class PortableReader:
         if self._workers is None:
             self._workers = ThreadPoolExecutor(3, "kvactor-import")
         if self.on_file is not None:
-            self._jobs.append(self._workers.submit(self.on_file, file.name))
+            self._jobs.append(self._workers.submit(self.on_file, self.header, file.name))
         fd, self._fd = self._fd, None
         if self._file == 0 and len(self.header.files) > 1:
             self._held = fd
