@@ -174,12 +174,30 @@ def mlx_lm_save(model: Any, ids: list[int], root: Path) -> dict[str, float]:
     return out
 
 
+def round_floors(path: Path, root: Path) -> dict[str, float]:
+    """The floors of one round's file at ``path``, each the median of three: the export's
+    (a copy from the page cache), the import's two copies (plain, read ahead) and the
+    faster of them (``import_floor_s``), and the import's durable floor."""
+    median = statistics.median
+    scratch = root / "floor.bin"
+    plain = median(floor_s(path, scratch, cold=True) for _ in range(3))
+    ahead = median(floor_s(path, scratch, cold=True, ahead=True) for _ in range(3))
+    manifest_bytes = read_header(path.read_bytes()[: 16 << 20]).files[0].size
+    return {
+        "export_floor_s": median(floor_s(path, scratch) for _ in range(3)),
+        "import_floor_s": min(plain, ahead),
+        "import_floor_plain_s": plain,
+        "import_floor_ahead_s": ahead,
+        "import_durable_floor_s": median(
+            durable_floor_s(path, root / "durable", manifest_bytes) for _ in range(3)
+        ),
+    }
+
+
 async def measure(n: int, text: str, root: Path, rounds: int, spec: Any) -> dict[str, Any]:
     a, b = root / f"a{n}", root / f"b{n}"
-    exports, imports, hot_floors, cold_floors, resumes, warms, answers = ([] for _ in range(7))
-    plain_floors: list[float] = []
-    durable_floors: list[float] = []
-    ahead_floors: list[float] = []
+    each: dict[str, list[float]] = {}  # each counted round's figures, by key
+    answers = []
     async with kvactor.open(spec, cache_dir=a) as kv, kvactor.open(spec, cache_dir=b) as kb:
         prompt = kv.tokenizer.decode(kv.tokenizer.encode(text)[:n])
         ids = kv.tokenizer.encode(prompt)
@@ -195,25 +213,14 @@ async def measure(n: int, text: str, root: Path, rounds: int, spec: Any) -> dict
             os.sync()
             t0 = time.perf_counter()
             info = await agent.export(path)
-            export_s = time.perf_counter() - t0
-            hot_floor = statistics.median(floor_s(path, root / "floor.bin") for _ in range(3))
-            cold_floor = statistics.median(
-                floor_s(path, root / "floor.bin", cold=True) for _ in range(3)
-            )
-            ahead_floor = statistics.median(
-                floor_s(path, root / "floor.bin", cold=True, ahead=True) for _ in range(3)
-            )
-            manifest_bytes = read_header(path.read_bytes()[: 16 << 20]).files[0].size
-            durable_floor = statistics.median(
-                durable_floor_s(path, root / "durable", manifest_bytes) for _ in range(3)
-            )
+            figures = {"export_s": time.perf_counter() - t0, **round_floors(path, root)}
             if "doc" in kb.agents:
                 await kb.forget("doc")  # a fresh import each round, not a replace
             drop_page_cache(root)
             os.sync()
             t0 = time.perf_counter()
             await kb.import_agent(path, "doc")
-            import_s = time.perf_counter() - t0
+            figures["import_s"] = time.perf_counter() - t0
             # The source's own warm resume, and the imported agent's, the same way:
             # released, their files out of the page cache, the same next turn.
             resumed = []
@@ -227,58 +234,36 @@ async def measure(n: int, text: str, root: Path, rounds: int, spec: Any) -> dict
             if r == 0:
                 source_answer = resumed[0][1]
                 continue
-            exports.append(export_s)
-            imports.append(import_s)
-            hot_floors.append(hot_floor)
-            # The import's floor: the faster of the two copies, each a median of three.
-            cold_floors.append(min(cold_floor, ahead_floor))
-            plain_floors.append(cold_floor)
-            ahead_floors.append(ahead_floor)
-            durable_floors.append(durable_floor)
-            warms.append(resumed[0][0])
-            resumes.append(resumed[1][0])
+            figures["warm_resume_s"] = resumed[0][0]
+            figures["first_token_after_import_s"] = resumed[1][0]
+            for key, value in figures.items():
+                each.setdefault(key, []).append(value)
             answers += [resumed[0][1], resumed[1][1]]
     identical_api = all(x == source_answer for x in answers)
     turn = (prompt + NEXT, ANSWER, source_answer)
     identical_cli = await via_cli(spec, a, root / f"cli{n}", "doc", turn)
     identical_http = await via_http(spec, a, root / f"http{n}", "doc", turn)
     median = statistics.median
+
+    def ratio(top: str, bottom: str) -> float:  # the median of the rounds' ratios
+        return median(t / b for t, b in zip(each[top], each[bottom], strict=True))
+
     result = {
         "tokens": info.tokens,
         "export_bytes": info.nbytes,
         "fp16_bytes": fp16_bytes(model, info.tokens),
         "export_vs_fp16_bytes": info.nbytes / fp16_bytes(model, info.tokens),
-        "export_s": median(exports),
-        "import_s": median(imports),
-        "export_floor_s": median(hot_floors),
-        "import_floor_s": median(cold_floors),
-        "import_floor_plain_s": median(plain_floors),
-        "import_floor_ahead_s": median(ahead_floors),
-        "export_vs_floor": median(e / f for e, f in zip(exports, hot_floors, strict=True)),
-        "import_vs_floor": median(i / f for i, f in zip(imports, cold_floors, strict=True)),
-        "import_durable_floor_s": median(durable_floors),
-        "import_vs_durable_floor": median(
-            i / f for i, f in zip(imports, durable_floors, strict=True)
-        ),
-        "first_token_after_import_s": median(resumes),
-        "warm_resume_s": median(warms),
-        "first_token_vs_warm_resume": median(i / w for i, w in zip(resumes, warms, strict=True)),
+        **{key: median(values) for key, values in each.items()},
+        "export_vs_floor": ratio("export_s", "export_floor_s"),
+        "import_vs_floor": ratio("import_s", "import_floor_s"),
+        "import_vs_durable_floor": ratio("import_s", "import_durable_floor_s"),
+        "first_token_vs_warm_resume": ratio("first_token_after_import_s", "warm_resume_s"),
         "identical_api": identical_api,
         "identical_cli": identical_cli,
         "identical_http": identical_http,
         "identical": identical_api and identical_cli is not False and identical_http is not False,
         "rounds": rounds,
-        "each_round": {
-            "export_s": exports,
-            "import_s": imports,
-            "export_floor_s": hot_floors,
-            "import_floor_s": cold_floors,
-            "import_floor_plain_s": plain_floors,
-            "import_floor_ahead_s": ahead_floors,
-            "import_durable_floor_s": durable_floors,
-            "first_token_after_import_s": resumes,
-            "warm_resume_s": warms,
-        },
+        "each_round": each,
     }
     result.update(await anyio.to_thread.run_sync(_mlx_lm, spec, ids, root))
     return result
