@@ -22,6 +22,7 @@ __all__ = (
     "EndTurns",
     "EngineMessage",
     "Export",
+    "Flush",
     "ForModel",
     "Fork",
     "Generate",
@@ -36,6 +37,7 @@ __all__ = (
     "StatsQuery",
     "ToolWait",
     "Turn",
+    "WriteBack",
     "Written",
 )
 
@@ -69,9 +71,12 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
 
 
 class Export(msgspec.Struct, frozen=True, tag=True):
-    """Host views of an idle agent's stored ranges not yet known to be in the warm tier."""
+    """Host views of an idle agent's stored ranges not yet known to be in the warm tier.
+    ``admit``: under a write budget, its agent stops: answers None (nothing pinned) when the
+    budget has no room for them."""
 
     agent: str
+    admit: bool = False
 
 
 class Written(msgspec.Struct, frozen=True, tag=True):
@@ -258,7 +263,20 @@ class Snapshot(msgspec.Struct, frozen=True, tag=True):
     """Answers the agent's AgentSnapshot between turns (what a fork starts from)."""
 
 
-AgentMessage = Turn | GetState | Snapshot
+class WriteBack(msgspec.Struct, frozen=True, tag=True):
+    """Under a write budget: the engine's hot tier sent the agent's cache out (it left the
+    tier, or was told done): write ``exported`` to the warm tier and answer the engine with
+    Written. An export older than the agent's cache (a turn ran since) is not written."""
+
+    exported: Any  # records.Exported
+
+
+class Flush(msgspec.Struct, frozen=True, tag=True):
+    """Under a write budget: write what the warm tier lacks of the agent's hot cache now,
+    whatever the budget says (an export or a hand-over needs it on disk); answers None."""
+
+
+AgentMessage = Turn | GetState | Snapshot | WriteBack | Flush
 
 
 class ForModel(msgspec.Struct, frozen=True, tag=True):

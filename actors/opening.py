@@ -46,6 +46,11 @@ def open(
     most the agents of one namespace (ids ``<namespace>.<name>``: a server's tenants) may
     hold on disk; a namespace over it makes its own agents cold, never another's.
     ``warm_ttl_s``: an agent whose warm cache was last written longer ago goes cold.
+    ``write_budget``: the bytes the warm tier may write per ``write_window_s`` (a day):
+    write-back instead of write-through. A turn's end commits only the conversation; a
+    cache is written when it leaves the hot tier, is hinted done, or its agent stops, if
+    the budget has room, else it goes cold. A crash loses the caches of the turns since
+    their agent's last write (their text is kept: they are prefilled again).
     A turn whose write fails says so in its Completion (``saved``, ``save_error``); with
     ``on_save_error="raise"`` it raises StoreWriteError instead, holding the Completion.
     ``budget_bytes`` bounds the hot tier; ``codec`` picks how caches are stored (default

@@ -169,6 +169,13 @@ class EngineStats(msgspec.Struct, frozen=True):
     installs: int  # warm caches staged from disk into the hot tier (not forks made in memory)
     warm_writes: int = 0  # turns whose new tokens were written to the warm tier
     warm_write_failures: int = 0  # turns whose warm write failed (Completion.save_error)
+    # Under a write budget (write-back): caches handed to their agents to write as they left
+    # the hot tier (or were told done), their stored bytes, the dirty caches that went cold
+    # or stopped unwritten for want of budget, and the budget's window spent now.
+    written_back: int = 0
+    written_back_bytes: int = 0
+    write_back_refused: int = 0
+    write_budget_spent: int = 0
     ready_agents: int = 0  # hot agents keeping a ready (float) copy between turns
     ready_bytes: int = 0  # the bytes of those copies (part of cache_bytes)
     working_bytes: int = 0  # running turns' working caches now (part of cache_bytes)

@@ -13,6 +13,7 @@ from ._errors import ActorError as ActorError
 from ._errors import AskTimeout as AskTimeout
 from ._errors import KvactorError as KvactorError
 from ._errors import MailboxFull as MailboxFull
+from ._loop import LoopCaller as LoopCaller
 from ._mailbox import MailboxStatistics as MailboxStatistics
 from ._ref import DEFAULT_ASK_TIMEOUT as DEFAULT_ASK_TIMEOUT
 from ._ref import ActorRef as ActorRef
@@ -30,6 +31,7 @@ __all__ = (
     "ActorRef",
     "AskTimeout",
     "KvactorError",
+    "LoopCaller",
     "MailboxFull",
     "MailboxStatistics",
     "Reply",

@@ -28,16 +28,18 @@ import msgspec
 
 from ...runtime import Actor, ActorDeadError, ActorRef
 from ..enums import FinishReason, Match, Tier
-from ..errors import CacheMiss, ContextOverflow, StoreWriteError
+from ..errors import CacheMiss, ContextOverflow, StoreWriteError, UnknownAgent
 from ..messages import (
     AgentMessage,
     EngineMessage,
     Export,
+    Flush,
     Generate,
     GetState,
     Snapshot,
     ToolWait,
     Turn,
+    WriteBack,
     Written,
 )
 from ..models import Tokenizer
@@ -90,6 +92,9 @@ class AgentEnv:
     warm: WarmTier | None
     max_prompt_chars: int
     tool_format: ToolFormat | None = None  # None: read from the tokenizer's chat template
+    # Under a write budget: a turn's end notes the conversation only; the engine sends the
+    # cache to be written as it leaves the hot tier (WriteBack), and stopping writes it.
+    write_back: bool = False
 
 
 def _finish(reason: FinishReason, calls: list[ToolCall], reader: ToolStream | None) -> FinishReason:
@@ -136,6 +141,12 @@ class AgentActor(Actor):
     its Completion (which says whether that worked); a new process restores the
     conversation from there, and the first turn stages the warm cache into the engine
     instead of re-prefilling. Turns of one agent run one at a time, in order.
+
+    Under a write budget (``AgentEnv.write_back``) a turn's end commits only the
+    conversation and its token ids (the manifest); the cache is written when the engine
+    sends it out (``WriteBack``: it left the hot tier, or was told done), on ``Flush``, and
+    when the actor stops, if the budget has room. A crash loses the cache of the turns
+    since its last write, never their text: the next turn prefills them again.
     """
 
     def __init__(
@@ -154,6 +165,7 @@ class AgentActor(Actor):
         self.engine = env.engine
         self.tokenizer = env.tokenizer
         self.warm = env.warm
+        self.write_back = env.write_back and env.warm is not None
         self._max_chars = env.max_prompt_chars
         self.tool_format = env.tool_format or detect_format(env.tokenizer)
         self.tool_wait_s = tool_wait_s  # how long a tool wait keeps the cache hot (None: engine's)
@@ -192,8 +204,22 @@ class AgentActor(Actor):
         self.persisted = len(saved.tokens) if saved.on_disk is None else saved.on_disk
         self.restored = True
 
+    async def on_stop(self) -> None:
+        """Under a write budget: write what the warm tier lacks of its cache, if the budget
+        has room (a session closing, an agent released)."""
+        if self.write_back and self.persisted < len(self.tokens):
+            with anyio.CancelScope(shield=True), contextlib.suppress(ActorDeadError):
+                await self._persist(admit=True)
+
     async def receive(self, message: AgentMessage) -> Any:
         match message:
+            case WriteBack(exported):
+                return await self._write_back(exported)
+            case Flush():
+                if self.write_back and self.persisted < len(self.tokens):
+                    with anyio.CancelScope(shield=True):
+                        await self._persist()
+                return None
             case Turn(text, sampling, raw, history, tools=tools) if history is not None:
                 return self._turn(text, sampling, raw, check_history(history), tools=tools)
             case Turn(text, sampling, prime=True):
@@ -343,7 +369,7 @@ class AgentActor(Actor):
             self._write_s = 0.0
             if self.warm is not None:
                 with anyio.CancelScope(shield=True):
-                    error = await self._persist()
+                    error = await (self._note() if self.write_back else self._persist())
             save_s = time.perf_counter() - saving
             write_ran = True
         finally:
@@ -365,7 +391,7 @@ class AgentActor(Actor):
             ),
             path=outcome.path,
             match=prompt.match,
-            saved=self.warm is not None and error is None,
+            saved=self.warm is not None and error is None and not self.write_back,
             save_error=error,
             tool_calls=calls,
         )
@@ -430,15 +456,22 @@ class AgentActor(Actor):
         if outcome.finished.timings.reused_tokens == 0:
             outcome.path = Tier.COLD
 
-    async def _persist(self) -> str | None:
+    async def _persist(self, *, admit: bool = False) -> str | None:
         """Append what the warm tier lacks of this agent's cache; returns why that failed
         (None: saved). ``persisted`` stays what is really on disk, so after a failure the
-        next write starts there again and repairs the warm copy."""
+        next write starts there again and repairs the warm copy. ``admit``: under a write
+        budget, only if the budget has room (else nothing is written); an agent with no
+        hot cache then has nothing to write (it left the tier, written or cold)."""
         assert self.warm is not None
         try:
-            exported: Exported = await self.engine.ask(Export(self.agent_id))
+            exported: Exported | None = await self.engine.ask(Export(self.agent_id, admit))
+        except UnknownAgent as exc:
+            return None if self.write_back else self._save_failed(exc)
         except Exception as exc:
             return self._save_failed(exc)
+        if exported is None:
+            log.info("agent %r: its cache stays unwritten: the write budget is spent", self.name)
+            return None
         error = None
         writing = time.perf_counter()
         try:
@@ -451,6 +484,38 @@ class AgentActor(Actor):
             written = Written(self.agent_id, exported.export_id, upto, failed=error is not None)
             await self.engine.tell(written)
         return error
+
+    async def _note(self) -> str | None:
+        """Write-back's turn end: commit the conversation and the tokens the cache holds
+        (not the cache); returns why that failed (None: noted)."""
+        assert self.warm is not None
+        try:
+            await self.warm.note(
+                self.agent_id,
+                tokens=list(self.tokens),
+                text=self.text,
+                messages=self.messages,
+                bounds=list(self.bounds),
+            )
+        except Exception as exc:
+            return self._save_failed(exc)
+        return None
+
+    async def _write_back(self, exported: Exported) -> None:
+        """The engine sent this cache out (``WriteBack``): write it unless a turn ran since
+        (then its cache is newer and will be written as it leaves), and answer Written."""
+        error = None
+        with anyio.CancelScope(shield=True):
+            try:
+                if self.warm is not None and exported.tokens == self.tokens:
+                    await self._write(self.warm, exported)
+            except Exception as exc:
+                error = self._save_failed(exc)
+            finally:
+                upto = self.persisted if exported.tokens == self.tokens else exported.persisted
+                written = Written(self.agent_id, exported.export_id, upto, error is not None)
+                with contextlib.suppress(ActorDeadError):
+                    await self.engine.tell(written)
 
     async def _write(self, warm: WarmTier, exported: Exported) -> None:
         """Write ``exported``, linking its shared prefix where it has one; ``persisted``

@@ -64,6 +64,12 @@ class EngineConfig:
     prompt diverges, and from nothing below them. Their bytes count in the budget, and on
     disk as many are kept. At least 1 (the latest state).
 
+    ``write_budget``: with a warm tier, bytes the hot tier may send to disk per
+    ``write_window_s`` seconds (default a day), and write-back instead of write-through: a
+    turn's end writes only its conversation (a small manifest); a cache is written as it
+    leaves the hot tier, when it is hinted done and when its agent stops, if the budget has
+    room (:class:`~kvactor.actors.hot.WriteBack`), else it goes cold. None: write-through.
+
     Raises ValueError for a value out of range.
     """
 
@@ -80,6 +86,8 @@ class EngineConfig:
     deterministic: bool = False
     tool_wait_s: float = 30.0
     checkpoints: int = DEFAULT_CHECKPOINTS
+    write_budget: int | None = None
+    write_window_s: float = 86_400.0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1:
@@ -90,10 +98,22 @@ class EngineConfig:
             raise ValueError("checkpoints must be >= 1 (the latest state is always kept)")
         if self.budget_bytes is not None and self.budget_bytes < 1:
             raise ValueError("budget_bytes must be positive (or None for no budget)")
+        budget = self.write_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise ValueError(f"write_budget must be an int of bytes or None, not {budget!r}")
+        if budget is not None and budget < 0:
+            raise ValueError(f"write_budget must be >= 0 bytes, not {budget}")
+        if not 0 < self.write_window_s <= 366 * 86_400:
+            raise ValueError(f"write_window_s must be in (0, 1 year], not {self.write_window_s}")
         if self.attention not in get_args(Attention):
             raise ValueError(
                 f"attention must be one of {get_args(Attention)}, not {self.attention!r}"
             )
+
+    @property
+    def write_back(self) -> bool:
+        """Caches are written back (a write budget over a warm tier), not through."""
+        return self.persistent and self.write_budget is not None
 
     def turn_cache(self) -> type[FloatTurnCache] | type[QuantizedTurnCache]:
         """The working-cache class of the attention mode (``"auto"`` resolved for the device

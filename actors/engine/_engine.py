@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -51,7 +52,7 @@ from ..messages import (
     WarmVictims,
     Written,
 )
-from ..records import EngineBoard, EngineStats, ModelInfo, ModelState
+from ..records import EngineBoard, EngineStats, Exported, ModelInfo, ModelState
 from ._config import EngineConfig, ModelSpec
 from ._memory import (
     MEMORY_SHARE,
@@ -119,12 +120,23 @@ class _Slot:
         return self.loaded and not self.runner.settled()
 
 
+def _poster(
+    write_back: Callable[[str, str, Exported], None] | None, model: str
+) -> Callable[[str, Exported], None] | None:
+    """What model ``model``'s hot tier calls to send a write-back to its agent."""
+    if write_back is None:
+        return None
+    return lambda agent, exported: write_back(model, agent, exported)
+
+
 class EngineActor(ThreadActor):
     """The engine over one model or several (see the module doc): ``models`` by name.
     ``limit``: the memory limit in bytes (None: none, for one model only: its hot tier is
     bounded by ``config.budget_bytes`` alone); ``pins``: models never unloaded;
     ``model_ttl_s``: an idle model unused that long is unloaded even without pressure
-    (None: only under pressure). Raises ValueError for pins of unknown models, or several
+    (None: only under pressure); ``write_back(model, agent, export)``: under a write budget,
+    hands a cache leaving a hot tier to its agent to write (thread-safe, never waits).
+    Raises ValueError for pins of unknown models, or several
     models without a limit."""
 
     def __init__(
@@ -134,6 +146,7 @@ class EngineActor(ThreadActor):
         limit: int | None,
         pins: frozenset[str] = frozenset(),
         model_ttl_s: float | None = None,
+        write_back: Callable[[str, str, Exported], None] | None = None,
     ) -> None:
         unknown = sorted(pins - set(models))
         if unknown:
@@ -147,7 +160,7 @@ class EngineActor(ThreadActor):
         if model_ttl_s is not None:  # a model idle past its TTL is unloaded with no message
             self.idle_wake_s = max(model_ttl_s / 2, 0.05)
         self._slots = {
-            name: _Slot(name, ModelRunner(spec, config), name in pins)
+            name: _Slot(name, ModelRunner(spec, config, _poster(write_back, name)), name in pins)
             for name, spec in models.items()
         }
         self.loads = 0

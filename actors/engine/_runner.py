@@ -27,7 +27,7 @@ from ..errors import (
     ModelLoadError,
     TurnEnded,
 )
-from ..hot import CachePool, HotEntry, MoveLog
+from ..hot import CachePool, HotEntry, MoveLog, PostWrite, WriteBudget
 from ..ids import check_agent_id
 from ..messages import (
     CacheQuery,
@@ -90,7 +90,12 @@ class ModelRunner:
     steps reach it only while it is loaded (asserted).
     """
 
-    def __init__(self, model: ModelSpec = None, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: ModelSpec = None,
+        config: EngineConfig | None = None,
+        post: PostWrite | None = None,
+    ) -> None:
         self._spec = model
         self.config = config or EngineConfig()
         self.codec = self.config.codec or DEFAULT_CODEC
@@ -108,6 +113,15 @@ class ModelRunner:
         self._ready_turns = 0
         self._ending = False  # EndTurns came: turns end, new ones are refused
         self.moves = MoveLog()  # its hot tier's moves, kept across loads (each pool's log)
+        # Under a write budget (write-back): its window, kept across loads as the log is,
+        # and who writes what the hot tier sends out (its agents, through the session).
+        config = self.config
+        self._write_budget = (
+            WriteBudget(config.write_budget, config.write_window_s)
+            if config.write_back and config.write_budget is not None
+            else None
+        )
+        self._post = post
 
     @property
     def loaded(self) -> bool:
@@ -133,6 +147,8 @@ class ModelRunner:
             ready_copies=config.ready_copies,
             checkpoints=config.checkpoints,
             moves=self.moves,
+            write_budget=self._write_budget,
+            post=self._post,
         )
         self.batch = DecodeBatch(self.lm.model)
         self._eos = frozenset(self.lm.tokenizer.eos_token_ids)
@@ -222,8 +238,8 @@ class ModelRunner:
                 assert reply is not None, "a turn needs its reply"
                 self._admit(message, reply)
                 return DETACHED
-            case Export(agent):
-                return pool.export(agent)
+            case Export(agent, admit):
+                return pool.export_admitted(agent) if admit else pool.export(agent)
             case Written(agent, export_id, upto, failed):
                 return pool.written(agent, export_id, upto, failed=failed)
             case Reserve(agent, nbytes, wait):
@@ -300,6 +316,10 @@ class ModelRunner:
             installs=pool.warm.installs,
             warm_writes=pool.warm.writes,
             warm_write_failures=pool.warm.write_failures,
+            written_back=back.sent if (back := pool.write_back) is not None else 0,
+            written_back_bytes=back.sent_bytes if back is not None else 0,
+            write_back_refused=back.refused if back is not None else 0,
+            write_budget_spent=(back.budget.spent(time.monotonic()) if back is not None else 0),
         )
 
     def end_turns(self) -> int:

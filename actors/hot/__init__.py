@@ -1,7 +1,8 @@
 """The hot tier: one byte budget over the caches in memory. A ``CachePool`` is composed of
 parts, each the only writer of its state: ``Residents`` (entries, busy agents, scopes, the
 shared-prefix index), the ``Ledger`` (the budget's counts), ``ReadyCopies``, ``Demotion``
-(whom to demote, through a policy) and ``WarmTraffic`` (stagings in, exports out); the
+(whom to demote, through a policy), ``WarmTraffic`` (stagings in, exports out) and, under
+an SSD write budget, ``WriteBack`` (what is written as it leaves); the
 two log each demotion and install in a ``MoveLog``. The policies and the application's
 hints (``HintBook``) live here too."""
 
@@ -26,6 +27,9 @@ from ._pool import CachePool as CachePool
 from ._ready import ReadyCopies as ReadyCopies
 from ._residents import Residents as Residents
 from ._traffic import WarmTraffic as WarmTraffic
+from ._write_back import PostWrite as PostWrite
+from ._write_back import WriteBack as WriteBack
+from ._write_back import WriteBudget as WriteBudget
 
 __all__ = (
     "MAX_MOVES",
@@ -42,8 +46,11 @@ __all__ = (
     "Rates",
     "ReadyCopies",
     "Residents",
+    "PostWrite",
     "WarmTraffic",
     "WorkflowPolicy",
+    "WriteBack",
+    "WriteBudget",
     "cold_candidates",
     "make_hint",
     "split_hint",

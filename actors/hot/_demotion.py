@@ -16,6 +16,7 @@ from ._moves import MoveLog
 from ._policy import Candidate, EvictionPolicy, Rates
 from ._ready import ReadyCopies
 from ._residents import Residents
+from ._write_back import WriteBack
 
 __all__ = ("Demotion", "cold_candidates")
 
@@ -70,6 +71,7 @@ class Demotion:
         *,
         persistent: bool,
         moves: MoveLog | None = None,
+        write_back: WriteBack | None = None,
     ) -> None:
         self._residents = residents
         self._ledger = ledger
@@ -80,6 +82,7 @@ class Demotion:
         self.persistent = persistent
         self.demotions = {Tier.WARM: 0, Tier.COLD: 0}
         self.moves = moves if moves is not None else MoveLog()  # each demotion logged
+        self.write_back = write_back
 
     # -- who waits --------------------------------------------------------------------
     def waiting(self, agent: str, entry: HotEntry) -> bool:
@@ -110,15 +113,22 @@ class Demotion:
             )
             nbytes = own + e.kv.work_bytes + e.kv.ready_bytes
             # A cache not complete on disk (a cancelled turn's, or one whose write failed)
-            # goes cold: its warm copy, if any, is older.
-            warm = self.persistent and e.clean
+            # goes cold: its warm copy, if any, is older; under a write budget one that it
+            # admits is written as it leaves.
+            hinted = self._hints.next_use(agent, now)
+            warm = self.persistent and (
+                e.clean
+                or (
+                    self.write_back is not None
+                    and self.write_back.admits(e, hinted=hinted is not None, now=now)
+                )
+            )
             if warm:
                 reload_s = nbytes / rates.disk_bytes_s
                 if not e.kv.turn_cache.quantized:
                     reload_s += nbytes / rates.dequantize_bytes_s
             else:
                 reload_s = len(e.kv.tokens) / rates.prefill_tokens_s
-            hinted = self._hints.next_use(agent, now)
             out.append(
                 Candidate(
                     agent=agent,
@@ -226,11 +236,24 @@ class Demotion:
             chosen = {c.agent: c for c in candidates}
             for agent in self.policy.victims(candidates, missing):
                 assert agent in chosen, f"the policy chose {agent!r}, not a candidate"
-                self._residents.remove(agent)
-                victim = chosen[agent]
-                self.demotions[victim.demote_to] += 1
-                self.moves.demoted(agent, victim.demote_to, victim.nbytes)
+                entry = self._residents.remove(agent)
+                assert entry is not None
+                self._demoted(agent, entry, chosen[agent])
         return ledger.committed() + need <= ledger.limit
+
+    def _demoted(self, agent: str, entry: HotEntry, victim: Candidate) -> None:
+        """Count and log ``agent``'s demotion (out of the residents now); a dirty cache the
+        write budget admitted goes to its agent to write (its pin holds the unwritten
+        ranges until then), or cold when the budget no longer has room for it."""
+        to = victim.demote_to
+        back = self.write_back
+        if back is not None and not victim.clean:
+            if to is Tier.WARM and not back.send(agent, entry):
+                to = Tier.COLD
+            if to is Tier.COLD:
+                back.refused += 1
+        self.demotions[to] += 1
+        self.moves.demoted(agent, to, victim.nbytes)
 
     def cold_victims(self, agents: Sequence[WarmAgent], need: int) -> list[str]:
         """Which of the warm ``agents`` go cold on disk first for ``need`` bytes (the

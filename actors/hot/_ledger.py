@@ -4,6 +4,7 @@ batch, and the bound in force."""
 
 from __future__ import annotations
 
+from ._entry import HotEntry
 from ._ready import ReadyCopies
 from ._residents import Residents
 
@@ -29,7 +30,8 @@ class Ledger:
         self.used = 0
         self.peak = 0
         self._staged: dict[str, int] = {}  # agent -> bytes reserved for its staging warm cache
-        self._pins: dict[int, tuple[str, int]] = {}  # export id -> (agent, bytes) being written
+        # export id -> (agent, bytes being written, the entry they are views of)
+        self._pins: dict[int, tuple[str, int, HotEntry]] = {}
         self._exports = 0  # the last export id given
         self._batch_bytes = 0  # the engine's running batch (working caches out of entries)
         self.turn_room = 0  # the reserve of the last turn that started
@@ -67,10 +69,12 @@ class Ledger:
         self.measure()
         return nbytes
 
-    def pin(self, agent: str, nbytes: int) -> int:
-        """Hold ``nbytes`` of ``agent``'s export until :meth:`unpin` names it; its id."""
+    def pin(self, agent: str, nbytes: int, entry: HotEntry) -> int:
+        """Hold ``nbytes`` of ``agent``'s export (views of ``entry``'s stored arrays) until
+        :meth:`unpin` names it; its id. While ``entry`` is resident its count holds them;
+        once it is not (demoted, dropped), the pin does."""
         self._exports += 1
-        self._pins[self._exports] = (agent, nbytes)
+        self._pins[self._exports] = (agent, nbytes, entry)
         return self._exports
 
     def unpin(self, export_id: int) -> bool:
@@ -79,7 +83,7 @@ class Ledger:
 
     def writing(self) -> set[str]:
         """Agents whose exports are being written."""
-        return {agent for agent, _ in self._pins.values()}
+        return {agent for agent, _, _ in self._pins.values()}
 
     @property
     def pending(self) -> bool:
@@ -107,7 +111,7 @@ class Ledger:
                 if id(a) not in seen:
                     seen.add(id(a))
                     used += a.nbytes
-        used += sum(n for _, n in self._pins.values()) + sum(self._staged.values())
+        used += self._pinned() + sum(self._staged.values())
         used += self._ready.reserved
         self.used = used
         self.peak = max(self.peak, used)
@@ -115,6 +119,11 @@ class Ledger:
             f"the hot tier holds {used} bytes, over its budget of {self.budget}"
         )
         return used
+
+    def _pinned(self) -> int:
+        """Bytes pinned by exports whose entry is not resident (a resident one counts them)."""
+        get = self._residents.get
+        return sum(n for agent, n, entry in self._pins.values() if get(agent) is not entry)
 
     def working(self) -> int:
         """Bytes of running turns' working caches now (in :meth:`measure`'s count)."""
@@ -148,5 +157,5 @@ class Ledger:
                 if id(a) not in seen:
                     seen.add(id(a))
                     used += a.nbytes
-        used += sum(n for _, n in self._pins.values()) + sum(self._staged.values())
+        used += self._pinned() + sum(self._staged.values())
         assert used == self.measure(), f"the hot count {self.used} is not {used}"

@@ -32,6 +32,7 @@ from ._policy import Candidate, EvictionPolicy, Rates
 from ._ready import ReadyCopies
 from ._residents import Residents
 from ._traffic import WarmTraffic
+from ._write_back import PostWrite, WriteBack, WriteBudget
 
 __all__ = ("CachePool",)
 
@@ -44,7 +45,9 @@ class CachePool:
     cold. New agents' caches are of ``codec``, ``geometry`` and the attention mode's
     ``turn_cache``; ``ready_copies``: keep float copies between turns (:class:`ReadyCopies`).
     ``moves``: the log its demotions and installs go to (:class:`MoveLog`; None: its own),
-    handed in by a runner whose log outlives each load's pool.
+    handed in by a runner whose log outlives each load's pool. ``write_budget`` (with a
+    warm tier): write-back (:class:`WriteBack`): a turn's end writes nothing, and a cache
+    the budget admits is handed to ``post`` (its agent writes it) as it leaves the tier.
 
     The engine runs turns on the entries' caches through the methods here (claim, base,
     start, store a cut, end) and reports its running batch's bytes. The pool is the only
@@ -63,6 +66,8 @@ class CachePool:
         ready_copies: bool = True,
         checkpoints: int = DEFAULT_CHECKPOINTS,
         moves: MoveLog | None = None,
+        write_budget: WriteBudget | None = None,
+        post: PostWrite | None = None,
     ) -> None:
         self._checkpoints = checkpoints
         self.persistent = persistent
@@ -72,6 +77,11 @@ class CachePool:
         self.ledger = Ledger(limit, self.residents, self.ready)
         self.rates = Rates()
         self.hints = HintBook()  # the application's advice
+        self.write_back = (
+            WriteBack(self.ledger, write_budget, post)
+            if persistent and write_budget is not None
+            else None
+        )
         self.demotion = Demotion(
             self.residents,
             self.ledger,
@@ -81,8 +91,9 @@ class CachePool:
             policy,
             persistent=persistent,
             moves=moves,
+            write_back=self.write_back,
         )
-        self.warm = WarmTraffic(self.residents, self.ledger, self.demotion)
+        self.warm = WarmTraffic(self.residents, self.ledger, self.demotion, self.write_back)
         self.shared_turns = 0  # turns based on another cache's stored ranges
         self.shared_tokens = 0  # the tokens they reused so
 
@@ -333,7 +344,8 @@ class CachePool:
         self.residents.mark_idle(agent)
         now = time.monotonic()
         self.hints.turn_took(now - entry.last_used)  # queued at last_used
-        write_due = finished and self.persistent and not entry.clean
+        # Under a write budget nothing is written at a turn's end (write-back).
+        write_due = finished and self.persistent and self.write_back is None and not entry.clean
         # its export pins these: the room stays taken until it does
         due = sum(r.nbytes for r in kv.ranges_from(entry.persisted)) if write_due else 0
         entry.turn_ended(now, write_due=write_due, due_bytes=due)
@@ -366,6 +378,9 @@ class CachePool:
     def export(self, agent: str) -> Exported:
         return self.warm.export(agent)
 
+    def export_admitted(self, agent: str) -> Exported | None:
+        return self.warm.export_admitted(agent)
+
     def written(self, agent: str, export_id: int, upto: int, *, failed: bool = False) -> None:
         self.warm.written(agent, export_id, upto, failed=failed)
 
@@ -374,8 +389,22 @@ class CachePool:
         """Take the application's ``hint``; build ready copies for the ``ahead`` soonest
         hinted agents that are hot and idle, in room that is free now."""
         self.hints.apply(hint, time.monotonic())
+        for agent in hint.done:
+            self._write_done(agent)
         for agent in self.hints.soonest(time.monotonic(), ahead):
             self.ready_ahead(agent)
+
+    def _write_done(self, agent: str) -> None:
+        """Under a write budget: an idle agent told done has its unwritten ranges written
+        now (if the budget admits them), so that it leaves the tier later without a write
+        (its pin adds nothing to the count while it stays: the ranges are its own)."""
+        back, entry = self.write_back, self.residents.get(agent)
+        if back is None or entry is None or entry.clean or self.busy(agent) or entry.running:
+            return
+        if entry.write_due or agent in self.ledger.writing():
+            return
+        if back.admits(entry, hinted=True):
+            back.send(agent, entry)
 
     def tool_wait(self, agent: str, ttl_s: float) -> None:
         """``agent``'s turn ended in tool calls: keep its cache ahead of idle ones for

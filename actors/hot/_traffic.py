@@ -18,6 +18,7 @@ from ._demotion import Demotion
 from ._entry import HotEntry
 from ._ledger import Ledger
 from ._residents import Residents
+from ._write_back import WriteBack, export_entry
 
 __all__ = ("WarmTraffic",)
 
@@ -39,10 +40,17 @@ class WarmTraffic:
     exported byte is in the ledger from the moment it is reserved or pinned until it is
     installed or written."""
 
-    def __init__(self, residents: Residents, ledger: Ledger, demotion: Demotion) -> None:
+    def __init__(
+        self,
+        residents: Residents,
+        ledger: Ledger,
+        demotion: Demotion,
+        write_back: WriteBack | None = None,
+    ) -> None:
         self._residents = residents
         self._ledger = ledger
         self._demotion = demotion
+        self._write_back = write_back
         self._waiters: deque[_Waiter] = deque()
         self.installs = 0  # warm caches staged from disk (not forks made in memory)
         self.writes = 0  # warm writes that succeeded
@@ -127,18 +135,17 @@ class WarmTraffic:
             raise UnknownAgent(f"agent {agent!r} has no hot cache to export")
         if self._residents.busy(agent):
             raise AgentBusy(f"agent {agent!r} is generating")
-        ranges = entry.kv.ranges_from(entry.persisted)
-        export_id = self._ledger.pin(agent, sum(r.nbytes for r in ranges))
-        entry.export_pinned()
-        shared = entry.shared_from if entry.persisted == 0 else None
-        return Exported(
-            export_id=export_id,
-            persisted=entry.persisted,
-            tokens=list(entry.kv.tokens),
-            ranges=[(r.start, r.stop, r.to_numpy()) for r in ranges],
-            shared_from=shared[0] if shared else "",
-            shared_upto=shared[1] if shared else 0,
-        )
+        return export_entry(self._ledger, agent, entry)
+
+    def export_admitted(self, agent: str) -> Exported | None:
+        """:meth:`export` for an agent that leaves the session under a write budget: None
+        (nothing exported) when the budget has no room for what is unwritten."""
+        entry = self._residents.get(agent)
+        back = self._write_back
+        if entry is not None and back is not None and not entry.clean and not back.take(entry):
+            back.refused += 1
+            return None
+        return self.export(agent)
 
     def written(self, agent: str, export_id: int, upto: int, *, failed: bool = False) -> None:
         """The store made an export durable up to ``upto`` tokens (``failed``: not the
@@ -151,7 +158,10 @@ class WarmTraffic:
             else:
                 self.writes += 1
         entry = self._residents.get(agent)
-        if entry is not None:
-            entry.written(upto)  # whatever came of it, no write is on its way now
+        sent = self._write_back.came_back(export_id) if self._write_back is not None else None
+        if entry is not None and (sent is None or sent is entry):
+            # whatever came of it, no write is on its way now (a write-back of an entry
+            # demoted since says nothing of the agent's cache hot now)
+            entry.written(upto)
         self._ledger.measure()
         self.grant_waiters()

@@ -104,7 +104,7 @@ async def start_part(
         prefetcher = await runtime.spawn(PrefetchActor, engine, store, name=f"prefetch{suffix}")
         warm = ActorWarmTier(store, prefetcher)
     limit = prompt_chars_limit(tokenizer, model.context_length)
-    env = AgentEnv(engine, tokenizer, warm, limit)
+    env = AgentEnv(engine, tokenizer, warm, limit, write_back=config.write_back)
     return ModelPart(
         name if name is not None else model.name,
         engine,

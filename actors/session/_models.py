@@ -4,19 +4,28 @@ reference, what the model is, its warm tier), and the model each running agent r
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import Enum
 from pathlib import Path
 
 import anyio
 import msgspec
 
-from ...runtime import ActorRef, Runtime
+from ...runtime import ActorDeadError, ActorRef, LoopCaller, MailboxFull, Runtime
 from ..engine import EngineActor, EngineConfig, ModelRef, ModelSpec, record_limit
 from ..errors import UnknownAgent, UnsafeCachePath
 from ..ids import check_agent_id
-from ..messages import BoardQuery, EndTurns, EngineMessage, ModelsQuery, StatsQuery
-from ..records import EngineBoard, EngineStats, ModelInfo, ModelState
+from ..messages import (
+    BoardQuery,
+    EndTurns,
+    EngineMessage,
+    ForModel,
+    ModelsQuery,
+    StatsQuery,
+    WriteBack,
+    Written,
+)
+from ..records import EngineBoard, EngineStats, Exported, ModelInfo, ModelState
 from ..warm import (
     CacheDirLock,
     DiskUsage,
@@ -74,6 +83,7 @@ class SessionModels:
         disk_limit: int | Default | None = DEFAULT,
         disk_quota: int | None = None,
         warm_ttl_s: float | None = None,
+        agent_ref: Callable[[str], ActorRef[object] | None] = lambda _: None,
     ) -> None:
         self.several = isinstance(model, dict)
         specs: Models = dict(model) if isinstance(model, dict) else {_ONE: model}
@@ -102,10 +112,18 @@ class SessionModels:
         self._disk_quota, self._warm_ttl_s = disk_quota, warm_ttl_s
         # The warm tier's bytes on disk against its limit, over every model's folder.
         self.usage: DiskUsage | None = None
+        self._agent_ref = agent_ref  # a running agent's actor (write-backs go there)
 
     async def start(self, runtime: Runtime) -> None:
         """Spawn the engine (loading the models) and start each model's part."""
         root, rejected = self._root, self._delete_rejected
+        post = None
+        if self._config.write_back:  # the engine hands caches leaving a hot tier over here
+            caller = LoopCaller()
+
+            def post(model: str, agent: str, exported: Exported) -> None:
+                caller.call_soon(self._write_back, model, agent, exported)
+
         engine = await runtime.spawn(
             EngineActor,
             self._specs,
@@ -113,6 +131,7 @@ class SessionModels:
             self.memory_limit,
             self._pins,
             self._ttl,
+            post,
             name="engine",
         )
         self._engine = engine
@@ -149,6 +168,24 @@ class SessionModels:
         if root is not None and self.memory_limit is not None:
             names = list(self._parts)
             await anyio.to_thread.run_sync(record_limit, root, self.memory_limit, names)
+
+    def _write_back(self, model: str, agent: str, exported: Exported) -> None:
+        """On the event loop: hand a cache that left model ``model``'s hot tier to its
+        agent to write; when the agent cannot take it (stopped, its mailbox full) the
+        engine hears at once that no write comes (the cache went cold)."""
+        ref = self._agent_ref(agent)
+        try:
+            if ref is None:
+                raise ActorDeadError(f"agent {agent!r} is not running")
+            ref.tell_nowait(WriteBack(exported))
+        except (ActorDeadError, MailboxFull) as exc:
+            log.warning("agent %r: its cache leaves the hot tier unwritten: %s", agent, exc)
+            written = Written(agent, exported.export_id, exported.persisted, failed=True)
+            assert self._engine is not None
+            try:
+                self._engine.tell_nowait(ForModel(model, written))
+            except (ActorDeadError, MailboxFull):
+                log.error("the engine did not hear that agent %r's write will not come", agent)
 
     async def _count_disk(self) -> None:
         """Count every model's warm caches (before the collector's sweep: files a killed

@@ -45,6 +45,8 @@ class OpenOptions(TypedDict, total=False):
     deterministic: bool
     tool_wait_s: float
     checkpoints: int
+    write_budget: int | None
+    write_window_s: float
     models: Mapping[str, ModelSpec] | None
     memory_limit: int | None
     pin_models: tuple[str, ...] | list[str]
@@ -137,6 +139,8 @@ def open_session(model: ModelSpec = None, **options: Any) -> Opening[Session]:
         raise ValueError(f"warm_ttl_s must be a positive number of seconds or None, not {ttl!r}")
     if (quota is not None or ttl is not None) and cache_dir is None:
         raise ValueError("disk_quota and warm_ttl_s limit the warm tier: give a cache_dir")
+    if options.get("write_budget") is not None and cache_dir is None:
+        raise ValueError("write_budget limits the warm tier's writes: give a cache_dir")
     session = Session(
         dict(models) if models is not None else model,
         config,

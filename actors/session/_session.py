@@ -24,6 +24,7 @@ from ..messages import (
     CacheQuery,
     DropCache,
     EngineMessage,
+    Flush,
     Fork,
     Hint,
     HotQuery,
@@ -131,6 +132,7 @@ class Session(SessionAPI[Agent]):
             disk_limit=disk_limit,
             disk_quota=disk_quota,
             warm_ttl_s=warm_ttl_s,
+            agent_ref=self._agent_ref,
         )
         self._lock: CacheDirLock | None = None
         self.runtime = Runtime(mailbox_size=mailbox_size)
@@ -369,6 +371,16 @@ class Session(SessionAPI[Agent]):
         self._contexts.pop(name, None)
         return agent, self._models.unassign(name)
 
+    def _agent_ref(self, name: str) -> ActorRef[Any] | None:
+        agent = self._agents.get(name)
+        return agent.ref if agent is not None else None
+
+    async def _flush(self, agent: Agent) -> None:
+        """Under a write budget: write what the warm tier lacks of ``agent``'s cache now,
+        whatever the budget says (it is about to be exported or handed over)."""
+        if self.config.write_back:
+            await agent.ref.ask(Flush(), timeout=None)
+
     def agent(self, name: str) -> Agent:
         """The agent called ``name``; raises UnknownAgent."""
         try:
@@ -409,7 +421,7 @@ class Session(SessionAPI[Agent]):
         another session (an engine host hands agents over this way). Raises
         InvalidAgentId for an unsafe name, UnknownAgent when it is not running."""
         check_agent_id(name)
-        self.agent(name)  # UnknownAgent when it is not running
+        await self._flush(self.agent(name))  # UnknownAgent when it is not running
         agent, part = self._forget_running(name)
         assert agent is not None and part is not None
         await agent.ref.stop()
@@ -434,6 +446,7 @@ class Session(SessionAPI[Agent]):
         agent = self._agents.get(name)
         if agent is None:
             return part, None
+        await self._flush(agent)
         messages = len((await agent.state()).messages)
         return part, functools.partial(behind, messages)
 

@@ -26,6 +26,7 @@ from ._manifest import (
     MAX_MANIFEST_BYTES,
     SEGMENT_FILES,
     CacheIdentity,
+    held_state,
     load_manifest,
 )
 from ._paths import agent_dir, contained, rejected_dir
@@ -146,10 +147,11 @@ def demote_cold(root: str | os.PathLike[str], identity: CacheIdentity, agent: st
     # What the cache held, and where its stored ranges ended: a re-prefill of these exact
     # tokens, cut at these points, rebuilds the ranges as they were stored (each computed
     # from the quantized ones before it), so the agent answers as it would have warm.
+    tokens, text, bounds = held_state(warm)  # under write-back, it may hold more
     held = {
-        "token_ids": list(warm.token_ids),
-        "text": warm.text,
-        "bounds": sorted({e.start + e.use for e in warm.segments}),
+        "token_ids": tokens or list(warm.token_ids),
+        "text": text if tokens else warm.text,
+        "bounds": bounds if tokens else sorted({e.start + e.use for e in warm.segments}),
     }
     cold = msgspec.structs.replace(
         warm,

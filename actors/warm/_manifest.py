@@ -254,15 +254,17 @@ class CacheManifest(msgspec.Struct, frozen=True, kw_only=True):
         return (*self.segments, *self.window_segments, *self.state_segments)
 
 
-#: In a cold manifest's ``extra``: what its cache held before it went cold (``token_ids``,
-#: ``text``) and where its stored ranges ended (``bounds``), for an exact re-prefill.
+#: In a manifest's ``extra``: what the agent's cache held beyond its cached tokens (``token_ids``,
+#: ``text``) and where its stored ranges ended (``bounds``), for an exact re-prefill: a
+#: cold manifest's (no cached tokens), or under write-back one whose conversation went on
+#: past what is on disk (its token ids extend the cached ones).
 COLD_KEY = "cold"
 
 
-def cold_state(m: CacheManifest) -> tuple[list[int], str, list[int]]:
-    """A cold manifest's tokens, text and range ends as they were warm (all empty for a
-    manifest with cached tokens, or one written before cold manifests kept them)."""
-    held = m.extra.get(COLD_KEY) if m.n_tokens == 0 else None
+def held_state(m: CacheManifest) -> tuple[list[int], str, list[int]]:
+    """The tokens, text and range ends the agent's cache held beyond what ``m`` caches
+    (all empty when it holds nothing more, or a manifest written before they were kept)."""
+    held = m.extra.get(COLD_KEY)
     if not isinstance(held, dict):
         return [], "", []
     tokens, text, bounds = held.get("token_ids"), held.get("text"), held.get("bounds")
@@ -272,8 +274,10 @@ def cold_state(m: CacheManifest) -> tuple[list[int], str, list[int]]:
         and isinstance(text, str)
         and isinstance(bounds, list)
         and all(isinstance(b, int) and 0 < b <= len(tokens) for b in bounds)
+        and len(tokens) > m.n_tokens
+        and tokens[: m.n_tokens] == m.token_ids
     ):
-        return [], "", []  # hand-edited or foreign: the agent re-renders its conversation
+        return [], "", []  # hand-edited, foreign or stale: the cached tokens are what it has
     return tokens, text, sorted(set(bounds))
 
 

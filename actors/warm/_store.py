@@ -69,7 +69,7 @@ from ._usage import (
     make_reserve,
     record_disk_limit,
 )
-from ._write import append_cache
+from ._write import append_cache, note_conversation
 
 log = logging.getLogger("kvactor.store")
 
@@ -91,6 +91,7 @@ __all__ = (
     "Load",
     "Loaded",
     "Manifest",
+    "Note",
     "SegmentEntry",
     "SharedFile",
     "StoreActor",
@@ -130,6 +131,18 @@ class Append(msgspec.Struct, frozen=True, tag=True):
     text: str = ""
     messages: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
+
+
+class Note(msgspec.Struct, frozen=True, tag=True):
+    """Under write-back, a turn's end: commit ``agent``'s conversation and what its cache
+    holds now in its manifest, its warm cache unchanged (see ``note_conversation``).
+    Answers a WarmInfo, or None for a refused cache (nothing written)."""
+
+    agent: str
+    tokens: list[int]
+    text: str
+    messages: list[dict[str, Any]]
+    bounds: list[int]
 
 
 class Load(msgspec.Struct, frozen=True, tag=True):
@@ -238,6 +251,7 @@ class StoreStats(msgspec.Struct, frozen=True):
 
 StoreMessage = (
     Append
+    | Note
     | Load
     | Manifest
     | ListAgents
@@ -319,6 +333,8 @@ class StoreActor(Actor):
         match message:
             case Append():
                 return await self._append(message)
+            case Note():
+                return await self._note(message)
             case Load(agent):
                 return await self._load(check_agent_id(agent))
             case Manifest(agent):
@@ -402,6 +418,35 @@ class StoreActor(Actor):
                 )
             await self._fit(0, keep=agent)  # a bound that fell short: back under at once
             await self._fit(0, keep=agent, namespace=namespace_of(agent))
+        return info
+
+    async def _note(self, m: Note) -> WarmInfo | None:
+        agent = check_agent_id(m.agent)
+        self._manifests.pop(agent, None)
+        usage = self.usage
+        if usage is not None:
+            files = len(usage.files(self.root, agent))
+            encoded = sum(len(msgspec.json.encode(x)) for x in (m.text, m.messages))
+            await self._make_room(agent, 16 * len(m.tokens) + encoded + 320 * files + 4096)
+        before = await self._listed(agent)
+        t0 = time.perf_counter()
+        note = functools.partial(
+            note_conversation,
+            self.root,
+            self.identity,
+            agent,
+            m.tokens,
+            text=m.text,
+            messages=m.messages,
+            bounds=m.bounds,
+        )
+        try:
+            info: WarmInfo | None = await anyio.to_thread.run_sync(note)
+        finally:
+            after = await self._recount(agent)
+        self._wrote(_new_bytes(before, after), writes=1, write_s=time.perf_counter() - t0)
+        if info is not None:
+            self._remember(agent, info)
         return info
 
     async def _adopt(self, m: Adopt) -> WarmInfo:

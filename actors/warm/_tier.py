@@ -11,9 +11,9 @@ from typing import Any, Protocol
 from ...runtime import ActorRef
 from ..errors import CacheRejected
 from ..records import AgentSnapshot
-from ._manifest import cold_state
+from ._manifest import held_state
 from ._prefetch import Prefetch, PrefetchMessage, Stage, StageResult
-from ._store import Append, Manifest, ShareCache, StoreMessage
+from ._store import Append, Manifest, Note, ShareCache, StoreMessage
 
 __all__ = ("ActorWarmTier", "WarmTier")
 
@@ -43,6 +43,19 @@ class WarmTier(Protocol):
     ) -> None:
         """Write a stored range from token ``start`` and commit the agent's state. Raises
         StoreWriteError when it could not be written."""
+        ...
+
+    async def note(
+        self,
+        agent: str,
+        *,
+        tokens: list[int],
+        text: str,
+        messages: list[dict[str, Any]],
+        bounds: list[int],
+    ) -> None:
+        """Write-back's turn end: commit the conversation and the tokens its cache holds
+        (its warm cache unchanged). Raises StoreWriteError when it could not be written."""
         ...
 
     async def share(
@@ -80,9 +93,10 @@ class ActorWarmTier:
         if manifest is None:
             return None
         messages = [dict(m) for m in manifest.messages]
-        if manifest.n_tokens == 0:  # cold: the tokens it held, if its manifest kept them
-            tokens, text, bounds = cold_state(manifest)
-            return AgentSnapshot(tokens, text, messages, bounds, on_disk=0)
+        # Cold, or (write-back) gone on past its warm cache: the tokens it held, if kept.
+        tokens, text, bounds = held_state(manifest)
+        if tokens or manifest.n_tokens == 0:
+            return AgentSnapshot(tokens, text, messages, bounds, on_disk=manifest.n_tokens)
         bounds = sorted({e.start + e.use for e in manifest.segments})
         return AgentSnapshot(list(manifest.token_ids), manifest.text, messages, bounds)
 
@@ -104,6 +118,17 @@ class ActorWarmTier:
         messages: list[dict[str, Any]],
     ) -> None:
         await self.store.ask(Append(agent, start, tensors, tokens, text, messages), timeout=120)
+
+    async def note(
+        self,
+        agent: str,
+        *,
+        tokens: list[int],
+        text: str,
+        messages: list[dict[str, Any]],
+        bounds: list[int],
+    ) -> None:
+        await self.store.ask(Note(agent, tokens, text, messages, bounds), timeout=120)
 
     async def share(
         self,

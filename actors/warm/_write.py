@@ -26,6 +26,7 @@ from ._checksum import file_checksum
 from ._durable import commit, fsync_dir, remove_path, write_atomic, write_failed
 from ._fileio import in_background
 from ._manifest import (
+    COLD_KEY,
     MAX_MANIFEST_BYTES,
     SEGMENT_FILES,
     CacheIdentity,
@@ -42,7 +43,7 @@ from ._manifest import (
 from ._paths import agent_dir, rejected_dir
 from ._safetensors import build_header, tensor_bytes
 
-__all__ = ("append_cache",)
+__all__ = ("append_cache", "note_conversation")
 
 _LITTLE = sys.byteorder == "little"
 _dtype = functools.cache(np.dtype)  # dtype objects by name (np.dtype(str) is slow)
@@ -111,6 +112,51 @@ def append_cache(
         return commit(folder, manifest)
     except OSError as exc:
         raise write_failed(exc, f"writing the warm cache of agent {agent!r}") from exc
+
+
+def note_conversation(
+    root: str | os.PathLike[str],
+    identity: CacheIdentity,
+    agent: str,
+    tokens: Sequence[int],
+    *,
+    text: str,
+    messages: Sequence[Mapping[str, Any]],
+    bounds: Sequence[int],
+) -> WarmInfo | None:
+    """Write-back's turn end: commit the agent's conversation (``messages``) and what its
+    cache holds now (``tokens``, the ``text`` they spell, its ranges' ends ``bounds``) in
+    its manifest, its warm cache unchanged: after a crash it resumes the conversation, the
+    tokens past its warm cache prefilled again. A folder without a manifest gets a cold
+    one; when the warm cache is not a prefix of ``tokens`` (a turn cut into it) only the
+    messages change. None (nothing written) for a refused cache: its next write from token
+    0 sets it aside. Raises StoreWriteError when the disk fails, ValueError as
+    ``append_cache`` does for ids or a manifest too large."""
+    folder = agent_dir(root, agent)
+    token_ids = _checked_ids(identity, 0, tokens)
+    try:
+        loaded = load_manifest(folder, identity, agent)
+    except CacheRejected:
+        return None
+    old = loaded[0] if loaded is not None else None
+    if old is None:
+        old = _next_manifest(identity, agent, None, 0, [], False, "", messages, {})
+    extra = {k: v for k, v in old.extra.items() if k != COLD_KEY}
+    if len(token_ids) > old.n_tokens and token_ids[: old.n_tokens] == old.token_ids:
+        kept = sorted({int(b) for b in bounds if 0 < b <= len(token_ids)})
+        extra[COLD_KEY] = {"token_ids": token_ids, "text": text, "bounds": kept}
+    manifest = msgspec.structs.replace(
+        old, messages=[dict(m) for m in messages], extra=extra, updated=time.time()
+    )
+    if len(msgspec.json.encode(manifest)) + 1024 > MAX_MANIFEST_BYTES:
+        raise ValueError(f"the manifest would exceed {MAX_MANIFEST_BYTES} bytes")
+    try:
+        if not folder.is_dir():
+            folder.mkdir(parents=True, exist_ok=True)
+            fsync_dir(folder.parent)
+        return commit(folder, manifest)
+    except OSError as exc:
+        raise write_failed(exc, f"noting the conversation of agent {agent!r}") from exc
 
 
 def _checked_ids(identity: CacheIdentity, start: int, tokens: Sequence[int]) -> list[int]:

@@ -271,6 +271,9 @@ def _overrides(scenario: Scenario, args: argparse.Namespace) -> Scenario:
         changes.update(budget_mb=args.budget_mb, hot_agents=None)
     if getattr(args, "disk_limit", None) is not None:
         changes["disk_limit_mb"] = args.disk_limit / 1e6
+    if getattr(args, "write_budget", None) is not None:
+        nbytes, window = args.write_budget
+        changes["write_budget_mb_per_day"] = nbytes / 1e6 * 86_400 / window
     return msgspec.structs.replace(scenario, **changes) if changes else scenario
 
 

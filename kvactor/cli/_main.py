@@ -157,6 +157,17 @@ def _size(text: str) -> int:
     return int(value * units[unit])
 
 
+def _write_budget(text: str) -> tuple[int, float]:
+    """Bytes and the window they are counted over from ``20G/day``, ``2G/hour`` or ``20G``
+    (per day)."""
+    size, _, per = text.partition("/")
+    windows = {"": 86_400.0, "day": 86_400.0, "d": 86_400.0, "hour": 3_600.0, "h": 3_600.0}
+    window = windows.get(per.strip().lower())
+    if window is None:
+        raise argparse.ArgumentTypeError(f"not a write budget: {text!r} (try 20G/day or 2G/hour)")
+    return _size(size), window
+
+
 def _duration(text: str) -> float:
     """Seconds from ``3600``, ``90s``, ``30m``, ``12h`` or ``7d``."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -291,6 +302,12 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=_size,
         metavar="SIZE",
         help="override the scenario's disk limit on its warm tier (with K, M, G)",
+    )
+    run.add_argument(
+        "--write-budget",
+        type=_write_budget,
+        metavar="SIZE[/day|/hour]",
+        help="override the scenario's SSD write budget: write-back (see serve --write-budget)",
     )
     run.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     run.add_argument(
@@ -430,6 +447,15 @@ def _add_serve_limits(limits: argparse._ArgumentGroup) -> None:
         metavar="SIZE",
         help="bytes each key's tenant may hold in the warm tier, with K, M, G; a tenant over "
         "it makes its own agents cold, never another's (default: only the disk limit)",
+    )
+    limits.add_argument(
+        "--write-budget",
+        type=_write_budget,
+        metavar="SIZE[/day|/hour]",
+        help="bytes the warm tier may write to the SSD per day or hour (20G/day, 2G/hour): "
+        "caches are written when they leave memory instead of at every turn, while the "
+        "budget has room (else they go cold, their conversation kept); a crash loses the "
+        "caches of turns since the last write, not their text (default: every turn written)",
     )
     limits.add_argument(
         "--agent-ttl",

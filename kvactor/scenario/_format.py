@@ -146,6 +146,9 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     - ``disk_limit_mb`` (10^6 bytes): the warm tier's limit on disk; past it agents go
       cold (their conversation kept) by the policy (``kvactor.open(disk_limit=...)``;
       default: the smaller of 30 GiB and a quarter of the free disk).
+    - ``write_budget_mb_per_day`` (10^6 bytes): an SSD write budget, and write-back: caches
+      are written as they leave memory, while the budget has room
+      (``kvactor.open(write_budget=...)``; default: every turn written through).
     """
 
     name: str
@@ -169,6 +172,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     models: dict[str, str] = {}
     memory_limit_mb: PositiveFloat | None = None
     disk_limit_mb: PositiveFloat | None = None
+    write_budget_mb_per_day: PositiveFloat | None = None
     sampling: SamplingSpec = SamplingSpec()
     agents: list[AgentSpec]
     phases: list[PhaseSpec]

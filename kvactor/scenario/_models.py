@@ -56,9 +56,9 @@ def models_problem(s: Scenario) -> tuple[str, str] | None:
 
 
 def session_models(s: Scenario) -> dict[str, Any]:
-    """``kvactor.open``'s model options for the scenario: ``models``, ``memory_limit`` and
-    ``disk_limit`` (each absent when the scenario does not say). Raises ScenarioError for a
-    model path that does not exist."""
+    """``kvactor.open``'s model options for the scenario: ``models``, ``memory_limit``,
+    ``disk_limit`` and ``write_budget`` (each absent when the scenario does not say).
+    Raises ScenarioError for a model path that does not exist."""
     from ._format import resolve_model
 
     options: dict[str, Any] = {}
@@ -68,6 +68,8 @@ def session_models(s: Scenario) -> dict[str, Any]:
         options["memory_limit"] = int(s.memory_limit_mb * 1e6)
     if s.disk_limit_mb is not None:
         options["disk_limit"] = int(s.disk_limit_mb * 1e6)
+    if s.write_budget_mb_per_day is not None:
+        options["write_budget"] = int(s.write_budget_mb_per_day * 1e6)
     return options
 
 

@@ -78,6 +78,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options["disk_quota"] = args.tenant_disk_quota
     if getattr(args, "agent_ttl", None) is not None:
         options["warm_ttl_s"] = args.agent_ttl
+    if getattr(args, "write_budget", None) is not None:
+        options["write_budget"], options["write_window_s"] = args.write_budget
     return options
 
 
