@@ -34,9 +34,20 @@ agents' stored caches at the longest context):
    its bytes at once, before any turn (``restart_over_limit``: bytes over, target 0), and
    one turn of an agent that went cold, against the same turn resumed from phase 1's
    directory and against a new agent prefilling the same conversation.
+5. **write-back**: the trace without a disk limit under a roomier hot budget, one that
+   holds ``--back-hot-share`` of the agents (so that an agent runs several turns between
+   leaving the hot tier: ``write_back_avg_turns_between_leaving_hot``), three times:
+   write-through, write-back under a budget that never binds, and write-back under
+   ``--back-budget-share`` of what write-through wrote. The bytes each wrote from open to
+   the end of close (write syscalls: write-back writes what is still hot at close),
+   ``write_back_written_vs_through``, ``write_back_ttft_vs_through`` (summed TTFT), the
+   floor of any write-back that keeps every cache (``write_back_floor_vs_through``: each
+   new token's tensor bytes once), and whether the answers equal write-through's.
+   ``--write-back-only`` runs the probe and this phase alone.
 
     python bench/warm_limits.py [--quick] [--model PATH] [--agents 200] [--turns 7]
         [--words 190 230] [--max-tokens 32] [--concurrency 4] [--hot-agents 4]
+        [--back-hot-share 0.6] [--back-budget-share 0.25] [--write-back-only]
         [--seed 0] [--mlx-agents 16] [--dir DIR] [--json PATH]
 
 ``--quick`` (about a minute): the tiny random-weight llama with its layers scaled up so
@@ -50,18 +61,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import json
-import os
-import random
 import shutil
-import stat
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,334 +77,28 @@ import anyio
 import mlx.core as mx
 import msgspec
 from _results import figure_table, write_json  # bench/ is the script's folder: on sys.path
-from mlx.utils import tree_flatten, tree_map_with_path
+from _warm_trace import (
+    EXTRA,
+    WORDS,
+    DiskSampler,
+    Trace,
+    agents_bytes,
+    lively_tiny,
+    make_trace,
+    replay,
+    sampled,
+)
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import QuantizedKVCache, save_prompt_cache
 
 from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.enums import Tier
-from kvactor.actors.models import LoadedModel, make_tiny_model
 from kvactor.actors.warm import list_agents
 from kvactor.kernels.geometry import CacheGeometry
 
-_WORD_TEXT = (
-    "the a of to and in that it for on with as at by from this be are was or an not but "
-    "we can all which will one has more when there if so what about up out into them "
-    "then some could time these two may first been way like other than now its only "
-    "over also new after most where through back much before good well between never "
-    "under last long great little own right old same big high small large next early "
-    "river stone light storm harbor engine ledger signal market garden winter report "
-    "number window valley letter mirror circle bridge forest rocket coffee island "
-    "tower planet silver copper paper cable sensor module kernel buffer vector matrix"
-)
-WORDS = _WORD_TEXT.split()
-ROLES = ("planner", "coder", "reviewer", "tester", "writer", "analyst", "librarian", "critic")
-EXTRA = "Summarize what we said so far in one sentence."
 MLX_LM_BITS = 4
 MLX_LM_GROUP = 64
 TARGET_AMPLIFICATION = 1.25
-
-
-# ---------------------------------------------------------------------------- the trace
-@dataclass(frozen=True)
-class Turn:
-    agent: str
-    index: int  # the agent's k-th turn
-    text: str
-
-
-@dataclass(frozen=True)
-class Trace:
-    systems: dict[str, str]
-    turns: list[Turn]
-
-
-def make_trace(agents: int, turns: int, words: tuple[int, int], seed: int) -> Trace:
-    """``agents`` agents of ``turns`` turns each in a random interleaving; each turn a
-    new user message of ``words`` (inclusive range) random words."""
-    rng = random.Random(seed)
-    names = [f"agent-{i:03d}" for i in range(agents)]
-    systems = {
-        name: f"You are {name}, the team's {ROLES[i % len(ROLES)]}. Keep your notes short."
-        for i, name in enumerate(names)
-    }
-    order = [name for name in names for _ in range(turns)]
-    rng.shuffle(order)
-    seen: dict[str, int] = {}
-    out = []
-    for name in order:
-        k = seen.get(name, 0)
-        seen[name] = k + 1
-        body = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*words)))
-        out.append(Turn(name, k, f"Note {k + 1} for {name}: {body}."))
-    return Trace(systems, out)
-
-
-def lively_tiny(seed: int = 0, scale: float = 10.0) -> LoadedModel:
-    """The tiny llama (heads 64 wide) with its layers' weights scaled up, embeddings and
-    norms as they are: its greedy answers depend on the whole context (tests/lively.py)."""
-    lm = make_tiny_model(seed, head_dim=64)
-
-    def scaled(path: str, array: mx.array) -> mx.array:
-        return array if "embed" in path or "norm" in path else array * scale
-
-    lm.model.update(tree_map_with_path(scaled, lm.model.parameters()))
-    mx.eval(lm.model.parameters())
-    return lm
-
-
-# --------------------------------------------------------------------- the disk sampler
-def agents_bytes(root: Path) -> int:
-    """The real bytes under ``root/agents``: every regular file, a hard-linked file once
-    (what the store counts against its limit, temporary files of a write included)."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for folder, _, names in os.walk(root / "agents"):
-        for name in names:
-            try:
-                info = os.lstat(os.path.join(folder, name))
-            except FileNotFoundError:  # removed while we walked
-                continue
-            if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) not in seen:
-                seen.add((info.st_dev, info.st_ino))
-                total += info.st_size
-    return total
-
-
-#: The sampling loop of the sampler's own process (``agents_bytes`` is prepended): a
-#: process, so that neither the bench's event loop nor its GIL spaces the samples out.
-SAMPLER_LOOP = """
-import json, sys, threading, time
-root, limit, period = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-seen, gaps, over, last = 0, [], [], None
-peak = 0
-print("ready", flush=True)
-while not stop.is_set():
-    start = time.perf_counter()
-    if last is not None:
-        gaps.append(start - last)
-    last = start
-    n = agents_bytes(root)
-    seen += 1
-    peak = max(peak, n)
-    if 0 <= limit < n:
-        over.append(n)
-    stop.wait(max(0.0, period - (time.perf_counter() - start)))
-print(json.dumps({"samples": seen, "peak": peak, "over": over, "gaps": gaps}), flush=True)
-"""
-
-
-class DiskSampler:
-    """Samples ``agents_bytes(root)``: every ``period_s`` (start to start) in a process of
-    its own between :meth:`start` and :meth:`stop`, and whenever :meth:`sample` is
-    awaited. :meth:`watch_loop` measures how late the event loop wakes a task (how long
-    it was blocked)."""
-
-    def __init__(self, root: Path, limit: int | None, period_s: float) -> None:
-        self.root, self.limit, self.period_s = root, limit, period_s
-        self.samples = self.peak = 0
-        self.over: list[int] = []
-        self.gaps: list[float] = []
-        self.loop_lag = 0.0
-        self._proc: subprocess.Popen[str] | None = None
-
-    def _record(self, n: int) -> int:
-        self.samples += 1
-        self.peak = max(self.peak, n)
-        if self.limit is not None and n > self.limit:
-            self.over.append(n)
-        return n
-
-    async def sample(self) -> int:
-        return self._record(await anyio.to_thread.run_sync(agents_bytes, self.root))
-
-    def start(self) -> None:
-        """Start the sampling process; return once it samples."""
-        code = "import os, stat\nfrom pathlib import Path\n"
-        code += inspect.getsource(agents_bytes) + SAMPLER_LOOP
-        limit = -1 if self.limit is None else self.limit
-        args = [sys.executable, "-c", code, str(self.root), str(limit), str(self.period_s)]
-        pipe = subprocess.PIPE
-        self._proc = subprocess.Popen(args, stdin=pipe, stdout=pipe, text=True)
-        assert self._proc.stdout is not None
-        assert self._proc.stdout.readline().strip() == "ready"
-
-    def stop(self) -> None:
-        """Stop the sampling process and take its samples."""
-        if self._proc is None:
-            return
-        out, _ = self._proc.communicate("", timeout=60)
-        self._proc = None
-        got = json.loads(out)
-        self.samples += got["samples"]
-        self.peak = max(self.peak, got["peak"])
-        self.over += got["over"]
-        self.gaps += got["gaps"]
-
-    async def watch_loop(self) -> None:
-        while True:
-            start = time.perf_counter()
-            await anyio.sleep(self.period_s)
-            self.loop_lag = max(self.loop_lag, time.perf_counter() - start - self.period_s)
-
-    def figures(self) -> dict[str, Any]:
-        gaps = sorted(self.gaps) or [0.0]
-        return {
-            "samples": self.samples,
-            "peak_bytes": self.peak,
-            "over_limit_samples": len(self.over),
-            "max_over_bytes": max(self.over) - self.limit if self.over and self.limit else 0,
-            "sample_gap_mean_ms": round(1000 * sum(gaps) / len(gaps), 1),
-            "sample_gap_p99_ms": round(1000 * gaps[int(0.99 * (len(gaps) - 1))], 1),
-            "sample_gap_max_ms": round(1000 * gaps[-1], 1),
-            "sample_gaps_over_50ms": sum(g > 0.05 for g in gaps),
-            "event_loop_lag_max_ms": round(1000 * self.loop_lag, 1),
-        }
-
-
-@dataclass
-class WriteTally:
-    """The bytes of the files that appear in an agent's folder, each file (device, inode,
-    mtime) once: what its writes made, looked at after each of its turns (its next turn
-    waits for the look, so no write of it is half done or missed)."""
-
-    root: Path
-    seen: set[tuple[int, int, int]] = field(default_factory=set)
-    written: int = 0
-
-    def scan(self, agent: str) -> None:
-        folder = self.root / "agents" / agent
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            return
-        for name in names:
-            try:
-                info = os.lstat(folder / name)
-            except FileNotFoundError:
-                continue
-            key = (info.st_dev, info.st_ino, info.st_mtime_ns)
-            if stat.S_ISREG(info.st_mode) and key not in self.seen:
-                self.seen.add(key)
-                self.written += info.st_size
-
-
-# ------------------------------------------------------------------------- the replay
-class Progress:
-    """A line to stderr every ~5% of a phase's turns, with its ETA."""
-
-    def __init__(self, label: str, total: int) -> None:
-        self.label, self.total, self.done = label, total, 0
-        self.began = time.perf_counter()
-        self.every = max(1, total // 20)
-        print(f"[{label}] {total} turns ...", file=sys.stderr, flush=True)
-
-    def step(self) -> None:
-        self.done += 1
-        if self.done % self.every and self.done != self.total:
-            return
-        spent = time.perf_counter() - self.began
-        eta = spent / self.done * (self.total - self.done)
-        print(
-            f"[{self.label}] {self.done}/{self.total} turns, {spent:.0f} s, ETA {eta:.0f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def stored_tokens(root: Path, agent: str) -> int:
-    """The tokens of ``agent``'s warm manifest (0 without one)."""
-    try:
-        raw = json.loads((root / "agents" / agent / "manifest.json").read_bytes())
-    except FileNotFoundError:
-        return 0
-    return len(raw["manifest"]["token_ids"])
-
-
-async def cache_tokens(kv: kvactor.Session, root: Path, agent: str) -> tuple[int, bool]:
-    """The tokens ``agent``'s cache holds after its turn: its hot cache's, else (demoted
-    already by another turn) its warm manifest's; and whether that fallback was used."""
-    try:
-        return (await kv.cache_info(agent)).tokens, False
-    except kvactor.UnknownAgent:
-        return stored_tokens(root, agent), True
-
-
-def turn_record(turn: Turn, done: kvactor.Completion, added: int) -> dict[str, Any]:
-    t = done.timings
-    return {
-        "agent": turn.agent,
-        "index": turn.index,
-        "path": done.path.value if isinstance(done.path, Tier) else str(done.path),
-        "prompt": t.prompt_tokens,
-        "reused": t.reused_tokens,
-        "prefilled": t.prefilled_tokens,
-        "generated": t.generated_tokens,
-        "added": added,
-        "ttft_s": t.ttft_s,
-        "saved": done.saved,
-        "save_error": done.save_error,
-        "tokens": list(done.token_ids),
-    }
-
-
-async def replay(
-    kv: kvactor.Session,
-    root: Path,
-    trace: Trace,
-    cfg: Config,
-    label: str,
-    sampler: DiskSampler | None,
-) -> tuple[list[dict[str, Any]], int, int]:
-    """Every turn of ``trace`` through ``kv``, ``cfg.concurrency`` at a time, each agent's
-    turns in order: their records (trace order), how many ``added`` counts came from the
-    manifest, and the bytes of the files the turns' writes made (a WriteTally)."""
-    agents = {n: await kv.spawn_agent(n, system=s) for n, s in trace.systems.items()}
-    records: list[dict[str, Any]] = [{} for _ in trace.turns]
-    previous: dict[str, anyio.Event] = {}
-    cursor = iter(enumerate(trace.turns))
-    progress = Progress(label, len(trace.turns))
-    fallbacks = 0
-    tally = WriteTally(root)
-
-    async def worker() -> None:
-        nonlocal fallbacks
-        for i, turn in cursor:  # one iterator: each turn taken once, in trace order
-            before, mine = previous.get(turn.agent), anyio.Event()
-            previous[turn.agent] = mine
-            if before is not None:
-                await before.wait()  # the agent's previous turn first
-            try:
-                done = await agents[turn.agent].generate(turn.text, max_tokens=cfg.max_tokens)
-                tokens, fell_back = await cache_tokens(kv, root, turn.agent)
-                fallbacks += fell_back
-                await anyio.to_thread.run_sync(tally.scan, turn.agent)
-                if sampler is not None:
-                    await sampler.sample()  # right after the turn's write
-            finally:
-                mine.set()
-            records[i] = turn_record(turn, done, tokens - done.timings.reused_tokens)
-            progress.step()
-
-    async with anyio.create_task_group() as tg:
-        for _ in range(cfg.concurrency):
-            tg.start_soon(worker)
-    return records, fallbacks, tally.written
-
-
-async def sampled(sampler: DiskSampler, body: Callable[[], Any]) -> Any:
-    """``await body()`` with the sampler's process running, and its event-loop watch."""
-    await anyio.to_thread.run_sync(sampler.start)
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sampler.watch_loop)
-            try:
-                return await body()
-            finally:
-                tg.cancel_scope.cancel()
-    finally:
-        await anyio.to_thread.run_sync(sampler.stop)
 
 
 # -------------------------------------------------------------------------- the phases
@@ -415,6 +114,9 @@ class Config:
     hot_agents: int = 4
     limit_share: float = 0.25
     restart_share: float = 0.5
+    back_hot_share: float = 0.6  # phase 5: agents the hot budget holds, a share of them
+    back_budget_share: float = 0.25  # phase 5: a write budget, a share of write-through's
+    write_back_only: bool = False  # phase 5 alone (the probe first)
     sample_ms: float = 10.0
     mlx_agents: int = 16  # 0: every agent
     seed: int = 0
@@ -725,6 +427,118 @@ async def phase_restart(
     }
 
 
+def drop(d: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k != key}
+
+
+def by_path(records: list[dict[str, Any]], key: str | None) -> dict[str, float]:
+    """Per path (hot, warm, cold), the sum of ``key`` over its turns (None: the count)."""
+    out: dict[str, float] = {}
+    for r in records:
+        out[r["path"]] = out.get(r["path"], 0) + (1 if key is None else r[key])
+    return {k: round(v, 3) for k, v in sorted(out.items())}
+
+
+def unwritten_at_close(root: Path, records: list[dict[str, Any]]) -> tuple[int, int]:
+    """After a session's close: (agents whose last cache is not all on disk, the tokens
+    missing): what a next session prefills again before their first turn can start."""
+    final: dict[str, int] = {}
+    for r in records:
+        final[r["agent"]] = r["reused"] + r["added"]
+    on_disk = {w.agent: w.tokens for w in list_agents(root)}
+    short = {a: n - on_disk.get(a, 0) for a, n in final.items() if on_disk.get(a, 0) < n}
+    return len(short), sum(short.values())
+
+
+async def through_or_back(
+    cfg: Config, trace: Trace, root: Path, hot: tuple[int, int | None], write_budget: int | None
+) -> dict[str, Any]:
+    """The trace under ``hot`` (the hot budget, the disk limit), write-through
+    (``write_budget`` None) or write-back: its records, the bytes written from open to
+    the end of close (write syscalls: a write-back writes what is still hot at close),
+    what a next session would find missing, and the counts."""
+    began = time.perf_counter()
+    opts = options(root, hot[1], hot[0])
+    label = "5 write-through" if write_budget is None else f"5 write-back {root.name}"
+    if write_budget is not None:
+        opts["write_budget"] = write_budget
+    before = wchar()
+    async with kvactor.open(cfg.model_spec(), **opts) as kv:
+        records, _, _ = await replay(kv, root, trace, cfg, label, None)
+        stats = await kv.stats()
+    written = wchar() - before
+    agents, tokens = unwritten_at_close(root, records)
+    return {
+        "records": records,
+        "written_bytes": written,
+        "ttft_s": sum(r["ttft_s"] for r in records),
+        "ttft_s_by_path": by_path(records, "ttft_s"),
+        "turns_by_path": by_path(records, None),
+        "avg_turns_between_leaving_hot": leaving_hot(records),
+        "cold_turns": sum(r["path"] == Tier.COLD.value and r["index"] > 0 for r in records),
+        "prefilled_tokens": sum(r["prefilled"] for r in records),
+        "demoted_warm": stats.demoted_warm,
+        "demoted_cold": stats.demoted_cold,
+        "demoted_warm_to_cold": stats.demoted_warm_to_cold,
+        "written_back": stats.written_back,
+        "written_back_bytes": stats.written_back_bytes,
+        "write_back_refused": stats.write_back_refused,
+        "unwritten_agents_at_close": agents,
+        "unwritten_tokens_at_close": tokens,
+        "save_errors": sum(r["save_error"] is not None for r in records),
+        "wall_s": round(time.perf_counter() - began, 1),
+    }
+
+
+def versus(run: dict[str, Any], through: dict[str, Any]) -> dict[str, Any]:
+    """A write-back run against write-through: bytes, summed TTFT and the median of the
+    turns' TTFT ratios (less noisy than the sum on a busy machine), same answers."""
+    pairs = list(zip(run["records"], through["records"], strict=True))
+    ratios = sorted(r["ttft_s"] / o["ttft_s"] for r, o in pairs if o["ttft_s"] > 0)
+    return {
+        "written_vs_through": round(run["written_bytes"] / through["written_bytes"], 4),
+        "ttft_vs_through": round(run["ttft_s"] / through["ttft_s"], 4),
+        "ttft_turn_median_vs_through": round(ratios[len(ratios) // 2], 4) if ratios else None,
+        "answers_identical": all(r["tokens"] == o["tokens"] for r, o in pairs),
+        "answer_mismatches": sum(r["tokens"] != o["tokens"] for r, o in pairs),
+    }
+
+
+async def phase_write_back(
+    cfg: Config, trace: Trace, work: Path, sizes: dict[str, Any], bounds: tuple[int | None, int]
+) -> dict[str, Any]:
+    """Phase 5: the trace under phase 3's disk limit and a hot budget that holds
+    ``back_hot_share`` of the agents (so that an agent runs several turns between leaving
+    the hot tier): write-through, then write-back with a write budget that never binds,
+    then write-back with ``back_budget_share`` of what write-through wrote. ``bounds``:
+    the disk limit, and the new tokens' stored bytes (phase 1's ``new_kv_bytes``): the
+    floor of any write-back that keeps every cache, writing each token once."""
+    limit, new_kv = bounds
+    hot = max(cfg.hot_agents, round(cfg.back_hot_share * cfg.agents))
+    per_token, longest = sizes["stored_bytes_per_token"], sizes["longest_tokens_estimate"]
+    budget = cfg.concurrency * sizes["turn_reserve_bytes"] + int(hot * per_token * longest)
+    through = await through_or_back(cfg, trace, work / "through", (budget, limit), None)
+    back = await through_or_back(cfg, trace, work / "back", (budget, limit), 1 << 50)
+    spend = int(through["written_bytes"] * cfg.back_budget_share)
+    short = await through_or_back(cfg, trace, work / "budgeted", (budget, limit), spend)
+    runs = {"through": through, "back": back, "budgeted": short}
+    out = {
+        "write_back_hot_budget_bytes": budget,
+        "write_back_hot_agents": hot,
+        "write_back_disk_limit_bytes": limit,
+        "write_back_avg_turns_between_leaving_hot": back["avg_turns_between_leaving_hot"],
+        "write_through_written_bytes": through["written_bytes"],
+        "write_back_written_bytes": back["written_bytes"],
+        "write_back_floor_vs_through": round(new_kv / through["written_bytes"], 4),
+        "write_back_budget_bytes": spend,
+    }
+    out.update((f"write_back_{k}", v) for k, v in versus(back, through).items())
+    out.update((f"write_back_budgeted_{k}", v) for k, v in versus(short, through).items())
+    out["write_back_budgeted_unwritten_tokens_at_close"] = short["unwritten_tokens_at_close"]
+    out["write_back_runs"] = {k: drop(r, "records") for k, r in runs.items()}
+    return out
+
+
 # --------------------------------------------------------------------------- the whole
 async def run(cfg: Config) -> dict[str, Any]:
     """Every phase in a work directory (``cfg.workdir``, else a temporary one, removed)."""
@@ -733,7 +547,7 @@ async def run(cfg: Config) -> dict[str, Any]:
     work = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="warm-limits-"))
     work.mkdir(parents=True, exist_ok=True)
     roots = (work / "unbounded", work / "limited")
-    for old in (*roots, work / "probe", work / "mlx-lm"):
+    for old in (*roots, work / "probe", work / "mlx-lm", work / "write-back"):
         shutil.rmtree(old, ignore_errors=True)
     try:
         sizes = await probe(cfg, trace, work / "probe")
@@ -742,6 +556,10 @@ async def run(cfg: Config) -> dict[str, Any]:
         budget = sizes["budget_bytes"]
         one = await phase_unbounded(cfg, trace, roots[0], budget)
         limit = int(one["unbounded_bytes"] * cfg.limit_share)
+        bounds = (limit, one["new_kv_bytes"])
+        if cfg.write_back_only:
+            five = await phase_write_back(cfg, trace, work / "write-back", sizes, bounds)
+            return only_write_back(cfg, trace, shown, five, time.perf_counter() - began)
         (work / "mlx-lm").mkdir()
         print(f"[2 mlx-lm] {cfg.mlx_agents or cfg.agents} agents ...", file=sys.stderr)
         mlx = mlx_lm_amplification(
@@ -750,10 +568,45 @@ async def run(cfg: Config) -> dict[str, Any]:
         three = await phase_limited(cfg, trace, roots[1], budget, limit, one)
         print("[4 restart] ...", file=sys.stderr, flush=True)
         four = await phase_restart(cfg, trace, roots, budget, limit)
+        print("[5 write-back] ...", file=sys.stderr, flush=True)
+        five = await phase_write_back(cfg, trace, work / "write-back", sizes, bounds)
     finally:
         if not cfg.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    return summary(cfg, trace, sizes, one, mlx, three, four, time.perf_counter() - began)
+    out = summary(cfg, trace, sizes, one, mlx, three, four, time.perf_counter() - began)
+    out.update((k, v) for k, v in five.items() if k != "write_back_runs")
+    out["write_back"] = five["write_back_runs"]
+    out["wall_s"]["write_back"] = sum(r["wall_s"] for r in five["write_back_runs"].values())
+    out["wall_s"]["total"] = out["wall_s"].pop("total")
+    out["targets"]["write_back_written_vs_through <= 0.5"] = (
+        five["write_back_written_vs_through"] <= 0.5
+    )
+    out["targets"]["write_back_ttft_vs_through <= 1.05"] = (
+        five["write_back_ttft_vs_through"] <= 1.05
+    )
+    out["targets"]["write_back_avg_turns_between_leaving_hot >= 3"] = (
+        five["write_back_avg_turns_between_leaving_hot"] or 0
+    ) >= 3
+    return out
+
+
+def only_write_back(
+    cfg: Config, trace: Trace, shown: dict[str, Any], five: dict[str, Any], wall: float
+) -> dict[str, Any]:
+    """``--write-back-only``'s figures: phase 5's, flat, with its runs below them."""
+    out = {
+        "model": shown["model"],
+        "quick": cfg.quick,
+        "agents": cfg.agents,
+        "turns": len(trace.turns),
+        "turns_per_agent": cfg.turns,
+        **{k: v for k, v in five.items() if k != "write_back_runs"},
+        "write_back": five["write_back_runs"],
+        "wall_s": {"total": round(wall, 1)},
+        "config": {**asdict(cfg), "words": list(cfg.words)},
+        "probe": shown,
+    }
+    return out
 
 
 def summary(
@@ -833,6 +686,57 @@ def written_row(r: dict[str, Any], tag: str) -> tuple[str, str, str, str]:
         "store ~ syscalls",
         "met" if abs(store - calls) <= max(calls // 100, 64 << 10) else "**not met**",
     )
+
+
+def write_back_rows(r: dict[str, Any]) -> list[tuple[str, Any, str, str]]:
+    """Phase 5's figures: write-back against write-through, under the disk limit, on a
+    roomier hot tier."""
+    ok = {True: "met", False: "**not met**"}
+    runs = r["write_back"]
+    turns = r["write_back_avg_turns_between_leaving_hot"]
+    ratio, ttft = r["write_back_written_vs_through"], r["write_back_ttft_vs_through"]
+    cold = " / ".join(str(runs[k]["cold_turns"]) for k in ("through", "back", "budgeted"))
+    unwritten = " / ".join(
+        str(runs[k]["unwritten_tokens_at_close"]) for k in ("through", "back", "budgeted")
+    )
+    return [
+        (
+            "write-back: hot budget (agents) / turns between leaving hot",
+            f"{mib(r['write_back_hot_budget_bytes'])} ({r['write_back_hot_agents']}) / {turns} "
+            f"(write-through: {runs['through']['avg_turns_between_leaving_hot']})",
+            ">= 3 turns",
+            ok[(turns or 0) >= 3],
+        ),
+        (
+            "written, open to close: write-through / write-back",
+            f"{mib(r['write_through_written_bytes'])} / {mib(r['write_back_written_bytes'])}",
+            "",
+            "",
+        ),
+        ("write_back_written_vs_through", ratio, "<= 0.5", ok[ratio <= 0.5]),
+        ("  the floor: new_kv / write-through's", r["write_back_floor_vs_through"], "", ""),
+        (
+            "write_back_ttft_vs_through: summed (a turn's median)",
+            f"{ttft} ({r['write_back_ttft_turn_median_vs_through']})",
+            "<= 1.05",
+            ok[ttft <= 1.05],
+        ),
+        (
+            "write-back answers identical (turns differing)",
+            f"{r['write_back_answers_identical']} ({r['write_back_answer_mismatches']})",
+            "",
+            "",
+        ),
+        ("cold turns: through / back / budgeted", cold, "", ""),
+        (
+            f"budgeted ({mib(r['write_back_budget_bytes'])}): written / summed TTFT vs through",
+            f"{r['write_back_budgeted_written_vs_through']} / "
+            f"{r['write_back_budgeted_ttft_vs_through']}",
+            "",
+            "",
+        ),
+        ("tokens not on disk at close: through / back / budgeted", unwritten, "", ""),
+    ]
 
 
 def table(r: dict[str, Any]) -> str:
@@ -918,6 +822,7 @@ def table(r: dict[str, Any]) -> str:
             "",
         ),
         ("avg_turns_between_leaving_hot", r["avg_turns_between_leaving_hot"], "", ""),
+        *write_back_rows(r),
         (
             "wall s: unbounded / mlx-lm / limited / restart / total",
             " / ".join(str(v) for v in r["wall_s"].values()),
@@ -941,6 +846,9 @@ def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
     parser.add_argument("--hot-agents", type=int, help="agents the hot budget holds")
     parser.add_argument("--limit-share", type=float)
     parser.add_argument("--restart-share", type=float)
+    parser.add_argument("--back-hot-share", type=float, help="phase 5: agents hot, a share")
+    parser.add_argument("--back-budget-share", type=float, help="phase 5: a write budget")
+    parser.add_argument("--write-back-only", action="store_true", help="phase 5 alone")
     parser.add_argument("--sample-ms", type=float)
     parser.add_argument("--mlx-agents", type=int, help="agents replayed for mlx-lm (0: all)")
     parser.add_argument("--seed", type=int)
@@ -961,6 +869,9 @@ def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
 if __name__ == "__main__":
     config, json_path = parse()
     result = anyio.run(run, config)
-    print(table(result))
+    if config.write_back_only:
+        print(figure_table([("model", result["model"], "", ""), *write_back_rows(result)]))
+    else:
+        print(table(result))
     if json_path:
         write_json(json_path, result)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from test_budget import one_turn_need
+from test_warm_limits import SYSTEM, _one_agent_bytes, on_disk
 
 import kvactor
 from kvactor.actors.enums import Tier
@@ -99,6 +100,38 @@ async def test_done_and_release_write_a_hot_cache(tmp_path: Path) -> None:
     async with kvactor.open(model, cache_dir=root, write_budget=1 << 40) as kv:
         again = await (await kv.spawn_agent("b", system="You help.")).generate("more", max_tokens=3)
         assert again.path is Tier.WARM and again.timings.reused_tokens == held["b"]
+
+
+async def test_a_close_writes_what_the_disk_limit_keeps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvactor.cli import main as cli
+
+    one = await _one_agent_bytes(tmp_path)  # one agent's cache after one turn, on disk
+    root = tmp_path / "cache"
+    limit = int(one * 2.5)
+    names = [f"a{i}" for i in range(6)]
+    async with kvactor.open(model, cache_dir=root, disk_limit=limit, write_budget=1 << 40) as kv:
+        for name in names:
+            await (await kv.spawn_agent(name, system=SYSTEM)).generate(
+                "hello there " * 5, max_tokens=8
+            )
+        stats = await kv.stats()
+        assert stats.written_back == 0 and stats.agents_cached == 6  # all hot: notes only
+        noted = stats.warm_written_bytes
+    # The six caches leave at close: the limit keeps two, and once they are written the
+    # rest are not written only to push each other out.
+    assert on_disk(root) <= limit
+    held = [w.tokens for w in list_agents(root)]
+    assert 1 <= held.count(max(held)) <= 2  # others may link the shared system prompt
+    capsys.readouterr()
+    assert cli(["inspect", str(root), "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)["written_today_bytes"]
+    assert written - noted < 3 * one
+    async with kvactor.open(model, cache_dir=root, disk_limit=limit, write_budget=1 << 40) as kv:
+        for name in names:  # every conversation kept, cached or not
+            agent = await kv.spawn_agent(name, system=SYSTEM)
+            assert len(await agent.history()) == 3
 
 
 def test_a_crash_loses_the_cache_of_unwritten_turns_not_their_text(tmp_path: Path) -> None:

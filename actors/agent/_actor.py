@@ -209,7 +209,7 @@ class AgentActor(Actor):
         has room (a session closing, an agent released)."""
         if self.write_back and self.persisted < len(self.tokens):
             with anyio.CancelScope(shield=True), contextlib.suppress(ActorDeadError):
-                await self._persist(admit=True)
+                await self._persist(admit=True, leaving=True)
 
     async def receive(self, message: AgentMessage) -> Any:
         match message:
@@ -456,7 +456,7 @@ class AgentActor(Actor):
         if outcome.finished.timings.reused_tokens == 0:
             outcome.path = Tier.COLD
 
-    async def _persist(self, *, admit: bool = False) -> str | None:
+    async def _persist(self, *, admit: bool = False, leaving: bool = False) -> str | None:
         """Append what the warm tier lacks of this agent's cache; returns why that failed
         (None: saved). ``persisted`` stays what is really on disk, so after a failure the
         next write starts there again and repairs the warm copy. ``admit``: under a write
@@ -475,7 +475,7 @@ class AgentActor(Actor):
         error = None
         writing = time.perf_counter()
         try:
-            await self._write(self.warm, exported)
+            await self._write(self.warm, exported, leaving=leaving)
         except Exception as exc:
             error = self._save_failed(exc)
         finally:
@@ -517,9 +517,11 @@ class AgentActor(Actor):
                 with contextlib.suppress(ActorDeadError):
                     await self.engine.tell(written)
 
-    async def _write(self, warm: WarmTier, exported: Exported) -> None:
+    async def _write(self, warm: WarmTier, exported: Exported, *, leaving: bool = False) -> None:
         """Write ``exported``, linking its shared prefix where it has one; ``persisted``
-        follows what is on disk after each step (a write that fails midway keeps it)."""
+        follows what is on disk after each step (a write that fails midway keeps it).
+        ``leaving``: the agent stops under write-back; the store may decline (no room but
+        what other leaving agents' caches hold), and what is left stays unwritten."""
         upto = self.persisted = exported.persisted
         if exported.shared_upto and upto == 0:
             # Its first tokens are another agent's segments: link them, write the rest.
@@ -535,14 +537,17 @@ class AgentActor(Actor):
         for start, stop, tensors in exported.ranges:
             if stop <= upto:
                 continue  # linked
-            await warm.append(
+            if not await warm.append(
                 self.agent_id,
                 start,
                 tensors,
                 tokens=exported.tokens[:stop],
                 text=self.tokenizer.decode(exported.tokens[:stop]),
                 messages=self.messages,
-            )
+                leaving=leaving,
+            ):
+                log.info("agent %r: its cache stays unwritten: the disk limit is full", self.name)
+                return
             upto = self.persisted = stop
 
     def _save_failed(self, exc: Exception) -> str:

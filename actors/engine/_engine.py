@@ -30,7 +30,7 @@ from ...kernels.memory import release_thread
 from ...runtime import Reply, ThreadActor
 from ..enums import Room
 from ..errors import BudgetExceeded, ModelLoadError, TurnEnded, UnknownAgent
-from ..hot import Rates, cold_candidates
+from ..hot import Rates, WriteBudget, cold_candidates
 from ..messages import (
     BoardQuery,
     CacheQuery,
@@ -159,10 +159,19 @@ class EngineActor(ThreadActor):
         self._ttl = model_ttl_s
         if model_ttl_s is not None:  # a model idle past its TTL is unloaded with no message
             self.idle_wake_s = max(model_ttl_s / 2, 0.05)
+        # One SSD write budget for every model (write-back), as one disk takes their writes.
+        budget = (
+            WriteBudget(config.write_budget, config.write_window_s)
+            if config.write_back and config.write_budget is not None
+            else None
+        )
         self._slots = {
-            name: _Slot(name, ModelRunner(spec, config, _poster(write_back, name)), name in pins)
+            name: _Slot(
+                name, ModelRunner(spec, config, _poster(write_back, name), budget), name in pins
+            )
             for name, spec in models.items()
         }
+        self._write_budget = budget
         self.loads = 0
         self.unloads = 0
         self.swap_s: list[float] = []  # seconds of each unload and the load that followed
@@ -560,4 +569,7 @@ class EngineActor(ThreadActor):
             model_loads=self.loads,
             model_unloads=self.unloads,
             swap_s=swaps[len(swaps) // 2] if swaps else 0.0,
+            write_budget_spent=(
+                0 if self._write_budget is None else self._write_budget.spent(time.monotonic())
+            ),
         )

@@ -95,6 +95,7 @@ class ModelRunner:
         model: ModelSpec = None,
         config: EngineConfig | None = None,
         post: PostWrite | None = None,
+        write_budget: WriteBudget | None = None,
     ) -> None:
         self._spec = model
         self.config = config or EngineConfig()
@@ -113,14 +114,13 @@ class ModelRunner:
         self._ready_turns = 0
         self._ending = False  # EndTurns came: turns end, new ones are refused
         self.moves = MoveLog()  # its hot tier's moves, kept across loads (each pool's log)
-        # Under a write budget (write-back): its window, kept across loads as the log is,
-        # and who writes what the hot tier sends out (its agents, through the session).
+        # Under a write budget (write-back): its window (the engine's, one for every model;
+        # its own when none is given), kept across loads as the log is, and who writes what
+        # the hot tier sends out (its agents, through the session).
         config = self.config
-        self._write_budget = (
-            WriteBudget(config.write_budget, config.write_window_s)
-            if config.write_back and config.write_budget is not None
-            else None
-        )
+        if write_budget is None and config.write_back and config.write_budget is not None:
+            write_budget = WriteBudget(config.write_budget, config.write_window_s)
+        self._write_budget = write_budget if config.write_back else None
         self._post = post
 
     @property

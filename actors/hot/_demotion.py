@@ -202,6 +202,11 @@ class Demotion:
         missing = ledger.committed() + need - ledger.limit
         if missing <= 0:
             return True
+        # Caches that left to be written free their bytes once written: wait for them
+        # rather than demote more (under write-back, demoting frees nothing until then).
+        missing -= ledger.freeing()
+        if missing <= 0:
+            return False
         candidates = [
             c for c in self.candidates(exclude) if (turn or not c.waiting) and c.agent not in keep
         ]

@@ -120,6 +120,11 @@ class Ledger:
         )
         return used
 
+    def freeing(self) -> int:
+        """Bytes that writes under way free when they end: the pins of exports whose entry
+        is no longer resident (demoted for write-back, or dropped)."""
+        return self._pinned()
+
     def _pinned(self) -> int:
         """Bytes pinned by exports whose entry is not resident (a resident one counts them)."""
         get = self._residents.get

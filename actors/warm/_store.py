@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,12 @@ class Append(msgspec.Struct, frozen=True, tag=True):
     ``start`` below the cached count cuts the cache first (a DIVERGE); empty ``tensors``
     with ``len(tokens) == start`` only rewrites the manifest. Answers a WarmInfo. The
     arrays are read in a worker thread: keep them alive and unchanged until the answer.
+
+    ``leaving``: under write-back, the cache of an agent that leaves the session (it
+    stops). Such a write never makes cold another cache written while leaving: where only
+    those could make room under the limit, it is not written (None answered), and the
+    agent stays cold on disk, its conversation kept. A close then writes what the limit
+    keeps, not caches that push each other out.
     """
 
     agent: str
@@ -131,6 +138,7 @@ class Append(msgspec.Struct, frozen=True, tag=True):
     text: str = ""
     messages: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
+    leaving: bool = False
 
 
 class Note(msgspec.Struct, frozen=True, tag=True):
@@ -247,6 +255,9 @@ class StoreStats(msgspec.Struct, frozen=True):
     disk_limit_bytes: int | None = None
     demoted_cold: int = 0
     expired: int = 0  # of which: unused for longer than the store's ttl_s
+    # Caches of agents leaving under write-back not written: only caches written while
+    # leaving could have made room for them (``Append.leaving``).
+    left_unwritten: int = 0
 
 
 StoreMessage = (
@@ -318,6 +329,7 @@ class StoreActor(Actor):
         self.usage = usage
         self.engine = engine
         self._warm: dict[str, WarmAgent] | None = None  # agents with tokens on disk
+        self._left: set[str] = set()  # agents whose cache was written as they left
         # Agents whose cache was last written longer ago than this go cold (None: never).
         self.ttl_s = ttl_s
         self._expire_at = 0.0  # when to look for them next (monotonic)
@@ -385,13 +397,17 @@ class StoreActor(Actor):
             self._io, **{k: getattr(self._io, k) + v for k, v in more.items()}
         )
 
-    async def _append(self, m: Append) -> WarmInfo:
+    async def _append(self, m: Append) -> WarmInfo | None:
         agent = check_agent_id(m.agent)
         self._manifests.pop(agent, None)  # unknown until the write ends, whatever happens
         await self._expire()
         usage = self.usage
         if usage is not None:
-            await self._make_room(agent, _write_bound(m, len(usage.files(self.root, agent))))
+            bound = _write_bound(m, len(usage.files(self.root, agent)))
+            if m.leaving and not await self._room_leaving(agent, bound):
+                self._count(left_unwritten=1)
+                return None
+            await self._make_room(agent, bound)
         before = await self._listed(agent)
         t0 = time.perf_counter()
         try:
@@ -411,13 +427,20 @@ class StoreActor(Actor):
         # Exactly what the write put on disk: the files it made (a manifest is a new file).
         self._wrote(_new_bytes(before, after), writes=1, write_s=time.perf_counter() - t0)
         self._remember(agent, info)
+        if m.leaving:
+            self._left.add(agent)
+        else:
+            self._left.discard(agent)
         if usage is not None:
             if usage.home is not None and usage.written_due():
                 await anyio.to_thread.run_sync(
                     record_disk_limit, usage.home, usage.limit, usage.written
                 )
-            await self._fit(0, keep=agent)  # a bound that fell short: back under at once
-            await self._fit(0, keep=agent, namespace=namespace_of(agent))
+            # A bound that fell short: back under at once (a leaving write's, sparing the
+            # caches written while leaving).
+            spare = self._left if m.leaving else frozenset()
+            await self._fit(0, keep=agent, spare=spare)
+            await self._fit(0, keep=agent, namespace=namespace_of(agent), spare=spare)
         return info
 
     async def _note(self, m: Note) -> WarmInfo | None:
@@ -564,6 +587,21 @@ class StoreActor(Actor):
             else:
                 self._warm.pop(agent, None)
 
+    async def _room_leaving(self, agent: str, bound: int) -> bool:
+        """Room for a leaving write of at most ``bound`` bytes, made without making cold
+        a cache written while leaving; whether there is."""
+        usage = self.usage
+        assert usage is not None
+        namespace = namespace_of(agent)
+        if usage.limit is not None:
+            await self._fit(bound, keep=agent, spare=self._left)
+        if namespace is not None and usage.quota is not None:
+            await self._fit(bound, keep=agent, namespace=namespace, spare=self._left)
+        # With the headroom a later fit keeps (else that fit would make a leaving one cold).
+        if self._over(bound, None):
+            return False
+        return namespace is None or usage.quota is None or not self._over(bound, namespace)
+
     async def _make_room(self, agent: str, bound: int) -> None:
         """Room for a write of at most ``bound`` bytes by ``agent``, under the limit and
         its namespace's quota, before it starts: both hold throughout. Raises
@@ -608,15 +646,22 @@ class StoreActor(Actor):
             }
         return self._warm
 
-    async def _fit(self, more: int, *, keep: str | None, namespace: str | None = None) -> int:
-        """Make agents cold (never ``keep``), in the engine's policy order, until ``more``
-        bytes fit under the limit (with ``namespace``: under its quota, making only its own
-        agents cold); how many went cold."""
+    async def _fit(
+        self,
+        more: int,
+        *,
+        keep: str | None,
+        namespace: str | None = None,
+        spare: AbstractSet[str] = frozenset(),
+    ) -> int:
+        """Make agents cold (never ``keep`` or one in ``spare``), in the engine's policy
+        order, until ``more`` bytes fit under the limit (with ``namespace``: under its
+        quota, making only its own agents cold); how many went cold."""
         usage = self.usage
         if usage is None or not self._over(more, namespace):
             return 0
         warm = await self._warm_agents()
-        demoted, tried = 0, {keep}
+        demoted, tried = 0, {keep, *spare}
         while need := self._over(more, namespace):
             candidates = [
                 msgspec.structs.replace(a, nbytes=usage.own_bytes(self.root, a.agent))

@@ -40,9 +40,11 @@ class WarmTier(Protocol):
         tokens: list[int],
         text: str,
         messages: list[dict[str, Any]],
-    ) -> None:
-        """Write a stored range from token ``start`` and commit the agent's state. Raises
-        StoreWriteError when it could not be written."""
+        leaving: bool = False,
+    ) -> bool:
+        """Write a stored range from token ``start`` and commit the agent's state; False
+        when a ``leaving`` write found no room (``Append.leaving``: nothing written).
+        Raises StoreWriteError when it could not be written."""
         ...
 
     async def note(
@@ -116,8 +118,10 @@ class ActorWarmTier:
         tokens: list[int],
         text: str,
         messages: list[dict[str, Any]],
-    ) -> None:
-        await self.store.ask(Append(agent, start, tensors, tokens, text, messages), timeout=120)
+        leaving: bool = False,
+    ) -> bool:
+        append = Append(agent, start, tensors, tokens, text, messages, leaving=leaving)
+        return await self.store.ask(append, timeout=120) is not None
 
     async def note(
         self,

@@ -46,10 +46,17 @@ _ENGINE_GAUGES = (
     ("warm_bytes", "Bytes the warm tier's agents hold on disk (a file several link: once)"),
     ("warm_limit_bytes", "The warm tier's disk limit (0: none)"),
     ("warm_written_bytes_total", "Bytes the warm tier wrote (segments and manifests)"),
+    ("written_back_bytes_total", "Bytes of caches written back as they left memory"),
+    ("write_back_refused", "Caches left cold as they left memory, for want of write budget"),
+    ("write_budget_spent_bytes", "Bytes of the SSD write budget's window spent now"),
 )
 
 # kvactor_<name> of the stats field whose name differs (a counter's _total)
-_RENAMED = {"warm_written_bytes_total": "warm_written_bytes"}
+_RENAMED = {
+    "warm_written_bytes_total": "warm_written_bytes",
+    "written_back_bytes_total": "written_back_bytes",
+    "write_budget_spent_bytes": "write_budget_spent",
+}
 
 # kvactor_warm_tier_<name>: a field of ``Session.warm_stats()``.
 _WARM_GAUGES = (
