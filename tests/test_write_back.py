@@ -134,6 +134,19 @@ async def test_a_close_writes_what_the_disk_limit_keeps(
             assert len(await agent.history()) == 3
 
 
+async def test_a_days_budget_holds_across_a_restart(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    async with kvactor.open(model, cache_dir=root, write_budget=1 << 40) as kv:
+        await (await kv.spawn_agent("a", system=SYSTEM)).generate(ASKS[0], max_tokens=6)
+    # Its close wrote the cache, and the directory recorded the day's bytes: spent already.
+    async with kvactor.open(model, cache_dir=root, write_budget=1 << 40) as kv:
+        stats = await kv.stats()
+        assert stats.write_budget_spent == stats.warm_written_today_bytes > 0
+    hourly = {"write_budget": 1 << 40, "write_window_s": 3600.0}
+    async with kvactor.open(model, cache_dir=root, **hourly) as kv:
+        assert (await kv.stats()).write_budget_spent == 0  # the record is per day
+
+
 def test_a_crash_loses_the_cache_of_unwritten_turns_not_their_text(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     script = textwrap.dedent(

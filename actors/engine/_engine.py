@@ -135,7 +135,8 @@ class EngineActor(ThreadActor):
     bounded by ``config.budget_bytes`` alone); ``pins``: models never unloaded;
     ``model_ttl_s``: an idle model unused that long is unloaded even without pressure
     (None: only under pressure); ``write_back(model, agent, export)``: under a write budget,
-    hands a cache leaving a hot tier to its agent to write (thread-safe, never waits).
+    hands a cache leaving a hot tier to its agent to write (thread-safe, never waits);
+    ``write_spent``: bytes of the budget's window spent before this session (a restart).
     Raises ValueError for pins of unknown models, or several
     models without a limit."""
 
@@ -147,6 +148,7 @@ class EngineActor(ThreadActor):
         pins: frozenset[str] = frozenset(),
         model_ttl_s: float | None = None,
         write_back: Callable[[str, str, Exported], None] | None = None,
+        write_spent: int = 0,
     ) -> None:
         unknown = sorted(pins - set(models))
         if unknown:
@@ -161,7 +163,7 @@ class EngineActor(ThreadActor):
             self.idle_wake_s = max(model_ttl_s / 2, 0.05)
         # One SSD write budget for every model (write-back), as one disk takes their writes.
         budget = (
-            WriteBudget(config.write_budget, config.write_window_s)
+            WriteBudget(config.write_budget, config.write_window_s, spent=write_spent)
             if config.write_back and config.write_budget is not None
             else None
         )

@@ -37,6 +37,7 @@ from ..warm import (
     read_written,
     record_disk_limit,
     scan_agents,
+    written_on_record_today,
 )
 from ._model_part import ModelPart, model_folder, start_part
 
@@ -124,6 +125,11 @@ class SessionModels:
             def post(model: str, agent: str, exported: Exported) -> None:
                 caller.call_soon(self._write_back, model, agent, exported)
 
+        # A day's write budget holds across restarts: what the directory records written
+        # today is spent already (a shorter window starts empty: the record is per day).
+        spent = 0
+        if post is not None and root is not None and self._config.write_window_s >= 86_400:
+            spent = await anyio.to_thread.run_sync(written_on_record_today, root)
         engine = await runtime.spawn(
             EngineActor,
             self._specs,
@@ -132,6 +138,7 @@ class SessionModels:
             self._pins,
             self._ttl,
             post,
+            spent,
             name="engine",
         )
         self._engine = engine

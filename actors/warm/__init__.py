@@ -69,6 +69,7 @@ from ._usage import read_disk_limit as read_disk_limit
 from ._usage import read_written as read_written
 from ._usage import record_disk_limit as record_disk_limit
 from ._usage import scan_agents as scan_agents
+from ._usage import written_on_record_today as written_on_record_today
 
 __all__ = (
     "Adopt",
@@ -87,6 +88,7 @@ __all__ = (
     "record_disk_limit",
     "read_disk_limit",
     "read_written",
+    "written_on_record_today",
     "make_reserve",
     "demote_cold",
     "FitDisk",

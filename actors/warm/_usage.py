@@ -179,6 +179,11 @@ def _read_disk_file(root: Path) -> dict[str, object]:
     return data if isinstance(data, dict) else {}
 
 
+def written_on_record_today(root: Path) -> int:
+    """The bytes ``root``'s DISK_FILE records written today (0: none recorded)."""
+    return read_written(root).get(today(), 0)
+
+
 def read_written(root: Path) -> dict[str, int]:
     """The bytes written per day that ``root``'s DISK_FILE records (empty: none)."""
     days = _read_disk_file(root).get("written_bytes")
