@@ -142,8 +142,8 @@ async def test_a_days_budget_holds_across_a_restart(tmp_path: Path) -> None:
     async with kvactor.open(model, cache_dir=root, write_budget=1 << 40) as kv:
         stats = await kv.stats()
         assert stats.write_budget_spent == stats.warm_written_today_bytes > 0
-    hourly = {"write_budget": 1 << 40, "write_window_s": 3600.0}
-    async with kvactor.open(model, cache_dir=root, **hourly) as kv:
+    hourly = kvactor.open(model, cache_dir=root, write_budget=1 << 40, write_window_s=3600)
+    async with hourly as kv:
         assert (await kv.stats()).write_budget_spent == 0  # the record is per day
 
 
