@@ -93,6 +93,7 @@ class CacheInfo(msgspec.Struct, frozen=True):
     busy: bool
     persisted: int
     tool_wait_s: float = 0.0  # seconds it is still kept hot for a tool call's result
+    last_used: float = 0.0  # its last use, in time.monotonic() seconds (larger: later)
     # Recurrent layers: the checkpoints (states at the end of stored ranges) it keeps, the
     # token counts they are at, and their bytes (part of nbytes).
     checkpoints: int = 0

@@ -177,6 +177,7 @@ class CachePool:
             busy=self.busy(agent),
             persisted=entry.persisted,
             tool_wait_s=max(entry.tool_wait_until - time.monotonic(), 0.0),
+            last_used=entry.last_used,
             checkpoints=kv.checkpoint_count,
             checkpoint_tokens=[r.stop for r in kv.ranges if r.states],
             checkpoint_bytes=kv.checkpoint_bytes,

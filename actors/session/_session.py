@@ -211,9 +211,28 @@ class Session(SessionAPI[Agent]):
     ) -> None:
         # The lock goes last: stopping agents may still write their caches.
         try:
+            if exc_type is None:
+                await self._leave_by_recency()
             await self.runtime.__aexit__(exc_type, exc, tb)
         finally:
             self._unlock()
+
+    async def _leave_by_recency(self) -> None:
+        """Under write-back with a disk limit: stop the agents with hot caches first, the
+        most recently used first. Each writes its cache as it stops, and the limit keeps
+        the first written at close (``Append.leaving``): those most likely used next.
+        Not when the session ends in an error (the runtime's exit stops every agent)."""
+        if not self.config.write_back or self._models.usage is None:
+            return
+        try:
+            hot = sorted(await self.hot_caches(), key=lambda info: -info.last_used)
+        except Exception as exc:  # an engine that died: close as usual
+            log.warning("closing without ordering the agents' last writes: %s", exc)
+            return
+        for info in hot:
+            agent, _ = self._forget_running(info.agent)
+            if agent is not None:
+                await agent.ref.stop()
 
     def _unlock(self) -> None:
         self._models.release_locks()
