@@ -114,13 +114,10 @@ class ModelRunner:
         self._ready_turns = 0
         self._ending = False  # EndTurns came: turns end, new ones are refused
         self.moves = MoveLog()  # its hot tier's moves, kept across loads (each pool's log)
-        # Under a write budget (write-back): its window (the engine's, one for every model;
-        # its own when none is given), kept across loads as the log is, and who writes what
-        # the hot tier sends out (its agents, through the session).
-        config = self.config
-        if write_budget is None and config.write_back and config.write_budget is not None:
-            write_budget = WriteBudget(config.write_budget, config.write_window_s)
-        self._write_budget = write_budget if config.write_back else None
+        # Under a write budget (write-back): its window (the engine's, one for every model),
+        # kept across loads as the log is, and who writes what the hot tier sends out (its
+        # agents, through the session).
+        self._write_budget = write_budget if self.config.write_back else None
         self._post = post
 
     @property

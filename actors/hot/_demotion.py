@@ -256,7 +256,7 @@ class Demotion:
             if to is Tier.WARM and not back.send(agent, entry):
                 to = Tier.COLD
             if to is Tier.COLD:
-                back.refused += 1
+                back.went_cold()
         self.demotions[to] += 1
         self.moves.demoted(agent, to, victim.nbytes)
 

@@ -111,7 +111,7 @@ class Ledger:
                 if id(a) not in seen:
                     seen.add(id(a))
                     used += a.nbytes
-        used += self._pinned() + sum(self._staged.values())
+        used += self.freeing() + sum(self._staged.values())
         used += self._ready.reserved
         self.used = used
         self.peak = max(self.peak, used)
@@ -122,11 +122,8 @@ class Ledger:
 
     def freeing(self) -> int:
         """Bytes that writes under way free when they end: the pins of exports whose entry
-        is no longer resident (demoted for write-back, or dropped)."""
-        return self._pinned()
-
-    def _pinned(self) -> int:
-        """Bytes pinned by exports whose entry is not resident (a resident one counts them)."""
+        is no longer resident (demoted for write-back, or dropped). A resident entry's
+        pins are views of its arrays, counted with it."""
         get = self._residents.get
         return sum(n for agent, n, entry in self._pins.values() if get(agent) is not entry)
 
@@ -162,5 +159,5 @@ class Ledger:
                 if id(a) not in seen:
                     seen.add(id(a))
                     used += a.nbytes
-        used += self._pinned() + sum(self._staged.values())
+        used += self.freeing() + sum(self._staged.values())
         assert used == self.measure(), f"the hot count {self.used} is not {used}"

@@ -143,7 +143,6 @@ class WarmTraffic:
         entry = self._residents.get(agent)
         back = self._write_back
         if entry is not None and back is not None and not entry.clean and not back.take(entry):
-            back.refused += 1
             return None
         return self.export(agent)
 

@@ -121,8 +121,15 @@ class WriteBack:
 
     def take(self, entry: HotEntry) -> bool:
         """Count ``entry``'s unwritten bytes against the budget for a write its agent asked
-        for (it leaves the session); False when they do not fit."""
-        return self.budget.take(self.due(entry), time.monotonic())
+        for (it leaves the session); False (counted refused) when they do not fit."""
+        if self.budget.take(self.due(entry), time.monotonic()):
+            return True
+        self.went_cold()
+        return False
+
+    def went_cold(self) -> None:
+        """A dirty cache left the hot tier (or the session) unwritten."""
+        self.refused += 1
 
     def came_back(self, export_id: int) -> HotEntry | None:
         """A Written for ``export_id``: the entry it was sent from, if it was a write-back

@@ -404,10 +404,13 @@ class StoreActor(Actor):
         usage = self.usage
         if usage is not None:
             bound = _write_bound(m, len(usage.files(self.root, agent)))
-            if m.leaving and not await self._room_leaving(agent, bound):
+            try:  # a leaving write never makes cold one written while leaving
+                await self._make_room(agent, bound, spare=self._left if m.leaving else set())
+            except StoreWriteError:
+                if not m.leaving:
+                    raise
                 self._count(left_unwritten=1)
                 return None
-            await self._make_room(agent, bound)
         before = await self._listed(agent)
         t0 = time.perf_counter()
         try:
@@ -587,29 +590,16 @@ class StoreActor(Actor):
             else:
                 self._warm.pop(agent, None)
 
-    async def _room_leaving(self, agent: str, bound: int) -> bool:
-        """Room for a leaving write of at most ``bound`` bytes, made without making cold
-        a cache written while leaving; whether there is."""
-        usage = self.usage
-        assert usage is not None
-        namespace = namespace_of(agent)
-        if usage.limit is not None:
-            await self._fit(bound, keep=agent, spare=self._left)
-        if namespace is not None and usage.quota is not None:
-            await self._fit(bound, keep=agent, namespace=namespace, spare=self._left)
-        # With the headroom a later fit keeps (else that fit would make a leaving one cold).
-        if self._over(bound, None):
-            return False
-        return namespace is None or usage.quota is None or not self._over(bound, namespace)
-
-    async def _make_room(self, agent: str, bound: int) -> None:
+    async def _make_room(
+        self, agent: str, bound: int, *, spare: AbstractSet[str] = frozenset()
+    ) -> None:
         """Room for a write of at most ``bound`` bytes by ``agent``, under the limit and
-        its namespace's quota, before it starts: both hold throughout. Raises
-        StoreWriteError when no other agent can go cold for it."""
+        its namespace's quota, before it starts: both hold throughout. Never makes cold an
+        agent in ``spare``. Raises StoreWriteError when no other agent can go cold for it."""
         usage = self.usage
         assert usage is not None
         if usage.limit is None or bound <= usage.limit:  # else none would do
-            await self._fit(bound, keep=agent)
+            await self._fit(bound, keep=agent, spare=spare)
         if usage.over(bound):
             raise StoreWriteError(
                 f"the warm tier is at its disk limit ({usage.used} of {usage.limit} bytes) "
@@ -620,7 +610,7 @@ class StoreActor(Actor):
         if namespace is None or usage.quota is None:
             return
         if bound <= usage.quota:
-            await self._fit(bound, keep=agent, namespace=namespace)
+            await self._fit(bound, keep=agent, namespace=namespace, spare=spare)
         if usage.over_quota(namespace, bound):
             raise StoreWriteError(
                 f"the agents of {namespace!r} hold {usage.used_by(namespace)} bytes on disk "

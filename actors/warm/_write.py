@@ -96,16 +96,11 @@ def append_cache(
     manifest = _next_manifest(
         identity, agent, old, start, token_ids, grows, text, messages, extra or {}
     )
-    # Encoding now raises TypeError for what JSON cannot hold, before any disk work; the
-    # segment entry added below and the checksum frame are a few hundred bytes at most.
-    if len(msgspec.json.encode(manifest)) + 1024 > MAX_MANIFEST_BYTES:
-        raise ValueError(f"the manifest would exceed {MAX_MANIFEST_BYTES} bytes")
+    _check_size(manifest)
     try:
         if set_aside:
             _set_aside(Path(root), folder, agent, delete_rejected)
-        if not folder.is_dir():
-            folder.mkdir(parents=True, exist_ok=True)
-            fsync_dir(folder.parent)
+        _make_folder(folder)
         if grows:
             manifest = _write_new_segment(folder, identity, manifest, start, arrays)
             manifest = _keep_checkpoints(manifest, checkpoints)
@@ -148,15 +143,27 @@ def note_conversation(
     manifest = msgspec.structs.replace(
         old, messages=[dict(m) for m in messages], extra=extra, updated=time.time()
     )
-    if len(msgspec.json.encode(manifest)) + 1024 > MAX_MANIFEST_BYTES:
-        raise ValueError(f"the manifest would exceed {MAX_MANIFEST_BYTES} bytes")
+    _check_size(manifest)
     try:
-        if not folder.is_dir():
-            folder.mkdir(parents=True, exist_ok=True)
-            fsync_dir(folder.parent)
+        _make_folder(folder)
         return commit(folder, manifest)
     except OSError as exc:
         raise write_failed(exc, f"noting the conversation of agent {agent!r}") from exc
+
+
+def _check_size(manifest: CacheManifest) -> None:
+    """Raise ValueError for a manifest too large to commit. Encoding it raises TypeError
+    for what JSON cannot hold, before any disk work; a segment entry added after and the
+    checksum frame are a few hundred bytes at most."""
+    if len(msgspec.json.encode(manifest)) + 1024 > MAX_MANIFEST_BYTES:
+        raise ValueError(f"the manifest would exceed {MAX_MANIFEST_BYTES} bytes")
+
+
+def _make_folder(folder: Path) -> None:
+    """Make the agent's folder if it has none yet, durably (its parent synced)."""
+    if not folder.is_dir():
+        folder.mkdir(parents=True, exist_ok=True)
+        fsync_dir(folder.parent)
 
 
 def _checked_ids(identity: CacheIdentity, start: int, tokens: Sequence[int]) -> list[int]:
