@@ -182,6 +182,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     working_bytes: int = 0  # running turns' working caches now (part of cache_bytes)
     dropped_ready: int = 0  # ready copies dropped for room (float -> quantized)
     ready_turns: int = 0  # turns that started from a ready copy (nothing dequantized)
+    # Stored tokens made into float copies: at a turn's start, and ready copies built ahead
+    # (a layer built counts its share; a build given up counts what it did)
+    dequantized_tokens: int = 0
     shared_turns: int = 0  # turns that reused another agent's stored ranges (share_prefixes)
     shared_tokens: int = 0  # the tokens those turns reused instead of prefilling them
     tool_waits: int = 0  # hot agents waiting on their tool calls' results now

@@ -9,6 +9,12 @@ sampled time). Three shapes:
 - ``round_robin``: a team speaks in turn, round after round;
 - ``pipeline``: a planner, then each worker, then a reviewer, again and again;
 - ``fanout``: a coordinator hands out work, every worker answers, the coordinator merges.
+
+And ``pressure`` (:func:`make_pressure_trace`), where the memory policy decides: every agent
+has a private context of its own (a document, tool outputs), so the caches do not fit the
+tiers. A team takes turns round after round; between their turns, one-shot subagents
+(each with a larger document: a file read, a search result) run a short tool loop and are
+done.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from kvactor.actors.hot import Candidate
 
 SHAPES = ("round_robin", "pipeline", "fanout")
+PRESSURE = "pressure"
 
 _SENTENCE = (
     "file parser cache token budget agent worker result review plan error test queue "
@@ -46,6 +53,9 @@ class Trace:
     system: str
     roles: dict[str, str]
     steps: list[Step] = field(default_factory=list)
+    # An agent's private context (its first message, before its first step), prefilled
+    # once for a whole bench and carried into each replay: none in the first three shapes.
+    docs: dict[str, str] = field(default_factory=dict)
 
     @property
     def agents(self) -> list[str]:
@@ -109,6 +119,53 @@ def make_trace(
             waiting.add(agent)
         steps.append(Step(agent, text, wait))
     return Trace(shape, system, roles, steps)
+
+
+def make_pressure_trace(
+    *,
+    team: int,
+    subagents: int,
+    rounds: int,
+    seed: int,
+    team_doc_words: tuple[int, int],
+    sub_doc_words: tuple[int, int],
+    step_words: tuple[int, int],
+    system_words: int = 120,
+    tool_wait_s: tuple[float, float] = (0.5, 5.0),
+) -> Trace:
+    """A seeded ``pressure`` trace: ``team`` agents (documents of ``team_doc_words``) take
+    a step each, in turn, for ``rounds`` rounds; ``subagents`` one-shot agents (documents of
+    ``sub_doc_words``) are spread over the team's steps, each right after one: a tool loop
+    of 1-3 steps (every step but its last ends in a tool call) and then never again. Steps
+    add ``step_words`` words each. Raises ValueError for fewer than 2 team agents or no
+    round."""
+    if team < 2 or rounds < 1 or subagents < 0:
+        raise ValueError("a pressure trace needs 2 or more team agents and 1 or more rounds")
+    rng = random.Random(seed)
+    crew = [f"te{i:02d}" for i in range(team)]
+    subs = [f"su{i:02d}" for i in range(subagents)]
+    system = "You are one of a team of agents. " + _text(rng, system_words, "Shared brief")
+    roles = {n: f"Your role: {_text(rng, 12, n)}" for n in crew + subs}
+    docs = {n: _text(rng, rng.randint(*team_doc_words), "Document") for n in crew}
+    docs |= {n: _text(rng, rng.randint(*sub_doc_words), "Tool output") for n in subs}
+    slots = team * rounds
+    after: dict[int, list[str]] = {}  # a team step's index -> the subagents run after it
+    for i, sub in enumerate(subs):
+        after.setdefault(i * slots // max(subagents, 1), []).append(sub)
+    lo, hi = tool_wait_s
+    steps: list[Step] = []
+
+    def step(agent: str, kind: str, waits: bool) -> None:
+        wait = math.exp(rng.uniform(math.log(lo), math.log(hi))) if waits else 0.0
+        steps.append(Step(agent, _text(rng, rng.randint(*step_words), kind), wait))
+
+    for at in range(slots):
+        step(crew[at % team], "Message", rng.random() < 0.3)
+        for sub in after.get(at, []):
+            loop = rng.randint(1, 3)
+            for k in range(loop):
+                step(sub, "Task" if k == 0 else "Tool result", k < loop - 1)
+    return Trace(PRESSURE, system, roles, steps, docs)
 
 
 def lookahead(order: Sequence[str], at: int, count: int) -> list[str]:

@@ -51,6 +51,7 @@ import hashlib
 import math
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -61,8 +62,18 @@ import kvactor
 # isort: split
 import anyio
 from _agentic_http import http_results
-from _agentic_trace import SHAPES, OraclePolicy, Trace, lookahead, make_trace, wrong
+from _agentic_trace import (
+    PRESSURE,
+    SHAPES,
+    OraclePolicy,
+    Trace,
+    lookahead,
+    make_pressure_trace,
+    make_trace,
+    wrong,
+)
 from _results import write_json  # bench/ is the script's folder: on sys.path
+from _warm_trace import agents_bytes
 
 from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.messages import ToolWait
@@ -71,6 +82,16 @@ from kvactor.kernels.geometry import CacheGeometry
 
 POLICIES = ("lru", "workflow", "workflow_wrong", "oracle")
 FRACTIONS = {"25%": 0.25, "50%": 0.5}
+HOT_SHARE, DISK_SHARE = 0.0, 0.5  # the pressure shape: hot room beyond one turn, disk limit
+TOP_KEYS = (
+    "oracle_vs_lru",
+    "captured",
+    "captured_wrong",
+    "workflow_vs_lru",
+    "workflow_vs_oracle",
+    "wrong_vs_lru",
+    "within_disk_limit",
+)
 WRONG_P = 0.3
 BRIEF = "brief"  # the shared context's name
 
@@ -99,34 +120,47 @@ async def replay(
     max_tokens: int,
     seed: int,
     brief: Path,
+    seeds: dict[str, Path] | None = None,
+    disk_limit: int | None = None,
 ) -> dict[str, Any]:
     """One replay of ``trace`` in a new cache directory ``root`` that starts with a copy
     of ``brief`` (the shared context's warm cache): per-turn records and the run's
-    counters."""
+    counters. An agent of ``seeds`` (its private context, prefilled once: a portable
+    file) is imported just before its first step, under ``disk_limit`` as any write is
+    (room made by the policy); the others are spawned at the start."""
     rng = random.Random(seed)
     chosen = _policy(policy, trace)
     hinting = policy != "lru"
     order = trace.order
+    seeds = seeds or {}
     turns: list[dict[str, Any]] = []
     options: dict[str, Any] = {"cache_dir": root, "budget_bytes": budget, "policy": chosen}
+    options["disk_limit"] = disk_limit
     shutil.copytree(brief, root)  # the shared system prompt's warm cache (prefilled once)
+    disk_peak = 0
     async with kvactor.open(model, **options) as kv:
         await kv.context(BRIEF, trace.system)  # resumed from its warm cache
-        agents = {n: await kv.spawn_agent(n, context=BRIEF) for n in trace.agents}
+        agents = {n: await kv.spawn_agent(n, context=BRIEF) for n in trace.agents if n not in seeds}
         began = time.perf_counter()
         for at, step in enumerate(trace.steps):
             if isinstance(chosen, OraclePolicy):
                 chosen.position = at
             if hinting:
-                upcoming = lookahead(order, at, len(agents))
+                upcoming = lookahead(order, at, len(trace.agents))
                 if policy == "workflow_wrong":
                     upcoming = wrong(upcoming, trace.agents, rng, WRONG_P)
                 await kv.hint(next=upcoming)
+            if step.agent not in agents:  # its private context arrives (outside its TTFT)
+                agents[step.agent] = await kv.import_agent(seeds[step.agent], name=step.agent)
             sent = time.perf_counter()
             first = None
+            hot = None
             async with agents[step.agent].stream(step.text, max_tokens=max_tokens) as pieces:
                 async for _ in pieces:
-                    first = first or time.perf_counter()
+                    if first is None:
+                        first = time.perf_counter()
+                        if disk_limit is not None:  # what the hot tier holds meanwhile
+                            hot = await kv.hot_caches()
             done = pieces.completion
             assert done is not None
             ttft = (first or time.perf_counter()) - sent
@@ -148,8 +182,15 @@ async def replay(
                         "dequantize_s": done.timings.dequantize_s,
                     },
                     "tokens": done.token_ids,
+                    # The agents' caches hot during the turn (its own included), in tokens:
+                    # what the hot tier holds when a turn needs its room.
+                    "hot_tokens": (
+                        sum(c.tokens for c in hot if c.agent != BRIEF) if hot is not None else None
+                    ),
                 }
             )
+            if disk_limit is not None:  # what the directory holds, as the store counts it
+                disk_peak = max(disk_peak, agents_bytes(root))
         wall = time.perf_counter() - began
         stats = await kv.stats()
         warm = await kv.warm_stats()
@@ -162,7 +203,12 @@ async def replay(
         "reloads": stats.installs,
         "warm_bytes_read": warm.bytes_read,
         "peak_bytes": stats.peak_bytes,
+        "disk_peak_bytes": disk_peak,
+        "made_cold": stats.demoted_warm_to_cold,
+        "dequantized_tokens": stats.dequantized_tokens,
+        "ready_turns": stats.ready_turns,
         "stored": stored,
+        "context_tokens": {a: t for a, (_, t) in stored.items()},
         "geometry": geometry,
     }
 
@@ -199,6 +245,8 @@ def summary(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
         )
         re_prefilled += max(turn["prefilled_tokens"] - ref["prefilled_tokens"], 0)
     ttfts = sorted(t["ttft_s"] for t in per_turn)
+    held = sum(reference["context_tokens"].values())  # every agent's cache at the end
+    hot = [t["hot_tokens"] / held for t in run["turns"] if t["hot_tokens"] is not None]
     return {
         "summed_ttft_s": sum(ttfts),
         "summed_excess_s": sum(t["excess_s"] for t in per_turn),
@@ -208,7 +256,15 @@ def summary(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
         "warm_bytes_read": run["warm_bytes_read"],
         "re_prefilled_tokens": re_prefilled,
         "hot_hits": sum(t["path"] == "hot" for t in per_turn),
+        "cold_turns": sum(t["path"] == "cold" for t in per_turn),
+        "warm_reloads": run["reloads"],
+        "made_cold": run["made_cold"],
+        "dequantized_tokens": run["dequantized_tokens"],
+        "ready_turns": run["ready_turns"],
+        "hot_share_mean": statistics.fmean(hot) if hot else None,
+        "hot_share_max": max(hot, default=None),
         "peak_bytes": run["peak_bytes"],
+        "disk_peak_bytes": run["disk_peak_bytes"],
         "turns": per_turn,
     }
 
@@ -241,6 +297,118 @@ async def seeded_brief(model: Any, system: str, tmp: Path) -> Path:
             flush=True,
         )
     return root
+
+
+async def seeded_agents(
+    model: Any, trace: Trace, brief: Path, tmp: Path, max_tokens: int
+) -> dict[str, Path]:
+    """Each agent's private context (its role and document, one turn) prefilled once for
+    the whole bench, as a portable file (``export_agent``) each replay imports."""
+    digest = hashlib.sha256(repr(sorted(trace.docs.items())).encode()).hexdigest()[:12]
+    folder = tmp / f"seeds-{digest}"
+    files = {n: folder / f"{n}.kvagent" for n in trace.docs}
+    if folder.exists():
+        return files
+    root = tmp / f"seeding-{digest}"
+    shutil.copytree(brief, root)
+    began = time.perf_counter()
+    tokens = 0
+    async with kvactor.open(model, cache_dir=root) as kv:
+        await kv.context(BRIEF, trace.system)
+        for n, doc in trace.docs.items():
+            agent = await kv.spawn_agent(n, context=BRIEF)
+            await agent.generate(f"{trace.roles[n]}\n{doc}", max_tokens=max_tokens)
+            info = await kv.cache_info(n)
+            tokens += info.tokens
+            folder.mkdir(exist_ok=True)
+            await kv.export_agent(n, files[n])
+            print(f"  private context {n}: {info.tokens} tokens", flush=True)
+    print(
+        f"private contexts: {len(files)} agents, {tokens} tokens, prefilled once in "
+        f"{time.perf_counter() - began:.1f} s",
+        flush=True,
+    )
+    shutil.rmtree(root)
+    return files
+
+
+def captured(lru: dict[str, Any], workflow: dict[str, Any], oracle: dict[str, Any]) -> float:
+    """The share of the oracle's gain over LRU that ``workflow`` reaches, on summed excess:
+    (LRU - workflow) / (LRU - oracle)."""
+    gain = lru["summed_excess_s"] - oracle["summed_excess_s"]
+    if gain <= 0:
+        return math.nan  # the oracle did not win: nothing to capture
+    return (lru["summed_excess_s"] - workflow["summed_excess_s"]) / gain
+
+
+async def pressure_results(args: argparse.Namespace, model: Any, tmp: Path) -> dict[str, Any]:
+    """The pressure shape: every agent's private context prefilled once, the trace run
+    unbounded (the reference), then under a hot budget of 25% and a disk limit of 50% of
+    what the agents store, under each policy."""
+    trace = make_pressure_trace(
+        team=args.team,
+        subagents=args.subagents,
+        rounds=args.pressure_rounds,
+        seed=args.seed,
+        team_doc_words=tuple(args.team_doc_words),
+        sub_doc_words=tuple(args.sub_doc_words),
+        step_words=tuple(args.step_words),
+        system_words=args.pressure_system_words,
+    )
+    brief = await seeded_brief(model, trace.system, tmp)
+    seeds = await seeded_agents(model, trace, brief, tmp, args.max_tokens)
+    run = functools.partial(
+        replay, trace, model, max_tokens=args.max_tokens, seed=args.seed, brief=brief, seeds=seeds
+    )
+    reference = await run(tmp / "pressure-ref", policy="lru", budget=None)
+    budget, working = budget_for(reference, HOT_SHARE, args.max_tokens)
+    disk_limit = brief_bytes(brief) + int(DISK_SHARE * working)
+    runs = {}
+    for policy in POLICIES:
+        got = await run(
+            tmp / f"pressure-{policy}", policy=policy, budget=budget, disk_limit=disk_limit
+        )
+        runs[policy] = summary(got, reference)
+        runs[policy]["tokens"] = [t["tokens"] for t in got["turns"]]
+        r = runs[policy]
+        print(
+            f"pressure     {policy:15} excess {r['summed_excess_s']:7.2f}s ttft"
+            f" {r['summed_ttft_s']:7.2f}s hot {r['hot_hits']:3} cold {r['cold_turns']:3}"
+            f" reloads {r['warm_reloads']:3} re-prefilled {r['re_prefilled_tokens']:6}"
+            f" peak/budget {r['peak_bytes'] / budget:.2f}"
+            f" disk/limit {r['disk_peak_bytes'] / disk_limit:.2f}",
+            flush=True,
+        )
+    expected = [t["tokens"] for t in reference["turns"]]
+    diverged = {p: r.pop("tokens") != expected for p, r in runs.items()}
+    return {
+        "oracle_vs_lru": ratio(runs["oracle"], runs["lru"]),
+        "captured": captured(runs["lru"], runs["workflow"], runs["oracle"]),
+        "captured_wrong": captured(runs["lru"], runs["workflow_wrong"], runs["oracle"]),
+        "workflow_vs_lru": ratio(runs["workflow"], runs["lru"]),
+        "workflow_vs_oracle": ratio(runs["workflow"], runs["oracle"]),
+        "wrong_vs_lru": ratio(runs["workflow_wrong"], runs["lru"]),
+        "identical_outputs": not any(diverged.values()),
+        "diverged": [p for p, d in diverged.items() if d],
+        "within_budget": all(r["peak_bytes"] <= budget for r in runs.values()),
+        "within_disk_limit": all(r["disk_peak_bytes"] <= disk_limit for r in runs.values()),
+        "agents": len(trace.agents),
+        "steps": len(trace.steps),
+        "context_tokens": reference["context_tokens"],
+        "budget_bytes": budget,
+        "disk_limit_bytes": disk_limit,
+        "working_set_bytes": working,
+        "hot_share": budget / working,
+        "disk_share": disk_limit / working,
+        "reference": summary(reference, reference),
+        "policies": runs,
+    }
+
+
+def brief_bytes(brief: Path) -> int:
+    """The shared context's bytes on disk (a replay's directory holds it besides the
+    agents' caches: the disk limit makes room for it)."""
+    return agents_bytes(brief)
 
 
 async def shape_results(
@@ -292,26 +460,53 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"model": args.model, "quick": args.quick, "shapes": {}}
     if args.quick:
         results["note"] = "--quick: a tiny model's turns take ms, the ratios are noise"
+    hot_only = [s for s in args.shapes if s != PRESSURE]
     with tempfile.TemporaryDirectory(prefix="kvactor-agentic-") as tmp:
-        for shape in args.shapes:
+        if PRESSURE in args.shapes:  # first: its figures are the ones that decide
+            results["pressure"] = await pressure_results(args, model, Path(tmp))
+        for shape in hot_only:
             results["shapes"][shape] = await shape_results(shape, args, model, Path(tmp))
-    at = [s["budgets"]["25%"]["policies"] for s in results["shapes"].values()]
+    if hot_only:
+        results["hot_only"] = hot_only_figures(results["shapes"])
+    # The top level: the pressure shape's figures where it ran, else the hot-only shapes'.
+    top = results.get("pressure") or results["hot_only"]
+    for key in TOP_KEYS:
+        if key in top:
+            results[key] = top[key]
+    results["identical_outputs"] = all(
+        part["identical_outputs"]
+        for part in (results.get("pressure"), results.get("hot_only"))
+        if part is not None
+    )
+    results["within_budget"] = all(
+        part["within_budget"]
+        for part in (results.get("pressure"), results.get("hot_only"))
+        if part is not None
+    )
+    return results
+
+
+def hot_only_figures(shapes: dict[str, Any]) -> dict[str, Any]:
+    """The first three shapes (a hot budget only) on summed excess at 25%, the worst
+    shape's ratio."""
+    at = [s["budgets"]["25%"]["policies"] for s in shapes.values()]
 
     def worst(a: str, b: str) -> float:
         return max(ratio(p[a], p[b]) for p in at)
 
-    results["workflow_vs_lru"] = worst("workflow", "lru")
-    results["workflow_vs_oracle"] = worst("workflow", "oracle")
-    results["wrong_vs_lru"] = worst("workflow_wrong", "lru")
-    # What the best policy reaches (the oracle knows the future): a floor for the others.
-    results["oracle_vs_lru"] = worst("oracle", "lru")
-    results["identical_outputs"] = all(
-        b["identical_outputs"] for s in results["shapes"].values() for b in s["budgets"].values()
-    )
-    results["within_budget"] = all(
-        b["within_budget"] for s in results["shapes"].values() for b in s["budgets"].values()
-    )
-    return results
+    return {
+        # What the best policy reaches (the oracle knows the future): a floor for the others.
+        "oracle_vs_lru": worst("oracle", "lru"),
+        "workflow_vs_lru": worst("workflow", "lru"),
+        "workflow_vs_oracle": worst("workflow", "oracle"),
+        "wrong_vs_lru": worst("workflow_wrong", "lru"),
+        "identical_outputs": all(
+            b["identical_outputs"] for s in shapes.values() for b in s["budgets"].values()
+        ),
+        "within_budget": all(
+            b["within_budget"] for s in shapes.values() for b in s["budgets"].values()
+        ),
+    }
 
 
 def http_part(args: argparse.Namespace) -> dict[str, Any]:
@@ -331,7 +526,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a tiny model and a small trace")
     p.add_argument("--model", choices=("default", "tiny"), default="default")
-    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", choices=(PRESSURE, *SHAPES), default=[PRESSURE, *SHAPES])
+    p.add_argument("--team", type=int, default=5, help="pressure: team agents")
+    p.add_argument("--subagents", type=int, default=4, help="pressure: one-shot subagents")
+    p.add_argument("--pressure-rounds", type=int, default=2)
+    p.add_argument("--team-doc-words", type=int, nargs=2, default=(1500, 3000))
+    p.add_argument("--sub-doc-words", type=int, nargs=2, default=(1000, 1500))
+    p.add_argument("--step-words", type=int, nargs=2, default=(25, 230))
+    p.add_argument("--pressure-system-words", type=int, default=150)
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--min-words", type=int, default=25)
@@ -350,6 +552,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.min_words, args.max_words, args.system_words, args.max_tokens = 4, 16, 20, 4
         args.http_system_words = 20
         args.http_agents = 4
+        # The tiny model's byte tokens: ~6.5 a word; its context is 2,048 tokens.
+        args.team, args.subagents, args.pressure_rounds = 5, 4, 2
+        args.team_doc_words, args.sub_doc_words = (70, 140), (40, 70)
+        args.step_words, args.pressure_system_words = (5, 40), 20
     return args
 
 
@@ -362,8 +568,7 @@ if __name__ == "__main__":
         for key in ("vs_mlx_lm_server", "vs_mlx_lm_server_sized", "after_restart_vs_mlx_lm_server"):
             out[key] = out["http"][key]
     out["total_s"] = time.perf_counter() - began
-    keys = ["workflow_vs_lru", "workflow_vs_oracle", "wrong_vs_lru", "oracle_vs_lru"]
-    keys += ["identical_outputs"]
+    keys = [k for k in TOP_KEYS if k in out] + ["identical_outputs"]
     if not arguments.no_http:
         keys += ["vs_mlx_lm_server", "vs_mlx_lm_server_sized", "after_restart_vs_mlx_lm_server"]
     for key in keys:

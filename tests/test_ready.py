@@ -17,6 +17,7 @@ import pytest
 import kvactor
 from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.enums import Tier
+from kvactor.actors.hot._ready import ReadyCopies
 from kvactor.actors.models import make_tiny_model
 from kvactor.actors.warm._prefetch import Stage
 from kvactor.kernels.agent_cache import AgentKV
@@ -54,6 +55,39 @@ def test_a_ready_copy_holds_exactly_the_dequantized_stored_cache() -> None:
     kv.trim(20)  # a prompt that diverged: the ready copy is cut with the stored ranges
     assert kv.ready is not None and kv.ready.layers[0].offset == 20
     assert kv.drop_ready() > 0 and kv.ready is None and kv.stored_tokens == 20
+
+
+def test_a_turn_finishes_a_half_built_ready_copy_instead_of_starting_again() -> None:
+    lm = make_tiny_model(0, head_dim=64, num_hidden_layers=4)
+    FloatTurnCache.prepare(lm.model)
+    kv = AgentKV(DEFAULT_CODEC, lm.geometry)
+    work = kv.activate()
+    ids = [7 + i % 50 for i in range(60)]
+    lm.model(mx.array([ids]), cache=work.layers)
+    kv.tokens.extend(ids)
+    kv.deactivate()  # stored only, as a cache staged from disk is
+    copies = ReadyCopies(FloatTurnCache, enabled=True)
+    assert copies.want("a", kv, None) > 0
+    assert copies.step(lambda agent, cache: True)  # one layer of four built
+    assert kv.ready is None and copies.building
+    assert copies.finish(kv)  # the turn came: the three layers left, not four again
+    assert kv.ready is not None and not copies.building
+    assert copies.dequantized == len(kv.tokens)  # one copy's worth, each layer once
+    fresh = FloatTurnCache.start(kv)
+    for mine, theirs in zip(kv.ready.layers, fresh.layers, strict=True):
+        for a, b in zip(mine.state[:2], theirs.state[:2], strict=True):
+            np.testing.assert_array_equal(
+                np.array(a[:, :, : mine.offset]), np.array(b[:, :, : theirs.offset])
+            )
+    # A cache cut since its build began (a prompt that diverged) is not finished from
+    # what was built of the longer one: its build is given up.
+    kv.drop_ready()
+    assert copies.want("a", kv, None) > 0 and copies.step(lambda agent, cache: True)
+    kv.trim(20)
+    assert not copies.finish(kv) and kv.ready is None and not copies.building
+    assert copies.want("a", kv, None) > 0
+    kv.trim(10)
+    assert not copies.step(lambda agent, cache: True) and not copies.building
 
 
 def _address(a: mx.array) -> int:
@@ -120,6 +154,8 @@ async def test_ready_copies_change_no_answer_and_skip_the_dequantize(tmp_path: P
     assert with_ready.ready_turns == len(ready) - 1 and with_ready.ready_agents == 1
     assert with_ready.ready_bytes > 0
     assert without.ready_turns == 0 and without.ready_agents == 0
+    # Every turn but the first made its stored tokens float again; with copies, none did.
+    assert without.dequantized_tokens > 0 and with_ready.dequantized_tokens == 0
     # A reload from disk between every turn gives the same answers too.
     reloaded = []
     for i, text in enumerate(TURNS):
@@ -163,7 +199,7 @@ async def test_the_budget_drops_ready_copies_before_demoting_anyone(
 async def test_a_prefetch_hint_builds_the_ready_copy_before_the_turn(tmp_path: Path) -> None:
     async with kvactor.open(tiny(), attention="dequantized", cache_dir=tmp_path) as kv:
         await (await kv.spawn_agent("p")).generate("remember this", max_tokens=6)
-    answers = []
+    answers, made_float = [], []
     for prefetch in (True, False):
         async with kvactor.open(tiny(), attention="dequantized", cache_dir=tmp_path) as kv:
             agent = await kv.spawn_agent("p")
@@ -176,10 +212,13 @@ async def test_a_prefetch_hint_builds_the_ready_copy_before_the_turn(tmp_path: P
             stats = await kv.stats()
             assert done.path == (Tier.HOT if prefetch else Tier.WARM)
             assert stats.ready_turns == (1 if prefetch else 0)
+            made_float.append(stats.dequantized_tokens)
             answers.append(done.token_ids)
         # Restore the warm cache as it was for the next session: forget this turn.
         await save_first_turn(tmp_path)
     assert answers[0] == answers[1]
+    # The same stored tokens made float once: ahead of the turn, or at its start.
+    assert made_float[0] == made_float[1] > 0
 
 
 async def save_first_turn(root: Path) -> None:

@@ -112,6 +112,7 @@ class ModelRunner:
         self._generated = 0  # first tokens, sampled at the end of a prefill
         self._grammars: GrammarCompiler  # compiles Generate.constraint (set at load)
         self._ready_turns = 0
+        self._dequantized = 0  # stored tokens made float at a turn's start
         self._ending = False  # EndTurns came: turns end, new ones are refused
         self.moves = MoveLog()  # its hot tier's moves, kept across loads (each pool's log)
         # Under a write budget (write-back): its window (the engine's, one for every model),
@@ -187,7 +188,7 @@ class ModelRunner:
         self.__dict__.pop("pool", None)
         self.__dict__.pop("batch", None)
         self.__dict__.pop("lm", None)
-        self._generated = self._ready_turns = 0  # counted anew by a later load
+        self._generated = self._ready_turns = self._dequantized = 0  # anew after a load
 
     def queued_need(self) -> int | None:
         """None when no turn is queued; else the bytes the oldest queued turn's working
@@ -305,6 +306,7 @@ class ModelRunner:
             working_bytes=pool.ledger.working(),
             dropped_ready=pool.ready.drops,
             ready_turns=self._ready_turns,
+            dequantized_tokens=self._dequantized + round(pool.ready.dequantized),
             shared_turns=pool.shared_turns,
             shared_tokens=pool.shared_tokens,
             tool_waits=pool.tool_waits,
@@ -508,6 +510,8 @@ class ModelRunner:
             kv = request.entry.kv
             request.prefill_start = time.perf_counter()
             self._ready_turns += kv.ready is not None
+            if kv.ready is None and kv.ranges and not kv.turn_cache.quantized:
+                self._dequantized += len(kv.tokens)  # its stored tokens, into a float copy
             kv.activate()
             request.dequantize_s = time.perf_counter() - request.prefill_start
             if kv.ranges and not kv.turn_cache.quantized:

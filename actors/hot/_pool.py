@@ -318,7 +318,10 @@ class CachePool:
     def start_turn(self, entry: HotEntry, reserve: int) -> bool:
         """Room for a turn's working cache of up to ``reserve`` bytes besides the entry's
         stored cache; False to wait (or, when ``stuck``, to refuse)."""
-        # Its own ready copy becomes its working copy, which the reserve covers.
+        # Its own ready copy becomes its working copy, which the reserve covers; one that
+        # is half-built is finished first (its bytes are reserved already).
+        if self.ready.finish(entry.kv):
+            self.ledger.measure()
         need = max(reserve - entry.kv.ready_bytes, 0)
         if not self.demotion.make_room(need, exclude=entry, turn=True):
             return False
@@ -433,9 +436,7 @@ class CachePool:
     def build_ready_step(self) -> bool:
         """One layer of the oldest ready copy being built; True while any is."""
         building = self.ready.step(
-            lambda agent, kv: (
-                (e := self.residents.get(agent)) is not None and e.kv is kv and not self.busy(agent)
-            )
+            lambda agent, kv: (e := self.residents.get(agent)) is not None and e.kv is kv
         )
         if building:
             self.ledger.measure()

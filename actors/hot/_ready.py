@@ -5,9 +5,11 @@ A turn that ends keeps its working cache as the agent's ready copy (``AgentKV.de
 with ``keep_ready``: the turn's new tokens replaced by their stored values, so nothing
 changes an answer). A cache staged from disk gets one built ahead of its turn, one layer
 between engine steps, in room the budget has free (a copy built ahead of need never
-demotes anyone). When room is needed, ready copies go first: the stored form stays, so
-bringing one back costs a dequantize, not a reload. Only with an attention mode whose
-working cache can be kept (``TurnCache.keeps_ready``: dequantized attention).
+demotes anyone); a turn that comes while its copy is half-built finishes it (``finish``)
+instead of dequantizing the whole cache again. When room is needed, ready copies go
+first: the stored form stays, so bringing one back costs a dequantize, not a reload. Only
+with an attention mode whose working cache can be kept (``TurnCache.keeps_ready``:
+dequantized attention).
 """
 
 from __future__ import annotations
@@ -16,18 +18,31 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
-from ...kernels.agent_cache import AgentKV
+from ...kernels.agent_cache import AgentKV, StoredRange
 from ...kernels.turn_cache import TurnCache
 
 __all__ = ("ReadyCopies",)
 
 
-@dataclass
+@dataclass(eq=False)  # a build is itself: removed by identity
 class _Build:
     agent: str
     kv: AgentKV
     nbytes: int  # reserved in the budget until the build ends
     steps: Iterator[TurnCache | None]
+    ranges: list[StoredRange]  # what it is built from
+
+    @property
+    def current(self) -> bool:
+        """Whether its cache is still what it is built from, between turns: a cache cut
+        (a prompt that diverged), grown or given another's ranges since is not."""
+        kv = self.kv
+        return (
+            kv.work is None
+            and kv.ready is None
+            and len(kv.ranges) == len(self.ranges)
+            and all(a is b for a, b in zip(kv.ranges, self.ranges, strict=True))
+        )
 
 
 class ReadyCopies:
@@ -40,6 +55,7 @@ class ReadyCopies:
         self._turn_cache = turn_cache
         self._builds: deque[_Build] = deque()  # oldest first
         self.drops = 0  # ready copies dropped for room (float -> quantized)
+        self.dequantized = 0.0  # stored tokens made float by builds (a layer: its share)
 
     @property
     def reserved(self) -> int:
@@ -63,20 +79,40 @@ class ReadyCopies:
         nbytes = self._turn_cache.ready_nbytes(kv)
         if free is not None and nbytes > free:
             return 0
-        self._builds.append(_Build(agent, kv, nbytes, self._turn_cache.ready_steps(kv)))
+        steps = self._turn_cache.ready_steps(kv)
+        self._builds.append(_Build(agent, kv, nbytes, steps, list(kv.ranges)))
         return nbytes
 
-    def step(self, idle: Callable[[str, AgentKV], bool]) -> bool:
+    def finish(self, kv: AgentKV) -> bool:
+        """``kv``'s turn came while its copy was being built: build the layers left now,
+        and keep it as the ready copy (its reserved bytes become the copy's, which the turn
+        takes as its working copy) rather than dequantizing everything again. False when
+        nothing of ``kv``'s is being built."""
+        build = next((b for b in self._builds if b.kv is kv), None)
+        if build is None:
+            return False
+        self._builds.remove(build)
+        if not build.current:
+            return False
+        for copy in build.steps:
+            self.dequantized += len(kv.tokens) / kv.geometry.n_layers
+            if copy is not None:
+                kv.set_ready(copy)
+                return True
+        return False
+
+    def step(self, held: Callable[[str, AgentKV], bool]) -> bool:
         """Build one layer of the oldest copy being built; True while any is being built.
-        A build whose cache is no longer ``idle`` (gone, or its turn came first: the turn
-        dequantizes) is given up."""
+        A build whose cache is no longer ``held`` hot or no longer what it is built from
+        is given up. One whose turn is queued goes on: the turn finishes it."""
         while self._builds:
             build = self._builds[0]
             kv = build.kv
-            if not idle(build.agent, kv) or kv.work is not None or kv.ready is not None:
+            if not held(build.agent, kv) or not build.current:
                 self._builds.popleft()
                 continue
             copy = next(build.steps)
+            self.dequantized += len(kv.tokens) / kv.geometry.n_layers
             if copy is not None:
                 self._builds.popleft()
                 kv.set_ready(copy)
