@@ -179,6 +179,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     write_budget_spent: int = 0
     ready_agents: int = 0  # hot agents keeping a ready (float) copy between turns
     ready_bytes: int = 0  # the bytes of those copies (part of cache_bytes)
+    # Of ready_bytes: the float copies of prefixes several hot caches share (one each)
+    shared_ready_bytes: int = 0
     working_bytes: int = 0  # running turns' working caches now (part of cache_bytes)
     dropped_ready: int = 0  # ready copies dropped for room (float -> quantized)
     ready_turns: int = 0  # turns that started from a ready copy (nothing dequantized)

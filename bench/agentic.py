@@ -1,6 +1,29 @@
 """Memory policies on agentic traces: LRU, the workflow-aware default fed right hints and
 30% wrong ones, and an oracle (Belady on cost-weighted bytes, from the trace), replayed
-through the Python API at hot budgets of 25% and 50% of the working set.
+through the Python API.
+
+First the ``pressure`` shape, where the policy decides (issue 40): every agent has a
+private context (a document or tool output, ``--team-doc-words`` / ``--sub-doc-words``:
+1-4K tokens on the default model) prefilled once for the whole bench and exported as a
+portable file, which each replay imports just before the agent's first step (outside its
+TTFT, under the disk limit as any write is: room made by the policy). A team
+(``--team``) takes turns round after round; one-shot subagents (``--subagents``) run a
+tool loop of 1-3 steps between the team's turns and are done. The hot budget is one
+turn's room (its float working copy and the largest stored cache: ``hot_share_mean`` /
+``hot_share_max`` say what the hot tier held of the agents' caches, in tokens, while
+each turn ran) and the disk limit the shared context plus 50% of what the agents store
+at the end of an unbounded run, so turns come back from ready copies, stored caches,
+disk and re-prefill. Its figures, reported first and at the top level:
+``oracle_vs_lru`` (what the best policy reaches: the workload must leave it room),
+``captured`` = (LRU excess - workflow excess) / (LRU excess - oracle excess),
+``captured_wrong``, ``workflow_vs_lru``, ``workflow_vs_oracle``, ``wrong_vs_lru``,
+``within_disk_limit`` (the directory, as the store counts it, after every step), and per
+run ``cold_turns``, ``re_prefilled_tokens``, ``warm_reloads``, ``made_cold``,
+``dequantized_tokens``, ``ready_turns``.
+
+Then the first three shapes, under a hot budget only (25% and 50% of the working set),
+with ``dequantized_vs_unshared``: stored tokens made float with the shared system
+prompt's float copy (``SharedPrefixes``) against LRU at 25% again without it.
 
 Each trace (``bench/_agentic_trace.py``: seeded; shapes round_robin, pipeline, fanout; a
 long shared system prompt plus a role per agent; steps of tool results or messages; tool
@@ -14,7 +37,7 @@ prefill rate, its last chunk giving the first token) and ``excess_s = ttft_s - b
 ``summed_excess_s``, ``p95_ttft_s``, ``wall_s``, ``reloads`` (warm caches installed from
 disk, prefetches included), ``warm_bytes_read``, ``re_prefilled_tokens`` (prefilled beyond
 the unbounded run's), ``hot_hits``, ``peak_bytes`` (never above the budget); per budget
-``identical_outputs``. Top level, on summed excess at 25% (the worst shape):
+``identical_outputs``. Under ``hot_only``, on summed excess at 25% (the worst shape):
 ``workflow_vs_lru``, ``workflow_vs_oracle``, ``wrong_vs_lru``, and ``oracle_vs_lru`` (the
 best any policy reaches on this machine).
 
@@ -40,7 +63,8 @@ prompt cache, and sized to the agents), restarted two thirds of the way through:
 ``vs_mlx_lm_server``, ``vs_mlx_lm_server_sized``, ``after_restart_vs_mlx_lm_server`` on
 summed TTFT (before the restart for the first two, after it for the third).
 
-    python bench/agentic.py [--quick] [--model default|tiny] [--no-http] [--json PATH]
+    python bench/agentic.py [--quick] [--model default|tiny] [--shapes ...] [--no-http]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -76,6 +100,7 @@ from _results import write_json  # bench/ is the script's folder: on sys.path
 from _warm_trace import agents_bytes
 
 from kvactor.actors.engine import turn_reserve_bytes
+from kvactor.actors.hot._shared_ready import SharedPrefixes
 from kvactor.actors.messages import ToolWait
 from kvactor.actors.models import make_tiny_model
 from kvactor.kernels.geometry import CacheGeometry
@@ -91,6 +116,7 @@ TOP_KEYS = (
     "workflow_vs_oracle",
     "wrong_vs_lru",
     "within_disk_limit",
+    "dequantized_vs_unshared",
 )
 WRONG_P = 0.3
 BRIEF = "brief"  # the shared context's name
@@ -452,6 +478,32 @@ async def shape_results(
             "identical_outputs": identical,
             "policies": runs,
         }
+    # The shared system prompt's float copy (SharedPrefixes) against none: LRU at 25%
+    # again, every turn dequantizing its whole cache.
+    budget, _ = budget_for(reference, FRACTIONS["25%"], args.max_tokens)
+    SharedPrefixes.active = False
+    try:
+        plain = await run(tmp / f"{shape}-unshared", policy="lru", budget=budget)
+    finally:
+        SharedPrefixes.active = True
+    at = out["budgets"]["25%"]
+    shared = at["policies"]["lru"]
+    unshared = summary(plain, reference)
+    out["shared_ready"] = {
+        "dequantized_tokens": shared["dequantized_tokens"],
+        "dequantized_tokens_unshared": unshared["dequantized_tokens"],
+        "dequantized_vs_unshared": shared["dequantized_tokens"]
+        / max(unshared["dequantized_tokens"], 1),
+        "summed_ttft_s": shared["summed_ttft_s"],
+        "summed_ttft_unshared_s": unshared["summed_ttft_s"],
+        "identical_outputs": [t["tokens"] for t in plain["turns"]] == expected,
+    }
+    print(
+        f"{shape:12} 25% shared prefix copy: dequantized {shared['dequantized_tokens']} vs"
+        f" {unshared['dequantized_tokens']} tokens without, ttft {shared['summed_ttft_s']:.2f}s"
+        f" vs {unshared['summed_ttft_s']:.2f}s",
+        flush=True,
+    )
     return out
 
 
@@ -473,6 +525,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     for key in TOP_KEYS:
         if key in top:
             results[key] = top[key]
+    if "hot_only" in results:
+        results["dequantized_vs_unshared"] = results["hot_only"]["dequantized_vs_unshared"]
     results["identical_outputs"] = all(
         part["identical_outputs"]
         for part in (results.get("pressure"), results.get("hot_only"))
@@ -497,12 +551,17 @@ def hot_only_figures(shapes: dict[str, Any]) -> dict[str, Any]:
     return {
         # What the best policy reaches (the oracle knows the future): a floor for the others.
         "oracle_vs_lru": worst("oracle", "lru"),
+        # Less to dequantize: the shared system prompt's float copy, the worst shape's.
+        "dequantized_vs_unshared": max(
+            s["shared_ready"]["dequantized_vs_unshared"] for s in shapes.values()
+        ),
         "workflow_vs_lru": worst("workflow", "lru"),
         "workflow_vs_oracle": worst("workflow", "oracle"),
         "wrong_vs_lru": worst("workflow_wrong", "lru"),
         "identical_outputs": all(
             b["identical_outputs"] for s in shapes.values() for b in s["budgets"].values()
-        ),
+        )
+        and all(s["shared_ready"]["identical_outputs"] for s in shapes.values()),
         "within_budget": all(
             b["within_budget"] for s in shapes.values() for b in s["budgets"].values()
         ),

@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from ._qmath import affine
 from ._turn_base import TurnCache
-from .float_turn import FloatTurnCache
+from .float_turn import FloatPrefix, FloatTurnCache
 from .geometry import CacheGeometry
 from .qcodec import KVCodec, Role
 from .stored import Parts, StoredRange, cache_nbytes, segment_layout
@@ -165,12 +165,18 @@ class AgentKV:
         return self.stored_bytes + self.work_bytes + self.ready_bytes
 
     # -- transitions ------------------------------------------------------------------
-    def activate(self) -> TurnCache:
+    def activate(self, prefix: FloatPrefix | None = None) -> TurnCache:
         """The working cache of a turn (made once per turn): one row over the stored ranges,
-        the ready copy when there is one."""
+        the ready copy when there is one; ``prefix``: the float copy of its first stored
+        ranges, shared with other caches (``FloatPrefix``), so that only the rest is
+        dequantized (float attention only)."""
         if self.work is None:
             if self.ready is not None:
                 self.work, self.ready = self.ready, None
+            elif prefix is not None:
+                if not issubclass(self.turn_cache, FloatTurnCache):
+                    raise ValueError("a float prefix serves dequantized attention only")
+                self.work = self.turn_cache.start(self, prefix)
             else:
                 self.work = self.turn_cache.start(self)
         return self.work
@@ -302,18 +308,30 @@ class AgentKV:
         self.work = work
 
     def dequantize(
-        self, layer: int, role: Role, *, rotated: bool = False, room: int = 0
+        self,
+        layer: int,
+        role: Role,
+        *,
+        rotated: bool = False,
+        room: int = 0,
+        ranges: slice = slice(None),
     ) -> mx.array:
-        """Float K or V ``(1, H, T + room, D)`` in fp32: every stored token of ``layer``, then
-        ``room`` zero tokens; ``rotated``: left in the codec's stored basis
-        (``KVCodec.dequantize``). On CPU, in the stored basis, the codes of every range and
-        the room are joined as integers and scaled in one pass: no float copy is joined."""
+        """Float K or V ``(1, H, T + room, D)`` in fp32: every stored token of ``layer`` (of
+        the stored ranges ``ranges`` selects: a prefix's, or those after it), then ``room``
+        zero tokens; ``rotated``: left in the codec's stored basis (``KVCodec.dequantize``).
+        Each token's values are the same whichever ranges are asked with it. On CPU, in
+        the stored basis, the codes of every range and the room are joined as integers and
+        scaled in one pass: no float copy is joined."""
         codec = self.codec
         bits = codec.role_spec(role)[0]
         spans = [
             (parts, r.start, r.stop - r.start)
-            for parts, r in zip(self.layer_parts(layer, role), self.ranges, strict=True)
+            for parts, r in zip(
+                self.layer_parts(layer, role)[ranges], self.ranges[ranges], strict=True
+            )
         ]
+        if not spans:
+            raise ValueError("no stored range to dequantize")
         if bits != 16 and mx.default_device() == mx.cpu and (rotated or not codec.rotate):
             triples = [codec.codes(parts, start, n, role=role) for parts, start, n in spans]
             if room:

@@ -20,9 +20,61 @@ from .rowwise import PlainBatchKVCache, PlainKVCache
 
 if TYPE_CHECKING:
     from .agent_cache import AgentKV
+    from .qcodec import Role
     from .stored import Parts, StoredRange
 
-__all__ = ("FloatTurnCache",)
+__all__ = ("FloatPrefix", "FloatTurnCache")
+
+
+class FloatPrefix:
+    """The float K/V of the first ``count`` stored ranges that several caches share (the
+    same arrays: a shared context, a fork, a shared prefix), made once, so that a turn of
+    any of them dequantizes only its own ranges after it and copies this. Each token's
+    values are what dequantizing the whole cache gives (``AgentKV.dequantize``), so the
+    working copy is the same, bit for bit. Attention layers only: the geometries it
+    serves have no recurrent or sliding-window layer (``serves``)."""
+
+    def __init__(self, kv: AgentKV, count: int) -> None:
+        if not 0 < count <= len(kv.ranges) or not self.serves(kv.geometry):
+            raise ValueError("a float prefix covers 1 or more stored ranges of attention layers")
+        rotated = works_rotated(kv.codec)
+        self.count = count
+        self.tokens = kv.ranges[count - 1].stop
+        self.rotated = rotated
+        part = slice(0, count)
+        self.layers = [
+            (
+                kv.dequantize(i, "key", rotated=rotated, ranges=part),
+                kv.dequantize(i, "value", rotated=rotated, ranges=part),
+            )
+            for i in range(kv.geometry.n_layers)
+        ]
+        mx.eval([a for pair in self.layers for a in pair])
+        self.nbytes = sum(a.nbytes for pair in self.layers for a in pair)
+
+    @staticmethod
+    def serves(geometry: CacheGeometry) -> bool:
+        return not geometry.recurrent and not geometry.sliding
+
+    @staticmethod
+    def nbytes_for(geometry: CacheGeometry, tokens: int) -> int:
+        """What a prefix of ``tokens`` takes (fp32)."""
+        return tokens * geometry.fp32_bytes_per_token()
+
+    def joined(self, kv: AgentKV, i: int, slack: int) -> tuple[mx.array, mx.array]:
+        """Layer ``i``'s float K and V for ``kv`` (whose first ranges this covers): this
+        prefix, then its other ranges dequantized, then ``slack`` zero tokens (lazy)."""
+        rest = slice(self.count, None)
+        out = []
+        roles: tuple[Role, Role] = ("key", "value")
+        for j, role in enumerate(roles):
+            mine = self.layers[i][j]
+            if len(kv.ranges) > self.count:
+                tail = kv.dequantize(i, role, rotated=self.rotated, room=slack, ranges=rest)
+            else:
+                tail = mx.zeros((*mine.shape[:2], slack, mine.shape[3]), mine.dtype)
+            out.append(mx.concatenate([mine, tail], axis=2))
+        return out[0], out[1]
 
 
 class FloatTurnCache(Entries):
@@ -42,27 +94,31 @@ class FloatTurnCache(Entries):
     ``bench/turn_buffers.py`` measures against); the arrays' values are the same."""
 
     @classmethod
-    def start(cls, kv: AgentKV) -> FloatTurnCache:
+    def start(cls, kv: AgentKV, prefix: FloatPrefix | None = None) -> FloatTurnCache:
         # With room for the turn's first tokens: the first step writes in place instead of
         # growing (copying) every layer, as KVCache would by the same 256 tokens.
-        layers = [cls.row_layer(kv, i, ROOM) for i in range(kv.geometry.n_layers)]
+        layers = [cls.row_layer(kv, i, ROOM, prefix) for i in range(kv.geometry.n_layers)]
         out = cls(layers, geometry_slots(kv.geometry))
         if kv.ranges:
             mx.eval(out.arrays())
         return out
 
     @staticmethod
-    def row_layer(kv: AgentKV, i: int, slack: int = 0) -> Any:
+    def row_layer(kv: AgentKV, i: int, slack: int = 0, prefix: FloatPrefix | None = None) -> Any:
         """Entry ``i`` of a one-row float cache over ``kv``'s stored ranges, with room for
-        ``slack`` more tokens (lazy: evaluate it); a recurrent layer at its checkpoint."""
+        ``slack`` more tokens (lazy: evaluate it); a recurrent layer at its checkpoint.
+        ``prefix``: the float copy of its first ranges (copied, not dequantized again)."""
         if kv.geometry.state(i) is not None:
             return state_layer(kv, i)
         kv.geometry.layer(i)
         rotated = works_rotated(kv.codec)
         cache = RotatedKVCache() if rotated else PlainKVCache()
         if kv.ranges:
-            keys = kv.dequantize(i, "key", rotated=rotated, room=slack)
-            values = kv.dequantize(i, "value", rotated=rotated, room=slack)
+            if prefix is None:
+                keys = kv.dequantize(i, "key", rotated=rotated, room=slack)
+                values = kv.dequantize(i, "value", rotated=rotated, room=slack)
+            else:
+                keys, values = prefix.joined(kv, i, slack)
             cache.state = (keys, values, kv.stored_tokens)
         return cache
 

@@ -18,11 +18,12 @@ import kvactor
 from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.enums import Tier
 from kvactor.actors.hot._ready import ReadyCopies
+from kvactor.actors.hot._shared_ready import SharedPrefixes
 from kvactor.actors.models import make_tiny_model
 from kvactor.actors.warm._prefetch import Stage
 from kvactor.kernels.agent_cache import AgentKV
-from kvactor.kernels.float_turn import FloatTurnCache
-from kvactor.kernels.qcodec import DEFAULT_CODEC
+from kvactor.kernels.float_turn import FloatPrefix, FloatTurnCache
+from kvactor.kernels.qcodec import DEFAULT_CODEC, KVCodec
 from kvactor.kernels.rotated import RotatedKVCache
 
 TURNS = ["hello there", "tell me more", "tell me more", "and something else entirely"]
@@ -247,3 +248,69 @@ async def test_a_ready_copy_is_built_ahead_only_with_free_room(tmp_path: Path) -
         assert stats.cache_bytes == stored
         assert stats.ready_agents == 0 and stats.demoted_warm == 0
         assert stats.peak_bytes <= stored + 65536
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [DEFAULT_CODEC, KVCodec(bits=4), KVCodec(bits=16, key_bits=4, rotate=True)],
+    ids=lambda c: c.name,
+)
+def test_a_shared_prefix_copy_gives_the_very_working_copy_of_a_whole_dequantize(
+    codec: KVCodec,
+) -> None:
+    lm = make_tiny_model(0, head_dim=64)
+    FloatTurnCache.prepare(lm.model)
+    kv = AgentKV(codec, lm.geometry)
+    for n in (70, 30, 12):  # three stored ranges: a prefix of one, then of two
+        work = kv.activate()
+        ids = [7 + (len(kv.tokens) + i) % 50 for i in range(n)]
+        lm.model(mx.array([ids]), cache=work.layers)
+        kv.tokens.extend(ids)
+        kv.deactivate()
+    whole = FloatTurnCache.start(kv)
+    for count in (1, 2, 3):
+        prefix = FloatPrefix(kv, count)
+        assert prefix.tokens == kv.ranges[count - 1].stop
+        assert prefix.nbytes == FloatPrefix.nbytes_for(lm.geometry, prefix.tokens)
+        joined = FloatTurnCache.start(kv, prefix)
+        for mine, theirs in zip(joined.layers, whole.layers, strict=True):
+            assert mine.offset == theirs.offset == len(kv.tokens)
+            for a, b in zip(mine.state[:2], theirs.state[:2], strict=True):
+                assert a.shape == b.shape  # the same room for the turn's tokens
+                np.testing.assert_array_equal(np.array(a), np.array(b))
+    with pytest.raises(ValueError):
+        FloatPrefix(kv, 4)
+
+
+BRIEF = "You are one of a team. " + "Shared rules: keep answers short and exact. " * 12
+
+
+async def team_turns(shared: bool) -> tuple[list[list[int]], kvactor.EngineStats, int]:
+    """Three agents of one shared context taking turns in a budget that keeps no agent's
+    ready copy to its next turn: each turn makes its working copy from the stored form."""
+    SharedPrefixes.active = shared
+    try:
+        async with kvactor.open(tiny(), attention="dequantized", budget_bytes=5_500_000) as kv:
+            await kv.context("brief", BRIEF)
+            team = [await kv.spawn_agent(f"a{i}", context="brief") for i in range(3)]
+            out = []
+            for r in range(3):
+                for agent in team:
+                    done = await agent.generate(f"round {r}: go on", max_tokens=4)
+                    out.append(done.token_ids)
+            stats = await kv.stats()
+            for name in ("a0", "a1", "a2", "brief"):  # the last users leave
+                await kv.forget(name)
+            return out, stats, (await kv.stats()).ready_bytes
+    finally:
+        SharedPrefixes.active = True
+
+
+async def test_agents_sharing_a_context_share_its_float_copy() -> None:
+    shared, with_copy, left = await team_turns(True)
+    plain, without, _ = await team_turns(False)
+    assert shared == plain
+    # The context's tokens are made float once, not at every turn of every agent.
+    assert with_copy.dequantized_tokens <= 0.5 * without.dequantized_tokens
+    assert with_copy.peak_bytes <= 5_500_000
+    assert left == 0  # the copy went with the last agent sharing it

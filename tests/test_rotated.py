@@ -18,7 +18,7 @@ import kvactor
 from kvactor.actors.models import LoadedModel, load_model, make_tiny_model
 from kvactor.kernels._turn_base import TurnCache
 from kvactor.kernels.agent_cache import AgentKV
-from kvactor.kernels.float_turn import FloatTurnCache
+from kvactor.kernels.float_turn import FloatPrefix, FloatTurnCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC, KVCodec
 from kvactor.kernels.rotated import RotatedBasis, RotatedBatchKVCache, RotatedKVCache, works_rotated
 
@@ -31,7 +31,8 @@ class ModelBasis(FloatTurnCache):
     turn's tokens are rotated when they are quantized."""
 
     @classmethod
-    def start(cls, kv: AgentKV) -> ModelBasis:
+    def start(cls, kv: AgentKV, prefix: FloatPrefix | None = None) -> ModelBasis:
+        assert prefix is None  # used on an AgentKV directly: no hot tier, no prefix
         layers = []
         for i in range(kv.geometry.n_layers):
             cache = KVCache()

@@ -303,6 +303,7 @@ class ModelRunner:
             demoted_cold=pool.demotions[Tier.COLD],
             ready_agents=pool.ready_agents,
             ready_bytes=pool.ready_bytes,
+            shared_ready_bytes=pool.ready.shared.nbytes,
             working_bytes=pool.ledger.working(),
             dropped_ready=pool.ready.drops,
             ready_turns=self._ready_turns,
@@ -510,9 +511,7 @@ class ModelRunner:
             kv = request.entry.kv
             request.prefill_start = time.perf_counter()
             self._ready_turns += kv.ready is not None
-            if kv.ready is None and kv.ranges and not kv.turn_cache.quantized:
-                self._dequantized += len(kv.tokens)  # its stored tokens, into a float copy
-            kv.activate()
+            self._dequantized += self.pool.working_copy(request.agent, request.entry)
             request.dequantize_s = time.perf_counter() - request.prefill_start
             if kv.ranges and not kv.turn_cache.quantized:
                 self.pool.rates.dequantize(kv.stored_bytes, request.dequantize_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ..enums import Tier
 from ..messages import WarmAgent
@@ -212,26 +212,21 @@ class Demotion:
         ]
         # Ready copies go first (least recently used first, those of waiting turns last):
         # the stored form stays, so bringing one back costs a dequantize, not a reload.
-        ready = sorted(
-            (self._ready_order(agent, e), agent)
-            for agent, e in self._residents.items()
-            if e.kv.ready is not None
-            and e is not exclude
-            and not e.running
-            and (turn or not self.waiting(agent, e))
-            and agent not in keep
-        )
+        ready = self._ready_copies(exclude, turn=turn, keep=keep)
         demotable = {c.agent for c in candidates}
-        spare = sum(self._residents[a].kv.ready_bytes for _, a in ready if a not in demotable)
-        bets = self._ready.reserved_except(keep)
+        spare = sum(self._residents[a].kv.ready_bytes for a in ready if a not in demotable)
+        bets = self._ready.reserved_except(keep) + self._ready.shared.nbytes
         if bets + spare + sum(c.nbytes for c in candidates) < missing:
             return False
-        # Ready copies being built go first of all (a bet on a turn to come), then built ones.
+        # Ready copies being built go first of all (a bet on a turn to come), then built
+        # ones, then shared prefixes' copies (each serves every agent sharing it).
         missing -= self._ready.give_up(missing, keep)
-        for _, agent in ready:
+        for agent in ready:
             if missing <= 0:
                 break
             missing -= self._ready.drop(self._residents[agent].kv)
+        if missing > 0:
+            missing -= self._ready.shared.drop_copies(missing)
         if missing > 0:
             candidates = [
                 c
@@ -243,8 +238,37 @@ class Demotion:
                 assert agent in chosen, f"the policy chose {agent!r}, not a candidate"
                 entry = self._residents.remove(agent)
                 assert entry is not None
+                self._ready.shared.left(agent)
                 self._demoted(agent, entry, chosen[agent])
         return ledger.committed() + need <= ledger.limit
+
+    def _ready_copies(
+        self, exclude: HotEntry | None, *, turn: bool, keep: Collection[str] = ()
+    ) -> list[str]:
+        """The agents whose ready copies may go for room, first to go first: not running,
+        not ``exclude``'s, waiting turns' only for a starting ``turn``, none in ``keep``."""
+        return [
+            agent
+            for _, agent in sorted(
+                (self._ready_order(agent, e), agent)
+                for agent, e in self._residents.items()
+                if e.kv.ready is not None
+                and e is not exclude
+                and not e.running
+                and (turn or not self.waiting(agent, e))
+                and agent not in keep
+            )
+        ]
+
+    def drop_ready(self, need: int, exclude: HotEntry | None = None) -> int:
+        """Drop idle agents' ready copies (no turn of theirs waits), in the order room is
+        made, until ``need`` bytes are freed; demotes nobody. The bytes freed."""
+        freed = 0
+        for agent in self._ready_copies(exclude, turn=False):
+            if freed >= need:
+                break
+            freed += self._ready.drop(self._residents[agent].kv)
+        return freed
 
     def _demoted(self, agent: str, entry: HotEntry, victim: Candidate) -> None:
         """Count and log ``agent``'s demotion (out of the residents now); a dirty cache the

@@ -112,7 +112,7 @@ class Ledger:
                     seen.add(id(a))
                     used += a.nbytes
         used += self.freeing() + sum(self._staged.values())
-        used += self._ready.reserved
+        used += self._ready.held
         self.used = used
         self.peak = max(self.peak, used)
         assert self.budget is None or used <= self.budget, (
@@ -152,7 +152,7 @@ class Ledger:
     def check(self) -> None:
         """Debug check: the count equals one made from scratch, every array by its id."""
         seen: set[int] = set()
-        used = self._batch_bytes + self._ready.reserved
+        used = self._batch_bytes + self._ready.held
         for e in self._residents.values():
             used += e.kv.work_bytes + e.kv.ready_bytes + e.due_bytes
             for a in e.kv.stored_arrays():

@@ -232,6 +232,7 @@ class CachePool:
         self.ledger.unreserve(agent)
         self.hints.forget(agent)
         dropped = self.residents.remove(agent) is not None
+        self.ready.shared.left(agent)
         self.residents.forget_scope(agent)
         self.ledger.measure()
         return dropped
@@ -264,7 +265,8 @@ class CachePool:
 
     @property
     def ready_bytes(self) -> int:
-        return sum(e.kv.ready_bytes for e in self.residents.values())
+        """Ready copies' bytes, shared prefixes' copies included."""
+        return sum(e.kv.ready_bytes for e in self.residents.values()) + self.ready.shared.nbytes
 
     # -- turns ------------------------------------------------------------------------
     def base(
@@ -309,6 +311,7 @@ class CachePool:
         if kv.reusable(stop) != stop:  # a sliding window no longer held there
             kv.trim(0)
             return 0
+        self.ready.shared.note(kv.ranges, (source, agent))
         entry.shares(source, stop)
         self.shared_turns += 1
         self.shared_tokens += stop
@@ -328,6 +331,32 @@ class CachePool:
         entry.turn_started(reserve)
         self.ledger.turn_room = reserve
         return True
+
+    def working_copy(self, agent: str, entry: HotEntry) -> int:
+        """Make the working copy of ``entry``'s turn (started: :meth:`start_turn`): its
+        ready copy, else its stored ranges made float, a shared prefix's copy taken as it
+        is (made now if there is room for it, idle agents' ready copies dropped for it:
+        ``SharedPrefixes``). Returns the stored tokens dequantized for it."""
+        kv = entry.kv
+        if kv.work is not None or kv.ready is not None or not kv.ranges:
+            kv.activate()
+            return 0
+        if kv.turn_cache.quantized:  # attention over the stored form: nothing made float
+            kv.activate()
+            return 0
+
+        def room(nbytes: int) -> bool:
+            free = self.ledger.free()
+            if free is not None and free < nbytes:
+                self.demotion.drop_ready(nbytes - free, exclude=entry)
+                free = self.ledger.free()
+            return free is None or free >= nbytes
+
+        prefix, made = self.ready.shared.copy_for(agent, kv, room)
+        kv.activate(prefix)
+        if made:
+            self.ledger.measure()
+        return len(kv.tokens) - (prefix.tokens if prefix is not None else 0) + made
 
     def store_so_far(self, agent: str, entry: HotEntry) -> None:
         """During ``entry``'s turn: store its tokens so far as a range of their own (a cut:
@@ -364,7 +393,10 @@ class CachePool:
         if entry is None or self.busy(source) or entry.kv.tokens != tokens:
             return False
         kv = entry.kv.fork(self.new_kv())
-        return self.warm.install(new, kv.stored_bytes, lambda: kv, pin=False, from_disk=False)
+        if not self.warm.install(new, kv.stored_bytes, lambda: kv, pin=False, from_disk=False):
+            return False
+        self.ready.shared.note(kv.ranges, (source, new))
+        return True
 
     # -- the warm tier's traffic (WarmTraffic) -----------------------------------------
     def reserve(self, agent: str, nbytes: int, *, prefetch: bool = False) -> Room:

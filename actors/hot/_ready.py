@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ...kernels.agent_cache import AgentKV, StoredRange
 from ...kernels.turn_cache import TurnCache
+from ._shared_ready import SharedPrefixes
 
 __all__ = ("ReadyCopies",)
 
@@ -56,11 +57,19 @@ class ReadyCopies:
         self._builds: deque[_Build] = deque()  # oldest first
         self.drops = 0  # ready copies dropped for room (float -> quantized)
         self.dequantized = 0.0  # stored tokens made float by builds (a layer: its share)
+        # The float copies of prefixes several caches share (a part of this tier's copies).
+        self.shared = SharedPrefixes(enabled=self.enabled and SharedPrefixes.active)
 
     @property
     def reserved(self) -> int:
         """Bytes reserved for copies being built."""
         return sum(b.nbytes for b in self._builds)
+
+    @property
+    def held(self) -> int:
+        """Bytes of this tier's that no cache counts: reservations for copies being built
+        and the shared prefixes' copies."""
+        return self.reserved + self.shared.nbytes
 
     @property
     def building(self) -> bool:
@@ -146,5 +155,6 @@ class ReadyCopies:
         return freed
 
     def clear(self) -> None:
-        """Forget every build (the engine stops)."""
+        """Forget every build and shared copy (the engine stops)."""
         self._builds.clear()
+        self.shared.clear()

@@ -89,6 +89,7 @@ async def hot_footprint(kv: Session, names: Sequence[str]) -> tuple[int, int, in
             continue
         caches += 1
     # Between turns a hot cache is its stored ranges plus its ready (float) copy, if
-    # kept; the copies are never shared, so they come off both counts.
+    # kept; the copies come off both counts (a shared prefix's copy is in no cache's).
     once = stats.cache_bytes - stats.ready_bytes
-    return caches, once, max(once, each - stats.ready_bytes)
+    own_copies = stats.ready_bytes - stats.shared_ready_bytes
+    return caches, once, max(once, each - own_copies)
