@@ -400,13 +400,17 @@ class AgentActor(Actor):
         """The prompt's cuts and the ends of this agent's stored ranges within the part of
         the prompt its cache holds: a cache that is still there reuses past them (they
         change nothing); one that was dropped is prefilled again range by range, each
-        from the stored form of the ones before, as the cache was made."""
+        from the stored form of the ones before, as the cache was made. A prompt that
+        leaves the cache inside a stored range is cut where it leaves, as a kept cache is
+        (that range's stored form up to there, the rest prefilled anew)."""
         held = 0
         for a, b in zip(self.tokens, prompt.tokens, strict=False):
             if a != b:
                 break
             held += 1
         known = {b for b in self.bounds if b <= held and b < len(prompt.tokens)}
+        if 0 < held < len(prompt.tokens) and any(b > held for b in self.bounds):
+            known.add(held)
         return tuple(sorted(known.union(prompt.cuts)))
 
     async def _generate(
