@@ -16,9 +16,11 @@ BLAS = _ensure_blas()
 """Which BLAS MLX's CPU matmuls run on (a ``kvactor.kernels.BlasInfo``)."""
 
 # ruff: noqa: E402  (MLX, imported by everything below, must come after the BLAS)
+from .actors.cluster import CacheAware as CacheAware
 from .actors.cluster import ClusterSession as ClusterSession
 from .actors.cluster import MostFreeBudget as MostFreeBudget
 from .actors.cluster import PlacementPolicy as PlacementPolicy
+from .actors.cluster import RoundRobin as RoundRobin
 from .actors.cluster import open_cluster as open_cluster
 from .actors.engine import Attention as Attention
 from .actors.enums import FinishReason as FinishReason
@@ -69,6 +71,7 @@ from .runtime import AskTimeout as AskTimeout
 from .runtime import KvactorError as KvactorError
 
 __all__ = (
+    "CacheAware",
     "BLAS",
     "DEFAULT_CODEC",
     "ActorDeadError",
@@ -104,6 +107,7 @@ __all__ = (
     "ModelState",
     "MostFreeBudget",
     "PlacementPolicy",
+    "RoundRobin",
     "Sampling",
     "Session",
     "SessionAPI",

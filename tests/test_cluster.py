@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from clustering import local_cluster, tiny
 from hinting import FIRST, MAX_TOKENS, NEWCOMER, OPTIONS, SECOND, ask, room_for_one_idle_cache
 
 import kvactor
@@ -27,7 +28,6 @@ from kvactor.actors.messages import SpawnAgent
 from kvactor.actors.models import make_tiny_model
 from kvactor.cli._inspect import format_table, inspect_rows
 
-tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 other = functools.partial(make_tiny_model, 1, head_dim=64)  # other weights: another model
 GREEDY = {"max_tokens": 6}
 
@@ -252,21 +252,10 @@ def test_an_application_without_a_cluster_never_imports_ray() -> None:
 
 
 # -------------------------------------------------------------------------- Ray cluster
-def _cluster(tmp_path: Path, **options: Any) -> Any:
-    return kvactor.open(
-        tiny,
-        cluster="local",
-        cache_dir=tmp_path,
-        hosts_per_node=2,
-        ray_options={"num_cpus": 2},
-        **options,
-    )
-
-
 @pytest.mark.ray
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-async def test_placement_affinity_and_migration_on_a_local_cluster(tmp_path: Path) -> None:
-    async with _cluster(tmp_path) as kv:
+async def test_placement_affinity_and_migration_on_a_locallocal_cluster(tmp_path: Path) -> None:
+    async with local_cluster(tmp_path) as kv:
         hosts = await kv.hosts()
         assert [h.name for h in hosts] == ["h0", "h1"] and hosts[0].pid != hosts[1].pid
         # Placement: the host with the most free budget (none here), then the fewest agents.
@@ -321,7 +310,7 @@ async def test_placement_affinity_and_migration_on_a_local_cluster(tmp_path: Pat
         again = await agents[1].generate("after the hints", **GREEDY)
         assert again.path == kvactor.Tier.HOT
     # Affinity across sessions: a new session finds each agent on the host whose disk has it.
-    async with _cluster(tmp_path) as kv:
+    async with local_cluster(tmp_path) as kv:
         assert kv.agent("a0").host == target
         again = await kv.agent("a0").generate("third question", **GREEDY)
         assert again.path == kvactor.Tier.WARM and again.timings.reused_tokens > 0
@@ -336,7 +325,7 @@ async def test_placement_affinity_and_migration_on_a_local_cluster(tmp_path: Pat
 @pytest.mark.ray
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 async def test_a_host_killed_mid_turn_fails_its_turn_and_comes_back(tmp_path: Path) -> None:
-    async with _cluster(tmp_path) as kv:
+    async with local_cluster(tmp_path) as kv:
         victim = await kv.spawn_agent("victim", host="h0")
         bystander = await kv.spawn_agent("bystander", host="h1")
         await victim.generate("remember this", **GREEDY)
@@ -365,7 +354,7 @@ async def test_replicas_hand_the_agents_of_a_host_gone_for_good_to_another(
 ) -> None:
     import ray
 
-    async with _cluster(tmp_path, replicas=2) as kv:
+    async with local_cluster(tmp_path, replicas=2) as kv:
         a = await kv.spawn_agent("a", system="You help.", host="h0")
         gone = await kv.spawn_agent("gone", host="h0")
         twin = await kv.spawn_agent("twin", system="You help.", host="h1")
@@ -417,7 +406,7 @@ class _LastHost:
 
 @pytest.mark.ray
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-async def test_a_custom_placement_and_rebalance_on_an_auto_cluster(tmp_path: Path) -> None:
+async def test_a_custom_placement_and_rebalance_on_an_autolocal_cluster(tmp_path: Path) -> None:
     """docs/cluster.md: ``cluster="auto"`` starts a local cluster when none runs,
     ``placement=`` takes any object with ``choose(agent, hosts)``, and ``kv.rebalance()``
     evens out the agents per host, each moved with its cache (its next turn WARM on its

@@ -7,8 +7,15 @@ from __future__ import annotations
 from ._agent import ClusterAgent as ClusterAgent
 from ._host import EngineHost as EngineHost
 from ._host import HostInfo as HostInfo
+from ._host import TurnEnd as TurnEnd
+from ._placement import CacheAware as CacheAware
 from ._placement import MostFreeBudget as MostFreeBudget
 from ._placement import PlacementPolicy as PlacementPolicy
+from ._placement import PrefixPlacement as PrefixPlacement
+from ._placement import RoundRobin as RoundRobin
+from ._prefixes import BLOCK as BLOCK
+from ._prefixes import HeldPrefixes as HeldPrefixes
+from ._prefixes import prefix_blocks as prefix_blocks
 from ._session import CLUSTER_KEYS as CLUSTER_KEYS
 from ._session import ClusterOptions as ClusterOptions
 from ._session import ClusterSession as ClusterSession
@@ -21,7 +28,14 @@ __all__ = (
     "CLUSTER_KEYS",
     "ClusterOptions",
     "ClusterSession",
+    "BLOCK",
+    "CacheAware",
+    "HeldPrefixes",
     "MostFreeBudget",
     "PlacementPolicy",
+    "PrefixPlacement",
+    "RoundRobin",
+    "TurnEnd",
+    "prefix_blocks",
     "open_cluster",
 )

@@ -12,7 +12,7 @@ from ..session import AgentTurns, TurnKind
 from ..tools import tool_options
 from ..warm import PortableInfo
 from ._calls import RESTART_WAIT_S, Host
-from ._host import EngineHost
+from ._host import EngineHost, TurnEnd
 
 if TYPE_CHECKING:
     from ._session import ClusterSession
@@ -71,9 +71,10 @@ class ClusterTextStream:
                 await self._session.engine_hosts.call(self._host, EngineHost.info)
         if item is None:
             raise HostLost(f"engine host {self._host.name!r} ended the turn without its result")
-        if isinstance(item, Completion):
+        if isinstance(item, TurnEnd):
+            self._session.prefixes.update(self._host.name, self._agent, item.blocks)
             await self._session.replicate(self._agent)  # before the turn is reported done
-            self.completion = item
+            self.completion = item.completion
             raise StopAsyncIteration
         assert isinstance(item, str)
         return item

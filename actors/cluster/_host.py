@@ -36,8 +36,8 @@ import msgspec
 from ..engine import ModelSpec, default_memory_limit
 from ..errors import AgentExists, CacheRejected, UnknownAgent
 from ..ids import check_agent_id
-from ..messages import Hint, MakeContext, SpawnAgent
-from ..records import Completion, EngineStats
+from ..messages import Hint, MakeContext, Snapshot, SpawnAgent
+from ..records import AgentSnapshot, Completion, EngineStats
 from ..session import TURN_KINDS, Agent, Session, TurnKind, open_session
 from ..warm import (
     MANIFEST,
@@ -52,8 +52,9 @@ from ..warm import (
     read_manifest,
     verify_cache,
 )
+from ._prefixes import prefix_blocks
 
-__all__ = ("EngineHost", "HostInfo")
+__all__ = ("EngineHost", "HostInfo", "TurnEnd")
 
 #: The most bytes one agent's files may take in a migration (a 128K-token cache of a large
 #: model is a few GB; a peer that sends more is refused before anything is written).
@@ -81,6 +82,14 @@ class HostInfo(msgspec.Struct, frozen=True):
         if self.budget_bytes is None:
             return float("inf")
         return float(self.budget_bytes - self.cache_bytes)
+
+
+class TurnEnd(msgspec.Struct, frozen=True):
+    """A turn's last item from its host: its Completion, and the block hashes of what the
+    agent's cache holds now (``prefix_blocks``), for the front's cache-aware placement."""
+
+    completion: Completion
+    blocks: list[int]
 
 
 class EngineHost:
@@ -200,15 +209,17 @@ class EngineHost:
         payload: Any,
         sampling: dict[str, Any],
         pieces: bool = True,
-    ) -> AsyncIterator[str | Completion]:
-        """One turn of agent ``name``: its text pieces, then its Completion. ``kind`` says
-        what ``payload`` is: "text" (a user message), "raw" (a raw prompt) or "chat" (a
-        whole conversation). Without ``pieces``, one empty piece once the turn has begun
-        (a caller then knows that it ran), then the Completion: two items through Ray,
-        not one a token. Raises what ``Agent.stream`` and friends raise."""
+    ) -> AsyncIterator[str | TurnEnd]:
+        """One turn of agent ``name``: its text pieces, then its TurnEnd (the Completion
+        and what the agent's cache holds now). ``kind`` says what ``payload`` is: "text"
+        (a user message), "raw" (a raw prompt) or "chat" (a whole conversation). Without
+        ``pieces``, one empty piece once the turn has begun (a caller then knows that it
+        ran), then the TurnEnd: two items through Ray, not one a token. Raises what
+        ``Agent.stream`` and friends raise."""
         if kind not in TURN_KINDS:
             raise ValueError(f"kind must be one of {TURN_KINDS}, not {kind!r}")
-        stream = (await self._agent(name)).turn_stream(kind, payload, **sampling)
+        agent = await self._agent(name)
+        stream = agent.turn_stream(kind, payload, **sampling)
         async with stream:
             begun = False
             async for piece in stream:
@@ -218,7 +229,12 @@ class EngineHost:
                     begun = True
                     yield ""
         assert stream.completion is not None
-        yield stream.completion
+        yield TurnEnd(stream.completion, await self._blocks(agent))
+
+    async def _blocks(self, agent: Agent) -> list[int]:
+        """The block hashes of the tokens ``agent``'s cache holds now."""
+        snapshot: AgentSnapshot = await agent.ref.ask(Snapshot())
+        return prefix_blocks(snapshot.tokens)
 
     async def generate(
         self, name: str, kind: TurnKind, payload: Any, sampling: dict[str, Any]
@@ -226,10 +242,48 @@ class EngineHost:
         """The whole turn (see ``turn``): its Completion."""
         done: Completion | None = None
         async for item in self.turn(name, kind, payload, sampling, pieces=False):
-            if isinstance(item, Completion):
-                done = item
+            if isinstance(item, TurnEnd):
+                done = item.completion
         assert done is not None
         return done
+
+    async def prompt_blocks(self, system: str) -> list[int]:
+        """The block hashes of the prompt a new agent with the system prompt ``system``
+        (or a shared context of that text) starts with, rendered and tokenized as its
+        first turn does (``prefix_blocks``)."""
+        tokenizer = (await self._open()).tokenizer
+
+        def tokens() -> list[int]:
+            head, literal = tokenizer.render_chat(
+                [{"role": "system", "content": system}], add_generation_prompt=False
+            )
+            return tokenizer.encode(head, literal=literal)
+
+        return prefix_blocks(await anyio.to_thread.run_sync(tokens))
+
+    async def held_blocks(self) -> dict[str, list[int]]:
+        """The block hashes of every warm cache on this host's disk and every running
+        agent's cache, by agent (what a front learns of the host when it connects)."""
+        session = await self._open()
+        identity = session.identity
+        assert identity is not None  # a host always has a warm tier
+        names = [w.agent for w in await session.warm_agents() if not w.rejected]
+
+        def read() -> dict[str, list[int]]:
+            held: dict[str, list[int]] = {}
+            for name in names:
+                try:
+                    manifest = read_manifest(self.cache_dir, identity, name)
+                except Exception:  # a cache that fails its checks is refused at its turn
+                    continue
+                if manifest is not None and manifest.n_tokens:
+                    held[name] = prefix_blocks(manifest.token_ids)
+            return held
+
+        held = await anyio.to_thread.run_sync(read)
+        for name in session.agents:
+            held[name] = await self._blocks(session.agent(name))
+        return held
 
     async def history(self, name: str) -> list[dict[str, str]]:
         return await (await self._agent(name)).history()

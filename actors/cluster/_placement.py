@@ -3,14 +3,24 @@ records of migrations and of the cluster as a whole."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
 from ._host import HostInfo
+from ._prefixes import HeldPrefixes
 
-__all__ = ("ClusterStats", "Migration", "MostFreeBudget", "PlacementPolicy")
+__all__ = (
+    "CacheAware",
+    "ClusterStats",
+    "Migration",
+    "MostFreeBudget",
+    "PlacementPolicy",
+    "PrefixPlacement",
+    "RoundRobin",
+)
 
 
 class Migration(msgspec.Struct, frozen=True):
@@ -41,12 +51,72 @@ class PlacementPolicy(Protocol):
         ...
 
 
+@runtime_checkable
+class PrefixPlacement(Protocol):
+    """A placement policy that looks at the new agent's prompt: ``blocks`` are the hashes
+    of its first prompt's whole blocks (``prefix_blocks``), ``held`` what each host holds."""
+
+    def choose(self, agent: str, hosts: Sequence[HostInfo]) -> str: ...
+
+    def choose_prefix(
+        self, agent: str, hosts: Sequence[HostInfo], blocks: Sequence[int], held: HeldPrefixes
+    ) -> str:
+        """The name of one of ``hosts`` for ``agent``."""
+        ...
+
+
+def _load(h: HostInfo) -> int:
+    """A host's agents, running or warm on its disk."""
+    return len(set(h.agents) | set(h.warm_agents))
+
+
 class MostFreeBudget:
     """The host with the most hot budget left (no budget: unbounded), then the one with the
     fewest agents, then the first by name."""
 
     def choose(self, agent: str, hosts: Sequence[HostInfo]) -> str:
-        def load(h: HostInfo) -> int:
-            return len(set(h.agents) | set(h.warm_agents))
+        return min(hosts, key=lambda h: (-h.free_bytes, _load(h), h.name)).name
 
-        return min(hosts, key=lambda h: (-h.free_bytes, load(h), h.name)).name
+
+class RoundRobin:
+    """Each new agent on the next host by name, in turn (what a balancer that knows
+    nothing of caches does)."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def choose(self, agent: str, hosts: Sequence[HostInfo]) -> str:
+        names = sorted(h.name for h in hosts)
+        return names[next(self._next) % len(names)]
+
+
+class CacheAware:
+    """The default on clusters: the host that holds the longest prefix of the new agent's
+    prompt (a team's system prompt, a shared context, an earlier conversation; hot or warm),
+    unless that host's load is past its share: a host that would hold more than
+    ``min_agents`` agents and more than ``1 + slack`` times an even share of them (this one
+    counted) is passed over while another is not. Ties (and a prompt no host holds) go as
+    :class:`MostFreeBudget` places them. Without a prompt (``choose``) it is
+    MostFreeBudget."""
+
+    def __init__(self, slack: float = 0.3, min_agents: int = 4) -> None:
+        if slack < 0 or min_agents < 1:
+            raise ValueError("slack must be >= 0 and min_agents >= 1")
+        self.slack = slack
+        self.min_agents = min_agents
+        self._fallback = MostFreeBudget()
+
+    def choose(self, agent: str, hosts: Sequence[HostInfo]) -> str:
+        return self._fallback.choose(agent, hosts)
+
+    def choose_prefix(
+        self, agent: str, hosts: Sequence[HostInfo], blocks: Sequence[int], held: HeldPrefixes
+    ) -> str:
+        loads = {h.name: _load(h) for h in hosts}
+        share = (1 + self.slack) * (sum(loads.values()) + 1) / len(hosts)
+        cap = max(float(self.min_agents), share)
+        room = [h for h in hosts if loads[h.name] + 1 <= cap] or list(hosts)
+        return min(
+            room,
+            key=lambda h: (-held.overlap(h.name, blocks), -h.free_bytes, loads[h.name], h.name),
+        ).name

@@ -10,7 +10,10 @@ their turns, forget, prefetch, stats) plus :meth:`ClusterSession.place` and
 for a cluster never imports it.
 
 - **Placement**: a new agent goes where its ``PlacementPolicy`` says (default
-  :class:`MostFreeBudget`); forks and agents of a shared context go to their source's host;
+  :class:`CacheAware`: the host that holds the longest prefix of its prompt, unless that
+  host is past its share of the agents; hosts tell the front what they hold as block
+  hashes, with each turn's result); forks and agents of a shared context go to their
+  source's host;
   an agent stays where its cache is (a session that connects again finds each agent on the
   host whose disk holds it).
 - **Migration** (``place``): the old host releases the agent (its last turn saved) and hands
@@ -49,7 +52,8 @@ from ._agent import ClusterAgent
 from ._calls import Host, Hosts
 from ._connect import connect, loopback_before_import
 from ._host import EngineHost, HostInfo
-from ._placement import ClusterStats, Migration, MostFreeBudget, PlacementPolicy
+from ._placement import CacheAware, ClusterStats, Migration, PlacementPolicy, PrefixPlacement
+from ._prefixes import HeldPrefixes
 
 __all__ = ("CLUSTER_KEYS", "ClusterOptions", "ClusterSession", "open_cluster")
 
@@ -96,7 +100,8 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         self._cluster = cluster
         self.cache_dir = Path(cache_dir)
         self._hosts_per_node = hosts_per_node
-        self.placement: PlacementPolicy = placement or MostFreeBudget()
+        self.placement: PlacementPolicy = placement or CacheAware()
+        self.prefixes = HeldPrefixes()  # what each host holds (CacheAware reads it)
         self._ray_options = dict(ray_options or {})
         self._options = dict(options or {})
         self.engine_hosts = Hosts(self._host_gone)
@@ -122,6 +127,11 @@ class ClusterSession(SessionAPI[ClusterAgent]):
             for info in infos:
                 for agent in info.warm_agents:
                     self._where.setdefault(agent, info.name)
+            helds = await self.engine_hosts.each(EngineHost.held_blocks)
+            for info, held in zip(infos, helds, strict=True):
+                for agent, blocks in held.items():
+                    if self._where.get(agent) == info.name:
+                        self.prefixes.update(info.name, agent, blocks)
             for info in infos:
                 for agent in info.replicas:
                     if self._where.get(agent, info.name) != info.name:
@@ -231,6 +241,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
                 holder = self._replica.pop(agent, None)
                 if holder is None or self.engine_hosts.lost(holder):
                     stranded.append(agent)
+                    self.prefixes.drop(agent)
                     continue
                 try:
                     await self.engine_hosts.call(
@@ -241,6 +252,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
                     stranded.append(agent)
                     continue
                 self._where[agent] = holder
+                self.prefixes.move(agent, holder)
                 moved.append(f"{agent} -> {holder}")
             for agent, holder in list(self._replica.items()):
                 if holder == host.name:
@@ -273,18 +285,34 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         if name in self._where:
             raise AgentExists(f"agent {name!r} already exists (on host {self._where[name]!r})")
         source = spawn.fork_of if spawn.fork_of is not None else spawn.context
+        blocks: list[int] = []
         if source is not None:
             home = self.host_of(source)
             if spawn.host is not None and spawn.host != home.name:
                 raise ValueError(f"{source!r} is on host {home.name!r}, not {spawn.host!r}")
             target = home
+            blocks = self.prefixes.blocks_of(source)
         elif spawn.host is not None:
             target = self.engine_hosts.get(spawn.host)
         else:
-            target = self.engine_hosts.get(self.placement.choose(name, await self.hosts()))
+            where, blocks = await self._choose(name, spawn.system)
+            target = self.engine_hosts.get(where)
         await self.engine_hosts.call(target, EngineHost.spawn, spawn)
         self._where[name] = target.name
+        if blocks:  # what it holds once its first turn ran: the next of its team follows
+            self.prefixes.update(target.name, name, blocks)
         return ClusterAgent(self, name)
+
+    async def _choose(self, agent: str, system: str | None) -> tuple[str, list[int]]:
+        """Where the placement policy puts a new ``agent`` whose prompt starts with the
+        system prompt ``system``, and that prompt's block hashes (empty unless the policy
+        looks at prompts: one host renders and hashes it, the others are not asked)."""
+        infos = await self.hosts()
+        if not isinstance(self.placement, PrefixPlacement) or not system:
+            return self.placement.choose(agent, infos), []
+        any_host = self.engine_hosts.live()[0]
+        blocks: list[int] = await self.engine_hosts.call(any_host, EngineHost.prompt_blocks, system)
+        return self.placement.choose_prefix(agent, infos, blocks, self.prefixes), blocks
 
     async def _context(self, made: MakeContext) -> ClusterAgent:
         """A shared context (``SessionAPI.context``) on ``made.host`` or where placement
@@ -293,10 +321,16 @@ class ClusterSession(SessionAPI[ClusterAgent]):
             raise ValueError("a cluster session serves one model: no model=")
         if made.name in self._where:
             raise AgentExists(f"agent {made.name!r} already exists")
-        where = made.host or self.placement.choose(made.name, await self.hosts())
+        blocks: list[int] = []
+        if made.host is not None:
+            where = made.host
+        else:
+            where, blocks = await self._choose(made.name, made.text)
         target = self.engine_hosts.get(where)
         await self.engine_hosts.call(target, EngineHost.context, made)
         self._where[made.name] = target.name
+        if blocks:
+            self.prefixes.update(target.name, made.name, blocks)
         return ClusterAgent(self, made.name)
 
     def agent(self, name: str) -> ClusterAgent:
@@ -317,6 +351,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         host = self.host_of(name)
         done = await self.engine_hosts.call(host, EngineHost.forget, name)
         del self._where[name]
+        self.prefixes.drop(name)
         await self._drop_replica(name)
         return done
 
@@ -413,6 +448,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
             target, hosts.remote(target, EngineHost.adopt, name, files)
         )
         self._where[name] = target.name
+        self.prefixes.move(name, target.name)
         await hosts.call(source, EngineHost.forget, name)
         moved = Migration(
             agent=name,
