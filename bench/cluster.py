@@ -36,6 +36,13 @@ cluster. Greedy throughout.
 
     python bench/cluster.py [--agents 16] [--tokens 64] [--runs 3] [--context 4096]
         [--json PATH]
+
+``--routing`` measures placement instead (issue 43: round robin, most free budget,
+cache-aware and an ideal assignment on a trace of teams sharing system prompts; see
+``bench/_routing.py``):
+
+    python bench/cluster.py --routing [--model tiny|default] [--hosts 3] [--teams 6]
+        [--per-team 8] [--prompt-tokens 1200] [--max-tokens 8] [--seed 0] [--json PATH]
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from typing import Any
 import kvactor  # first: it loads an optimized BLAS before mlx.core
 
 # isort: split
+import _routing
 import anyio
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
@@ -280,8 +288,25 @@ if __name__ == "__main__":
     parser.add_argument("--overhead-turns", type=int, default=8)
     parser.add_argument("--overhead-tokens", type=int, default=32)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--routing", action="store_true", help="placement policies (issue 43)")
+    parser.add_argument("--model", choices=("tiny", "default"), default="tiny")
+    parser.add_argument("--hosts", type=int, default=3)
+    parser.add_argument("--teams", type=int, default=6)
+    parser.add_argument("--per-team", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=1200)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    out = anyio.run(main, args)
-    report(out)
+    if args.routing:
+
+        async def routed() -> dict[str, Any]:
+            with tempfile.TemporaryDirectory(dir=os.environ.get("KVACTOR_BENCH_DIR")) as tmp:
+                return await _routing.routing(args, Path(tmp))
+
+        out = anyio.run(routed)
+        _routing.report(out)
+    else:
+        out = anyio.run(main, args)
+        report(out)
     if args.json:
         write_json(args.json, out)

@@ -64,6 +64,7 @@ def test_the_index_counts_whole_prefixes_per_host_and_follows_moves() -> None:
     held.move("b", "h1")
     assert held.overlap("h0", red) == 0 and held.overlap("h1", red) == 2 * BLOCK
     assert held.hashes("h0") == 0 and held.hashes("h1") == 3
+    assert held.prompts("h0") == 0 and held.prompts("h1") == 2 and held.prompts("h9") == 0
     held.drop("nobody")  # nothing to drop: nothing changes
     assert held.blocks_of("c") == blue and held.blocks_of("nobody") == []
 
@@ -110,19 +111,27 @@ async def test_cache_aware_goes_where_the_prefix_is_unless_that_host_is_full(
         # No host holds blue: MostFreeBudget's choice (the fewest agents, then by name).
         assert policy.choose_prefix("b0", infos, blue, held) == "h0"
         assert policy.choose("b0", infos) == MostFreeBudget().choose("b0", infos) == "h0"
-        # Past its share: h2 holds 4 of 4 agents; a fifth would be past min_agents (4) and
-        # past 1.3 times an even share (5/3), so the prefix loses to the load.
+        # Past its share: h2 holds 4 of 4 agents; a fifth would be past 1.3 times an even
+        # share (5/3) and more than ``allowance`` past the least loaded host (0), so the
+        # prefix loses to the load.
         for name in ("r2", "r3"):
             await hosts[2].spawn(SpawnAgent(name=name, system=TEAMS["red"]))
         infos = [await h.info() for h in hosts]
-        assert CacheAware(slack=0.3).choose_prefix("r4", infos, red, held) == "h0"
-        assert CacheAware(slack=10).choose_prefix("r4", infos, red, held) == "h2"
+        assert CacheAware(allowance=4).choose_prefix("r4", infos, red, held) == "h0"
+        assert CacheAware(allowance=5).choose_prefix("r4", infos, red, held) == "h2"
+        assert CacheAware(slack=10, allowance=0).choose_prefix("r4", infos, red, held) == "h2"
+        # A new prompt goes where the fewest distinct prompts are: h0 holds one (blue's),
+        # h1 none, so a third team starts on h1 though both hold no agent.
+        held.update("h0", "b0", blue)
+        green = await hosts[0].prompt_blocks("You are green. " + "Be brief. " * 60)
+        assert policy.choose_prefix("g0", infos, green, held) == "h1"
+        assert policy.choose_prefix("short", infos, [], held) == "h0"  # under a block
         robin = RoundRobin()
         assert [robin.choose(n, infos) for n in "abcd"] == ["h0", "h1", "h2", "h0"]
         with pytest.raises(ValueError, match="slack"):
             CacheAware(slack=-1)
-        with pytest.raises(ValueError, match="min_agents"):
-            CacheAware(min_agents=0)
+        with pytest.raises(ValueError, match="allowance"):
+            CacheAware(allowance=-1)
     finally:
         for h in hosts:
             await h.close()

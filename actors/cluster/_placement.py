@@ -93,17 +93,19 @@ class RoundRobin:
 class CacheAware:
     """The default on clusters: the host that holds the longest prefix of the new agent's
     prompt (a team's system prompt, a shared context, an earlier conversation; hot or warm),
-    unless that host's load is past its share: a host that would hold more than
-    ``min_agents`` agents and more than ``1 + slack`` times an even share of them (this one
-    counted) is passed over while another is not. Ties (and a prompt no host holds) go as
-    :class:`MostFreeBudget` places them. Without a prompt (``choose``) it is
-    MostFreeBudget."""
+    unless that host is past its share. A host is past it when it would hold more than
+    ``1 + slack`` times an even share of the agents (this one counted) and more than
+    ``allowance`` agents beyond the least loaded host (both, as SGLang's cache-aware router
+    balances: a few agents of imbalance keep a team together); it is passed over while
+    another is not. A prompt no host holds goes to the host holding the fewest distinct
+    prompts (so that teams, not agents, are spread), then as :class:`MostFreeBudget` places
+    it. A prompt shorter than a block, or none (``choose``): MostFreeBudget."""
 
-    def __init__(self, slack: float = 0.3, min_agents: int = 4) -> None:
-        if slack < 0 or min_agents < 1:
-            raise ValueError("slack must be >= 0 and min_agents >= 1")
+    def __init__(self, slack: float = 0.3, allowance: int = 8) -> None:
+        if slack < 0 or allowance < 0:
+            raise ValueError("slack and allowance must be >= 0")
         self.slack = slack
-        self.min_agents = min_agents
+        self.allowance = allowance
         self._fallback = MostFreeBudget()
 
     def choose(self, agent: str, hosts: Sequence[HostInfo]) -> str:
@@ -112,11 +114,24 @@ class CacheAware:
     def choose_prefix(
         self, agent: str, hosts: Sequence[HostInfo], blocks: Sequence[int], held: HeldPrefixes
     ) -> str:
+        if not blocks:
+            return self.choose(agent, hosts)
         loads = {h.name: _load(h) for h in hosts}
         share = (1 + self.slack) * (sum(loads.values()) + 1) / len(hosts)
-        cap = max(float(self.min_agents), share)
-        room = [h for h in hosts if loads[h.name] + 1 <= cap] or list(hosts)
+        least = min(loads.values())
+
+        def past(h: HostInfo) -> bool:
+            after = loads[h.name] + 1
+            return after > share and after - least > self.allowance
+
+        room = [h for h in hosts if not past(h)] or list(hosts)
         return min(
             room,
-            key=lambda h: (-held.overlap(h.name, blocks), -h.free_bytes, loads[h.name], h.name),
+            key=lambda h: (
+                -held.overlap(h.name, blocks),
+                held.prompts(h.name),
+                -h.free_bytes,
+                loads[h.name],
+                h.name,
+            ),
         ).name

@@ -44,12 +44,15 @@ class HeldPrefixes:
         self.block = block
         self._of: dict[str, tuple[str, list[int]]] = {}  # agent -> (host, blocks)
         self._count: dict[str, Counter[int]] = {}  # host -> block hash -> agents holding it
+        self._heads: dict[str, Counter[int]] = {}  # host -> first block's hash -> agents
 
     def update(self, host: str, agent: str, blocks: Sequence[int]) -> None:
         """``agent`` (on ``host``) holds the prefix ``blocks`` name now."""
         self.drop(agent)
         self._of[agent] = (host, list(blocks))
         self._count.setdefault(host, Counter()).update(blocks)
+        if blocks:
+            self._heads.setdefault(host, Counter())[blocks[0]] += 1
 
     def drop(self, agent: str) -> None:
         """``agent`` holds nothing any more (forgotten, or its host is gone)."""
@@ -62,6 +65,11 @@ class HeldPrefixes:
         for b in set(blocks):
             if count[b] <= 0:
                 del count[b]
+        if blocks:
+            heads = self._heads[host]
+            heads[blocks[0]] -= 1
+            if heads[blocks[0]] <= 0:
+                del heads[blocks[0]]
 
     def move(self, agent: str, host: str) -> None:
         """``agent``'s cache went to ``host`` (a migration, a replica promoted)."""
@@ -84,6 +92,10 @@ class HeldPrefixes:
             if blocks[k - 1] in count:
                 return k * self.block
         return 0
+
+    def prompts(self, host: str) -> int:
+        """How many distinct prompts (first blocks) ``host``'s agents start with."""
+        return len(self._heads.get(host, ()))
 
     def hashes(self, host: str) -> int:
         """How many distinct block hashes ``host`` holds (its summary's size)."""
