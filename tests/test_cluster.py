@@ -187,13 +187,13 @@ async def test_a_replica_takes_the_new_files_verified_and_resumes_as_its_source(
         await b.keep_replica("x", await a.files("x", []))
         await _talk(a, "x", "second question")
         have = await b.replica_files("x")
-        sent, kept = await a.files("x", have)
+        sent, kept, scope = await a.files("x", have)
         # Only the manifest and the new segment travel; the others stay where they are.
         assert kept and "manifest.json" in sent and not set(sent) & set(kept)
         with pytest.raises(kvactor.CacheRejected, match="checksum"):
-            await b.keep_replica("x", (_corrupt_files(sent), kept))
+            await b.keep_replica("x", (_corrupt_files(sent), kept, scope))
         assert await b.replica_files("x") == have  # the replica so far stays whole
-        await b.keep_replica("x", (sent, kept))
+        await b.keep_replica("x", (sent, kept, scope))
         files = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
         assert {p.name: p.read_bytes() for p in replica.iterdir()} == files
         assert (await b.info()).replicas == ["x"]
@@ -208,6 +208,52 @@ async def test_a_replica_takes_the_new_files_verified_and_resumes_as_its_source(
             await b.promote("nobody")
     finally:
         for host in (a, b):
+            await host.close()
+
+
+SCOPED = "You are the red team's analyst. " + "Check every figure twice. " * 40
+
+
+async def _shares(host: EngineHost, name: str, scope: str | None) -> int:
+    """The tokens a new agent of ``scope`` with the SCOPED system prompt shares on ``host``."""
+    await host.spawn(SpawnAgent(name=name, system=SCOPED, scope=scope))
+    return (await _talk(host, name, "first question")).timings.shared_tokens
+
+
+async def test_an_agents_scope_survives_a_restart_a_migration_and_a_promotion(
+    tmp_path: Path,
+) -> None:
+    """A tenant's agent stays in its scope wherever the host resumes it: after the host
+    restarts (it resumes from disk), on the host it migrated to, and on the host that
+    promoted its replica; an agent of another scope never shares its cache (before scopes
+    were kept, a resumed agent was of scope "" and shared its cache with every such
+    agent)."""
+    a, b, c = (EngineHost(n, tiny, tmp_path / n) for n in "abc")
+    try:
+        await a.spawn(SpawnAgent(name="s", system=SCOPED, scope="t1"))
+        await _talk(a, "s", "first question")
+        fork = SpawnAgent(name="f", fork_of="s")  # a fork is of its source's scope
+        await a.spawn(fork)
+        await c.keep_replica("s", await a.files("s", []))
+        await a.close()
+        a = EngineHost("a", tiny, tmp_path / "a")  # restarted: "s" resumes from disk
+        await _talk(a, "s", "second question")
+        assert await a.scope_of("s") == "t1" and await a.scope_of("f") == "t1"
+        assert await _shares(a, "stranger", None) == 0
+        assert await _shares(a, "mate", "t1") > 0
+        # Migrated to b with its scope.
+        assert await b.adopt("s", await a.export("s"), await a.scope_of("s")) > 0
+        await _talk(b, "s", "third question")
+        assert await _shares(b, "stranger", "") == 0
+        assert await _shares(b, "mate", "t1") > 0
+        # Promoted on c from its replica, with its scope.
+        await c.promote("s")
+        await _talk(c, "s", "third question")
+        assert await c.scope_of("s") == "t1" and await _shares(c, "stranger", None) == 0
+        await a.forget("f")
+        assert await a.scope_of("f") == ""
+    finally:
+        for host in (a, b, c):
             await host.close()
 
 

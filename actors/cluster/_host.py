@@ -12,6 +12,11 @@ folder, verifies them exactly as a warm load does (manifest checksum and identit
 segment's checksum, header, shapes and metadata: ``read_cache``) and only then moves them
 into place. A refused cache raises CacheRejected with the reason, and nothing of it stays.
 
+Each agent's sharing scope (``spawn_agent(scope=)``: whose cached prefixes it may share)
+is kept in ``scopes.json`` beside the host's warm tier, and in ``replicas/scopes.json`` for
+its replicas: an agent the host resumes after a restart, adopts in a migration or promotes
+from a replica keeps its scope, so a tenant's cache never becomes another's to share.
+
 The session opens on the first call, in a task of its own (so a host that Ray restarts
 after its process died opens again over the same cache folder, whose lock died with the old
 process), and agents the host does not run yet are resumed from their warm caches when a
@@ -23,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
+import json
+import logging
 import os
 import secrets
 import shutil
@@ -55,6 +62,8 @@ from ..warm import (
 from ._prefixes import prefix_blocks
 
 __all__ = ("EngineHost", "HostInfo", "TurnEnd")
+
+log = logging.getLogger("kvactor.cluster")
 
 #: The most bytes one agent's files may take in a migration (a 128K-token cache of a large
 #: model is a few GB; a peer that sends more is refused before anything is written).
@@ -119,6 +128,8 @@ class EngineHost:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._in = self._out = 0
+        self._scopes = _Scopes(self.cache_dir / "scopes.json")  # its agents' scopes
+        self._replica_scopes = _Scopes(self.cache_dir / "replicas" / "scopes.json")
 
     # -- the session ------------------------------------------------------------------
     async def _open(self) -> Session:
@@ -154,7 +165,7 @@ class EngineHost:
             return session.agent(name)
         if not agent_dir(self.cache_dir, name).is_dir():
             raise UnknownAgent(f"no agent named {name!r} on host {self.name!r}")
-        return await session.spawn_agent(name)
+        return await session.spawn_agent(name, scope=self._scopes.get(name))
 
     async def close(self) -> None:
         """Close the session: every agent saves its last turn first."""
@@ -189,18 +200,24 @@ class EngineHost:
         session = await self._open()
         if spawn.fork_of is not None and spawn.fork_of not in session.agents:
             await self._agent(spawn.fork_of)  # a source on disk only: resume it first
+        source = spawn.fork_of if spawn.fork_of is not None else spawn.context
+        scope = spawn.scope
+        if scope is None:  # a fork's or a context agent's is its source's
+            scope = self._scopes.get(source) if source is not None else ""
         await session.spawn_agent(
             spawn.name,
             system=spawn.system,
             fork_of=spawn.fork_of,
             context=spawn.context,
-            scope=spawn.scope,
+            scope=scope,
             tool_wait_s=spawn.tool_wait_s,
         )
+        await anyio.to_thread.run_sync(self._scopes.set, spawn.name, scope)
 
     async def context(self, made: MakeContext) -> None:
         """A shared context here (``SessionAPI.context``)."""
         await (await self._open()).context(made.name, made.text, scope=made.scope)
+        await anyio.to_thread.run_sync(self._scopes.set, made.name, made.scope)
 
     async def turn(
         self,
@@ -303,7 +320,14 @@ class EngineHost:
         )
 
     async def forget(self, name: str) -> Forgotten:
-        return await (await self._open()).forget(name)
+        done = await (await self._open()).forget(name)
+        await anyio.to_thread.run_sync(self._scopes.set, name, "")
+        return done
+
+    async def scope_of(self, name: str) -> str:
+        """Agent ``name``'s sharing scope here ("" unless it was given one)."""
+        await self._open()
+        return self._scopes.get(name)
 
     async def end_turns(self) -> int:
         """End this host's turns (``Session.end_turns``); 0 when its session is not open."""
@@ -328,16 +352,17 @@ class EngineHost:
         self._out += 1
         return buffer.getvalue()
 
-    async def adopt(self, name: str, data: bytes) -> int:
-        """Take agent ``name`` from another host: its portable file ``data`` (``export``)
-        is imported (``Session.import_agent``: staged, verified as a warm load verifies a
-        cache, then moved into place) and the agent resumes from it; returns the bytes
-        taken. Raises CacheRejected (nothing kept) for a file that fails, ValueError when
-        an agent of that name is here already."""
+    async def adopt(self, name: str, data: bytes, scope: str = "") -> int:
+        """Take agent ``name`` (of sharing scope ``scope``) from another host: its portable
+        file ``data`` (``export``) is imported (``Session.import_agent``: staged, verified
+        as a warm load verifies a cache, then moved into place) and the agent resumes from
+        it; returns the bytes taken. Raises CacheRejected (nothing kept) for a file that
+        fails, ValueError when an agent of that name is here already."""
         session = await self._free_name(name)
         if not isinstance(data, (bytes, bytearray)):
             raise CacheRejected(f"a migration brings bytes, not {type(data).__name__}")
-        await session.import_agent(bytes(data), name, max_bytes=MAX_MIGRATION_BYTES)
+        await anyio.to_thread.run_sync(self._scopes.set, name, scope)
+        await session.import_agent(bytes(data), name, scope=scope, max_bytes=MAX_MIGRATION_BYTES)
         self._in += 1
         return len(data)
 
@@ -365,7 +390,7 @@ class EngineHost:
             raise AgentExists(f"agent {name!r} already exists on host {self.name!r}")
         return session
 
-    async def _install(self, session: Session, root: Path, name: str) -> None:
+    async def _install(self, session: Session, root: Path, name: str, scope: str) -> None:
         """Verify ``<root>/agents/<name>`` as a warm load does (read_cache refuses with the
         reason: checksums, identity, shapes, metadata), move it into place, resume it."""
         identity, layout = session.identity, session.layout
@@ -374,7 +399,7 @@ class EngineHost:
         target = agent_dir(self.cache_dir, name)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(agent_dir(root, name), target)
-        await session.spawn_agent(name)
+        await session.spawn_agent(name, scope=scope)
 
     # -- replicas (another host's agents, kept for when that host is gone) ------------
     def _replica_names(self) -> list[str]:
@@ -385,18 +410,18 @@ class EngineHost:
 
     async def files(
         self, name: str, have: list[tuple[str, int]]
-    ) -> tuple[dict[str, bytes], list[str]]:
+    ) -> tuple[dict[str, bytes], list[str], str]:
         """Agent ``name``'s committed warm files as they are now (it keeps running): the
-        manifest and the files not in ``have`` (name, size) already, and the names of
-        those in ``have`` that it still has. Raises UnknownAgent when it has no warm cache
-        here."""
+        manifest and the files not in ``have`` (name, size) already, the names of those in
+        ``have`` that it still has, and its scope. Raises UnknownAgent when it has no warm
+        cache here."""
         await self._open()
         folder = agent_dir(self.cache_dir, name)
         if not (folder / MANIFEST).is_file():
             raise UnknownAgent(f"agent {name!r} has no warm cache on host {self.name!r}")
         sent = await anyio.to_thread.run_sync(_read_files, folder, dict(have))
         kept = [f for f, _ in have if _cache_file(f) and f not in sent and (folder / f).is_file()]
-        return sent, kept
+        return sent, kept, self._scopes.get(name)
 
     async def replica_files(self, name: str) -> list[tuple[str, int]]:
         """The files (name, size) of the replica of agent ``name`` kept here."""
@@ -406,12 +431,12 @@ class EngineHost:
             return []
         return [(e.name, e.stat().st_size) for e in sorted(folder.iterdir()) if e.is_file()]
 
-    async def keep_replica(self, name: str, update: tuple[dict[str, bytes], list[str]]) -> int:
+    async def keep_replica(self, name: str, update: tuple[dict[str, bytes], list[str], str]) -> int:
         """Bring the replica of agent ``name`` up to date with ``update`` (what ``files``
-        returns: new files, and the replica's files to keep): together, verified as a warm
-        load verifies them, they replace the replica. Returns the bytes received. Raises
-        CacheRejected (the old replica stays) for files that fail."""
-        files, keep = update
+        returns: new files, the replica's files to keep, its scope): together, verified as
+        a warm load verifies them, they replace the replica. Returns the bytes received.
+        Raises CacheRejected (the old replica stays) for files that fail."""
+        files, keep, scope = update
         session = await self._open()
         check_agent_id(name)
         identity, layout = session.identity, session.layout
@@ -433,6 +458,7 @@ class EngineHost:
                     trusted={f: e for f, e in verified.items() if f in keep and f not in files},
                 )
             )
+            await anyio.to_thread.run_sync(self._replica_scopes.set, name, scope)
             await anyio.to_thread.run_sync(_swap_in, agent_dir(staging, name), replicas, name)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -442,6 +468,7 @@ class EngineHost:
         """Delete the replica of agent ``name`` kept here (nothing when there is none)."""
         check_agent_id(name)
         shutil.rmtree(agent_dir(contained(self.cache_dir, "replicas"), name), ignore_errors=True)
+        await anyio.to_thread.run_sync(self._replica_scopes.set, name, "")
 
     async def promote(self, name: str) -> None:
         """Make the replica of agent ``name`` an agent of this host (its own host is
@@ -452,7 +479,10 @@ class EngineHost:
         replicas = contained(self.cache_dir, "replicas")
         if not (agent_dir(replicas, name) / MANIFEST).is_file():
             raise UnknownAgent(f"no replica of agent {name!r} on host {self.name!r}")
-        await self._install(session, replicas, name)
+        scope = self._replica_scopes.get(name)
+        await anyio.to_thread.run_sync(self._scopes.set, name, scope)
+        await self._install(session, replicas, name, scope)
+        await anyio.to_thread.run_sync(self._replica_scopes.set, name, "")
         self._in += 1
 
 
@@ -532,3 +562,48 @@ def _entries(root: Path, identity: CacheIdentity, name: str) -> dict[str, Segmen
     if manifest is None:
         return {}
     return {e.file: e for e in manifest.all_segments}
+
+
+class _Scopes:
+    """Agents' sharing scopes, kept in a JSON file (``{agent: scope}``, "" left out),
+    rewritten whole through a fsynced temp file and a rename at each change. A file that
+    cannot be read counts as empty (its agents resume in scope "", as before scopes were
+    kept), and says so in the log."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._of: dict[str, str] | None = None
+
+    def _load(self) -> dict[str, str]:
+        if self._of is None:
+            try:
+                data = json.loads(self.path.read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                data = {}
+            except (OSError, ValueError) as exc:
+                log.warning("%s cannot be read (%s): its agents resume in scope ''", self.path, exc)
+                data = {}
+            if not isinstance(data, dict):
+                data = {}
+            self._of = {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+        return self._of
+
+    def get(self, agent: str | None) -> str:
+        return self._load().get(agent, "") if agent is not None else ""
+
+    def set(self, agent: str, scope: str) -> None:
+        """Keep ``agent``'s scope ("": forget it); on disk before it returns."""
+        of = self._load()
+        if of.get(agent, "") == scope:
+            return
+        if scope:
+            of[agent] = scope
+        else:
+            of.pop(agent, None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(of, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)

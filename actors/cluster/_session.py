@@ -442,10 +442,11 @@ class ClusterSession(SessionAPI[ClusterAgent]):
             return None
         hosts = self.engine_hosts
         began = time.perf_counter()
+        scope: str = await hosts.call(source, EngineHost.scope_of, name)
         files = hosts.remote(source, EngineHost.export, name)  # stays in the object store
         # The source keeps its files when this fails; it resumes the agent on its next call.
         nbytes: int = await hosts.get_ref(
-            target, hosts.remote(target, EngineHost.adopt, name, files)
+            target, hosts.remote(target, EngineHost.adopt, name, files, scope)
         )
         self._where[name] = target.name
         self.prefixes.move(name, target.name)
