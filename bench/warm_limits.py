@@ -45,11 +45,12 @@ agents' stored caches at the longest context):
    (summed TTFT, and a turn's median ratio), the floor of any write-back that keeps every
    cache (``write_back_floor_vs_through``: each new token's tensor bytes once), the
    tokens not on disk at close, and whether the answers equal write-through's.
-   ``--write-back-only`` runs the probe, phase 1 (for the limit) and this phase.
+   ``--write-back-only`` runs the probe, phase 1 (for the limit) and this phase;
+   ``--no-write-back`` leaves it out (phases 1-4: the limit's figures alone).
 
     python bench/warm_limits.py [--quick] [--model PATH] [--agents 200] [--turns 7]
         [--words 190 230] [--max-tokens 32] [--concurrency 4] [--hot-agents 4]
-        [--back-hot-share 0.6] [--back-budget-share 0.25] [--write-back-only]
+        [--back-hot-share 0.6] [--back-budget-share 0.25] [--write-back-only | --no-write-back]
         [--seed 0] [--mlx-agents 16] [--dir DIR] [--json PATH]
 
 ``--quick`` (about a minute): the tiny random-weight llama with its layers scaled up so
@@ -119,6 +120,7 @@ class Config:
     back_hot_share: float = 0.6  # phase 5: agents the hot budget holds, a share of them
     back_budget_share: float = 0.25  # phase 5: a write budget, a share of write-through's
     write_back_only: bool = False  # phase 5 alone (the probe first)
+    no_write_back: bool = False  # phases 1-4 only
     sample_ms: float = 10.0
     mlx_agents: int = 16  # 0: every agent
     seed: int = 0
@@ -578,12 +580,16 @@ async def run(cfg: Config) -> dict[str, Any]:
         three = await phase_limited(cfg, trace, roots[1], budget, limit, one)
         print("[4 restart] ...", file=sys.stderr, flush=True)
         four = await phase_restart(cfg, trace, roots, budget, limit)
-        print("[5 write-back] ...", file=sys.stderr, flush=True)
-        five = await phase_write_back(cfg, trace, work / "write-back", sizes, bounds)
+        five = None
+        if not cfg.no_write_back:
+            print("[5 write-back] ...", file=sys.stderr, flush=True)
+            five = await phase_write_back(cfg, trace, work / "write-back", sizes, bounds)
     finally:
         if not cfg.workdir:
             shutil.rmtree(work, ignore_errors=True)
     out = summary(cfg, trace, sizes, one, mlx, three, four, time.perf_counter() - began)
+    if five is None:
+        return out
     out.update((k, v) for k, v in five.items() if k != "write_back_runs")
     out["write_back"] = five["write_back_runs"]
     out["wall_s"]["write_back"] = round(
@@ -840,7 +846,7 @@ def table(r: dict[str, Any]) -> str:
             "",
         ),
         ("avg_turns_between_leaving_hot", r["avg_turns_between_leaving_hot"], "", ""),
-        *write_back_rows(r),
+        *(write_back_rows(r) if "write_back" in r else []),
         (
             "wall s: unbounded / mlx-lm / limited / restart / total",
             " / ".join(str(v) for v in r["wall_s"].values()),
@@ -867,6 +873,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
     parser.add_argument("--back-hot-share", type=float, help="phase 5: agents hot, a share")
     parser.add_argument("--back-budget-share", type=float, help="phase 5: a write budget")
     parser.add_argument("--write-back-only", action="store_true", help="phase 5 alone")
+    parser.add_argument("--no-write-back", action="store_true", help="phases 1-4 only")
     parser.add_argument("--sample-ms", type=float)
     parser.add_argument("--mlx-agents", type=int, help="agents replayed for mlx-lm (0: all)")
     parser.add_argument("--seed", type=int)
