@@ -570,8 +570,8 @@ async def run(cfg: Config) -> dict[str, Any]:
         limit = int(one["unbounded_bytes"] * cfg.limit_share)
         bounds = (limit, one["new_kv_bytes"])
         if cfg.write_back_only:
-            five = await phase_write_back(cfg, trace, work / "write-back", sizes, bounds)
-            return only_write_back(cfg, trace, shown, five, time.perf_counter() - began)
+            alone = await phase_write_back(cfg, trace, work / "write-back", sizes, bounds)
+            return only_write_back(cfg, trace, shown, alone, time.perf_counter() - began)
         (work / "mlx-lm").mkdir()
         print(f"[2 mlx-lm] {cfg.mlx_agents or cfg.agents} agents ...", file=sys.stderr)
         mlx = mlx_lm_amplification(
@@ -580,7 +580,7 @@ async def run(cfg: Config) -> dict[str, Any]:
         three = await phase_limited(cfg, trace, roots[1], budget, limit, one)
         print("[4 restart] ...", file=sys.stderr, flush=True)
         four = await phase_restart(cfg, trace, roots, budget, limit)
-        five = None
+        five: dict[str, Any] | None = None
         if not cfg.no_write_back:
             print("[5 write-back] ...", file=sys.stderr, flush=True)
             five = await phase_write_back(cfg, trace, work / "write-back", sizes, bounds)
