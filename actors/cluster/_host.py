@@ -58,6 +58,7 @@ from ..warm import (
     read_cache,
     read_manifest,
     verify_cache,
+    write_atomic,
 )
 from ._prefixes import prefix_blocks
 
@@ -284,7 +285,8 @@ class EngineHost:
         session = await self._open()
         identity = session.identity
         assert identity is not None  # a host always has a warm tier
-        names = [w.agent for w in await session.warm_agents() if not w.rejected]
+        # A cold agent (no cached token) holds nothing: its manifest is not read.
+        names = [w.agent for w in await session.warm_agents() if not w.rejected and w.tokens]
 
         def read() -> dict[str, list[int]]:
             held: dict[str, list[int]] = {}
@@ -566,9 +568,9 @@ def _entries(root: Path, identity: CacheIdentity, name: str) -> dict[str, Segmen
 
 class _Scopes:
     """Agents' sharing scopes, kept in a JSON file (``{agent: scope}``, "" left out),
-    rewritten whole through a fsynced temp file and a rename at each change. A file that
-    cannot be read counts as empty (its agents resume in scope "", as before scopes were
-    kept), and says so in the log."""
+    rewritten whole at each change (``write_atomic``: a fsynced temp file, a rename, the
+    folder fsynced). A file that cannot be read counts as empty (its agents resume in
+    scope "", as before scopes were kept), and says so in the log."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -601,9 +603,5 @@ class _Scopes:
         else:
             of.pop(agent, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(of, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        body = json.dumps(of, sort_keys=True).encode()
+        write_atomic(self.path.parent, self.path.name, [memoryview(body)])

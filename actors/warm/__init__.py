@@ -8,6 +8,7 @@ from __future__ import annotations
 from ._dirlock import CacheDirLock as CacheDirLock
 from ._dirlock import lock_cache_dir as lock_cache_dir
 from ._durable import link_or_copy as link_or_copy
+from ._durable import write_atomic as write_atomic
 from ._forget import Forgotten as Forgotten
 from ._forget import SharedFile as SharedFile
 from ._forget import collect as collect
@@ -130,6 +131,7 @@ __all__ = (
     "forget_cache",
     "fork_cache",
     "link_or_copy",
+    "write_atomic",
     "list_agents",
     "lock_cache_dir",
     "read_cache",
