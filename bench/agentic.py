@@ -169,6 +169,11 @@ async def replay(
         await kv.context(BRIEF, trace.system)  # resumed from its warm cache
         brief_tokens = (await kv.cache_info(BRIEF)).tokens
         agents = {n: await kv.spawn_agent(n, context=BRIEF) for n in trace.agents if n not in seeds}
+        # What the tiers did, step by step (bench/replay.py replays the decisions).
+        seen: dict[str, dict[str, int]] = {"hot": {}, "warm": {}}
+        start_hot = sorted(c.agent for c in await kv.hot_caches())
+        await _moves(kv, seen)  # the start's, left out
+        imported: dict[str, int] = {}
         began = time.perf_counter()
         for at, step in enumerate(trace.steps):
             if isinstance(chosen, OraclePolicy):
@@ -180,6 +185,9 @@ async def replay(
                 await kv.hint(next=upcoming)
             if step.agent not in agents:  # its private context arrives (outside its TTFT)
                 agents[step.agent] = await kv.import_agent(seeds[step.agent], name=step.agent)
+                imported[step.agent] = next(
+                    w.tokens for w in await kv.warm_agents() if w.agent == step.agent
+                )
             sent = time.perf_counter()
             first = None
             hot = None
@@ -202,6 +210,8 @@ async def replay(
                     "ttft_s": ttft,
                     "path": str(done.path),
                     "prefilled_tokens": done.timings.prefilled_tokens,
+                    "prompt_tokens": done.timings.prompt_tokens,
+                    "reused_tokens": done.timings.reused_tokens,
                     # The prefill's own compute (its working copy made before it excluded).
                     "prefill_s": done.timings.prefill_s - done.timings.dequantize_s,
                     "parts": {  # where the time to first token went (the engine's figures)
@@ -217,6 +227,7 @@ async def replay(
                     ),
                 }
             )
+            turns[-1]["moves"] = await _moves(kv, seen)
             if disk_limit is not None:  # what the directory holds, as the store counts it
                 disk_peak = max(disk_peak, agents_bytes(root))
         wall = time.perf_counter() - began
@@ -239,7 +250,24 @@ async def replay(
         "context_tokens": {a: t for a, (_, t) in stored.items()},
         "geometry": geometry,
         "brief_tokens": brief_tokens,
+        "start_hot": start_hot,
+        "imported_tokens": imported,
     }
+
+
+async def _moves(kv: Any, seen: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The tiers' moves since the last call (``seen``: each log's last seq, updated), as
+    ``[kind, agent, tier, source]``: hot-tier demotions and installs, then warm agents made
+    cold."""
+    out: list[list[str]] = []
+    for tier, logs in (
+        ("hot", await kv.tier_moves(seen["hot"])),
+        ("warm", await kv.warm_moves(seen["warm"])),
+    ):
+        for model, log in logs.items():
+            seen[tier][model] = log.last
+            out += [[m.kind, m.agent, m.tier, m.source] for m in log.moves]
+    return out
 
 
 def budget_for(reference: dict[str, Any], fraction: float, max_tokens: int) -> tuple[int, int]:
@@ -270,6 +298,11 @@ def summary(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
                 "bound_s": bound,
                 "excess_s": turn["ttft_s"] - bound,
                 **turn["parts"],
+                "prefill_s": turn["prefill_s"],
+                "prefilled_tokens": turn["prefilled_tokens"],
+                "prompt_tokens": turn["prompt_tokens"],
+                "reused_tokens": turn["reused_tokens"],
+                "moves": turn.get("moves", []),
             }
         )
         re_prefilled += max(turn["prefilled_tokens"] - ref["prefilled_tokens"], 0)
@@ -431,6 +464,11 @@ async def pressure_results(args: argparse.Namespace, model: Any, tmp: Path) -> d
         "disk_share": disk_limit / working,
         "reference": summary(reference, reference),
         "policies": runs,
+        # For bench/replay.py: the trace's steps, and what each run began with.
+        "trace": [[s.agent, s.tool_wait_s] for s in trace.steps],
+        "start_hot": reference["start_hot"],
+        "imported_tokens": reference["imported_tokens"],
+        "brief_tokens": reference["brief_tokens"],
     }
 
 
