@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from ..enums import Tier
 from ..messages import WarmAgent
@@ -22,12 +22,18 @@ __all__ = ("Demotion", "cold_candidates")
 
 
 def cold_candidates(
-    agents: Sequence[WarmAgent], hints: HintBook | None, rates: Rates
+    agents: Sequence[WarmAgent],
+    hints: HintBook | None,
+    rates: Rates,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
 ) -> list[Candidate]:
     """``agents`` (warm, not hot) as candidates to go cold: their last use is when their
-    warm cache was written, bringing one back is a re-prefill, and the hints in force
-    (None: none) say when each runs next, its priority and whether it is done."""
-    now, wall = time.monotonic(), time.time()
+    warm cache was written (``updated``, on the ``wall`` clock), bringing one back is a
+    re-prefill, and the hints in force (None: none) say when each runs next (on
+    ``clock``), its priority and whether it is done."""
+    now, at = clock(), wall()
     out = []
     for a in agents:
         hinted = None if hints is None else hints.next_use(a.agent, now)
@@ -36,7 +42,7 @@ def cold_candidates(
                 agent=a.agent,
                 nbytes=a.nbytes,
                 tokens=a.tokens,
-                last_used=now - max(wall - a.updated, 0.0),
+                last_used=now - max(at - a.updated, 0.0),
                 hits=0,
                 clean=True,
                 demote_to=Tier.COLD,
@@ -58,7 +64,8 @@ class Demotion:
 
     Invariant: the only remover of residents for room, and the only writer of
     ``demotions`` and of the demotions in ``moves``; a cache with a turn running, or a
-    write due or under way, is never demoted."""
+    write due or under way, is never demoted. ``clock`` (monotonic seconds) and ``wall``
+    (unix seconds, as the warm tier dates its writes): the times it weighs."""
 
     def __init__(
         self,
@@ -72,7 +79,10 @@ class Demotion:
         persistent: bool,
         moves: MoveLog | None = None,
         write_back: WriteBack | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
+        self.clock, self._wall = clock, wall
         self._residents = residents
         self._ledger = ledger
         self._ready = ready
@@ -88,7 +98,7 @@ class Demotion:
     def waiting(self, agent: str, entry: HotEntry) -> bool:
         """A turn of it is queued, it was staged for one, or it waits on its tool calls'
         results (within their TTL): a reload would come soon."""
-        return self._residents.busy(agent) or entry.staged or entry.tool_waiting(time.monotonic())
+        return self._residents.busy(agent) or entry.staged or entry.tool_waiting(self.clock())
 
     def candidates(self, exclude: HotEntry | None = None) -> list[Candidate]:
         """Every cache that may be demoted now: all but running turns' (and ``exclude``),
@@ -99,7 +109,7 @@ class Demotion:
             if e.kv.shared:
                 for a in e.kv.stored_arrays():
                     holders[id(a)] = holders.get(id(a), 0) + 1
-        now = time.monotonic()
+        now = self.clock()
         rates = self._rates
         out = []
         for agent, e in self._residents.items():
@@ -156,7 +166,7 @@ class Demotion:
     def _sooner(self, agent: str) -> set[str]:
         """Hot agents a prefetch of ``agent`` must not displace: those hinted to run no
         later than it, or of a higher priority (empty when ``agent`` has no hint)."""
-        hints, now = self._hints, time.monotonic()
+        hints, now = self._hints, self.clock()
         at = hints.next_use(agent, now)
         if at is None:
             return set()
@@ -171,7 +181,7 @@ class Demotion:
     def _ready_order(self, agent: str, entry: HotEntry) -> tuple[bool, int, bool, float]:
         """Whose ready copy goes first: not waiting before waiting, low priority first, then
         unhinted least recently used, then hinted furthest first."""
-        at = self._hints.next_use(agent, time.monotonic())
+        at = self._hints.next_use(agent, self.clock())
         rank = entry.last_used if at is None else -at
         return self.waiting(agent, entry), self._hints.priority(agent), at is not None, rank
 
@@ -298,7 +308,9 @@ class Demotion:
             if entry is not None and (entry.staged or entry.write_due or a.agent in writing):
                 continue
             idle.append(a)
-        candidates = cold_candidates(idle, self._hints, self._rates)
+        candidates = cold_candidates(
+            idle, self._hints, self._rates, clock=self.clock, wall=self._wall
+        )
         for i, c in enumerate(candidates):
             entry = self._residents.get(c.agent)
             if entry is not None:  # its last use is its last turn, not its last write

@@ -12,7 +12,7 @@ entries through the methods here; the pool answers with typed results.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ...kernels.agent_cache import DEFAULT_CHECKPOINTS, AgentKV
 from ...kernels.geometry import CacheGeometry
@@ -48,6 +48,9 @@ class CachePool:
     handed in by a runner whose log outlives each load's pool. ``write_budget`` (with a
     warm tier): write-back (:class:`WriteBack`): a turn's end writes nothing, and a cache
     the budget admits is handed to ``post`` (its agent writes it) as it leaves the tier.
+    ``clock`` and ``wall``: the monotonic and unix seconds the tier weighs its caches by
+    (a replay without model compute, ``bench/replay.py``, runs the tier on its own time;
+    a write budget's window keeps real time).
 
     The engine runs turns on the entries' caches through the methods here (claim, base,
     start, store a cut, end) and reports its running batch's bytes. The pool is the only
@@ -68,7 +71,10 @@ class CachePool:
         moves: MoveLog | None = None,
         write_budget: WriteBudget | None = None,
         post: PostWrite | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
+        self.clock = clock
         self._checkpoints = checkpoints
         self.persistent = persistent
         self._codec, self._geometry, self._turn_cache = codec, geometry, turn_cache
@@ -92,6 +98,8 @@ class CachePool:
             persistent=persistent,
             moves=moves,
             write_back=self.write_back,
+            clock=clock,
+            wall=wall,
         )
         self.warm = WarmTraffic(self.residents, self.ledger, self.demotion, self.write_back)
         self.shared_turns = 0  # turns based on another cache's stored ranges
@@ -176,7 +184,7 @@ class CachePool:
             nbytes=kv.nbytes,
             busy=self.busy(agent),
             persisted=entry.persisted,
-            tool_wait_s=max(entry.tool_wait_until - time.monotonic(), 0.0),
+            tool_wait_s=max(entry.tool_wait_until - self.clock(), 0.0),
             last_used=entry.last_used,
             checkpoints=kv.checkpoint_count,
             checkpoint_tokens=[r.stop for r in kv.ranges if r.states],
@@ -221,7 +229,7 @@ class CachePool:
             entry = self.residents.add(agent, HotEntry(self.new_kv()))
             hit = False
         self.hints.queued(agent)
-        entry.queued(time.monotonic(), hit=hit)
+        entry.queued(self.clock(), hit=hit)
         return entry
 
     def drop(self, agent: str) -> bool:
@@ -375,7 +383,7 @@ class CachePool:
         kv.slide(entry.persisted if self.persistent else len(kv.tokens))
         self.residents.reindex(agent, entry)
         self.residents.mark_idle(agent)
-        now = time.monotonic()
+        now = self.clock()
         self.hints.turn_took(now - entry.last_used)  # queued at last_used
         # Under a write budget nothing is written at a turn's end (write-back).
         write_due = finished and self.persistent and self.write_back is None and not entry.clean
@@ -424,10 +432,10 @@ class CachePool:
     def hint(self, hint: Hint, *, ahead: int = 2) -> None:
         """Take the application's ``hint``; build ready copies for the ``ahead`` soonest
         hinted agents that are hot and idle, in room that is free now."""
-        self.hints.apply(hint, time.monotonic())
+        self.hints.apply(hint, self.clock())
         for agent in hint.done:
             self._write_done(agent)
-        for agent in self.hints.soonest(time.monotonic(), ahead):
+        for agent in self.hints.soonest(self.clock(), ahead):
             self.ready_ahead(agent)
 
     def _write_done(self, agent: str) -> None:
@@ -447,12 +455,12 @@ class CachePool:
         ``ttl_s`` seconds, or until its next turn is queued (no cache: nothing to keep)."""
         entry = self.residents.get(agent)
         if entry is not None:
-            entry.wait_for_tools(time.monotonic() + max(ttl_s, 0.0))
+            entry.wait_for_tools(self.clock() + max(ttl_s, 0.0))
 
     @property
     def tool_waits(self) -> int:
         """Hot agents waiting on tool results now."""
-        now = time.monotonic()
+        now = self.clock()
         return sum(e.tool_waiting(now) for e in self.residents.values())
 
     def ready_ahead(self, agent: str) -> None:

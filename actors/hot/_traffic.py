@@ -4,7 +4,6 @@ in the budget until they are written."""
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,7 +62,7 @@ class WarmTraffic:
         entry = self._residents.get(agent)
         if entry is not None:
             if not self._residents.busy(agent):
-                entry.expected(time.monotonic())
+                entry.expected(self._demotion.clock())
             return Room.HOT
         ledger = self._ledger
         if ledger.staged(agent):
@@ -115,7 +114,7 @@ class WarmTraffic:
         if reserved is None and not self._demotion.make_room(nbytes):
             raise BudgetExceeded(f"no room in the hot tier for agent {agent!r}")
         kv = build()
-        now = time.monotonic()
+        now = self._demotion.clock()
         entry = HotEntry(
             kv, now, persisted=len(kv.tokens), pinned=pin, next_use=None if pin else now
         )

@@ -1,0 +1,464 @@
+"""A replay of an agentic trace through the hot tier's own code, without model compute.
+
+The hot tier (``CachePool``: its residents, ledger, ready copies, demotion and policy, the
+hints) is the real one, on real MLX caches: each turn's new tokens go into its working copy
+as zeros instead of a forward pass, and are quantized, stored, dequantized, shared and
+demoted as a real turn's are. Around it this module plays, one turn at a time (as
+``bench/agentic.py`` runs its steps), what the engine, the agent actors, the prefetch actor
+and the warm store do with it, in their order: a hint first (the engine's part, then
+prefetches of the two soonest), a turn that misses its cache stages it from disk (or starts
+cold when its warm copy went cold), a turn ends with a write, and a write that would pass
+the disk limit first makes agents cold in the policy's order (``CachePool.cold_victims``).
+The disk is a count of segments (shared ones, a prefix linked from another agent, counted
+once), not files.
+
+Time is the replay's own (``CachePool(clock=..., wall=...)``): a turn takes what the real
+run's measured rates say it takes (:class:`Costs`: a fixed part, then per token loaded from
+disk, dequantized and prefilled), so the policy's reload estimates, the hints' timing and
+tool waits see the times they saw there. ``book_s`` is the wall time spent in the tier's
+code and this bookkeeping (the zeros and their quantizing left out): what the runtime's
+decisions cost at that many agents.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from kvactor.actors.engine import turn_reserve_bytes
+from kvactor.actors.enums import Room, Tier
+from kvactor.actors.hot import CachePool, EvictionPolicy
+from kvactor.actors.messages import Hint, WarmAgent
+from kvactor.kernels.agent_cache import AgentKV
+from kvactor.kernels.geometry import CacheGeometry
+from kvactor.kernels.qcodec import KVCodec
+
+__all__ = ("Costs", "Replay", "Step")
+
+#: A manifest's bytes per token (its token ids, text and messages as JSON) and per file;
+#: a segment file's header per tensor (two per K/V layer) and per file.
+MANIFEST_PER_TOKEN, MANIFEST_FIXED = 16, 1024
+HEADER_PER_TENSOR, HEADER_FIXED = 128, 256
+
+
+@dataclass(frozen=True)
+class Step:
+    """One turn: ``agent`` sends a prompt whose first ``reused`` tokens are its cache's (as
+    the unbounded run reused them) and ``new`` more, generates ``generated`` tokens and
+    waits ``tool_wait_s`` on tools after it; ``imported``: its cache arrives just before
+    (a portable file of that many tokens, the shared context's first)."""
+
+    agent: str
+    reused: int
+    new: int
+    generated: int = 4
+    tool_wait_s: float = 0.0
+    imported: int = 0
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-path times, fitted to a real run's turns: a turn's time to first token is
+    ``fixed_s`` plus per token loaded from disk, dequantized and prefilled; ``decode_s``
+    the rest of the turn and its write."""
+
+    fixed_s: float
+    load_s: float
+    dequantize_s: float
+    prefill_s: float
+    decode_s: float = 0.3
+
+    @classmethod
+    def fit(cls, turns: Sequence[dict[str, Any]]) -> Costs:
+        """From a real run's per-turn records (``bench/agentic.py``'s): each part's seconds
+        over the tokens it worked on, summed over the turns that did it."""
+
+        def rate(seconds: str, tokens: Any) -> float:
+            used = [(t[seconds], tokens(t)) for t in turns if t[seconds] > 0 and tokens(t) > 0]
+            return sum(s for s, _ in used) / max(sum(n for _, n in used), 1)
+
+        load = rate("load_s", lambda t: t["reused_tokens"] if t["path"] == "warm" else 0)
+        dequantize = rate("dequantize_s", lambda t: t["reused_tokens"])
+        prefill = rate("prefill_s", lambda t: t["prefilled_tokens"])
+        rest = [t["ttft_s"] - t["load_s"] - t["dequantize_s"] - t["prefill_s"] for t in turns]
+        return cls(statistics.median(rest), load, dequantize, prefill)
+
+    def ttft(self, *, loaded: int, dequantized: int, prefilled: int) -> float:
+        return (
+            self.fixed_s
+            + self.load_s * loaded
+            + self.dequantize_s * dequantized
+            + self.prefill_s * prefilled
+        )
+
+
+class _Clock:
+    """The replay's time: monotonic seconds from 0, wall seconds from a fixed epoch."""
+
+    EPOCH = 1.7e9
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.EPOCH + self.now
+
+
+@dataclass
+class _Agent:
+    """What an agent actor knows: its cache's tokens and how many it believes are on disk."""
+
+    tokens: list[int]
+    persisted: int = 0
+    bounds: list[int] = field(default_factory=list)  # where its stored ranges end
+
+
+@dataclass
+class _Warm:
+    """An agent's warm copy: its segments (ids, first to last, each ending at a token) and
+    tokens on disk, and when it was written."""
+
+    segments: list[tuple[int, int]] = field(default_factory=list)  # (segment id, stop)
+    tokens: list[int] = field(default_factory=list)
+    updated: float = 0.0
+
+
+class Replay:
+    """One replay of a trace under ``policy`` with a hot ``budget`` and a ``disk_limit``
+    (bytes), caches of ``geometry`` and ``codec``; ``costs`` times the turns."""
+
+    def __init__(
+        self,
+        *,
+        geometry: CacheGeometry,
+        codec: KVCodec,
+        policy: EvictionPolicy,
+        budget: int | None,
+        disk_limit: int | None,
+        costs: Costs,
+        prefetch: int = 2,
+        max_tokens: int = 4,
+    ) -> None:
+        self.clock = _Clock()
+        self.pool = CachePool(
+            budget,
+            policy,
+            persistent=True,
+            codec=codec,
+            geometry=geometry,
+            clock=self.clock.monotonic,
+            wall=self.clock.wall,
+        )
+        self.geometry = geometry
+        self.disk_limit = disk_limit
+        self.costs = costs
+        self.prefetch = prefetch
+        self.max_tokens = max_tokens
+        self.agents: dict[str, _Agent] = {}
+        self.warm: dict[str, _Warm] = {}
+        self._segments: dict[int, int] = {}  # id -> bytes
+        self._refs: dict[int, int] = {}  # id -> agents holding it
+        self._ids = itertools.count(1)
+        self._fresh = itertools.count(1_000_000)  # token ids never seen before
+        self._seen = 0  # the hot tier's move log, read up to here
+        self.moves: list[list[str]] = []  # this step's
+        self.turns: list[dict[str, Any]] = []
+        self.book_s = 0.0  # in the tier's code and this replay's bookkeeping
+        self.array_s = 0.0  # making the zeros that stand in for the forward
+        self.disk_peak = 0
+        self._per_token = (0, 0.0)
+        self._per_token = self._bytes_per_token()
+
+    # -- arrays (the forward's stand-in: not bookkeeping) -----------------------------
+    def _bytes_per_token(self) -> tuple[int, float]:
+        """Stored bytes of a cache of n tokens: ``a + b n`` (the codec's sink tokens are
+        stored apart)."""
+        one, two = (self._filled(list(range(n)), [n]).stored_bytes for n in (256, 512))
+        per = (two - one) / 256
+        return round(one - 256 * per), per
+
+    def stored_bytes(self, tokens: int) -> int:
+        base, per = self._per_token
+        return round(base + per * tokens) if tokens else 0
+
+    def _filled(self, tokens: list[int], stops: Sequence[int]) -> AgentKV:
+        """A cache holding ``tokens`` (zeros), stored in ranges ending at ``stops``."""
+        began, before = time.perf_counter(), self.array_s
+        kv = self.pool.new_kv()
+        at = 0
+        for stop in stops:
+            self._feed(kv, tokens[at:stop])
+            kv.store_so_far()
+            at = stop
+        kv.deactivate()
+        self.array_s = before + time.perf_counter() - began
+        return kv
+
+    def _feed(self, kv: AgentKV, tokens: list[int]) -> None:
+        """``tokens`` into ``kv``'s working copy, as a forward pass would add them."""
+        if not tokens:
+            return
+        began = time.perf_counter()
+        work = kv.activate()
+        g = self.geometry
+        for i, layer in enumerate(work.layers):
+            lg = g.layer(i)
+            k = mx.zeros((1, lg.n_kv_heads, len(tokens), lg.dim("key")), dtype=mx.float16)
+            v = mx.zeros((1, lg.n_kv_heads, len(tokens), lg.dim("value")), dtype=mx.float16)
+            layer.update_and_fetch(k, v)
+            # The Hadamard basis's guard waits for the attention that a forward runs next
+            # (``RotatedBasis.check_attended``); the stand-in has none to run.
+            if getattr(layer, "_unattended", False):
+                layer._unattended = False
+        kv.tokens.extend(tokens)
+        mx.eval(work.arrays())
+        self.array_s += time.perf_counter() - began
+
+    def disk_used(self) -> int:
+        manifests = sum(
+            MANIFEST_FIXED + MANIFEST_PER_TOKEN * len(w.tokens) for w in self.warm.values()
+        )
+        return manifests + sum(n for s, n in self._segments.items() if self._refs.get(s))
+
+    def _own_bytes(self, agent: str) -> int:
+        w = self.warm[agent]
+        own = sum(self._segments[s] for s, _ in w.segments if self._refs[s] == 1)
+        return own + MANIFEST_FIXED + MANIFEST_PER_TOKEN * len(w.tokens)
+
+    # -- the warm store ----------------------------------------------------------------
+    def _went_cold(self, agent: str) -> None:
+        w = self.warm.pop(agent)
+        for s, _ in w.segments:
+            self._refs[s] -= 1
+        self.moves.append(["demoted", agent, "cold", "warm"])
+
+    def _make_room(self, agent: str, more: int) -> bool:
+        """Agents cold (never ``agent``) in the policy's order until ``more`` bytes fit
+        under the limit and its headroom (``DiskUsage.headroom``); whether they do."""
+        limit = self.disk_limit
+        if limit is None:
+            return True
+        headroom = min(max(64 << 10, limit // 64), limit // 8)
+        tried = {agent}
+        while (need := self.disk_used() + more + headroom - limit) > 0:
+            candidates = [
+                WarmAgent(a, self._own_bytes(a), len(w.tokens), w.updated)
+                for a, w in self.warm.items()
+                if a not in tried
+            ]
+            victims = self.pool.cold_victims(candidates, need) if candidates else []
+            if not victims:
+                return False
+            for victim in victims:
+                tried.add(victim)
+                self._went_cold(victim)
+                if self.disk_used() + more + headroom <= limit:
+                    break
+        return True
+
+    def _append(self, agent: str, tokens: list[int], start: int, stop: int) -> bool:
+        """Write ``agent``'s tokens ``start:stop`` as a segment (room made first)."""
+        nbytes = self.stored_bytes(stop) - self.stored_bytes(start)
+        nbytes += HEADER_FIXED + HEADER_PER_TENSOR * 2 * len(self.geometry.kv_layers)
+        bound = nbytes + 8 * stop + 4096
+        if not self._make_room(agent, bound):
+            return False
+        w = self.warm.setdefault(agent, _Warm())
+        s = next(self._ids)
+        self._segments[s], self._refs[s] = nbytes, 1
+        w.segments.append((s, stop))
+        w.tokens = tokens[:stop]
+        w.updated = self.clock.wall()
+        return True
+
+    def _link(self, agent: str, source: str, upto: int) -> bool:
+        """``agent``'s first ``upto`` tokens are ``source``'s segments: linked, not written."""
+        src = self.warm.get(source)
+        if src is None or agent in self.warm:
+            return False
+        linked = [(s, stop) for s, stop in src.segments if stop <= upto]
+        if not linked or linked[-1][1] != upto:
+            return False
+        if not self._make_room(agent, MANIFEST_FIXED + MANIFEST_PER_TOKEN * upto):
+            return False
+        for s, _ in linked:
+            self._refs[s] += 1
+        self.warm[agent] = _Warm(list(linked), src.tokens[:upto], self.clock.wall())
+        return True
+
+    # -- agents arriving ----------------------------------------------------------------
+    def seed(self, agent: str, tokens: list[int], *, hot: bool) -> None:
+        """``agent`` with a warm copy of ``tokens`` (hot too with ``hot``)."""
+        self.agents[agent] = _Agent(list(tokens), len(tokens), [len(tokens)])
+        self._append(agent, tokens, 0, len(tokens))
+        if hot:
+            kv = self._filled(tokens, [len(tokens)])
+            assert self.pool.warm.install(agent, kv.stored_bytes, lambda: kv, pin=False)
+        self._log()
+
+    def _import(self, agent: str, tokens: list[int], brief: int) -> None:
+        """A portable file's cache arrives (its ranges: the shared context's, then its
+        own): written to the warm tier, under the limit."""
+        stops = [b for b in (brief, len(tokens)) if 0 < b <= len(tokens)]
+        self.agents[agent] = _Agent(list(tokens), 0, sorted(set(stops)))
+        at = 0
+        for stop in sorted(set(stops)):
+            if not self._append(agent, tokens, at, stop):
+                return
+            at = self.agents[agent].persisted = stop
+
+    # -- staging -----------------------------------------------------------------------
+    def _stage(self, agent: str, *, prefetch: bool) -> tuple[bool, int]:
+        """The prefetch actor's staging: its manifest read, room reserved (a hot agent is
+        told it is expected), the file read and installed: (staged, tokens read)."""
+        w = self.warm.get(agent)
+        if w is None or not w.tokens:
+            return False, 0
+        nbytes = self.stored_bytes(len(w.tokens))
+        room = self.pool.reserve(agent, nbytes, prefetch=prefetch)
+        if room is not Room.RESERVED:
+            return False, 0
+        kv = self._filled(list(w.tokens), [stop for _, stop in w.segments])
+        assert kv.stored_bytes == nbytes, (kv.stored_bytes, nbytes)
+        self.pool.rates.disk(nbytes, self.costs.load_s * len(w.tokens))
+        self.pool.warm.install(agent, nbytes, lambda: kv, pin=not prefetch)
+        if prefetch:
+            self.pool.ready_ahead(agent)
+        return True, len(w.tokens)
+
+    def _build_ready(self) -> None:
+        """The engine's steps between turns: every ready copy being built, finished."""
+        while self.pool.build_ready_step():
+            pass
+
+    def _prefetch(self, hint: Hint) -> None:
+        for agent in hint.next[: self.prefetch]:
+            if agent in self.agents:
+                self._stage(agent, prefetch=True)
+        self._build_ready()
+
+    # -- a step ------------------------------------------------------------------------
+    def run(self, step: Step, hint: Hint | None, done: Hint | None) -> dict[str, Any]:
+        """One step: its hint, its turn, its write, its tool wait and ``done`` hint. The
+        order is the runtime's: the engine takes the hint (ready copies wanted), then a
+        turn whose cache is hot starts before the prefetch actor's stagings reserve room;
+        a turn that misses its cache stages it behind them (one prefetch actor)."""
+        began, arrays = time.perf_counter(), self.array_s
+        self.moves = []
+        pool = self.pool
+        if step.imported:
+            brief = self.agents["brief"].tokens if "brief" in self.agents else []
+            tokens = brief[: min(len(brief), step.imported)]
+            tokens += [next(self._fresh) for _ in range(step.imported - len(tokens))]
+            self._import(step.agent, tokens, len(brief))
+        if hint is not None:
+            pool.hint(hint)
+        me = self.agents[step.agent]
+        prompt = me.tokens[: step.reused] + [next(self._fresh) for _ in range(step.new)]
+        path, loaded = Tier.HOT, 0
+        hot = step.agent in pool
+        if not hot:
+            if hint is not None:
+                self._prefetch(hint)
+            if me.persisted > 0 and step.agent not in pool:
+                path = Tier.WARM
+                staged, loaded = self._stage(step.agent, prefetch=False)
+                if not staged:
+                    me.persisted, path = 0, Tier.COLD
+        entry = pool.claim(step.agent)
+        keep, _ = pool.base(step.agent, entry, prompt, share=True)
+        if keep == 0:
+            path = Tier.COLD
+        reserve = turn_reserve_bytes(self.geometry, len(prompt) + self.max_tokens)
+        assert pool.start_turn(entry, reserve), "a turn that fits alone never waits here"
+        ready = entry.kv.ready is not None
+        dequantized = pool.working_copy(step.agent, entry)
+        if hot and hint is not None:
+            self._prefetch(hint)
+        # The prefill, range by range at the conversation's earlier bounds (as the agent
+        # cuts a re-prefill), then the answer's tokens.
+        at = keep
+        for cut in sorted(
+            b
+            for b in {*me.bounds, len(self.agents.get("brief", me).tokens)}
+            if keep < b < len(prompt)
+        ):
+            self._feed(entry.kv, prompt[at:cut])
+            pool.store_so_far(step.agent, entry)
+            at = cut
+        self._feed(entry.kv, prompt[at:])
+        prefilled = len(prompt) - keep
+        ttft = self.costs.ttft(loaded=loaded, dequantized=dequantized, prefilled=prefilled)
+        pool.rates.prefill(prefilled, self.costs.prefill_s * prefilled)
+        if dequantized:
+            pool.rates.dequantize(
+                self.stored_bytes(dequantized), self.costs.dequantize_s * dequantized
+            )
+        self._feed(entry.kv, [next(self._fresh) for _ in range(step.generated - 1)])
+        self.clock.now += ttft + self.costs.decode_s
+        pool.end_turn(step.agent, entry, finished=True)
+        me.tokens = list(entry.kv.tokens)
+        me.bounds = sorted({b for b in me.bounds if b < keep} | {keep} - {0} | {len(me.tokens)})
+        self._write(step.agent, me)
+        if step.tool_wait_s:
+            pool.tool_wait(step.agent, step.tool_wait_s)
+        if done is not None:
+            pool.hint(done)
+        self._build_ready()
+        self._log()
+        self.disk_peak = max(self.disk_peak, self.disk_used())
+        turn = {
+            "agent": step.agent,
+            "path": str(path),
+            "ready": ready,
+            "ttft_s": ttft,
+            "prefilled_tokens": prefilled,
+            "reused_tokens": keep,
+            "dequantized_tokens": dequantized,
+            "loaded_tokens": loaded,
+            "peak_bytes": pool.peak,
+            "moves": self.moves,
+        }
+        self.turns.append(turn)
+        self.book_s += time.perf_counter() - began - (self.array_s - arrays)
+        return turn
+
+    def _write(self, agent: str, me: _Agent) -> None:
+        """The agent actor's write after its turn: an export pinned, what the warm tier
+        lacks appended (a shared prefix linked), the export unpinned."""
+        exported = self.pool.export(agent)
+        upto = me.persisted = exported.persisted
+        if upto == 0:
+            self._drop_warm(agent)
+        shared = exported.shared_upto and upto == 0 and exported.shared_from
+        if shared and self._link(agent, exported.shared_from, exported.shared_upto):
+            upto = me.persisted = exported.shared_upto
+        for start, stop, _ in exported.ranges:
+            if stop <= upto:
+                continue
+            if not self._append(agent, exported.tokens, max(start, upto), stop):
+                break
+            upto = me.persisted = stop
+        self.pool.written(agent, exported.export_id, me.persisted)
+
+    def _drop_warm(self, agent: str) -> None:
+        """A whole write replaces what was on disk (a cache written from its start)."""
+        w = self.warm.pop(agent, None)
+        if w is not None:
+            for s, _ in w.segments:
+                self._refs[s] -= 1
+
+    def _log(self) -> None:
+        log = self.pool.moves.after(self._seen)
+        self._seen = log.last
+        for m in log.moves:
+            self.moves.append([m.kind, m.agent, m.tier, m.source])

@@ -1,0 +1,130 @@
+"""``bench/replay.py``: the hot tier's own code replayed on its own clock, without model
+compute (real MLX caches of zeros, the warm store as a count of segments)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvactor.actors.hot import CachePool, LRUPolicy
+from kvactor.actors.models import make_tiny_model
+from kvactor.kernels.float_turn import FloatTurnCache
+from kvactor.kernels.geometry import CacheGeometry
+from kvactor.kernels.qcodec import DEFAULT_CODEC
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import replay  # bench/ is not a package: its folder on sys.path
+from _replay import Costs, Replay
+
+COSTS = Costs(fixed_s=0.05, load_s=1e-4, dequantize_s=5e-5, prefill_s=1e-2)
+
+
+def test_a_pool_weighs_its_caches_by_its_own_clock() -> None:
+    """A tool wait lasts on the pool's clock, not the machine's: a replay moves it."""
+    lm = make_tiny_model(0, head_dim=64)
+    FloatTurnCache.prepare(lm.model)
+    now = [100.0]
+    pool = CachePool(
+        None,
+        LRUPolicy(),
+        persistent=True,
+        codec=DEFAULT_CODEC,
+        geometry=lm.geometry,
+        clock=lambda: now[0],
+        wall=lambda: 1e9 + now[0],
+    )
+    entry = pool.claim("a")
+    pool.end_turn("a", entry)
+    assert entry.last_used == 100.0
+    pool.tool_wait("a", 5.0)
+    assert [c.waiting for c in pool.candidates()] == [True]
+    now[0] = 104.0
+    assert [c.waiting for c in pool.candidates()] == [True]
+    now[0] = 106.0
+    assert [c.waiting for c in pool.candidates()] == [False]
+
+
+def test_costs_are_each_parts_seconds_over_its_tokens() -> None:
+    turns = [
+        {
+            "path": "warm",
+            "ttft_s": 1.6,
+            "load_s": 0.2,
+            "dequantize_s": 0.1,
+            "prefill_s": 1.0,
+            "reused_tokens": 1000,
+            "prefilled_tokens": 100,
+        },
+        {
+            "path": "hot",
+            "ttft_s": 2.3,
+            "load_s": 0.0,
+            "dequantize_s": 0.2,
+            "prefill_s": 2.0,
+            "reused_tokens": 1000,
+            "prefilled_tokens": 200,
+        },
+    ]
+    costs = Costs.fit(turns)
+    assert costs.load_s == pytest.approx(0.2 / 1000)
+    assert costs.dequantize_s == pytest.approx(0.3 / 2000)
+    assert costs.prefill_s == pytest.approx(3.0 / 300)
+    assert costs.fixed_s == pytest.approx(0.2)  # the median of 0.3 and 0.1
+
+
+def run(
+    policy: str, steps: list[replay.Step], agents: list[str], limits: tuple[int, int]
+) -> Replay:
+    return replay.replay(
+        steps,
+        agents,
+        policy=policy,
+        geometry=CacheGeometry.uniform(1, 1, 64),
+        budget=limits[0],
+        disk_limit=limits[1],
+        costs=COSTS,
+        brief=168,
+        brief_hot=True,
+    )
+
+
+@pytest.mark.slow  # a bench's run, seconds: the whole suite's
+def test_a_replay_under_pressure_is_deterministic_and_within_its_limits() -> None:
+    steps, agents = replay.scale_trace(27, seed=3)
+    result = replay.at_scale(27, COSTS, seed=3)
+    assert result["within_budget"] and result["within_disk_limit"]
+    runs = result["policies"]
+    assert sorted(runs) == sorted(replay.POLICIES)
+    # Pressure: turns come back from disk and from re-prefill, and the oracle, which
+    # knows the trace, wins over LRU.
+    assert runs["lru"]["cold_turns"] > 0 and runs["lru"]["warm_reloads"] > 0
+    assert runs["oracle"]["summed_excess_s"] < runs["lru"]["summed_excess_s"]
+    assert result["oracle_vs_lru"] < 1
+    # The same trace and policy decide the same way again, move for move.
+    limits = (result["budget_bytes"], result["disk_limit_bytes"])
+    first, again = run("workflow", steps, agents, limits), run("workflow", steps, agents, limits)
+    assert [(t["path"], t["moves"]) for t in first.turns] == [
+        (t["path"], t["moves"]) for t in again.turns
+    ]
+    assert {t["path"] for t in first.turns} <= {"hot", "warm", "cold"}
+    assert first.pool.peak <= limits[0]
+    # Unbounded, nothing is demoted: an agent's first turn reads its import, the rest
+    # find it hot.
+    free = replay.replay(
+        steps,
+        agents,
+        policy="lru",
+        geometry=CacheGeometry.uniform(1, 1, 64),
+        budget=None,
+        disk_limit=None,
+        costs=COSTS,
+        brief=168,
+        brief_hot=True,
+    )
+    assert [m for t in free.turns for m in t["moves"] if m[0] == "demoted"] == []
+    seen: set[str] = set()
+    for t in free.turns:
+        assert t["path"] == ("hot" if t["agent"] in seen else "warm")
+        seen.add(t["agent"])
