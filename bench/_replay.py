@@ -130,6 +130,7 @@ class _Warm:
     segments: list[tuple[int, int]] = field(default_factory=list)  # (segment id, stop)
     tokens: list[int] = field(default_factory=list)
     updated: float = 0.0
+    manifest: int = 0  # its manifest's bytes, as counted
 
 
 class Replay:
@@ -167,6 +168,7 @@ class Replay:
         self.warm: dict[str, _Warm] = {}
         self._segments: dict[int, int] = {}  # id -> bytes
         self._refs: dict[int, int] = {}  # id -> agents holding it
+        self._used = 0  # bytes of the segments held and the manifests
         self._ids = itertools.count(1)
         self._fresh = itertools.count(1_000_000)  # token ids never seen before
         self._seen = 0  # the hot tier's move log, read up to here
@@ -224,10 +226,29 @@ class Replay:
         self.array_s += time.perf_counter() - began
 
     def disk_used(self) -> int:
-        manifests = sum(
-            MANIFEST_FIXED + MANIFEST_PER_TOKEN * len(w.tokens) for w in self.warm.values()
-        )
-        return manifests + sum(n for s, n in self._segments.items() if self._refs.get(s))
+        """What the directory holds (a running count, as the store keeps one)."""
+        return self._used
+
+    def recount(self) -> int:
+        """:meth:`disk_used` counted from scratch (a check)."""
+        held = {s for w in self.warm.values() for s, _ in w.segments}
+        return sum(self._segments[s] for s in held) + sum(w.manifest for w in self.warm.values())
+
+    def _ref(self, segment: int, by: int) -> None:
+        """``segment`` held by ``by`` more agents (fewer, negative): counted while held."""
+        before = self._refs[segment]
+        self._refs[segment] = before + by
+        if before == 0 or self._refs[segment] == 0:
+            self._used += self._segments[segment] if before == 0 else -self._segments[segment]
+
+    def _manifest(self, w: _Warm, tokens: list[int] | None) -> None:
+        """``w``'s manifest now lists ``tokens`` (None: removed)."""
+        self._used -= w.manifest
+        w.manifest = 0
+        if tokens is not None:
+            w.tokens = tokens
+            w.manifest = MANIFEST_FIXED + MANIFEST_PER_TOKEN * len(tokens)
+            self._used += w.manifest
 
     def _own_bytes(self, agent: str) -> int:
         w = self.warm[agent]
@@ -237,8 +258,9 @@ class Replay:
     # -- the warm store ----------------------------------------------------------------
     def _went_cold(self, agent: str) -> None:
         w = self.warm.pop(agent)
+        self._manifest(w, None)
         for s, _ in w.segments:
-            self._refs[s] -= 1
+            self._ref(s, -1)
         self.moves.append(["demoted", agent, "cold", "warm"])
 
     def _make_room(self, agent: str, more: int) -> bool:
@@ -274,9 +296,10 @@ class Replay:
             return False
         w = self.warm.setdefault(agent, _Warm())
         s = next(self._ids)
-        self._segments[s], self._refs[s] = nbytes, 1
+        self._segments[s], self._refs[s] = nbytes, 0
+        self._ref(s, 1)
+        self._manifest(w, tokens[:stop])
         w.segments.append((s, stop))
-        w.tokens = tokens[:stop]
         w.updated = self.clock.wall()
         return True
 
@@ -291,8 +314,9 @@ class Replay:
         if not self._make_room(agent, MANIFEST_FIXED + MANIFEST_PER_TOKEN * upto):
             return False
         for s, _ in linked:
-            self._refs[s] += 1
-        self.warm[agent] = _Warm(list(linked), src.tokens[:upto], self.clock.wall())
+            self._ref(s, 1)
+        w = self.warm[agent] = _Warm(list(linked), [], self.clock.wall())
+        self._manifest(w, src.tokens[:upto])
         return True
 
     # -- agents arriving ----------------------------------------------------------------
@@ -454,8 +478,9 @@ class Replay:
         """A whole write replaces what was on disk (a cache written from its start)."""
         w = self.warm.pop(agent, None)
         if w is not None:
+            self._manifest(w, None)
             for s, _ in w.segments:
-                self._refs[s] -= 1
+                self._ref(s, -1)
 
     def _log(self) -> None:
         log = self.pool.moves.after(self._seen)

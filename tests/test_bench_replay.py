@@ -110,6 +110,7 @@ def test_a_replay_under_pressure_is_deterministic_and_within_its_limits() -> Non
     ]
     assert {t["path"] for t in first.turns} <= {"hot", "warm", "cold"}
     assert first.pool.peak <= limits[0]
+    assert first.disk_used() == first.recount() > 0
     # Unbounded, nothing is demoted: an agent's first turn reads its import, the rest
     # find it hot.
     free = replay.replay(
