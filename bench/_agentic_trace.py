@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvactor.actors.hot import Candidate
@@ -148,10 +148,6 @@ def make_pressure_trace(
     roles = {n: f"Your role: {_text(rng, 12, n)}" for n in crew + subs}
     docs = {n: _text(rng, rng.randint(*team_doc_words), "Document") for n in crew}
     docs |= {n: _text(rng, rng.randint(*sub_doc_words), "Tool output") for n in subs}
-    slots = team * rounds
-    after: dict[int, list[str]] = {}  # a team step's index -> the subagents run after it
-    for i, sub in enumerate(subs):
-        after.setdefault(i * slots // max(subagents, 1), []).append(sub)
     lo, hi = tool_wait_s
     steps: list[Step] = []
 
@@ -159,13 +155,33 @@ def make_pressure_trace(
         wait = math.exp(rng.uniform(math.log(lo), math.log(hi))) if waits else 0.0
         steps.append(Step(agent, _text(rng, rng.randint(*step_words), kind), wait))
 
+    pressure_schedule(crew, subs, rounds, rng, step)
+    return Trace(PRESSURE, system, roles, steps, docs)
+
+
+def pressure_schedule(
+    crew: Sequence[str],
+    subs: Sequence[str],
+    rounds: int,
+    rng: random.Random,
+    step: Callable[[str, str, bool], None],
+) -> None:
+    """The pressure shape's order of steps: ``crew`` takes a step each, in turn, for
+    ``rounds`` rounds, and the one-shot ``subs`` are spread over the team's steps, each
+    right after one, a tool loop of 1-3 steps. Calls ``step(agent, kind, waits)`` for each
+    in order (``kind``: "Message", "Task" or "Tool result"; ``waits``: it ends in a tool
+    call), drawing from ``rng`` as it goes (a team step's wait before its call, a loop's
+    length before its steps)."""
+    slots = len(crew) * rounds
+    after: dict[int, list[str]] = {}  # a team step's index -> the subagents run after it
+    for i, sub in enumerate(subs):
+        after.setdefault(i * slots // max(len(subs), 1), []).append(sub)
     for at in range(slots):
-        step(crew[at % team], "Message", rng.random() < 0.3)
+        step(crew[at % len(crew)], "Message", rng.random() < 0.3)
         for sub in after.get(at, []):
             loop = rng.randint(1, 3)
             for k in range(loop):
                 step(sub, "Task" if k == 0 else "Tool result", k < loop - 1)
-    return Trace(PRESSURE, system, roles, steps, docs)
 
 
 def lookahead(order: Sequence[str], at: int, count: int) -> list[str]:

@@ -72,6 +72,8 @@ class Costs:
     load_s: float
     dequantize_s: float
     prefill_s: float
+    # Not in the real run's records: an assumed figure (3 decode steps and a write), which
+    # moves only how far the clock runs between turns (tool waits, hints' timing).
     decode_s: float = 0.3
 
     @classmethod
@@ -177,7 +179,6 @@ class Replay:
         self.book_s = 0.0  # in the tier's code and this replay's bookkeeping
         self.array_s = 0.0  # making the zeros that stand in for the forward
         self.disk_peak = 0
-        self._per_token = (0, 0.0)
         self._per_token = self._bytes_per_token()
 
     # -- arrays (the forward's stand-in: not bookkeeping) -----------------------------
@@ -252,15 +253,17 @@ class Replay:
 
     def _own_bytes(self, agent: str) -> int:
         w = self.warm[agent]
-        own = sum(self._segments[s] for s, _ in w.segments if self._refs[s] == 1)
-        return own + MANIFEST_FIXED + MANIFEST_PER_TOKEN * len(w.tokens)
+        return w.manifest + sum(self._segments[s] for s, _ in w.segments if self._refs[s] == 1)
+
+    @property
+    def _brief(self) -> int:
+        """The shared context's tokens (0: none)."""
+        brief = self.agents.get("brief")
+        return len(brief.tokens) if brief is not None else 0
 
     # -- the warm store ----------------------------------------------------------------
     def _went_cold(self, agent: str) -> None:
-        w = self.warm.pop(agent)
-        self._manifest(w, None)
-        for s, _ in w.segments:
-            self._ref(s, -1)
+        self._drop_warm(agent)
         self.moves.append(["demoted", agent, "cold", "warm"])
 
     def _make_room(self, agent: str, more: int) -> bool:
@@ -380,10 +383,9 @@ class Replay:
         self.moves = []
         pool = self.pool
         if step.imported:
-            brief = self.agents["brief"].tokens if "brief" in self.agents else []
-            tokens = brief[: min(len(brief), step.imported)]
+            tokens = self.agents["brief"].tokens[: step.imported] if self._brief else []
             tokens += [next(self._fresh) for _ in range(step.imported - len(tokens))]
-            self._import(step.agent, tokens, len(brief))
+            self._import(step.agent, tokens, self._brief)
         if hint is not None:
             pool.hint(hint)
         me = self.agents[step.agent]
@@ -411,11 +413,7 @@ class Replay:
         # The prefill, range by range at the conversation's earlier bounds (as the agent
         # cuts a re-prefill), then the answer's tokens.
         at = keep
-        for cut in sorted(
-            b
-            for b in {*me.bounds, len(self.agents.get("brief", me).tokens)}
-            if keep < b < len(prompt)
-        ):
+        for cut in sorted(b for b in {*me.bounds, self._brief} if keep < b < len(prompt)):
             self._feed(entry.kv, prompt[at:cut])
             pool.store_so_far(step.agent, entry)
             at = cut
@@ -475,7 +473,7 @@ class Replay:
         self.pool.written(agent, exported.export_id, me.persisted)
 
     def _drop_warm(self, agent: str) -> None:
-        """A whole write replaces what was on disk (a cache written from its start)."""
+        """``agent``'s warm copy removed (made cold, or replaced by a whole write)."""
         w = self.warm.pop(agent, None)
         if w is not None:
             self._manifest(w, None)

@@ -44,9 +44,10 @@ from typing import Any
 import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
 
 # isort: split
-from _agentic_trace import OraclePolicy, lookahead, wrong
+from _agentic_trace import OraclePolicy, lookahead, pressure_schedule, wrong
 from _replay import Costs, Replay, Step
 from _results import write_json  # bench/ is the script's folder: on sys.path
+from agentic import captured
 
 from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.hot import make_hint
@@ -148,14 +149,11 @@ def policy_ratios(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
         return max(r["summed_excess_s"], 1e-3)
 
     lru, wf, oracle = runs["lru"], runs["workflow"], runs["oracle"]
-    gain = lru["summed_excess_s"] - oracle["summed_excess_s"]
     return {
         "oracle_vs_lru": floored(oracle) / floored(lru),
         "workflow_vs_lru": floored(wf) / floored(lru),
         "wrong_vs_lru": floored(runs["workflow_wrong"]) / floored(lru),
-        "captured": (lru["summed_excess_s"] - wf["summed_excess_s"]) / gain
-        if gain > 0
-        else math.nan,
+        "captured": captured(lru, wf, oracle),
     }
 
 
@@ -272,14 +270,10 @@ def scale_trace(agents: int, seed: int) -> tuple[list[Step], list[str]]:
     docs = {a: rng.randint(2200, 3500) for a in crew} | {
         a: rng.randint(1400, 1900) for a in helpers
     }
-    slots = team * 2
-    after: dict[int, list[str]] = {}
-    for i, sub in enumerate(helpers):
-        after.setdefault(i * slots // max(subs, 1), []).append(sub)
     held: dict[str, int] = {}
     steps: list[Step] = []
 
-    def step(agent: str, waits: bool) -> None:
+    def step(agent: str, kind: str, waits: bool) -> None:
         first = agent not in held
         reused = docs[agent] if first else held[agent]
         new = rng.randint(30, 300)
@@ -289,12 +283,7 @@ def scale_trace(agents: int, seed: int) -> tuple[list[Step], list[str]]:
         )
         held[agent] = reused + new + 3
 
-    for at in range(slots):
-        step(crew[at % team], rng.random() < 0.3)
-        for sub in after.get(at, []):
-            loop = rng.randint(1, 3)
-            for k in range(loop):
-                step(sub, k < loop - 1)
+    pressure_schedule(crew, helpers, 2, rng, step)
     return steps, crew + helpers
 
 
