@@ -34,6 +34,7 @@ from kvactor.kernels.geometry import CacheGeometry
 from kvactor.kernels.memory import keep_freed_buffers
 from kvactor.kernels.qcodec import DEFAULT_CODEC
 from kvactor.kernels.stored import StoredRange
+from kvactor.kernels.workers import spread, worker_streams
 
 LAYERS, HEADS, DIM = 30, 3, 64
 
@@ -63,24 +64,41 @@ def dequantize_all(kv: AgentKV, rotated: bool) -> float:
     return time.perf_counter() - t0
 
 
+def dequantize_spread(kv: AgentKV) -> float:
+    """``dequantize_all`` left rotated, a layer at a time over one MLX stream per core
+    (``kernels.workers``: what a turn's working copy does now)."""
+    t0 = time.perf_counter()
+    spread(
+        LAYERS,
+        lambda i: [kv.dequantize(i, role, rotated=True) for role in ("key", "value")],
+        lambda pair: pair,
+    )
+    return time.perf_counter() - t0
+
+
 def main(n: int, rounds: int) -> dict[str, Any]:
     kv = stored(n)
     mlx_limit = mx.set_cache_limit(0)  # what MLX keeps by default (nothing set it yet)
     mx.set_cache_limit(mlx_limit)
     engine_limit = keep_freed_buffers()
     limits = {"engine": engine_limit, "mlx_default_cache": mlx_limit}
-    variants = [
+    variants: list[tuple[str, bool | None, str]] = [
         ("model_basis", False, "engine"),
         ("rotated_basis", True, "engine"),
         ("rotated_basis_mlx_default_cache", True, "mlx_default_cache"),
+        ("rotated_basis_spread", None, "engine"),  # None: over the worker streams
     ]
     times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+
+    def once(rotated: bool | None) -> float:
+        return dequantize_spread(kv) if rotated is None else dequantize_all(kv, rotated)
+
     for _, rotated, _ in variants:  # warm up every path
-        dequantize_all(kv, rotated)
+        once(rotated)
     for r in range(rounds):
         for name, rotated, limit in variants if r % 2 == 0 else variants[::-1]:
             mx.set_cache_limit(limits[limit])
-            times[name].append(dequantize_all(kv, rotated))
+            times[name].append(once(rotated))
     mx.set_cache_limit(engine_limit)
     out: dict[str, Any] = {
         "tokens": n,
@@ -95,6 +113,8 @@ def main(n: int, rounds: int) -> dict[str, Any]:
         out[f"{name}_s"] = statistics.median(values)
     out["saved_s"] = out["model_basis_s"] - out["rotated_basis_s"]
     out["freed_buffers_speedup"] = out["rotated_basis_mlx_default_cache_s"] / out["rotated_basis_s"]
+    out["worker_streams"] = len(worker_streams())
+    out["spread_speedup"] = out["rotated_basis_s"] / out["rotated_basis_spread_s"]
     return out
 
 
@@ -115,7 +135,9 @@ if __name__ == "__main__":
         f"{result['rotated_basis_mlx_default_cache_s'] * 1e3:7.1f} ms "
         f"({result['mlx_default_cache_limit_bytes'] >> 20} MiB of freed buffers kept, "
         f"the engine keeps {result['engine_cache_limit_bytes'] >> 20} MiB: "
-        f"{result['freed_buffers_speedup']:.2f}x)"
+        f"{result['freed_buffers_speedup']:.2f}x)\n"
+        f"  left rotated, over {result['worker_streams']} streams     "
+        f"{result['rotated_basis_spread_s'] * 1e3:7.1f} ms ({result['spread_speedup']:.2f}x)"
     )
     if args.json:
         write_json(args.json, result)

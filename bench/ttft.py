@@ -12,6 +12,12 @@ at that context; ``seed_path_s`` is mlx-lm's own reload of the same prompt's cac
 (from its ready float copy); ``hot_stored_s`` the same turn with ``ready_copies=False``
 (dequantizing the stored cache); ``prefetched_ready_s`` a turn after a prefetch hint that
 had the engine build the ready copy; ``warm_load_gbps`` the warm read alone.
+``warm_one_stream_s``: the warm turn with its working copy made on one MLX stream
+(``KVACTOR_ARRAY_STREAMS=1``) instead of one per core (``kernels.workers``). The warm turn's
+parts: ``warm_read_verify_s``, ``warm_dequantize_s``, ``warm_forward_s``, ``warm_other_s``
+(actor hops, the copy into MLX, queueing); they run one after another
+(``warm_overlap_s``). Ratios of the medians: ``warm_vs_seed_path``, ``warm_vs_floor``,
+``hot_stored_vs_warm``, ``prefetched_ready_vs_step``, ``hot_vs_step``.
 
     python bench/ttft.py [--contexts 1024 2048 4096] [--json PATH]
 
@@ -128,6 +134,15 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
         agent = await kv.spawn_agent(f"ttft-{n}")
         warm_s, warm = await timed(agent, prompt)
     drop_page_cache(folder)
+    # The same, its working copy made on one MLX stream (kernels.workers), as before.
+    os.environ["KVACTOR_ARRAY_STREAMS"] = "1"
+    try:
+        async with kvactor.open(cache_dir=root) as kv:  # its engine thread reads the setting
+            agent = await kv.spawn_agent(f"ttft-{n}")
+            warm_one_s, warm_one = await timed(agent, prompt)
+    finally:
+        del os.environ["KVACTOR_ARRAY_STREAMS"]
+    drop_page_cache(folder)
     async with kvactor.open(cache_dir=root) as kv:
         agent = await kv.spawn_agent(f"ttft-{n}")
         staged = await kv.prefetcher.ask(Stage(agent.name), timeout=None)  # type: ignore[union-attr]
@@ -158,13 +173,23 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
         decode_q = await decode_rate(agent, prompt)
     async with kvactor.open(cache_dir=root, attention="dequantized") as kv:
         decode_d = await decode_rate(await kv.spawn_agent(f"ttft-{n}"), prompt)
-    paths = (cold, warm, hot, hot_stored, prefetched, prefetched_ready, warm_q, hot_q)
-    want = (COLD, WARM, HOT, HOT, HOT, HOT, WARM, HOT)
+    paths = (cold, warm, hot, hot_stored, prefetched, prefetched_ready, warm_q, hot_q, warm_one)
+    want = (COLD, WARM, HOT, HOT, HOT, HOT, WARM, HOT, WARM)
     assert tuple(d.path for d in paths) == want, [d.path for d in paths]
     answers = {d.token_ids[0] for d in paths}
     assert len(answers) == 1, answers  # every path gives the same greedy token
     seed_s, mlx_step_s = seed_path_s(prompt, root)
+    parts = warm.timings
     return {
+        # A warm turn's parts, one after another: the store's read and verify (in its
+        # queue time), the working copy, the forward of the new tokens and the first step.
+        "warm_read_verify_s": parts.load_s,
+        "warm_dequantize_s": parts.dequantize_s,
+        "warm_forward_s": parts.prefill_s - parts.dequantize_s,
+        "warm_other_s": warm_s - parts.load_s - parts.prefill_s,
+        "warm_overlap_s": 0.0,  # nothing of them runs side by side (docs/benchmarks.md)
+        "warm_one_stream_s": warm_one_s,
+        "warm_one_stream_dequantize_s": warm_one.timings.dequantize_s,
         "tokens": cold.timings.prompt_tokens,
         "cold_s": cold_s,
         "warm_s": warm_s,
@@ -245,6 +270,13 @@ async def main(contexts: list[int], runs: int) -> dict[str, Any]:
         | {"page_cache_dropped": all(t["page_cache_dropped"] for t in ts), "runs": len(ts)}
         for n, ts in trials.items()
     }
+    for r in results.values():  # the issues' targets, as ratios of the medians
+        r["warm_vs_seed_path"] = r["warm_s"] / r["seed_path_s"]
+        r["warm_vs_floor"] = r["warm_s"] / r["floor_s"]
+        r["hot_stored_vs_warm"] = r["hot_stored_s"] / r["warm_s"]
+        r["prefetched_ready_vs_step"] = r["prefetched_ready_s"] / r["decode_step_s"]
+        r["hot_vs_step"] = r["hot_s"] / r["decode_step_s"]
+        r["warm_spread_vs_one_stream"] = r["warm_s"] / r["warm_one_stream_s"]
     return {
         "contexts": results,
         "disk_read_gbps": statistics.median(rates),
@@ -277,6 +309,21 @@ if __name__ == "__main__":
             f"| {r['warm_load_gbps']:.2f} GB/s "
             f"| {r['disk_read_same_size_gbps']:.2f} GB/s "
             f"| {r['disk_read_gbps']:.2f} GB/s |"
+        )
+    print(
+        "\n| context | warm vs seed path | warm vs floor | hot from stored vs warm "
+        "| prefetched to ready vs step | hot vs step | warm, one stream | spread vs one "
+        "| read + verify | dequantize | forward | other |"
+    )
+    print("|---:" * 12 + "|")
+    for n, r in out["contexts"].items():
+        ms = {k: f"{v * 1e3:.0f} ms" for k, v in r.items() if k.endswith("_s")}
+        print(
+            f"| {n} | {r['warm_vs_seed_path']:.2f}x | {r['warm_vs_floor']:.2f}x "
+            f"| {r['hot_stored_vs_warm']:.2f}x | {r['prefetched_ready_vs_step']:.2f}x "
+            f"| {r['hot_vs_step']:.2f}x | {ms['warm_one_stream_s']} "
+            f"| {r['warm_spread_vs_one_stream']:.2f}x | {ms['warm_read_verify_s']} "
+            f"| {ms['warm_dequantize_s']} | {ms['warm_forward_s']} | {ms['warm_other_s']} |"
         )
     if args.json:
         write_json(args.json, out)

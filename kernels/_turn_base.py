@@ -131,10 +131,11 @@ class TurnCache(Protocol):
         ...
 
     @classmethod
-    def ready_steps(cls, kv: AgentKV) -> Iterator[TurnCache | None]:
-        """Build ``kv``'s ready copy (what ``start`` makes) in steps of one layer each,
-        evaluated: None after each layer but the last, then the copy. Raises
-        NotImplementedError when the class keeps no copy between turns."""
+    def ready_steps(cls, kv: AgentKV) -> Iterator[tuple[int, TurnCache | None]]:
+        """Build ``kv``'s ready copy (what ``start`` makes) in steps of a few layers each,
+        evaluated: ``(layers built, None)`` after each step but the last, then ``(layers
+        built, the copy)``. Raises NotImplementedError when the class keeps no copy
+        between turns."""
         ...
 
     @property

@@ -17,6 +17,7 @@ from .mlx_lm_compat import batch_of_one, row_of
 from .recurrent import RecurrentCache
 from .rotated import RotatedBasis, RotatedKVCache, works_rotated
 from .rowwise import PlainBatchKVCache, PlainKVCache
+from .workers import spread, worker_streams
 
 if TYPE_CHECKING:
     from .agent_cache import AgentKV
@@ -42,14 +43,14 @@ class FloatPrefix:
         self.tokens = kv.ranges[count - 1].stop
         self.rotated = rotated
         part = slice(0, count)
-        self.layers = [
-            (
+        self.layers = spread(
+            kv.geometry.n_layers,
+            lambda i: (
                 kv.dequantize(i, "key", rotated=rotated, ranges=part),
                 kv.dequantize(i, "value", rotated=rotated, ranges=part),
-            )
-            for i in range(kv.geometry.n_layers)
-        ]
-        mx.eval([a for pair in self.layers for a in pair])
+            ),
+            lambda pair: pair,
+        )
         self.nbytes = sum(a.nbytes for pair in self.layers for a in pair)
 
     @staticmethod
@@ -97,11 +98,9 @@ class FloatTurnCache(Entries):
     def start(cls, kv: AgentKV, prefix: FloatPrefix | None = None) -> FloatTurnCache:
         # With room for the turn's first tokens: the first step writes in place instead of
         # growing (copying) every layer, as KVCache would by the same 256 tokens.
-        layers = [cls.row_layer(kv, i, ROOM, prefix) for i in range(kv.geometry.n_layers)]
-        out = cls(layers, geometry_slots(kv.geometry))
-        if kv.ranges:
-            mx.eval(out.arrays())
-        return out
+        # Layer by layer, spread over the CPU's cores (``kernels.workers``).
+        layers = spread(kv.geometry.n_layers, lambda i: cls.row_layer(kv, i, ROOM, prefix), _arrays)
+        return cls(layers, geometry_slots(kv.geometry))
 
     @staticmethod
     def row_layer(kv: AgentKV, i: int, slack: int = 0, prefix: FloatPrefix | None = None) -> Any:
@@ -135,14 +134,21 @@ class FloatTurnCache(Entries):
         return (kv.stored_tokens + ROOM) * kv.geometry.fp32_bytes_per_token()
 
     @classmethod
-    def ready_steps(cls, kv: AgentKV) -> Iterator[FloatTurnCache | None]:
+    def ready_steps(cls, kv: AgentKV) -> Iterator[tuple[int, FloatTurnCache | None]]:
+        # A layer a step per worker stream, side by side (``kernels.workers``).
         layers: list[Any] = []
-        for i in range(kv.geometry.n_layers):
-            layers.append(cls.row_layer(kv, i, ROOM))
-            mx.eval(_arrays(layers[-1]))
-            if len(layers) < kv.geometry.n_layers:
-                yield None
-        yield cls(layers, geometry_slots(kv.geometry))
+        total = kv.geometry.n_layers
+        per_step = len(worker_streams())
+        while len(layers) < total:
+            at = len(layers)
+
+            def layer(j: int, at: int = at) -> Any:
+                return cls.row_layer(kv, at + j, ROOM)
+
+            layers += spread(min(per_step, total - at), layer, _arrays)
+            if len(layers) < total:
+                yield len(layers) - at, None
+        yield total - at, cls(layers, geometry_slots(kv.geometry))
 
     def _batched(self) -> list[Any]:
         join = batch_of_one if self.keeps_buffers else (lambda row: type(row).merge([row]))

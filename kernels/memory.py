@@ -15,6 +15,8 @@ import os
 
 import mlx.core as mx
 
+from .workers import drop_streams
+
 __all__ = ("FREED_BUFFER_BYTES", "keep_freed_buffers", "release_thread")
 
 FREED_BUFFER_BYTES = 1 << 30
@@ -43,4 +45,5 @@ def release_thread() -> None:
     exits): MLX tears down a stream left behind too late, at exit, and that can abort the
     process ("terminate called without an active exception", mlx 0.32 on Linux)."""
     mx.synchronize()
+    drop_streams()
     mx.clear_streams()

@@ -67,7 +67,7 @@ class QuantizedTurnCache(Entries):
         return 0
 
     @classmethod
-    def ready_steps(cls, kv: AgentKV) -> Iterator[QuantizedTurnCache | None]:
+    def ready_steps(cls, kv: AgentKV) -> Iterator[tuple[int, QuantizedTurnCache | None]]:
         raise NotImplementedError("a quantized working cache is never kept between turns")
 
     @classmethod

@@ -69,9 +69,9 @@ def test_a_turn_finishes_a_half_built_ready_copy_instead_of_starting_again() -> 
     kv.deactivate()  # stored only, as a cache staged from disk is
     copies = ReadyCopies(FloatTurnCache, enabled=True)
     assert copies.want("a", kv, None) > 0
-    assert copies.step(lambda agent, cache: True)  # one layer of four built
+    assert copies.step(lambda agent, cache: True)  # a layer per worker stream, of four
     assert kv.ready is None and copies.building
-    assert copies.finish(kv)  # the turn came: the three layers left, not four again
+    assert copies.finish(kv)  # the turn came: the layers left, not all four again
     assert kv.ready is not None and not copies.building
     assert copies.dequantized == len(kv.tokens)  # one copy's worth, each layer once
     fresh = FloatTurnCache.start(kv)

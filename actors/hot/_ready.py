@@ -30,7 +30,7 @@ class _Build:
     agent: str
     kv: AgentKV
     nbytes: int  # reserved in the budget until the build ends
-    steps: Iterator[TurnCache | None]
+    steps: Iterator[tuple[int, TurnCache | None]]
     ranges: list[StoredRange]  # what it is built from
 
     @property
@@ -103,8 +103,8 @@ class ReadyCopies:
         self._builds.remove(build)
         if not build.current:
             return False
-        for copy in build.steps:
-            self.dequantized += len(kv.tokens) / kv.geometry.n_layers
+        for built, copy in build.steps:
+            self.dequantized += len(kv.tokens) * built / kv.geometry.n_layers
             if copy is not None:
                 kv.set_ready(copy)
                 return True
@@ -120,8 +120,8 @@ class ReadyCopies:
             if not held(build.agent, kv) or not build.current:
                 self._builds.popleft()
                 continue
-            copy = next(build.steps)
-            self.dequantized += len(kv.tokens) / kv.geometry.n_layers
+            built, copy = next(build.steps)
+            self.dequantized += len(kv.tokens) * built / kv.geometry.n_layers
             if copy is not None:
                 self._builds.popleft()
                 kv.set_ready(copy)
