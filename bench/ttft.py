@@ -118,6 +118,8 @@ async def decode_rate(agent: kvactor.Agent, prompt: str, tokens: int = 17) -> fl
 
 async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
     async with kvactor.open(cache_dir=root) as kv:
+        # At the model's whole length: room kept for the tokens the turns decode.
+        n = min(n, kv.model.context_length - 64)
         prompt = kv.tokenizer.decode(kv.tokenizer.encode(text)[:n])
         agent = await kv.spawn_agent(f"ttft-{n}")
         cold_s, cold = await timed(agent, prompt)
