@@ -69,10 +69,10 @@ def test_a_working_copy_spread_over_streams_holds_the_bits_of_one_made_on_one(
 
     def made() -> tuple[int, list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
         prefix = FloatPrefix(kv, 2)
-        ready = None
-        for _, ready in FloatTurnCache.ready_steps(kv):
-            pass
-        assert ready is not None
+        steps = list(FloatTurnCache.ready_steps(kv))
+        assert sum(built for built, _ in steps) == kv.geometry.n_layers
+        ready = steps[-1][1]
+        assert ready is not None and all(copy is None for _, copy in steps[:-1])
         return (
             len(worker_streams()),
             _values(FloatTurnCache.start(kv)),
