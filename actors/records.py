@@ -63,6 +63,9 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     # making the working copy from the stored cache (in prefill_s).
     load_s: float = 0.0
     dequantize_s: float = 0.0
+    # Before all of the above (not in ttft_s): rendering the conversation, tokenizing it
+    # and matching it against the agent's cache, on the agent's side.
+    prompt_s: float = 0.0
     shared_tokens: int = 0  # of the reused tokens, those shared from another agent's cache
     # From the turn's last token to its Completion: storing its new tokens (quantized by
     # the engine at the turn's end, exported) and writing them to the warm tier before it

@@ -76,13 +76,19 @@ def _steps(
                 stream=True,
                 extra_headers=headers,
             )
+            parts = None
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     first = first or time.perf_counter()
                     text += chunk.choices[0].delta.content
+                info = (chunk.model_extra or {}).get("kvactor")
+                if info:  # kvactor's finishing chunk: where the turn's time went
+                    parts = {**info["timings"], "path": info["path"]}
             history.append({"role": "assistant", "content": text})
             records.append({"agent": step.agent, "ttft_s": (first or time.perf_counter()) - t0})
             records[-1]["text"] = text
+            if parts is not None:
+                records[-1]["parts"] = parts
     return records
 
 
@@ -108,11 +114,31 @@ def replay_http(
         )
     return {
         "turns": before + after,
+        "before_restart_parts": _parts(before),
         "summed_ttft_s": sum(r["ttft_s"] for r in before + after),
         "before_restart_ttft_s": sum(r["ttft_s"] for r in before),
         "after_restart_ttft_s": sum(r["ttft_s"] for r in after),
         "wall_s": time.perf_counter() - began,
     }
+
+
+PARTS = ("parse_s", "prompt_s", "queue_s", "load_s", "prefill_s", "dequantize_s")
+
+
+def _parts(turns: list[dict[str, Any]]) -> dict[str, float] | None:
+    """kvactor's turns summed by part up to their first token (each turn's reply says
+    them: ``kvactor.timings``), the client's time to first token beside them, ``other_s``
+    what the parts leave of it (HTTP, routing, actor hops, the first piece's way back),
+    and ``bound_s``: each turn's new tokens' forward and its first step (its prefill less
+    the working copy), which no server can avoid. None for another server."""
+    if not turns or any("parts" not in t for t in turns):
+        return None
+    out = {k: sum(t["parts"][k] for t in turns) for k in PARTS}
+    out["client_ttft_s"] = sum(t["ttft_s"] for t in turns)
+    apart = ("parse_s", "prompt_s", "queue_s", "prefill_s")
+    out["other_s"] = out["client_ttft_s"] - sum(out[k] for k in apart)
+    out["bound_s"] = out["prefill_s"] - out["dequantize_s"]
+    return out
 
 
 def http_results(trace: Trace, tmp: Path, max_tokens: int) -> dict[str, Any]:
@@ -137,6 +163,11 @@ def http_results(trace: Trace, tmp: Path, max_tokens: int) -> dict[str, Any]:
     out["vs_mlx_lm_server_sized"] = ours["before_restart_ttft_s"] / sized["before_restart_ttft_s"]
     out["after_restart_vs_mlx_lm_server"] = (
         ours["after_restart_ttft_s"] / theirs["after_restart_ttft_s"]
+    )
+    # Where kvactor's time to first token went before the restart, and the bound.
+    out["kvactor_parts"] = ours["before_restart_parts"]
+    out["bound_vs_mlx_lm_server_sized"] = (
+        out["kvactor_parts"]["bound_s"] / sized["before_restart_ttft_s"]
     )
     pairs = zip(ours["turns"], theirs["turns"], strict=True)
     out["answers_equal"] = sum(a["text"] == b["text"] for a, b in pairs)

@@ -666,6 +666,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-http", action="store_true", help="skip the part over HTTP")
+    p.add_argument("--http-only", action="store_true", help="only the part over HTTP")
     p.add_argument("--http-agents", type=int, default=16)
     p.add_argument("--http-rounds", type=int, default=2)
     p.add_argument("--json", metavar="PATH")
@@ -685,18 +686,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     arguments = parse()
     began = time.perf_counter()
-    out = anyio.run(main, arguments)
+    out: dict[str, Any] = {} if arguments.http_only else anyio.run(main, arguments)
     if not arguments.no_http:
         out["http"] = http_part(arguments)
         for key in ("vs_mlx_lm_server", "vs_mlx_lm_server_sized", "after_restart_vs_mlx_lm_server"):
             out[key] = out["http"][key]
+        out["kvactor_parts"] = out["http"]["kvactor_parts"]
     out["total_s"] = time.perf_counter() - began
     keys = [k for k in TOP_KEYS if k in out] + ["identical_outputs"]
     if not arguments.no_http:
         keys += ["vs_mlx_lm_server", "vs_mlx_lm_server_sized", "after_restart_vs_mlx_lm_server"]
+        keys += ["kvactor_parts"]
     for key in keys:
-        print(f"{key}: {out[key]}")
-    print(f"within_budget: {out['within_budget']}  total {out['total_s']:.0f}s")
+        if key in out:
+            print(f"{key}: {out[key]}")
+    print(f"within_budget: {out.get('within_budget', '-')}  total {out['total_s']:.0f}s")
     if "note" in out:
         print(out["note"])
     if arguments.json:

@@ -106,12 +106,16 @@ async def test_chat_completions_equal_the_python_api_streamed_or_not() -> None:
                             text += chunk.choices[0].delta.content or ""
                         if chunk.usage is not None:
                             usage = chunk.usage
+                        if (chunk.model_extra or {}).get("kvactor"):
+                            info = chunk.model_extra["kvactor"]  # on the finishing chunk
                 else:
                     done = await client.chat.completions.create(
                         model="default", messages=history, max_tokens=8
                     )
                     text, usage = done.choices[0].message.content, done.usage
                     assert done.choices[0].finish_reason in ("stop", "length")
+                    info = (done.model_extra or {})["kvactor"]
+                _check_parts(info["timings"])
                 assert text == expected.text
                 assert usage is not None
                 assert usage.completion_tokens == len(expected.token_ids)
@@ -125,6 +129,19 @@ async def test_chat_completions_equal_the_python_api_streamed_or_not() -> None:
                     assert cached == expected.timings.reused_tokens
                 history.append({"role": "assistant", "content": text})
             assert cached > 0
+
+
+def _check_parts(parts: dict[str, float]) -> None:
+    """A turn's time over HTTP in parts (``kvactor.timings``): each part within the ones
+    it belongs to, and the parts that run one after another within the whole."""
+    assert set(parts) == {
+        "parse_s", "prompt_s", "queue_s", "load_s", "prefill_s", "dequantize_s",
+        "decode_s", "save_s", "server_s",
+    }  # fmt: skip
+    assert all(v >= 0 for v in parts.values()), parts
+    assert parts["load_s"] <= parts["queue_s"] and parts["dequantize_s"] <= parts["prefill_s"]
+    apart = ("parse_s", "prompt_s", "queue_s", "prefill_s", "decode_s", "save_s")
+    assert 0 < sum(parts[k] for k in apart) <= parts["server_s"], parts
 
 
 async def test_completions_and_models_and_health() -> None:

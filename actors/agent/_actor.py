@@ -327,8 +327,10 @@ class AgentActor(Actor):
         if prime:
             sampling = msgspec.structs.replace(sampling, max_tokens=1)
         self._check_length(text, raw, history)
+        rendering = time.perf_counter()
         prompt = await anyio.to_thread.run_sync(self._prompt, text, raw, history, prime, tools)
         prompt = msgspec.structs.replace(prompt, cuts=self._cuts(prompt))
+        prompt_s = time.perf_counter() - rendering
         # Tool calls are read out of the text (never left in it) when tools are offered.
         reader = ToolStream(self.tool_format) if tools is not None and tools.tools else None
         write_ran = False  # this turn's write ran (or there is no warm tier)
@@ -387,7 +389,11 @@ class AgentActor(Actor):
             finish_reason=_finish(finished.reason, calls, reader),
             token_ids=finished.token_ids,
             timings=msgspec.structs.replace(
-                finished.timings, load_s=outcome.load_s, save_s=save_s, write_s=self._write_s
+                finished.timings,
+                load_s=outcome.load_s,
+                save_s=save_s,
+                write_s=self._write_s,
+                prompt_s=prompt_s,
             ),
             path=outcome.path,
             match=prompt.match,

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..actors.enums import FinishReason
-from ..actors.records import Completion, ToolCall, ToolCallDelta
+from ..actors.records import Completion, Timings, ToolCall, ToolCallDelta
 from ._conversation import openai_messages
 from ._errors import ApiError
 from ._request import (
@@ -73,8 +73,9 @@ def _finish_reason(done: Completion) -> str:
     return "length" if done.finish_reason == FinishReason.LENGTH else "stop"
 
 
-def _kvactor_info(agent: str, done: Completion) -> dict[str, Any]:
-    """What a reply says of kvactor's side of the turn: ``agent`` as the client knows it."""
+def _kvactor_info(agent: str, done: Completion, reply: _Reply) -> dict[str, Any]:
+    """What a reply says of kvactor's side of the turn: ``agent`` as the client knows it,
+    and where the turn's time went (``timings``)."""
     t = done.timings
     return {
         "agent": agent,
@@ -83,6 +84,28 @@ def _kvactor_info(agent: str, done: Completion) -> dict[str, Any]:
         "ttft_s": t.ttft_s,
         "reused_tokens": t.reused_tokens,
         "saved": done.saved,
+        "timings": _parts(t, reply),
+    }
+
+
+def _parts(t: Timings, reply: _Reply) -> dict[str, float]:
+    """A turn's time over HTTP, in the order its parts ran: reading and checking the
+    request body (``parse_s``); rendering the conversation, tokenizing it and matching it
+    against the cache (``prompt_s``); waiting for the engine, a warm load included
+    (``queue_s``, ``load_s`` of it); the prefill, the working copy included
+    (``prefill_s``, ``dequantize_s`` of it); the decode (``decode_s``); storing and
+    writing the new tokens (``save_s``); and from the request's arrival to this reply
+    (``server_s``; the rest of it is routing, actor hops and the reply's own making)."""
+    return {
+        "parse_s": reply.parse_s,
+        "prompt_s": t.prompt_s,
+        "queue_s": t.queue_s,
+        "load_s": t.load_s,
+        "prefill_s": t.prefill_s,
+        "dequantize_s": t.dequantize_s,
+        "decode_s": t.decode_s,
+        "save_s": t.save_s,
+        "server_s": time.perf_counter() - reply.arrived,
     }
 
 
@@ -111,10 +134,23 @@ class _Reply:
     ident: str
     model: str
     created: int
+    arrived: float = 0.0  # time.perf_counter() when the request came
+    parse_s: float = 0.0  # reading and checking its body
 
     @classmethod
-    def new(cls, prefix: str, model: str) -> _Reply:
-        return cls(f"{prefix}-{secrets.token_hex(12)}", model, int(time.time()))
+    def new(
+        cls, prefix: str, model: str, arrived: float | None = None, parsing: float | None = None
+    ) -> _Reply:
+        """``arrived``: when the request came; ``parsing``: when its body began to be read
+        (both ``time.perf_counter()``; None: now)."""
+        now = time.perf_counter()
+        return cls(
+            f"{prefix}-{secrets.token_hex(12)}",
+            model,
+            int(time.time()),
+            now if arrived is None else arrived,
+            0.0 if parsing is None else now - parsing,
+        )
 
     def head(self, kind: str) -> dict[str, Any]:
         return {"id": self.ident, "object": kind, "created": self.created, "model": self.model}
@@ -198,7 +234,7 @@ def _chat_reply(reply: _Reply, agent: str, done: Completion) -> dict[str, Any]:
             }
         ],
         "usage": _usage(done),
-        "kvactor": _kvactor_info(agent, done),
+        "kvactor": _kvactor_info(agent, done, reply),
     }
 
 
@@ -240,7 +276,7 @@ async def _chat_events(reply: _Reply, turn: StreamedTurn, usage: bool) -> AsyncI
         yield _ENDED
         return
     done = turn.finished()
-    yield _chunk(reply, {}, _finish_reason(done), _kvactor_info(turn.shown, done))
+    yield _chunk(reply, {}, _finish_reason(done), _kvactor_info(turn.shown, done, reply))
     if usage:
         yield _sse({**reply.head("chat.completion.chunk"), "choices": [], "usage": _usage(done)})
     yield _DONE
@@ -248,11 +284,13 @@ async def _chat_events(reply: _Reply, turn: StreamedTurn, usage: bool) -> AsyncI
 
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
+    arrived = time.perf_counter()
     async with admitted(request) as turn:
         state = server_state(request)
+        parsing = time.perf_counter()
         raw = await read_body(request, state.max_body_bytes)
         chat = await parse_off_loop(raw, partial(_chat_parse, state), state.big_bodies)
-        reply = _Reply.new("chatcmpl", chat.ask.model or state.model_id)
+        reply = _Reply.new("chatcmpl", chat.ask.model or state.model_id, arrived, parsing)
         who = agent_id(request, chat.user)
         if not chat.stream:
             agent, done = await turn.whole(who, chat.ask)
