@@ -522,8 +522,9 @@ async def test_metrics_split_a_warm_turn_and_label_a_prefetched_one(tmp_path: Pa
         for s in families["kvactor_ttft_part_seconds"].samples
         if s.name.endswith("_sum")
     }
-    assert set(parts) == {"queue", "load", "dequantize", "prefill"}
+    assert set(parts) == {"prompt", "queue", "load", "dequantize", "prefill"}
     assert parts["load"] > 0 and parts["dequantize"] > 0 and parts["prefill"] > 0
+    assert parts["prompt"] > 0
     assert families["kvactor_warm_tier_reads"].samples[0].value == 2
 
 

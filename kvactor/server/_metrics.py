@@ -86,8 +86,9 @@ class Metrics:
         )
         self.ttft_part = Histogram(
             "kvactor_ttft_part_seconds",
-            "Where a turn's time to first token went: queue (waiting), load (reading its "
-            "warm cache), dequantize (making the working copy) and prefill",
+            "Where a turn's time to first token went: prompt (rendering, tokenizing and "
+            "matching it, before the rest), queue (waiting), load (reading its warm cache), "
+            "dequantize (making the working copy) and prefill",
             ["part"],
             registry=r,
             buckets=_TTFT_BUCKETS,
@@ -159,6 +160,7 @@ class Metrics:
         t = done.timings
         path = "prefetched" if prefetched and done.path == Tier.HOT else str(done.path)
         self.ttft.labels(path).observe(t.ttft_s)
+        self.ttft_part.labels("prompt").observe(t.prompt_s)
         self.ttft_part.labels("queue").observe(t.queue_s - t.load_s)
         self.ttft_part.labels("load").observe(t.load_s)
         self.ttft_part.labels("dequantize").observe(t.dequantize_s)
