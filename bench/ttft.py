@@ -287,6 +287,14 @@ async def main(contexts: list[int], runs: int) -> dict[str, Any]:
     }
 
 
+def table(header: list[str], rows: list[list[str]]) -> None:
+    """Print a markdown table, its columns right-aligned."""
+    print("| " + " | ".join(header) + " |")
+    print("|---:" * len(header) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
@@ -294,38 +302,37 @@ if __name__ == "__main__":
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     out = anyio.run(main, args.contexts, args.runs)
-    print(
-        "| context | cold (prefill) | warm (disk) | warm, prefetched | prefetched to ready "
-        "| hot (ready copy) | hot, from stored | hot, quantized attention "
-        "| warm, quantized attention | one decode step | mlx-lm decode step | floor "
-        "| mlx-lm Q4 reload + step | warm load | disk read, same size | disk read, 256 MiB |"
-    )
-    print("|---:" * 16 + "|")
-    for n, r in out["contexts"].items():
-        ms = {k: f"{v * 1e3:.0f} ms" for k, v in r.items() if k.endswith("_s")}
-        print(
-            f"| {n} | {r['cold_s']:.2f} s | {ms['warm_s']} | {ms['warm_prefetched_s']} "
-            f"| {ms['prefetched_ready_s']} | {ms['hot_s']} | {ms['hot_stored_s']} "
-            f"| {ms['hot_quantized_s']} | {ms['warm_quantized_s']} | {ms['decode_step_s']} "
-            f"| {ms['mlx_lm_decode_step_s']} | {ms['floor_s']} | {ms['seed_path_s']} "
-            f"| {r['warm_load_gbps']:.2f} GB/s "
-            f"| {r['disk_read_same_size_gbps']:.2f} GB/s "
-            f"| {r['disk_read_gbps']:.2f} GB/s |"
-        )
-    print(
-        "\n| context | warm vs seed path | warm vs floor | hot from stored vs warm "
-        "| prefetched to ready vs step | hot vs step | warm, one stream | spread vs one "
-        "| read + verify | dequantize | forward | other |"
-    )
-    print("|---:" * 12 + "|")
-    for n, r in out["contexts"].items():
-        ms = {k: f"{v * 1e3:.0f} ms" for k, v in r.items() if k.endswith("_s")}
-        print(
-            f"| {n} | {r['warm_vs_seed_path']:.2f}x | {r['warm_vs_floor']:.2f}x "
-            f"| {r['hot_stored_vs_warm']:.2f}x | {r['prefetched_ready_vs_step']:.2f}x "
-            f"| {r['hot_vs_step']:.2f}x | {ms['warm_one_stream_s']} "
-            f"| {r['warm_spread_vs_one_stream']:.2f}x | {ms['warm_read_verify_s']} "
-            f"| {ms['warm_dequantize_s']} | {ms['warm_forward_s']} | {ms['warm_other_s']} |"
-        )
+    rows = out["contexts"].items()
+    ms = {n: {k: f"{v * 1e3:.0f} ms" for k, v in r.items() if k.endswith("_s")} for n, r in rows}
+    table(
+        ["context", "cold (prefill)", "warm (disk)", "warm, prefetched", "prefetched to ready",
+         "hot (ready copy)", "hot, from stored", "hot, quantized attention",
+         "warm, quantized attention", "one decode step", "mlx-lm decode step", "floor",
+         "mlx-lm Q4 reload + step", "warm load", "disk read, same size", "disk read, 256 MiB"],
+        [
+            [n, f"{r['cold_s']:.2f} s", *(ms[n][k] for k in (
+                "warm_s", "warm_prefetched_s", "prefetched_ready_s", "hot_s", "hot_stored_s",
+                "hot_quantized_s", "warm_quantized_s", "decode_step_s", "mlx_lm_decode_step_s",
+                "floor_s", "seed_path_s")),
+             *(f"{r[k]:.2f} GB/s" for k in (
+                "warm_load_gbps", "disk_read_same_size_gbps", "disk_read_gbps"))]
+            for n, r in rows
+        ],
+    )  # fmt: skip
+    print()
+    table(
+        ["context", "warm vs seed path", "warm vs floor", "hot from stored vs warm",
+         "prefetched to ready vs step", "hot vs step", "warm, one stream", "spread vs one",
+         "read + verify", "dequantize", "forward", "other"],
+        [
+            [n, *(f"{r[k]:.2f}x" for k in (
+                "warm_vs_seed_path", "warm_vs_floor", "hot_stored_vs_warm",
+                "prefetched_ready_vs_step", "hot_vs_step")),
+             ms[n]["warm_one_stream_s"], f"{r['warm_spread_vs_one_stream']:.2f}x",
+             *(ms[n][k] for k in (
+                "warm_read_verify_s", "warm_dequantize_s", "warm_forward_s", "warm_other_s"))]
+            for n, r in rows
+        ],
+    )  # fmt: skip
     if args.json:
         write_json(args.json, out)
