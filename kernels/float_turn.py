@@ -139,16 +139,15 @@ class FloatTurnCache(Entries):
         layers: list[Any] = []
         total = kv.geometry.n_layers
         per_step = len(worker_streams())
-        while len(layers) < total:
-            at = len(layers)
+        for at in range(0, total, per_step):
 
             def layer(j: int, at: int = at) -> Any:
                 return cls.row_layer(kv, at + j, ROOM)
 
-            layers += spread(min(per_step, total - at), layer, _arrays)
-            if len(layers) < total:
-                yield len(layers) - at, None
-        yield total - at, cls(layers, geometry_slots(kv.geometry))
+            built = spread(min(per_step, total - at), layer, _arrays)
+            layers += built
+            done = len(layers) == total
+            yield len(built), cls(layers, geometry_slots(kv.geometry)) if done else None
 
     def _batched(self) -> list[Any]:
         join = batch_of_one if self.keeps_buffers else (lambda row: type(row).merge([row]))

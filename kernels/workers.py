@@ -81,15 +81,12 @@ def spread(
     in turn and dispatched at once (``arrays`` of it: what to evaluate), then all waited
     for. The values are those of building them on one stream: the same operations run."""
     streams = worker_streams()
-    if len(streams) == 1:
-        out = [make(i) for i in range(count)]
-        mx.eval([a for item in out for a in arrays(item)])
-        return out
     out = []
     for i in range(count):
         with mx.stream(streams[i % len(streams)]):
             item = make(i)
-        mx.async_eval(list(arrays(item)))
+        if len(streams) > 1:  # on one stream the final eval alone is the old way
+            mx.async_eval(list(arrays(item)))
         out.append(item)
     mx.eval([a for item in out for a in arrays(item)])
     return out
