@@ -142,10 +142,14 @@ class ServeProcess:
 
 @contextlib.contextmanager
 def serve_process(
-    tmp: Path, *args: str, env: dict[str, str] | None = None, model: str = "tiny"
+    tmp: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    model: str = "tiny",
+    start_s: float = 60,
 ) -> Iterator[ServeProcess]:
     """``kvactor serve MODEL --port 0 --json ARGS`` until the block ends (then SIGKILL if
-    it still runs); waits for its start line (60 s)."""
+    it still runs); waits ``start_s`` for its start line."""
     stderr = tmp / f"serve-{time.monotonic_ns()}.log"
     with stderr.open("wb") as err:
         proc = subprocess.Popen(
@@ -155,7 +159,7 @@ def serve_process(
             env={**os.environ, **(env or {})},
         )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + start_s
         start = None
         while start is None:
             assert proc.poll() is None, stderr.read_text()

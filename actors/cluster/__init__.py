@@ -16,6 +16,7 @@ from ._placement import RoundRobin as RoundRobin
 from ._prefixes import BLOCK as BLOCK
 from ._prefixes import HeldPrefixes as HeldPrefixes
 from ._prefixes import prefix_blocks as prefix_blocks
+from ._served import ServedCluster as ServedCluster
 from ._session import CLUSTER_KEYS as CLUSTER_KEYS
 from ._session import ClusterOptions as ClusterOptions
 from ._session import ClusterSession as ClusterSession
@@ -35,6 +36,7 @@ __all__ = (
     "PlacementPolicy",
     "PrefixPlacement",
     "RoundRobin",
+    "ServedCluster",
     "TurnEnd",
     "prefix_blocks",
     "open_cluster",

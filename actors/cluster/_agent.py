@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HostLost
-from ..records import Completion, ToolCallDelta, ToolRequest
+from ..records import AgentState, Completion, ToolCallDelta, ToolRequest
 from ..session import AgentTurns, TurnKind
 from ..tools import tool_options
 from ..warm import PortableInfo
@@ -42,6 +42,12 @@ class ClusterTextStream:
         return self
 
     async def __anext__(self) -> str:
+        while True:
+            item = await self._next()
+            if isinstance(item, str):
+                return item
+
+    async def _next(self) -> str | ToolCallDelta:
         if self.completion is not None:
             raise StopAsyncIteration
         from ray.exceptions import ActorUnavailableError
@@ -76,7 +82,7 @@ class ClusterTextStream:
             await self._session.replicate(self._agent)  # before the turn is reported done
             self.completion = item.completion
             raise StopAsyncIteration
-        assert isinstance(item, str)
+        assert isinstance(item, str | ToolCallDelta)
         return item
 
     async def aclose(self) -> None:
@@ -87,10 +93,13 @@ class ClusterTextStream:
             self._gen = None
 
     async def events(self) -> AsyncIterator[str | ToolCallDelta]:
-        """The text pieces (a host sends no tool-call pieces: the calls are in the
-        Completion)."""
-        async for piece in self:
-            yield piece
+        """The text pieces and the tool calls' pieces as they form (``TextStream.events``;
+        a whole turn's calls are in its Completion only)."""
+        while True:
+            try:
+                yield await self._next()
+            except StopAsyncIteration:
+                return
 
     async def __aenter__(self) -> ClusterTextStream:
         return self
@@ -129,6 +138,11 @@ class ClusterAgent(AgentTurns):
         if tools is not None:  # plain data again: the host's agent reads it as options
             sampling = {**sampling, **tool_options(tools)}
         return ClusterTextStream(self._session, host, (self.name, kind, payload, sampling), pieces)
+
+    async def state(self) -> AgentState:
+        """Its state (``Agent.state``), asked of its host."""
+        host = self._session.host_of(self.name)
+        return await self._session.engine_hosts.call(host, EngineHost.state, self.name)
 
     async def history(self) -> list[dict[str, Any]]:
         host = self._session.host_of(self.name)

@@ -44,7 +44,18 @@ from ..engine import ModelSpec, default_memory_limit
 from ..errors import AgentExists, CacheRejected, UnknownAgent
 from ..ids import check_agent_id
 from ..messages import Hint, MakeContext, Snapshot, SpawnAgent
-from ..records import AgentSnapshot, Completion, EngineStats
+from ..records import (
+    AgentSnapshot,
+    AgentState,
+    CacheInfo,
+    Completion,
+    EngineBoard,
+    EngineStats,
+    ModelInfo,
+    ModelState,
+    TierMoves,
+    ToolCallDelta,
+)
 from ..session import TURN_KINDS, Agent, Session, TurnKind, open_session
 from ..warm import (
     MANIFEST,
@@ -52,6 +63,8 @@ from ..warm import (
     CacheIdentity,
     Forgotten,
     SegmentEntry,
+    StoreStats,
+    WarmInfo,
     agent_dir,
     contained,
     link_or_copy,
@@ -62,7 +75,7 @@ from ..warm import (
 )
 from ._prefixes import prefix_blocks
 
-__all__ = ("EngineHost", "HostInfo", "TurnEnd")
+__all__ = ("EngineHost", "HostInfo", "ServedModel", "TurnEnd")
 
 log = logging.getLogger("kvactor.cluster")
 
@@ -100,6 +113,13 @@ class TurnEnd(msgspec.Struct, frozen=True):
 
     completion: Completion
     blocks: list[int]
+
+
+class ServedModel(msgspec.Struct, frozen=True):
+    """The model a host runs, as a server over the cluster names and limits it."""
+
+    info: ModelInfo
+    max_prompt_chars: int
 
 
 class EngineHost:
@@ -227,8 +247,9 @@ class EngineHost:
         payload: Any,
         sampling: dict[str, Any],
         pieces: bool = True,
-    ) -> AsyncIterator[str | TurnEnd]:
-        """One turn of agent ``name``: its text pieces, then its TurnEnd (the Completion
+    ) -> AsyncIterator[str | ToolCallDelta | TurnEnd]:
+        """One turn of agent ``name``: its text pieces (and its tool calls' pieces as they
+        form), then its TurnEnd (the Completion
         and what the agent's cache holds now). ``kind`` says what ``payload`` is: "text"
         (a user message), "raw" (a raw prompt) or "chat" (a whole conversation). Without
         ``pieces``, one empty piece once the turn has begun (a caller then knows that it
@@ -240,7 +261,7 @@ class EngineHost:
         stream = agent.turn_stream(kind, payload, **sampling)
         async with stream:
             begun = False
-            async for piece in stream:
+            async for piece in stream.events():
                 if pieces:
                     yield piece
                 elif not begun:
@@ -265,16 +286,16 @@ class EngineHost:
         assert done is not None
         return done
 
-    async def prompt_blocks(self, system: str) -> list[int]:
-        """The block hashes of the prompt a new agent with the system prompt ``system``
-        (or a shared context of that text) starts with, rendered and tokenized as its
-        first turn does (``prefix_blocks``)."""
+    async def prompt_blocks(self, system: str | list[dict[str, Any]]) -> list[int]:
+        """The block hashes of the prompt a new agent starts with, rendered and tokenized
+        as its first turn does (``prefix_blocks``): ``system``, the system prompt of a
+        new agent (or a shared context's text), or a conversation's messages (its first
+        turn's). Raises what the chat template raises for messages it cannot render."""
         tokenizer = (await self._open()).tokenizer
+        messages = [{"role": "system", "content": system}] if isinstance(system, str) else system
 
         def tokens() -> list[int]:
-            head, literal = tokenizer.render_chat(
-                [{"role": "system", "content": system}], add_generation_prompt=False
-            )
+            head, literal = tokenizer.render_chat(messages, add_generation_prompt=False)
             return tokenizer.encode(head, literal=literal)
 
         return prefix_blocks(await anyio.to_thread.run_sync(tokens))
@@ -303,6 +324,35 @@ class EngineHost:
         for name in session.agents:
             held[name] = await self._blocks(session.agent(name))
         return held
+
+    # -- what a server over the cluster reads -----------------------------------------
+    async def served(self) -> ServedModel:
+        """The model this host runs, and the longest prompt it takes (in characters)."""
+        session = await self._open()
+        return ServedModel(session.model, session.max_prompt_chars)
+
+    async def warm_list(self) -> list[WarmInfo]:
+        """Every agent with a warm cache on this host's disk (``Session.warm_agents``)."""
+        return await (await self._open()).warm_agents()
+
+    async def warm_stats(self) -> StoreStats:
+        return await (await self._open()).warm_stats()
+
+    async def board(self, since: dict[str, int]) -> EngineBoard:
+        return await (await self._open()).board(since)
+
+    async def warm_moves(self, since: dict[str, int]) -> dict[str, TierMoves]:
+        return await (await self._open()).warm_moves(since)
+
+    async def model_states(self) -> list[ModelState]:
+        return await (await self._open()).model_states()
+
+    async def cache_info(self, name: str) -> CacheInfo:
+        return await (await self._open()).cache_info(name)
+
+    async def state(self, name: str) -> AgentState:
+        """Agent ``name``'s state (``Agent.state``), resumed here if it is on disk only."""
+        return await (await self._agent(name)).state()
 
     async def history(self, name: str) -> list[dict[str, str]]:
         return await (await self._agent(name)).history()
@@ -377,12 +427,16 @@ class EngineHost:
         await session.export_agent(name, buffer)
         return buffer.getvalue()
 
-    async def import_portable(self, data: bytes, name: str | None, replace: bool) -> str:
-        """The agent of portable file ``data`` here (``Session.import_agent``); its name."""
+    async def import_portable(
+        self, data: bytes, name: str | None, replace: bool, scope: str = ""
+    ) -> str:
+        """The agent of portable file ``data`` here, of sharing scope ``scope``
+        (``Session.import_agent``); its name."""
         session = await self._open()
         agent = await session.import_agent(
-            bytes(data), name, replace=replace, max_bytes=MAX_MIGRATION_BYTES
+            bytes(data), name, replace=replace, scope=scope, max_bytes=MAX_MIGRATION_BYTES
         )
+        await anyio.to_thread.run_sync(self._scopes.set, agent.name, scope)
         return agent.name
 
     async def _free_name(self, name: str) -> Session:

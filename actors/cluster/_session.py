@@ -279,11 +279,34 @@ class ClusterSession(SessionAPI[ClusterAgent]):
     async def _spawn(self, spawn: SpawnAgent) -> ClusterAgent:
         """A new agent (``SessionAPI.spawn_agent``) on ``spawn.host``, or where a fork's
         source or a shared context is, or where the placement policy says."""
+        return await self._spawn_placed(spawn, spawn.system)
+
+    async def spawn_placed(
+        self, name: str, messages: list[dict[str, Any]], *, scope: str = ""
+    ) -> ClusterAgent:
+        """A new agent ``name`` (of sharing scope ``scope``) whose first turn will be the
+        conversation ``messages``, on the host the placement policy picks for that prompt
+        (``CacheAware``: the host holding the longest prefix of it, unless past its share
+        of the agents). What a server does for a conversation it has not seen. Raises as
+        ``spawn_agent`` does."""
+        check_agent_id(name)
+        if not isinstance(scope, str):
+            raise TypeError(f"scope must be a str, not {type(scope).__name__}")
+        return await self._spawn_placed(SpawnAgent(name=name, scope=scope), messages)
+
+    async def _spawn_placed(
+        self, spawn: SpawnAgent, prompt: str | list[dict[str, Any]] | None
+    ) -> ClusterAgent:
+        """``spawn`` placed by its source, its host, else by ``prompt`` (a system prompt,
+        or a first turn's messages). An agent whose host is gone for good without a
+        replica is spawned again (cold) where placement says."""
         name = spawn.name
         if spawn.model is not None:
             raise ValueError("a cluster session serves one model: no model=")
         if name in self._where:
-            raise AgentExists(f"agent {name!r} already exists (on host {self._where[name]!r})")
+            if not self.engine_hosts.lost(self._where[name]):
+                raise AgentExists(f"agent {name!r} already exists (on host {self._where[name]!r})")
+            del self._where[name]  # stranded with its host: it starts again, cold
         source = spawn.fork_of if spawn.fork_of is not None else spawn.context
         blocks: list[int] = []
         if source is not None:
@@ -295,7 +318,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         elif spawn.host is not None:
             target = self.engine_hosts.get(spawn.host)
         else:
-            where, blocks = await self._choose(name, spawn.system)
+            where, blocks = await self._choose(name, prompt)
             target = self.engine_hosts.get(where)
         await self.engine_hosts.call(target, EngineHost.spawn, spawn)
         self._where[name] = target.name
@@ -303,15 +326,26 @@ class ClusterSession(SessionAPI[ClusterAgent]):
             self.prefixes.update(target.name, name, blocks)
         return ClusterAgent(self, name)
 
-    async def _choose(self, agent: str, system: str | None) -> tuple[str, list[int]]:
-        """Where the placement policy puts a new ``agent`` whose prompt starts with the
-        system prompt ``system``, and that prompt's block hashes (empty unless the policy
-        looks at prompts: one host renders and hashes it, the others are not asked)."""
+    async def _choose(
+        self, agent: str, prompt: str | list[dict[str, Any]] | None
+    ) -> tuple[str, list[int]]:
+        """Where the placement policy puts a new ``agent`` whose prompt starts with
+        ``prompt`` (a system prompt, or a first turn's messages), and that prompt's block
+        hashes (empty unless the policy looks at prompts: one host renders and hashes it,
+        the others are not asked; messages its chat template refuses: placed by load)."""
         infos = await self.hosts()
-        if not isinstance(self.placement, PrefixPlacement) or not system:
+        if not isinstance(self.placement, PrefixPlacement) or not prompt:
             return self.placement.choose(agent, infos), []
         any_host = self.engine_hosts.live()[0]
-        blocks: list[int] = await self.engine_hosts.call(any_host, EngineHost.prompt_blocks, system)
+        try:
+            blocks: list[int] = await self.engine_hosts.call(
+                any_host, EngineHost.prompt_blocks, prompt
+            )
+        except HostLost:
+            raise
+        except Exception as exc:  # the turn itself says what is wrong with its messages
+            log.debug("placing %r by load: its prompt does not render: %s", agent, exc)
+            return self.placement.choose(agent, infos), []
         return self.placement.choose_prefix(agent, infos, blocks, self.prefixes), blocks
 
     async def _context(self, made: MakeContext) -> ClusterAgent:
@@ -340,7 +374,10 @@ class ClusterSession(SessionAPI[ClusterAgent]):
 
     @property
     def agents(self) -> dict[str, ClusterAgent]:
-        return {name: ClusterAgent(self, name) for name in self._where}
+        """The agents on live hosts (one whose host is gone for good without a replica
+        is not: ``agent`` says why, and spawning it again starts it cold elsewhere)."""
+        lost = self.engine_hosts.lost
+        return {name: ClusterAgent(self, name) for name, h in self._where.items() if not lost(h)}
 
     def where(self, name: str) -> str:
         """The host that serves agent ``name`` now. Raises UnknownAgent."""
@@ -378,11 +415,11 @@ class ClusterSession(SessionAPI[ClusterAgent]):
     ) -> ClusterAgent:
         """``Session.import_agent`` on ``host`` (default: where the agent of that name is,
         else where the placement policy says): the file is read here whole, then sent to
-        the host, which verifies it."""
+        the host, which verifies it; ``scope``: its sharing scope there (default ``""``)."""
         if model is not None:
             raise ValueError("a cluster session serves one model: no model=")
-        if scope is not None:
-            raise ValueError('a cluster\'s imported agents are of scope ""')
+        if scope is not None and not isinstance(scope, str):
+            raise TypeError(f"scope must be a str, not {type(scope).__name__}")
         data = await read_source(src, max_bytes)
         header = await anyio.to_thread.run_sync(read_header, data)
         target = name or header.agent
@@ -395,7 +432,9 @@ class ClusterSession(SessionAPI[ClusterAgent]):
             host = self._where[target]
         where = host or self.placement.choose(target, await self.hosts())
         hosts = self.engine_hosts
-        await hosts.call(hosts.get(where), EngineHost.import_portable, data, target, replace)
+        await hosts.call(
+            hosts.get(where), EngineHost.import_portable, data, target, replace, scope or ""
+        )
         self._where[target] = where
         await self.replicate(target)
         return ClusterAgent(self, target)

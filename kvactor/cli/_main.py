@@ -399,6 +399,23 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "(batch-invariant decode, ~10-15%% slower here)",
     )
     _add_serve_limits(serve.add_argument_group("limits"))
+    cluster = serve.add_argument_group("a cluster (needs the kvactor[ray] extra)")
+    cluster.add_argument(
+        "--cluster",
+        metavar="auto|local|ADDRESS",
+        help="run the engines as hosts of a Ray cluster: a running one (auto: else a local "
+        "one on 127.0.0.1, started and stopped with the server; local: always a new one; "
+        "ADDRESS or ray://HOST:PORT); new conversations go to the host that holds their "
+        "prompt's prefix",
+    )
+    cluster.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine hosts per node of the cluster (default: 1); each gets its share of the "
+        "node's memory and of the default hot budget",
+    )
     keys = serve.add_argument_group("keys (each key a tenant)")
     keys.add_argument("--api-key", action="append", metavar="KEY", help="KEY or NAME:KEY")
     keys.add_argument("--api-key-file", action="append", metavar="PATH", help="a key a line")

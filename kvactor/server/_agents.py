@@ -15,15 +15,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..actors.errors import UnknownAgent
-from ..actors.session import Session
 from ..actors.warm import Forgotten, WarmInfo
 from ._errors import ApiError
+from ._served import Served
 from ._state import server_state, tenant_of
 from ._tenants import Tenant
 
 
 async def _row(
-    session: Session, name: str, shown: str, warm: WarmInfo | None, last_used: float | None
+    session: Served, name: str, shown: str, warm: WarmInfo | None, last_used: float | None
 ) -> dict[str, Any]:
     """One agent as ``GET /v1/agents`` lists it (``shown``: the id the client knows it
     by); ``warm``: its warm cache, if any."""
@@ -57,6 +57,9 @@ async def _row(
         )
     if last_used is not None:
         row["last_used"] = last_used
+    host = getattr(session.agents.get(name), "host", None)  # a cluster's agent: where it runs
+    if host is not None:
+        row["host"] = host
     return row
 
 

@@ -13,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..actors.session import Session
 from . import _agents, _anthropic, _carry, _dashboard, _hints, _openai, _status
 from ._errors import Api, ApiError, error_response
+from ._served import Served
 from ._state import DEFAULT_MAX_IMPORT_BYTES, ServerState, server_state
 from ._tenants import Keys
 
@@ -77,7 +77,7 @@ ROUTES = (
 
 
 def create_app(
-    session: Session,
+    session: Served,
     *,
     model_id: str | None = None,
     strict_model: bool = False,

@@ -21,9 +21,9 @@ import anyio
 
 from ..actors.errors import UnknownAgent
 from ..actors.records import CacheInfo, EngineStats, ModelInfo, ModelState
-from ..actors.session import Session
 from ..actors.warm import WarmInfo
 from ._activity import Activity
+from ._served import Served
 
 __all__ = ("Board", "Sample")
 
@@ -53,7 +53,7 @@ class Sample:
 class Board:
     """The sampler of one app (see the module doc); ``session`` None: not started yet."""
 
-    session: Session | None
+    session: Served | None
     activity: Activity
     # A new id per board: a page that sees it change knows the server restarted.
     instance: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -67,7 +67,7 @@ class Board:
     _cold_since: dict[str, int] = field(default_factory=dict)  # the same, of the warm tiers
     _lock: anyio.Lock = field(default_factory=anyio.Lock)
 
-    def attach(self, session: Session) -> None:
+    def attach(self, session: Served) -> None:
         """Sample ``session`` from now on (``kvactor run``: once it is open)."""
         self.session = session
         self.final = False
@@ -96,7 +96,7 @@ class Board:
                 self._last = await self._read(session, warm=warm)
             return self._last
 
-    async def _read(self, session: Session, *, warm: bool) -> Sample:
+    async def _read(self, session: Served, *, warm: bool) -> Sample:
         board = await session.board(self._moves_since)  # one question to the engine
         stats, moves, states = board.stats, board.moves, board.states
         hot = [c for caches in board.hot.values() for c in caches]

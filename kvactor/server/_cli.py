@@ -85,10 +85,15 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``kvactor serve``: 0 once stopped by a signal, 1 when it cannot start (model,
-    cache directory, address), 2 for bad keys or a ``--tool-wait-s`` out of [0, 86400]."""
+    cache directory, address, cluster), 2 for bad keys, a ``--tool-wait-s`` out of
+    [0, 86400] or ``--hosts`` without ``--cluster``."""
     from ..runtime import KvactorError
     from ._tenants import Keys
 
+    cluster, hosts = getattr(args, "cluster", None), getattr(args, "hosts", 1)
+    if hosts < 1 or (hosts > 1 and cluster is None):
+        print("kvactor serve: --hosts takes a number >= 1, with --cluster", file=sys.stderr)
+        return 2
     wait = args.tool_wait_s
     if wait is not None and not 0 <= wait <= 86_400:
         print(f"kvactor serve: --tool-wait-s must be in [0, 86400], got {wait}", file=sys.stderr)
@@ -101,6 +106,8 @@ def run_serve(args: argparse.Namespace) -> int:
     options = _options(args)
     if named is not None:
         options["models"] = named
+    if cluster is not None:
+        options.update(cluster=cluster, hosts_per_node=hosts)
     try:
         entries = key_entries(args.api_key or (), args.api_key_file or ())
         Keys(entries, args.admin_key or ())

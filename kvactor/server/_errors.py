@@ -13,6 +13,7 @@ from ..actors.errors import (
     BudgetExceeded,
     ContextOverflow,
     EngineStopped,
+    HostLost,
     InvalidAgentId,
     TurnEnded,
 )
@@ -93,6 +94,8 @@ def as_api_error(exc: Exception) -> ApiError:
         return ApiError(400, str(exc))
     if isinstance(exc, TurnEnded):
         return ended()
+    if isinstance(exc, HostLost):  # the next request runs on a live host
+        return ApiError(503, str(exc), kind="server_error", code="host_lost", retry_after=1)
     if isinstance(exc, EngineStopped):
         return ApiError(503, "the engine stopped", kind="server_error")
     return ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error")

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ..actors.enums import Tier
 from ..actors.records import Completion
-from ..actors.session import Session
+from ._served import Served
 
 # How long /metrics waits for the engine's figures: the engine answers between steps, and
 # a step of a long prefill takes seconds on a CPU; past this the last figures are shown.
@@ -185,7 +185,7 @@ class Metrics:
             self.stats_age.set(anyio.current_time() - at)
         return figures
 
-    async def render(self, session: Session) -> bytes:
+    async def render(self, session: Served) -> bytes:
         """The Prometheus text of every metric, the session's figures read now (or, while
         the engine or the warm tier is mid-step, as they were last read)."""
         figures: dict[str, Any] = {}

@@ -19,9 +19,9 @@ from typing import Any
 import anyio
 from starlette.requests import Request
 
-from ..actors.session import Agent, Session
 from ..actors.warm import Forgotten
 from ._errors import ApiError
+from ._served import PlacesByPrompt, Served, ServedAgent
 from ._tenants import Tenant
 
 ANONYMOUS = "anon."  # prefix of the agents that serve requests without an id
@@ -59,7 +59,7 @@ class AgentRouter:
 
     ``scope_of`` gives the sharing scope of a session agent id (its tenant's label)."""
 
-    def __init__(self, session: Session, max_anonymous: int, scope_of: Callable[[str], str]):
+    def __init__(self, session: Served, max_anonymous: int, scope_of: Callable[[str], str]):
         self._session = session
         self._max_anonymous = max_anonymous
         self._scope_of = scope_of
@@ -82,7 +82,7 @@ class AgentRouter:
         name: str | None,
         conversation: Conversation,
         model: str | None = None,
-    ) -> AsyncIterator[Agent]:
+    ) -> AsyncIterator[ServedAgent]:
         """The agent a request of ``tenant`` runs on for the block: the named one
         (spawned if new), or an idle anonymous one whose last conversation is the
         longest prefix of this one; of ``model`` (None: the session's one model). Raises
@@ -103,13 +103,13 @@ class AgentRouter:
                 with anyio.CancelScope(shield=True):  # idle agents: quick, and marked
                     for victim in victims:
                         await self._forget_marked(victim)
-            agent = await self._ready(full, model)
+            agent = await self._ready(full, model, conversation)
             self.last_used[full] = time.time()
             yield agent
         finally:
             self._release(full)
 
-    def remember(self, agent: Agent, conversation: Conversation) -> None:
+    def remember(self, agent: ServedAgent, conversation: Conversation) -> None:
         """``agent`` now holds ``conversation`` (read by the anonymous routing)."""
         for pool in self._anonymous.values():
             if agent.name in pool:
@@ -164,9 +164,10 @@ class AgentRouter:
         if self._users[full] <= 0:
             del self._users[full]
 
-    async def _ready(self, full: str, model: str | None) -> Agent:
+    async def _ready(self, full: str, model: str | None, conversation: Conversation) -> ServedAgent:
         """The running agent ``full`` (the caller holds it): after a forget of it under
-        way, spawned if new (one spawn at a time per agent, none for others to wait on)."""
+        way, spawned if new (one spawn at a time per agent, none for others to wait on);
+        on a cluster, a new one goes where ``conversation``'s prompt is cached."""
         while (moving := self._forgetting.get(full) or self._importing.get(full)) is not None:
             await moving.wait()
         while (spawning := self._spawning.get(full)) is not None:
@@ -180,6 +181,11 @@ class AgentRouter:
         done = self._spawning[full] = anyio.Event()
         try:
             scope = self._scope_of(full)
+            placing = self._session
+            new_chat = isinstance(conversation, list) and model is None
+            if isinstance(placing, PlacesByPrompt) and new_chat:
+                assert isinstance(conversation, list)
+                return await placing.spawn_placed(full, conversation, scope=scope)
             return await self._session.spawn_agent(full, scope=scope, model=model)
         finally:
             del self._spawning[full]

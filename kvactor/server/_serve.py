@@ -21,6 +21,8 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
+from ..actors.cluster import ServedCluster
+from ..actors.session import Session
 from ._app import create_app
 from ._board import Board
 from ._dashboard import create_dashboard_app
@@ -77,6 +79,7 @@ def start_line(
     tenants: int | None = None,
     budget_bytes: int | None = None,
     models: Sequence[str] = (),
+    hosts: Sequence[str] | None = None,
 ) -> str:
     """The line ``serve`` prints once it listens: text for people, or one JSON object
     (``as_json``) for programs: ``{"event": "serving", "url", "host", "port", "model",
@@ -103,6 +106,8 @@ def start_line(
         if models:
             fields["models"] = list(models)
             fields["dashboard"] = f"http://{host}:{port}/dashboard"
+        if hosts is not None:
+            fields["hosts"] = list(hosts)
         return json.dumps(fields)
     where = f"cache {cache_dir}" if cache_dir else "no warm tier"
     if len(models) > 1:
@@ -111,6 +116,8 @@ def start_line(
         where += f", hot budget {budget_bytes / (1 << 30):.2f} GiB"
     if tenants:
         where += f", {tenants} tenant{'s' * (tenants > 1)}"
+    if hosts is not None:
+        where += f", engine hosts {', '.join(hosts)}"
     board = f"; dashboard http://{host}:{port}/dashboard" if models else ""
     return f"kvactor serving on {url} ({where}){board}; Ctrl-C stops"
 
@@ -185,7 +192,9 @@ async def serve(
     **options: Any,
 ) -> None:
     """Open a session (``model`` and ``options`` as ``kvactor.open`` takes them; without
-    ``budget_bytes``, :func:`default_budget_bytes`) and serve it until SIGINT / SIGTERM:
+    ``budget_bytes``, :func:`default_budget_bytes`, shared by a cluster's
+    ``hosts_per_node``; with ``cluster``, a :class:`~kvactor.actors.cluster.ServedCluster`
+    over its hosts) and serve it until SIGINT / SIGTERM:
     then the server stops taking connections, lets in-flight turns finish (their warm
     writes included) for up to ``drain_s`` seconds, ends the rest
     (``Session.end_turns``: a decoding turn at its next step, saved; one not decoding
@@ -199,8 +208,10 @@ async def serve(
     from ..actors.opening import open as open_session
 
     keys = Keys(api_keys, admin_keys)  # malformed entries fail before the model loads
-    options.setdefault("budget_bytes", default_budget_bytes())
-    async with open_session(model, **options) as session:
+    hosts = options.get("hosts_per_node", 1) if options.get("cluster") is not None else 1
+    options.setdefault("budget_bytes", default_budget_bytes() // hosts)
+    async with open_session(model, **options) as opened:
+        session = opened if isinstance(opened, Session) else await ServedCluster.over(opened)
         app = create_app(
             session,
             model_id=model_id,
@@ -226,6 +237,9 @@ async def serve(
                 await anyio.sleep(0.01)
             bound = sock.getsockname()[1]
             cache_dir, budget = options.get("cache_dir"), options["budget_bytes"]
+            engine_hosts = None
+            if isinstance(session, ServedCluster):
+                engine_hosts = [h.name for h in session.cluster.engine_hosts.live()]
             line = start_line(
                 host,
                 bound,
@@ -236,6 +250,7 @@ async def serve(
                 tenants=keys.tenants,
                 budget_bytes=budget,
                 models=state.models or (state.model_id,),
+                hosts=engine_hosts,
             )
             print(line, file=sys.stderr, flush=True)
             if not keys:

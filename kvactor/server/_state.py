@@ -14,13 +14,13 @@ from starlette.requests import Request
 
 from ..actors.enums import FinishReason
 from ..actors.records import Completion
-from ..actors.session import Agent, Session
 from ._activity import Activity, TurnSeen
 from ._admission import Admission
 from ._board import Board
 from ._dashboard import Dashboard
 from ._metrics import Metrics
 from ._routing import AgentRouter, Conversation
+from ._served import Served, ServedAgent
 from ._tenants import Keys, Tenant
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ DEFAULT_MAX_IMPORT_BYTES = 16 << 30  # the largest agent file a PUT takes, by de
 class ServerState:
     """One app's state; made by ``create_app``."""
 
-    session: Session
+    session: Served
     model_id: str
     models: tuple[str, ...]  # several models: the names requests choose among (else any)
     strict_model: bool  # only model_id (or "default") is a model's name; else any is
@@ -57,7 +57,7 @@ class ServerState:
     @classmethod
     def build(
         cls,
-        session: Session,
+        session: Served,
         *,
         model_id: str,
         strict_model: bool,
@@ -122,7 +122,7 @@ class ServerState:
         info = self.session.model if model is None else self.session.models[model]
         return info.vocab_size
 
-    def finished(self, agent: Agent, done: Completion, conversation: Conversation) -> None:
+    def finished(self, agent: ServedAgent, done: Completion, conversation: Conversation) -> None:
         """A turn is over: remember its conversation (anonymous routing; not of a turn the
         drain ended, which its client will not send again), count it."""
         if done.finish_reason != FinishReason.ENDED:

@@ -13,19 +13,26 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..actors.cluster import ServedCluster
 from ._errors import ApiError
 from ._state import server_state, tenant_of
 
 
 async def health(request: Request) -> Response:
     """``GET /health``: ok, the model id (the first model's), every model served, the
-    turn requests in flight (for an admin, or anyone without keys)."""
+    turn requests in flight and a cluster's engine hosts (for an admin, or anyone without
+    keys)."""
     state = server_state(request)
     tenant = getattr(request.state, "tenant", None)  # None: no valid key presented
     models = list(state.models or (state.model_id,))
     body: dict[str, Any] = {"status": "ok", "model": state.model_id, "models": models}
     if tenant is not None and tenant.admin:
         body["in_flight"] = state.admission.pending
+        if isinstance(state.session, ServedCluster):
+            body["hosts"] = [
+                {"name": h.name, "node": h.node, "pid": h.pid, "agents": len(h.agents)}
+                for h in await state.session.cluster.hosts()
+            ]
     return JSONResponse(body)
 
 

@@ -23,10 +23,11 @@ from starlette.types import Receive, Scope, Send
 from ..actors.enums import FinishReason
 from ..actors.errors import ContextOverflow
 from ..actors.records import Completion, ToolCallDelta
-from ..actors.session import Agent, TurnStream
+from ..actors.session import TurnStream
 from ._errors import ApiError, ClientGone, ended
 from ._hints import header_hints
 from ._routing import Conversation
+from ._served import ServedAgent
 from ._state import server_state, tenant_of
 from ._tools import GRAMMAR_ERRORS, ToolAsk
 
@@ -43,7 +44,7 @@ class Ask:
     tools: ToolAsk = field(default_factory=ToolAsk)
     model: str | None = None  # the model it runs on (None: the session's one model)
 
-    def start(self, agent: Agent) -> TurnStream:
+    def start(self, agent: ServedAgent) -> TurnStream:
         """The turn's stream on ``agent`` (not started). Raises TypeError / ValueError
         for bad options."""
         if isinstance(self.conversation, str):
@@ -90,7 +91,7 @@ class StreamedTurn:
 
     def __init__(
         self,
-        agent: Agent,
+        agent: ServedAgent,
         stream: TurnStream,
         pieces: AsyncIterator[Piece],
         first: Piece | None,
@@ -225,7 +226,7 @@ class TurnRequest:
         self._receive = request.receive
         self._held = held
 
-    def local_id(self, agent: Agent) -> str:
+    def local_id(self, agent: ServedAgent) -> str:
         """The id the client knows ``agent`` by (within its tenant)."""
         return self._tenant.local_id(agent.name)
 
@@ -236,13 +237,13 @@ class TurnRequest:
             self._state.metrics.cancelled.labels(reply).inc()
             raise
 
-    async def whole(self, agent_id: str | None, ask: Ask) -> tuple[Agent, Completion]:
+    async def whole(self, agent_id: str | None, ask: Ask) -> tuple[ServedAgent, Completion]:
         """Run the turn to its end: its agent and its Completion (remembered, counted).
         Raises ClientGone when the client left meanwhile (the turn cancelled), what the
         turn raises (ContextOverflow, TypeError / ValueError, ...)."""
         state = self._state
 
-        async def run() -> tuple[Agent, Completion]:
+        async def run() -> tuple[ServedAgent, Completion]:
             held = state.agents.agent(self._tenant, agent_id, ask.conversation, ask.model)
             async with held as agent:
                 async with ask.start(agent) as pieces:
@@ -269,7 +270,7 @@ class TurnRequest:
         state, held = self._state, self._held
         router = state.agents
 
-        async def begin() -> tuple[Agent, TurnStream, AsyncIterator[Piece], Piece | None]:
+        async def begin() -> tuple[ServedAgent, TurnStream, AsyncIterator[Piece], Piece | None]:
             agent = await held.enter_async_context(
                 router.agent(self._tenant, agent_id, ask.conversation, ask.model)
             )
