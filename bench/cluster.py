@@ -41,7 +41,7 @@ cluster. Greedy throughout.
 cache-aware and an ideal assignment on a trace of teams sharing system prompts; see
 ``bench/_routing.py``):
 
-    python bench/cluster.py --routing [--model tiny|default] [--hosts 3] [--teams 6]
+    python bench/cluster.py --routing [--http] [--model tiny|default] [--hosts 3] [--teams 6]
         [--per-team 8] [--prompt-tokens 1200] [--max-tokens 8] [--seed 0] [--json PATH]
 """
 
@@ -289,6 +289,9 @@ if __name__ == "__main__":
     parser.add_argument("--overhead-tokens", type=int, default=32)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--routing", action="store_true", help="placement policies (issue 43)")
+    parser.add_argument(
+        "--http", action="store_true", help="--routing through the server's app, anonymously"
+    )
     parser.add_argument("--model", choices=("tiny", "default"), default="tiny")
     parser.add_argument("--hosts", type=int, default=3)
     parser.add_argument("--teams", type=int, default=6)
