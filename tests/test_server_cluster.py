@@ -16,12 +16,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from clustering import local_cluster, tiny
 from serving import metric, serve_process
 
 import kvactor
-from kvactor.actors.cluster import ServedCluster
+from kvactor.actors.cluster import ServedCluster, sum_structs
 from kvactor.server._app import create_app
 
 openai = pytest.importorskip("openai")
@@ -49,22 +50,26 @@ def _chat(team: str, *turns: str) -> list[dict[str, str]]:
     return messages
 
 
-async def _solo_answers(conversations: list[list[dict[str, str]]]) -> list[str]:
-    """Each conversation's greedy answer from one process (the reference)."""
+async def _solo_answers(
+    conversations: list[list[dict[str, str]]], *, one_agent: bool = False
+) -> list[str]:
+    """Each conversation's greedy answer from one process (the reference): each a new
+    agent's first turn, or with ``one_agent`` the turns of one agent."""
     async with kvactor.open(tiny) as kv:
         answers = []
         for i, messages in enumerate(conversations):
-            agent = await kv.spawn_agent(f"solo{i}")
+            name = f"solo{0 if one_agent else i}"
+            agent = kv.agents.get(name) or await kv.spawn_agent(name)
             done = await agent.chat(messages, max_tokens=GREEDY["max_tokens"], temperature=0.0)
             answers.append(done.text)
         return answers
 
 
-async def _rows(base: str) -> dict[str, dict[str, Any]]:
+async def _rows(base: str, key: str = ADMIN) -> dict[str, dict[str, Any]]:
     import httpx
 
     async with httpx.AsyncClient() as http:
-        got = await http.get(f"{base}/v1/agents", headers={"Authorization": f"Bearer {ADMIN}"})
+        got = await http.get(f"{base}/v1/agents", headers={"Authorization": f"Bearer {key}"})
     got.raise_for_status()
     return {row["id"]: row for row in got.json()["data"]}
 
@@ -174,7 +179,43 @@ async def test_conversations_go_where_their_prefix_is_and_survive_a_lost_host(
 
 @pytest.mark.ray
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_kvactor_serve_cluster_starts_its_hosts_serves_and_stops_them(tmp_path: Path) -> None:
+async def test_with_replicas_a_lost_hosts_conversation_goes_on_warm(tmp_path: Path) -> None:
+    opening = _chat("blue", "hello")
+    [said] = await _solo_answers([opening])
+    follow = [
+        *opening,
+        {"role": "assistant", "content": said},
+        {"role": "user", "content": "go on"},
+    ]
+    _, expected = await _solo_answers([opening, follow], one_agent=True)  # hot, as warm
+    async with local_cluster(tmp_path, replicas=2) as kv:
+        app = create_app(await ServedCluster.over(kv), model_id="tiny")
+        async with (
+            served(app, start_s=10) as base,
+            openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) as client,
+        ):
+            first = await _ask(client, opening, user="carol")
+            assert first.choices[0].message.content == said
+            home = (await _rows(base, "none"))["carol"]["host"]
+            import ray  # (imported once the cluster is up: it listens on 127.0.0.1 only)
+
+            ray.kill(kv.engine_hosts.any(home).handle, no_restart=True)
+            with pytest.raises(openai.APIStatusError) as lost:
+                await _ask(client, follow, user="carol")
+            assert lost.value.status_code == 503 and "carol ->" in str(lost.value), lost.value
+            after = await _ask(client, follow, user="carol")
+            # Resumed from the replica on the other host: warm, as one process answers.
+            info = after.model_extra["kvactor"]
+            assert info["path"] == "warm" and info["reused_tokens"] > 0, info
+            assert after.choices[0].message.content == expected
+            assert (await _rows(base, "none"))["carol"]["host"] != home
+
+
+@pytest.mark.ray
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_kvactor_serve_cluster_starts_serves_stops_and_finds_its_agents_again(
+    tmp_path: Path,
+) -> None:
     args = ("--cluster", "local", "--hosts", "2", "--cache-dir", str(tmp_path / "cache"))
     with serve_process(tmp_path, *args, env={"RAY_ADDRESS": ""}, start_s=120) as server:
         assert server.start["hosts"] == ["h0", "h1"]
@@ -182,24 +223,52 @@ def test_kvactor_serve_cluster_starts_its_hosts_serves_and_stops_them(tmp_path: 
             reply = client.chat.completions.create(
                 model="tiny", messages=_chat("red", "hello"), user="bob", **GREEDY
             )
-        assert reply.choices[0].message.content is not None
+        reply_text = reply.choices[0].message.content or ""
         with urllib.request.urlopen(f"{server.base}/health") as got:
             health = json.load(got)
         assert len(health["hosts"]) == 2
+        with urllib.request.urlopen(f"{server.base}/v1/agents") as got:
+            home = {row["id"]: row["host"] for row in json.load(got)["data"]}["bob"]
         os.kill(server.proc.pid, signal.SIGINT)
         assert server.proc.wait(timeout=60) == 0, server.log()
-    # The agent's cache stayed on its host's disk, where a new server finds it.
-    assert list((tmp_path / "cache" / "hosts").rglob("bob"))
+    # A new server finds the agent on its host's disk and resumes it there, warm.
+    with serve_process(tmp_path, *args, env={"RAY_ADDRESS": ""}, start_s=120) as server:
+        with urllib.request.urlopen(f"{server.base}/v1/agents") as got:
+            rows = {row["id"]: row for row in json.load(got)["data"]}
+        assert rows["bob"]["host"] == home and rows["bob"]["tier"] == "warm"
+        follow = [*_chat("red", "hello"), {"role": "assistant", "content": reply_text}]
+        follow.append({"role": "user", "content": "go on"})
+        with openai.OpenAI(base_url=f"{server.base}/v1", api_key="none") as client:
+            again = client.chat.completions.create(
+                model="tiny", messages=follow, user="bob", **GREEDY
+            )
+        assert again.model_extra["kvactor"]["path"] == "warm"
+        assert again.model_extra["kvactor"]["reused_tokens"] > 0
+        os.kill(server.proc.pid, signal.SIGINT)
+        assert server.proc.wait(timeout=60) == 0, server.log()
 
 
-def test_hosts_need_a_cluster(tmp_path: Path) -> None:
-    import subprocess
-    import sys
+def test_hosts_need_a_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvactor.cli import main
 
-    done = subprocess.run(
-        [sys.executable, "-m", "kvactor", "serve", "tiny", "--hosts", "2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2 and "--cluster" in done.stderr
+    assert main(["serve", "tiny", "--hosts", "2"]) == 2
+    assert "--cluster" in capsys.readouterr().err
+    assert main(["serve", "tiny", "--cluster", "local", "--hosts", "0"]) == 2
+    assert main(["serve", "tiny", "--replicas", "2"]) == 2
+    assert main(["serve", "tiny", "--cluster", "local", "--no-cache-dir"]) == 2
+    assert "--no-cache-dir" in capsys.readouterr().err
+
+
+def test_a_clusters_figures_are_its_hosts_summed() -> None:
+    from kvactor.actors.warm import StoreStats
+
+    a = StoreStats(reads=2, bytes_read=100, read_s=0.5, disk_bytes=10)
+    b = StoreStats(reads=3, bytes_read=50, read_s=0.25, disk_bytes=5)
+    both = sum_structs([a, b])
+    assert (both.reads, both.bytes_read, both.read_s, both.disk_bytes) == (5, 150, 0.75, 15)
+    assert both.disk_limit_bytes is None  # hosts without a limit: none together
+    limited = msgspec.structs.replace(a, disk_limit_bytes=1000)
+    assert sum_structs([limited, b]).disk_limit_bytes is None  # one host unbounded: unbounded
+    assert sum_structs([limited, limited]).disk_limit_bytes == 2000
+    with pytest.raises(ValueError):
+        sum_structs([])

@@ -17,6 +17,7 @@ from ._prefixes import BLOCK as BLOCK
 from ._prefixes import HeldPrefixes as HeldPrefixes
 from ._prefixes import prefix_blocks as prefix_blocks
 from ._served import ServedCluster as ServedCluster
+from ._served import sum_structs as sum_structs
 from ._session import CLUSTER_KEYS as CLUSTER_KEYS
 from ._session import ClusterOptions as ClusterOptions
 from ._session import ClusterSession as ClusterSession
@@ -37,6 +38,7 @@ __all__ = (
     "PrefixPlacement",
     "RoundRobin",
     "ServedCluster",
+    "sum_structs",
     "TurnEnd",
     "prefix_blocks",
     "open_cluster",

@@ -335,6 +335,9 @@ class EngineHost:
         """Every agent with a warm cache on this host's disk (``Session.warm_agents``)."""
         return await (await self._open()).warm_agents()
 
+    async def stats(self) -> EngineStats:
+        return await (await self._open()).stats()
+
     async def warm_stats(self) -> StoreStats:
         return await (await self._open()).warm_stats()
 

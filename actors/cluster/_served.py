@@ -202,7 +202,7 @@ class ServedCluster:
 
     async def stats(self) -> EngineStats:
         """The engine figures of every host, summed."""
-        return sum_structs([info.stats for info in await self._each(EngineHost.info)])
+        return sum_structs(await self._each(EngineHost.stats))
 
     async def warm_stats(self) -> StoreStats:
         return sum_structs(await self._each(EngineHost.warm_stats))

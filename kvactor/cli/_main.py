@@ -416,6 +416,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="engine hosts per node of the cluster (default: 1); each gets its share of the "
         "node's memory and of the default hot budget",
     )
+    cluster.add_argument(
+        "--replicas",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: a second copy of every agent's warm cache on another host, updated after "
+        "each turn, so that a host lost for good loses no cache (default: 1)",
+    )
     keys = serve.add_argument_group("keys (each key a tenant)")
     keys.add_argument("--api-key", action="append", metavar="KEY", help="KEY or NAME:KEY")
     keys.add_argument("--api-key-file", action="append", metavar="PATH", help="a key a line")

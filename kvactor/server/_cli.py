@@ -86,13 +86,18 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``kvactor serve``: 0 once stopped by a signal, 1 when it cannot start (model,
     cache directory, address, cluster), 2 for bad keys, a ``--tool-wait-s`` out of
-    [0, 86400] or ``--hosts`` without ``--cluster``."""
+    [0, 86400], ``--hosts`` or ``--replicas`` without ``--cluster``, or options that
+    ``kvactor.open`` refuses."""
     from ..runtime import KvactorError
     from ._tenants import Keys
 
     cluster, hosts = getattr(args, "cluster", None), getattr(args, "hosts", 1)
-    if hosts < 1 or (hosts > 1 and cluster is None):
-        print("kvactor serve: --hosts takes a number >= 1, with --cluster", file=sys.stderr)
+    replicas = getattr(args, "replicas", 1)
+    if hosts < 1 or ((hosts > 1 or replicas > 1) and cluster is None):
+        print(
+            "kvactor serve: --hosts (a number >= 1) and --replicas go with --cluster",
+            file=sys.stderr,
+        )
         return 2
     wait = args.tool_wait_s
     if wait is not None and not 0 <= wait <= 86_400:
@@ -107,7 +112,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if named is not None:
         options["models"] = named
     if cluster is not None:
-        options.update(cluster=cluster, hosts_per_node=hosts)
+        if options["cache_dir"] is None:
+            print(
+                "kvactor serve: a cluster keeps its warm tiers on disk: no --no-cache-dir",
+                file=sys.stderr,
+            )
+            return 2
+        options.update(cluster=cluster, hosts_per_node=hosts, replicas=replicas)
     try:
         entries = key_entries(args.api_key or (), args.api_key_file or ())
         Keys(entries, args.admin_key or ())
@@ -137,4 +148,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except (KvactorError, OSError) as exc:
         print(f"kvactor serve: {exc}", file=sys.stderr)
         return 1
+    except ImportError as exc:  # the server's or the cluster's extra is missing
+        print(f"kvactor serve: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # options kvactor.open refuses (replicas=2 on one host ...)
+        print(f"kvactor serve: {exc}", file=sys.stderr)
+        return 2
     return 0
