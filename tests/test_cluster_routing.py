@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 from clustering import local_cluster, tiny
 
@@ -120,6 +121,15 @@ async def test_cache_aware_goes_where_the_prefix_is_unless_that_host_is_full(
         assert CacheAware(allowance=4).choose_prefix("r4", infos, red, held) == "h0"
         assert CacheAware(allowance=5).choose_prefix("r4", infos, red, held) == "h2"
         assert CacheAware(slack=10, allowance=0).choose_prefix("r4", infos, red, held) == "h2"
+        # Busy: h2 has 20 turns under way, the others none; past ``queue_allowance`` (16)
+        # the prefix loses to the queue, within it the prefix wins.
+        busy = msgspec.structs.replace(infos[2].stats, waiting=17, decoding=3)
+        queued = [*infos[:2], msgspec.structs.replace(infos[2], stats=busy)]
+        assert CacheAware(allowance=5).choose_prefix("r4", queued, red, held) == "h0"
+        assert (
+            CacheAware(allowance=5, queue_allowance=20).choose_prefix("r4", queued, red, held)
+            == "h2"
+        )
         # A new prompt goes where the fewest distinct prompts are: h0 holds one (blue's),
         # h1 none, so a third team starts on h1 though both hold no agent.
         held.update("h0", "b0", blue)
@@ -132,6 +142,8 @@ async def test_cache_aware_goes_where_the_prefix_is_unless_that_host_is_full(
             CacheAware(slack=-1)
         with pytest.raises(ValueError, match="allowance"):
             CacheAware(allowance=-1)
+        with pytest.raises(ValueError, match="queue_allowance"):
+            CacheAware(queue_allowance=-1)
     finally:
         for h in hosts:
             await h.close()

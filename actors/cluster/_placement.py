@@ -70,6 +70,11 @@ def _load(h: HostInfo) -> int:
     return len(set(h.agents) | set(h.warm_agents))
 
 
+def _turns(h: HostInfo) -> int:
+    """A host's turns under way: prefilling, decoding, or waiting for a batch slot."""
+    return h.stats.prefilling + h.stats.decoding + h.stats.waiting
+
+
 class MostFreeBudget:
     """The host with the most hot budget left (no budget: unbounded), then the one with the
     fewest agents, then the first by name."""
@@ -96,16 +101,19 @@ class CacheAware:
     unless that host is past its share. A host is past it when it would hold more than
     ``1 + slack`` times an even share of the agents (this one counted) and more than
     ``allowance`` agents beyond the least loaded host (both, as SGLang's cache-aware router
-    balances: a few agents of imbalance keep a team together); it is passed over while
-    another is not. A prompt no host holds goes to the host holding the fewest distinct
-    prompts (so that teams, not agents, are spread), then as :class:`MostFreeBudget` places
-    it. A prompt shorter than a block, or none (``choose``): MostFreeBudget."""
+    balances: a few agents of imbalance keep a team together), or when its turns under way
+    (queued or running) are more than ``queue_allowance`` past the least busy host's (its
+    cached prefix would save less than the wait costs); it is passed over while another is
+    not. A prompt no host holds goes to the host holding the fewest distinct prompts (so
+    that teams, not agents, are spread), then as :class:`MostFreeBudget` places it. A
+    prompt shorter than a block, or none (``choose``): MostFreeBudget."""
 
-    def __init__(self, slack: float = 0.3, allowance: int = 8) -> None:
-        if slack < 0 or allowance < 0:
-            raise ValueError("slack and allowance must be >= 0")
+    def __init__(self, slack: float = 0.3, allowance: int = 8, queue_allowance: int = 16) -> None:
+        if slack < 0 or allowance < 0 or queue_allowance < 0:
+            raise ValueError("slack, allowance and queue_allowance must be >= 0")
         self.slack = slack
         self.allowance = allowance
+        self.queue_allowance = queue_allowance
         self._fallback = MostFreeBudget()
 
     def choose(self, agent: str, hosts: Sequence[HostInfo]) -> str:
@@ -119,10 +127,12 @@ class CacheAware:
         loads = {h.name: _load(h) for h in hosts}
         share = (1 + self.slack) * (sum(loads.values()) + 1) / len(hosts)
         least = min(loads.values())
+        idlest = min(_turns(h) for h in hosts)
 
         def past(h: HostInfo) -> bool:
             after = loads[h.name] + 1
-            return after > share and after - least > self.allowance
+            busy = _turns(h) - idlest > self.queue_allowance
+            return busy or (after > share and after - least > self.allowance)
 
         room = [h for h in hosts if not past(h)] or list(hosts)
         return min(
