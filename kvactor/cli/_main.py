@@ -399,7 +399,30 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "(batch-invariant decode, ~10-15%% slower here)",
     )
     _add_serve_limits(serve.add_argument_group("limits"))
-    cluster = serve.add_argument_group("a cluster (needs the kvactor[ray] extra)")
+    _add_serve_cluster(serve.add_argument_group("a cluster (needs the kvactor[ray] extra)"))
+    keys = serve.add_argument_group("keys (each key a tenant)")
+    keys.add_argument("--api-key", action="append", metavar="KEY", help="KEY or NAME:KEY")
+    keys.add_argument("--api-key-file", action="append", metavar="PATH", help="a key a line")
+    keys.add_argument("--admin-key", action="append", metavar="KEY", help="sees every agent")
+    serve.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, how long in-flight turns may go on (default: 10)",
+    )
+    serve.add_argument(
+        "--no-share-prefixes",
+        action="store_true",
+        help="agents never share cached prefixes (even within a tenant)",
+    )
+    serve.add_argument(
+        "--json", action="store_true", help="print a JSON line on stdout once it listens"
+    )
+    serve.set_defaults(func=_serve)
+
+
+def _add_serve_cluster(cluster: argparse._ArgumentGroup) -> None:
+    """Serving engine hosts on a Ray cluster: where, how many per node, replicas."""
     cluster.add_argument(
         "--cluster",
         metavar="auto|local|ADDRESS",
@@ -424,25 +447,6 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="2: a second copy of every agent's warm cache on another host, updated after "
         "each turn, so that a host lost for good loses no cache (default: 1)",
     )
-    keys = serve.add_argument_group("keys (each key a tenant)")
-    keys.add_argument("--api-key", action="append", metavar="KEY", help="KEY or NAME:KEY")
-    keys.add_argument("--api-key-file", action="append", metavar="PATH", help="a key a line")
-    keys.add_argument("--admin-key", action="append", metavar="KEY", help="sees every agent")
-    serve.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=10.0,
-        help="on SIGTERM, how long in-flight turns may go on (default: 10)",
-    )
-    serve.add_argument(
-        "--no-share-prefixes",
-        action="store_true",
-        help="agents never share cached prefixes (even within a tenant)",
-    )
-    serve.add_argument(
-        "--json", action="store_true", help="print a JSON line on stdout once it listens"
-    )
-    serve.set_defaults(func=_serve)
 
 
 def _add_serve_limits(limits: argparse._ArgumentGroup) -> None:
