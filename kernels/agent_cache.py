@@ -78,6 +78,9 @@ class AgentKV:
         self.window_start = 0
         # Some stored arrays may be another cache's too (a fork, or its source).
         self.shared = False
+        # Counts the changes of the stored ranges (a range added, cut, made, or its arrays
+        # let go): a counter of stored bytes reads them again only when it moved.
+        self.stored_gen = 0
 
     def fill_staged(
         self, tokens: list[int], ranges: Sequence[tuple[int, int, Mapping[str, Any]]]
@@ -93,6 +96,7 @@ class AgentKV:
             StoredRange.from_numpy(start, stop, geometry, tensors, sliding)
             for start, stop, tensors in ranges
         ]
+        self.stored_gen += 1
         if self.stored_tokens != len(tokens):
             raise ValueError("staged ranges do not cover the staged tokens")
         if self.ranges and self.reusable(len(tokens)) != len(tokens):
@@ -213,6 +217,7 @@ class AgentKV:
         ]
         into.window_start = min(self.window_start, stop)
         into.work = into.ready = None
+        into.stored_gen += 1
         if shared:
             self.shared = into.shared = True
         return into
@@ -238,7 +243,9 @@ class AgentKV:
         """Keep the checkpoints of the last ``checkpoints`` ranges only."""
         if self.geometry.recurrent:
             for r in self.ranges[: -self.checkpoints]:
-                r.drop_states()
+                if r.states:
+                    r.drop_states()
+                    self.stored_gen += 1
 
     def slide(self, persisted: int) -> None:
         """Drop the sliding-window layers' parts of every stored range that lies wholly
@@ -257,6 +264,7 @@ class AgentKV:
                 continue
             for i in sliding:
                 r.drop_layer(i)
+            self.stored_gen += 1
             self.window_start = r.stop
 
     def layer_parts(self, layer: int, role: Role) -> list[Parts]:
@@ -400,6 +408,7 @@ class AgentKV:
         new = StoredRange(start, stop, layers, self.work.states())
         mx.eval(list(new.arrays()))
         self.ranges.append(new)
+        self.stored_gen += 1
         self._limit_checkpoints()
         return new
 
@@ -422,6 +431,7 @@ class AgentKV:
             elif r.start < keep:
                 kept.append(self._cut(r, keep))
         self.ranges = kept
+        self.stored_gen += 1
         if self.ready is not None:
             self.ready.trim(keep, self.last_states())
 

@@ -104,11 +104,7 @@ class Demotion:
         """Every cache that may be demoted now: all but running turns' (and ``exclude``),
         and those whose new tokens are being written or about to be."""
         writing = self._ledger.writing()
-        holders: dict[int, int] = {}  # stored array id -> how many sharing caches hold it
-        for e in self._residents.values():
-            if e.kv.shared:
-                for a in e.kv.stored_arrays():
-                    holders[id(a)] = holders.get(id(a), 0) + 1
+        stored = self._ledger.stored()  # what each cache alone holds
         now = self.clock()
         rates = self._rates
         out = []
@@ -116,12 +112,7 @@ class Demotion:
             if e is exclude or e.running or e.write_due or agent in writing:
                 continue
             # What demoting it frees: arrays another cache holds too stay.
-            own = (
-                sum(a.nbytes for a in e.kv.stored_arrays() if holders[id(a)] == 1)
-                if e.kv.shared
-                else e.kv.stored_bytes
-            )
-            nbytes = own + e.kv.work_bytes + e.kv.ready_bytes
+            nbytes = stored.own(agent) + e.kv.work_bytes + e.kv.ready_bytes
             # A cache not complete on disk (a cancelled turn's, or one whose write failed)
             # goes cold: its warm copy, if any, is older; under a write budget one that it
             # admits is written as it leaves.

@@ -4,9 +4,11 @@ batch, and the bound in force."""
 
 from __future__ import annotations
 
+from ...runtime import DEBUG
 from ._entry import HotEntry
 from ._ready import ReadyCopies
 from ._residents import Residents
+from ._stored_counts import StoredCounts
 
 __all__ = ("Ledger",)
 
@@ -27,6 +29,7 @@ class Ledger:
         self._limit = budget
         self._residents = residents
         self._ready = ready
+        self._stored = StoredCounts()  # the residents' stored bytes, kept by change
         self.used = 0
         self.peak = 0
         self._staged: dict[str, int] = {}  # agent -> bytes reserved for its staging warm cache
@@ -99,18 +102,12 @@ class Ledger:
     # -- counting ---------------------------------------------------------------------
     def measure(self) -> int:
         """Bytes in use now (and the peak so far). A stored array that several caches hold
-        (forks share their source's) counts once. Checks the budget."""
-        seen: set[int] = set()
-        used = self._batch_bytes
+        (forks share their source's) counts once; a cache's stored arrays are read again
+        only when they changed (:class:`StoredCounts`). Checks the budget (and, with
+        ``kvactor.runtime.DEBUG``, the count against one made from scratch)."""
+        used = self._batch_bytes + self._stored.sync(self._residents)
         for e in self._residents.values():
             used += e.kv.work_bytes + e.kv.ready_bytes + e.due_bytes
-            if not e.kv.shared:  # the common case, per decode step: no set of ids
-                used += e.kv.stored_bytes
-                continue
-            for a in e.kv.stored_arrays():
-                if id(a) not in seen:
-                    seen.add(id(a))
-                    used += a.nbytes
         used += self.freeing() + sum(self._staged.values())
         used += self._ready.held
         self.used = used
@@ -118,7 +115,16 @@ class Ledger:
         assert self.budget is None or used <= self.budget, (
             f"the hot tier holds {used} bytes, over its budget of {self.budget}"
         )
+        assert not DEBUG or used == (scratch := self._scratch()), (
+            f"the hot count {used} is not {scratch}, counted from scratch"
+        )
         return used
+
+    def stored(self) -> StoredCounts:
+        """The stored bytes of the residents, synced now (what each cache alone holds:
+        ``own``)."""
+        self._stored.sync(self._residents)
+        return self._stored
 
     def freeing(self) -> int:
         """Bytes that writes under way free when they end: the pins of exports whose entry
@@ -151,6 +157,11 @@ class Ledger:
 
     def check(self) -> None:
         """Debug check: the count equals one made from scratch, every array by its id."""
+        used = self.measure()
+        assert used == self._scratch(), f"the hot count {used} is not {self._scratch()}"
+
+    def _scratch(self) -> int:
+        """Bytes in use now, counted from scratch (what :meth:`measure` keeps by change)."""
         seen: set[int] = set()
         used = self._batch_bytes + self._ready.held
         for e in self._residents.values():
@@ -159,5 +170,4 @@ class Ledger:
                 if id(a) not in seen:
                     seen.add(id(a))
                     used += a.nbytes
-        used += self.freeing() + sum(self._staged.values())
-        assert used == self.measure(), f"the hot count {self.used} is not {used}"
+        return used + self.freeing() + sum(self._staged.values())

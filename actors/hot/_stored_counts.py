@@ -1,0 +1,104 @@
+"""The stored bytes of the hot tier's caches, an array several caches share (a fork and its
+source, agents over one shared prefix) counted once, kept by change: a cache's arrays are
+read again only when its stored ranges changed (``AgentKV.stored_gen``), so a count looks at
+each cache, not at each of its arrays. The ledger keeps it (its only writer, through
+:meth:`StoredCounts.sync`); demotion reads what each cache alone holds."""
+
+from __future__ import annotations
+
+import weakref
+
+from ...kernels.agent_cache import AgentKV
+from ._residents import Residents
+
+__all__ = ("StoredCounts",)
+
+
+class _Counted:
+    """What was counted for one cache: which cache, at which change, shared or not, its
+    stored bytes and (shared) each of its arrays' id and bytes."""
+
+    __slots__ = ("arrays", "gen", "kv", "nbytes", "shared")
+
+    def __init__(self, kv: AgentKV, nbytes: int, arrays: tuple[tuple[int, int], ...]) -> None:
+        self.kv = weakref.ref(kv)  # no reference: a cache let go is freed at once
+        self.gen = kv.stored_gen
+        self.shared = kv.shared
+        self.nbytes = nbytes
+        self.arrays = arrays
+
+    def current(self, kv: AgentKV) -> bool:
+        return self.kv() is kv and self.gen == kv.stored_gen and self.shared == kv.shared
+
+
+class StoredCounts:
+    """Stored bytes of a set of caches (see the module doc).
+
+    Invariant: ``total`` is the bytes of the union of the stored arrays of the caches last
+    synced (a cache's arrays that are no other cache's are summed from its ranges);
+    ``_holders`` counts, for each array of a shared cache, the synced caches holding it."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._counted: dict[str, _Counted] = {}
+        self._holders: dict[int, int] = {}  # id of a shared cache's array -> caches holding it
+
+    def sync(self, residents: Residents) -> int:
+        """Count the caches of ``residents`` now: those gone or changed since the last
+        sync are taken out first (an array freed since may share an id with a new one),
+        then those new or changed are read. Returns :attr:`total`."""
+        counted = self._counted
+        stale = [
+            agent
+            for agent, c in counted.items()
+            if (e := residents.get(agent)) is None or not c.current(e.kv)
+        ]
+        for agent in stale:
+            self._take_out(agent)
+        if len(counted) != len(residents):
+            for agent, e in residents.items():
+                if agent not in counted:
+                    self._count(agent, e.kv)
+        return self.total
+
+    def own(self, agent: str) -> int:
+        """Stored bytes that ``agent``'s cache alone holds (what demoting it frees), as
+        last synced; 0 for one not counted."""
+        c = self._counted.get(agent)
+        if c is None:
+            return 0
+        if not c.shared:
+            return c.nbytes
+        holders = self._holders
+        return sum(n for i, n in c.arrays if holders[i] == 1)
+
+    def _count(self, agent: str, kv: AgentKV) -> None:
+        if not kv.shared:  # the common case: no array of it is another cache's
+            nbytes = kv.stored_bytes
+            self.total += nbytes
+            self._counted[agent] = _Counted(kv, nbytes, ())
+            return
+        sizes: dict[int, int] = {}
+        for a in kv.stored_arrays():
+            sizes[id(a)] = a.nbytes
+        holders = self._holders
+        for i, n in sizes.items():
+            held = holders.get(i, 0)
+            if not held:
+                self.total += n
+            holders[i] = held + 1
+        self._counted[agent] = _Counted(kv, sum(sizes.values()), tuple(sizes.items()))
+
+    def _take_out(self, agent: str) -> None:
+        c = self._counted.pop(agent)
+        if not c.shared:
+            self.total -= c.nbytes
+            return
+        holders = self._holders
+        for i, n in c.arrays:
+            held = holders[i] - 1
+            if held:
+                holders[i] = held
+            else:
+                del holders[i]
+                self.total -= n
