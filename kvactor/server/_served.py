@@ -1,5 +1,5 @@
 """What the server needs of a session: :class:`Served` (one process's ``Session`` is one,
-and so is a cluster as :class:`~kvactor.server._cluster.ClusterServed` shows it), and of
+and so is a cluster as :class:`~kvactor.actors.cluster.ServedCluster` shows it), and of
 its agents, :class:`ServedAgent`. A session that can place a new agent by the prompt it
 will start with (a cluster: on the host that holds the longest prefix of it) is also a
 :class:`PlacesByPrompt`."""
