@@ -229,12 +229,30 @@ class Hosts:
             raise await self._error(exc, host) from None
 
     async def each(self, method: Callable[[EngineHost], Awaitable[R]]) -> list[R]:
-        """``method``'s answer from every host still here (one lost meanwhile is left out)."""
-        answers = []
-        for host in self.live():
+        """``method``'s answer from every host still here, asked of all at once, in the
+        hosts' order (one lost meanwhile is left out)."""
+        return [answer for _, answer in await self.gather(lambda h: self.call(h, method))]
+
+    async def gather(self, ask: Callable[[Host], Awaitable[R]]) -> list[tuple[Host, R]]:
+        """``ask(host)`` of every live host at once, each answer with its host, in the
+        hosts' order; a host lost meanwhile is left out. The first other error is raised
+        as itself once every ask has ended."""
+        live = self.live()
+        answers: dict[str, R] = {}
+        errors: list[Exception] = []
+
+        async def one(host: Host) -> None:
             try:
-                answers.append(await self.call(host, method))
-            except HostLost:
+                answers[host.name] = await ask(host)
+            except HostLost as exc:
                 if host.name not in self._lost:
-                    raise
-        return answers
+                    errors.append(exc)
+            except Exception as exc:  # raised as itself below, not in a group
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for host in live:
+                tg.start_soon(one, host)
+        if errors:
+            raise errors[0]
+        return [(h, answers[h.name]) for h in live if h.name in answers]

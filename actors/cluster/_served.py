@@ -10,18 +10,16 @@ prompt is cached (:meth:`ServedCluster.spawn_placed`)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
 import msgspec
 
-from ..errors import HostLost
 from ..records import CacheInfo, EngineBoard, EngineStats, ModelInfo, ModelState, TierMoves
 from ..session import ExportStream
 from ..warm import MAX_IMPORT_BYTES, Forgotten, StoreStats, WarmInfo, read_header
 from ._agent import ClusterAgent
-from ._calls import Host
 from ._host import EngineHost, ServedModel
 from ._session import ClusterSession
 
@@ -178,51 +176,29 @@ class ServedCluster:
         return await self.cluster.end_turns()
 
     # -- figures, by asking every host --------------------------------------------------
-    async def _ask(self, ask: Callable[[Host], Awaitable[R]]) -> list[tuple[Host, R]]:
-        """``ask(host)`` of every live host at once, with its host; a host lost meanwhile
-        is left out."""
-        answers: dict[str, tuple[Host, R]] = {}
-        live = self.cluster.engine_hosts.live()
-
-        async def one(host: Host) -> None:
-            try:
-                answers[host.name] = (host, await ask(host))
-            except HostLost:
-                if not self.cluster.engine_hosts.lost(host.name):
-                    raise
-
-        async with anyio.create_task_group() as tg:
-            for host in live:
-                tg.start_soon(one, host)
-        return [answers[h.name] for h in live if h.name in answers]
-
-    async def _each(self, method: Callable[[EngineHost], Awaitable[R]]) -> list[R]:
-        hosts = self.cluster.engine_hosts
-        return [answer for _, answer in await self._ask(lambda h: hosts.call(h, method))]
-
     async def stats(self) -> EngineStats:
         """The engine figures of every host, summed."""
-        return sum_structs(await self._each(EngineHost.stats))
+        return sum_structs(await self.cluster.engine_hosts.each(EngineHost.stats))
 
     async def warm_stats(self) -> StoreStats:
-        return sum_structs(await self._each(EngineHost.warm_stats))
+        return sum_structs(await self.cluster.engine_hosts.each(EngineHost.warm_stats))
 
     async def warm_agents(self) -> list[WarmInfo]:
         """Every agent with a warm cache on the disk of the host that serves it."""
         hosts = self.cluster.engine_hosts
         where = {name: agent.host for name, agent in self.cluster.agents.items()}
-        answers = await self._ask(lambda h: hosts.call(h, EngineHost.warm_list))
+        answers = await hosts.gather(lambda h: hosts.call(h, EngineHost.warm_list))
         return [w for host, ws in answers for w in ws if where.get(w.agent, host.name) == host.name]
 
     async def model_states(self) -> list[ModelState]:
         """The model's state on the first host (every host runs it)."""
-        return (await self._each(EngineHost.model_states))[0]
+        return (await self.cluster.engine_hosts.each(EngineHost.model_states))[0]
 
     async def board(self, since: Mapping[str, int] | None = None) -> EngineBoard:
         """Every host's board at once: its figures summed, its hot caches together, its
         moves after ``since`` keyed by ``"<model>@<host>"``."""
         hosts = self.cluster.engine_hosts
-        answers = await self._ask(
+        answers = await hosts.gather(
             lambda h: hosts.call(h, EngineHost.board, _of_host(since, h.name))
         )
         hot: dict[str, list[CacheInfo]] = {}
@@ -240,7 +216,7 @@ class ServedCluster:
 
     async def warm_moves(self, since: Mapping[str, int] | None = None) -> dict[str, TierMoves]:
         hosts = self.cluster.engine_hosts
-        answers = await self._ask(
+        answers = await hosts.gather(
             lambda h: hosts.call(h, EngineHost.warm_moves, _of_host(since, h.name))
         )
         moves: dict[str, TierMoves] = {}
