@@ -26,7 +26,6 @@ from ._session import ClusterSession
 __all__ = ("ServedCluster", "sum_structs")
 
 S = TypeVar("S", bound=msgspec.Struct)
-R = TypeVar("R")
 PIECE = 1 << 20  # an export is sent on in pieces of this many bytes
 
 
@@ -191,8 +190,9 @@ class ServedCluster:
         return [w for host, ws in answers for w in ws if where.get(w.agent, host.name) == host.name]
 
     async def model_states(self) -> list[ModelState]:
-        """The model's state on the first host (every host runs it)."""
-        return (await self.cluster.engine_hosts.each(EngineHost.model_states))[0]
+        """The model's state on the first live host (every host runs it)."""
+        hosts = self.cluster.engine_hosts
+        return await hosts.call(hosts.live()[0], EngineHost.model_states)
 
     async def board(self, since: Mapping[str, int] | None = None) -> EngineBoard:
         """Every host's board at once: its figures summed, its hot caches together, its

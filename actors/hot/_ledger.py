@@ -158,7 +158,7 @@ class Ledger:
     def check(self) -> None:
         """Debug check: the count equals one made from scratch, every array by its id."""
         used = self.measure()
-        assert used == self._scratch(), f"the hot count {used} is not {self._scratch()}"
+        assert used == (scratch := self._scratch()), f"the hot count {used} is not {scratch}"
 
     def _scratch(self) -> int:
         """Bytes in use now, counted from scratch (what :meth:`measure` keeps by change)."""

@@ -23,10 +23,15 @@ from ._tenants import Tenant
 
 
 async def _row(
-    session: Served, name: str, shown: str, warm: WarmInfo | None, last_used: float | None
+    session: Served,
+    name: str,
+    shown: str,
+    warm: WarmInfo | None,
+    last_used: float | None,
+    host: str | None,
 ) -> dict[str, Any]:
     """One agent as ``GET /v1/agents`` lists it (``shown``: the id the client knows it
-    by); ``warm``: its warm cache, if any."""
+    by); ``warm``: its warm cache, if any; ``host``: a cluster's host that runs it."""
     row: dict[str, Any] = {
         "id": shown,
         "tier": "cold",
@@ -57,7 +62,6 @@ async def _row(
         )
     if last_used is not None:
         row["last_used"] = last_used
-    host = getattr(session.agents.get(name), "host", None)  # a cluster's agent: where it runs
     if host is not None:
         row["host"] = host
     return row
@@ -69,10 +73,18 @@ async def agents(request: Request) -> Response:
     tenant = tenant_of(request)
     session = state.session
     warm = {w.agent: w for w in await session.warm_agents() if tenant.owns(w.agent)}
-    names = sorted({n for n in session.agents if tenant.owns(n)} | set(warm))
+    running = session.agents  # one copy, not one per row
+    names = sorted({n for n in running if tenant.owns(n)} | set(warm))
     used = state.agents.last_used
     rows = [
-        await _row(session, name, tenant.local_id(name), warm.get(name), used.get(name))
+        await _row(
+            session,
+            name,
+            tenant.local_id(name),
+            warm.get(name),
+            used.get(name),
+            getattr(running.get(name), "host", None),  # a cluster's agent: where it runs
+        )
         for name in names
     ]
     return JSONResponse({"object": "list", "data": rows})

@@ -181,11 +181,12 @@ class AgentRouter:
         done = self._spawning[full] = anyio.Event()
         try:
             scope = self._scope_of(full)
+            # A cluster places a new chat by its prompt (it serves one model: a request
+            # that names one goes to spawn_agent, which says so).
             placing = self._session
-            new_chat = isinstance(conversation, list) and model is None
-            if isinstance(placing, PlacesByPrompt) and new_chat:
-                assert isinstance(conversation, list)
-                return await placing.spawn_placed(full, conversation, scope=scope)
+            chat = conversation if isinstance(conversation, list) else None
+            if isinstance(placing, PlacesByPrompt) and chat is not None and model is None:
+                return await placing.spawn_placed(full, chat, scope=scope)
             return await self._session.spawn_agent(full, scope=scope, model=model)
         finally:
             del self._spawning[full]
