@@ -6,6 +6,7 @@ real MLX arrays)."""
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any, cast
 
@@ -13,10 +14,12 @@ import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
+from multimodels import hot_pool
 
 import kvactor
 from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.enums import Tier
+from kvactor.actors.hot._policy import Rates
 from kvactor.actors.hot._ready import ReadyCopies
 from kvactor.actors.hot._shared_ready import SharedPrefixes
 from kvactor.actors.models import make_tiny_model
@@ -166,6 +169,26 @@ async def test_ready_copies_change_no_answer_and_skip_the_dequantize(tmp_path: P
                 reloaded.append((await agent.complete("something else", max_tokens=6)).token_ids)
             reloaded.append((await agent.generate(text, max_tokens=6)).token_ids)
     assert reloaded == ready
+
+
+@pytest.mark.parametrize("ready_copies", [True, False])
+async def test_the_dequantize_rate_learns_only_from_a_dequantize(ready_copies: bool) -> None:
+    """The policies' reload estimates: a turn from a ready copy dequantized nothing, so it
+    tells the rate nothing (it once fed the whole cache's bytes over its few microseconds,
+    making every warm reload look free); a turn that dequantized moves it."""
+    seeded = Rates().dequantize_bytes_s
+    async with kvactor.open(tiny(), attention="dequantized", ready_copies=ready_copies) as kv:
+        agent = await kv.spawn_agent("a", system="You are terse.")
+        for text in TURNS:
+            await agent.generate(text, max_tokens=6)
+        rates = hot_pool(kv).rates
+        stats = await kv.stats()
+    if ready_copies:
+        assert stats.ready_turns == len(TURNS) - 1 and stats.dequantized_tokens == 0
+        assert rates.dequantize_bytes_s == seeded
+    else:
+        assert stats.dequantized_tokens > 0 and rates.dequantize_bytes_s != seeded
+    assert 0 < rates.prefill_tokens_s < math.inf
 
 
 @pytest.mark.parametrize("agents", [6])

@@ -511,10 +511,12 @@ class ModelRunner:
             kv = request.entry.kv
             request.prefill_start = time.perf_counter()
             self._ready_turns += kv.ready is not None
-            self._dequantized += self.pool.working_copy(request.agent, request.entry)
+            made = self.pool.working_copy(request.agent, request.entry)
+            self._dequantized += made
             request.dequantize_s = time.perf_counter() - request.prefill_start
-            if kv.ranges and not kv.turn_cache.quantized:
-                self.pool.rates.dequantize(kv.stored_bytes, request.dequantize_s)
+            if made:  # a ready copy or a shared prefix's taken as it is: nothing measured
+                per_token = kv.stored_bytes / max(len(kv.tokens), 1)
+                self.pool.rates.dequantize(round(made * per_token), request.dequantize_s)
         kv = request.entry.kv
         at = len(kv.tokens)
         size = min([self.config.prefill_chunk] + [c - at for c in request.cuts if c > at])
@@ -535,8 +537,9 @@ class ModelRunner:
         picked = pick(last, rows, [True]) if host_bound(rows) else pick_in_graph(last, rows)
         token = cast(int, picked.item())
         request.prefill_end = time.perf_counter()
-        self.pool.rates.prefill(
-            len(request.prompt) - request.reused, request.prefill_end - request.prefill_start
+        self.pool.rates.prefill(  # the forward's own time: its working copy's left out
+            len(request.prompt) - request.reused,
+            request.prefill_end - request.prefill_start - request.dequantize_s,
         )
         self._generated += 1
         if request.emit(token):
