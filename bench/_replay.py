@@ -14,7 +14,8 @@ once), not files.
 
 Time is the replay's own (``CachePool(clock=..., wall=...)``): a turn takes what the real
 run's measured rates say it takes (:class:`Costs`: a fixed part, then per token loaded from
-disk, dequantized and prefilled), so the policy's reload estimates, the hints' timing and
+disk, dequantized and prefilled; or, checked against the real run, that turn's own times
+where the replay takes its path), so the policy's reload estimates, the hints' timing and
 tool waits see the times they saw there. ``book_s`` is the wall time spent in the tier's
 code and this bookkeeping (the zeros and their quantizing left out): what the runtime's
 decisions cost at that many agents.
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.enums import Room, Tier
@@ -39,7 +41,7 @@ from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.geometry import CacheGeometry
 from kvactor.kernels.qcodec import KVCodec
 
-__all__ = ("Costs", "Replay", "Step")
+__all__ = ("Clock", "Costs", "Observed", "Replay", "Step")
 
 #: A manifest's bytes per token (its token ids, text and messages as JSON) and per file;
 #: a segment file's header per tensor (two per K/V layer) and per file.
@@ -48,11 +50,24 @@ HEADER_PER_TENSOR, HEADER_FIXED = 128, 256
 
 
 @dataclass(frozen=True)
+class Observed:
+    """A real turn's path and measured times (``bench/agentic.py``'s record of it)."""
+
+    path: str
+    ttft_s: float
+    turn_s: float
+    dequantize_s: float
+    prefill_s: float
+
+
+@dataclass(frozen=True)
 class Step:
     """One turn: ``agent`` sends a prompt whose first ``reused`` tokens are its cache's (as
     the unbounded run reused them) and ``new`` more, generates ``generated`` tokens and
     waits ``tool_wait_s`` on tools after it; ``imported``: its cache arrives just before
-    (a portable file of that many tokens, the shared context's first)."""
+    (a portable file of that many tokens, the shared context's first). ``observed``: the
+    real run's turn; where the replay takes the same path, its times are the turn's (what
+    the engine's rates and the hints' clock learned there), else :class:`Costs`'."""
 
     agent: str
     reused: int
@@ -60,26 +75,29 @@ class Step:
     generated: int = 4
     tool_wait_s: float = 0.0
     imported: int = 0
+    observed: Observed | None = None
 
 
 @dataclass(frozen=True)
 class Costs:
     """Per-path times, fitted to a real run's turns: a turn's time to first token is
-    ``fixed_s`` plus per token loaded from disk, dequantized and prefilled; ``decode_s``
-    the rest of the turn and its write."""
+    ``fixed_s`` plus per token loaded from disk and dequantized, and its prefill: per token
+    ``prefill_s`` and per token and token of context before it ``context_s`` (attention
+    grows with the context: on the default model a token prefilled at 3K tokens of context
+    took 17 ms, at 1.3K 11 ms); ``decode_s`` the rest of the turn to its last token."""
 
     fixed_s: float
     load_s: float
     dequantize_s: float
     prefill_s: float
-    # Not in the real run's records: an assumed figure (3 decode steps and a write), which
-    # moves only how far the clock runs between turns (tool waits, hints' timing).
+    context_s: float = 0.0
     decode_s: float = 0.3
 
     @classmethod
     def fit(cls, turns: Sequence[dict[str, Any]]) -> Costs:
-        """From a real run's per-turn records (``bench/agentic.py``'s): each part's seconds
-        over the tokens it worked on, summed over the turns that did it."""
+        """From a real run's per-turn records (``bench/agentic.py``'s): load and dequantize
+        as each part's seconds over the tokens it worked on, summed over the turns that
+        did it; the prefill by least squares over ``n`` and ``n (reused + n / 2)``."""
 
         def rate(seconds: str, tokens: Any) -> float:
             used = [(t[seconds], tokens(t)) for t in turns if t[seconds] > 0 and tokens(t) > 0]
@@ -87,20 +105,36 @@ class Costs:
 
         load = rate("load_s", lambda t: t["reused_tokens"] if t["path"] == "warm" else 0)
         dequantize = rate("dequantize_s", lambda t: t["reused_tokens"])
-        prefill = rate("prefill_s", lambda t: t["prefilled_tokens"])
+        done = [t for t in turns if t["prefilled_tokens"] > 0]
+        n = np.array([t["prefilled_tokens"] for t in done], dtype=np.float64)
+        at = np.array([t["reused_tokens"] for t in done], dtype=np.float64)
+        seconds = np.array([t["prefill_s"] for t in done])
+        (per, context), *_ = np.linalg.lstsq(np.stack([n, n * (at + n / 2)], 1), seconds)
         rest = [t["ttft_s"] - t["load_s"] - t["dequantize_s"] - t["prefill_s"] for t in turns]
-        return cls(statistics.median(rest), load, dequantize, prefill)
+        after = [t["turn_s"] - t["ttft_s"] for t in turns if "turn_s" in t]
+        return cls(
+            statistics.median(rest),
+            load,
+            dequantize,
+            float(per),
+            float(context),
+            statistics.median(after) if after else cls.decode_s,
+        )
 
-    def ttft(self, *, loaded: int, dequantized: int, prefilled: int) -> float:
+    def prefill(self, tokens: int, context: int) -> float:
+        """Prefilling ``tokens`` after ``context`` tokens."""
+        return tokens * (self.prefill_s + self.context_s * (context + tokens / 2))
+
+    def ttft(self, *, loaded: int, dequantized: int, prefilled: int, context: int = 0) -> float:
         return (
             self.fixed_s
             + self.load_s * loaded
             + self.dequantize_s * dequantized
-            + self.prefill_s * prefilled
+            + self.prefill(prefilled, context)
         )
 
 
-class _Clock:
+class Clock:
     """The replay's time: monotonic seconds from 0, wall seconds from a fixed epoch."""
 
     EPOCH = 1.7e9
@@ -150,8 +184,9 @@ class Replay:
         costs: Costs,
         prefetch: int = 2,
         max_tokens: int = 4,
+        clock: Clock | None = None,
     ) -> None:
-        self.clock = _Clock()
+        self.clock = clock or Clock()
         self.pool = CachePool(
             budget,
             policy,
@@ -376,31 +411,40 @@ class Replay:
     # -- a step ------------------------------------------------------------------------
     def run(self, step: Step, hint: Hint | None, done: Hint | None) -> dict[str, Any]:
         """One step: its hint, its turn, its write, its tool wait and ``done`` hint. The
-        order is the runtime's: the engine takes the hint (ready copies wanted), then a
-        turn whose cache is hot starts before the prefetch actor's stagings reserve room;
-        a turn that misses its cache stages it behind them (one prefetch actor)."""
+        order is the runtime's: the engine takes the hint (ready copies wanted) and the
+        prefetch actor is told to stage; an import the application awaits next runs beside
+        those stagings, which reserve first (they ask before the import's write is done); a
+        turn whose cache is hot is queued before they reserve (its cache is then a waiting
+        turn's, which they do not displace) and starts after them; a turn that misses its
+        cache stages it behind them (one prefetch actor)."""
         began, arrays = time.perf_counter(), self.array_s
         self.moves = []
         pool = self.pool
+        if hint is not None:
+            pool.hint(hint)
+        staged_ahead = False
         if step.imported:
+            if hint is not None:
+                self._prefetch(hint)
+                staged_ahead = True
             tokens = self.agents["brief"].tokens[: step.imported] if self._brief else []
             tokens += [next(self._fresh) for _ in range(step.imported - len(tokens))]
             self._import(step.agent, tokens, self._brief)
-        if hint is not None:
-            pool.hint(hint)
         me = self.agents[step.agent]
         prompt = me.tokens[: step.reused] + [next(self._fresh) for _ in range(step.new)]
         path, loaded = Tier.HOT, 0
         hot = step.agent in pool
+        if hot:
+            entry = pool.claim(step.agent)
+        if hint is not None and not staged_ahead:
+            self._prefetch(hint)
         if not hot:
-            if hint is not None:
-                self._prefetch(hint)
             if me.persisted > 0 and step.agent not in pool:
                 path = Tier.WARM
                 staged, loaded = self._stage(step.agent, prefetch=False)
                 if not staged:
                     me.persisted, path = 0, Tier.COLD
-        entry = pool.claim(step.agent)
+            entry = pool.claim(step.agent)
         keep, _ = pool.base(step.agent, entry, prompt, share=True)
         if keep == 0:
             path = Tier.COLD
@@ -408,8 +452,6 @@ class Replay:
         assert pool.start_turn(entry, reserve), "a turn that fits alone never waits here"
         ready = entry.kv.ready is not None
         dequantized = pool.working_copy(step.agent, entry)
-        if hot and hint is not None:
-            self._prefetch(hint)
         # The prefill, range by range at the conversation's earlier bounds (as the agent
         # cuts a re-prefill), then the answer's tokens.
         at = keep
@@ -419,14 +461,23 @@ class Replay:
             at = cut
         self._feed(entry.kv, prompt[at:])
         prefilled = len(prompt) - keep
-        ttft = self.costs.ttft(loaded=loaded, dequantized=dequantized, prefilled=prefilled)
-        pool.rates.prefill(prefilled, self.costs.prefill_s * prefilled)
-        if dequantized:
-            pool.rates.dequantize(
-                self.stored_bytes(dequantized), self.costs.dequantize_s * dequantized
+        seen = step.observed if step.observed and step.observed.path == str(path) else None
+        if seen is not None:
+            ttft, took = seen.ttft_s, max(seen.turn_s, seen.ttft_s)
+            prefill_s, dequantize_s = seen.prefill_s, seen.dequantize_s
+        else:
+            ttft = self.costs.ttft(
+                loaded=loaded, dequantized=dequantized, prefilled=prefilled, context=keep
             )
+            took = ttft + self.costs.decode_s
+            prefill_s = self.costs.prefill(prefilled, keep)
+            dequantize_s = self.costs.dequantize_s * dequantized
+        # What the engine tells its rates (``actors/engine/_runner.py``).
+        pool.rates.prefill(prefilled, prefill_s)
+        if dequantized:
+            pool.rates.dequantize(self.stored_bytes(dequantized), dequantize_s)
         self._feed(entry.kv, [next(self._fresh) for _ in range(step.generated - 1)])
-        self.clock.now += ttft + self.costs.decode_s
+        self.clock.now += took
         pool.end_turn(step.agent, entry, finished=True)
         me.tokens = list(entry.kv.tokens)
         me.bounds = sorted({b for b in me.bounds if b < keep} | {keep} - {0} | {len(me.tokens)})

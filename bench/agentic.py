@@ -199,7 +199,8 @@ async def replay(
                             hot = await kv.hot_caches()
             done = pieces.completion
             assert done is not None
-            ttft = (first or time.perf_counter()) - sent
+            ended = time.perf_counter()
+            ttft = (first or ended) - sent
             if step.tool_wait_s:
                 await kv.engine.ask(ToolWait(step.agent, step.tool_wait_s))
             if hinting and step.agent not in order[at + 1 :]:
@@ -208,6 +209,7 @@ async def replay(
                 {
                     "agent": step.agent,
                     "ttft_s": ttft,
+                    "turn_s": ended - sent,  # to its last token (bench/replay.py's clock)
                     "path": str(done.path),
                     "prefilled_tokens": done.timings.prefilled_tokens,
                     "prompt_tokens": done.timings.prompt_tokens,
@@ -229,7 +231,8 @@ async def replay(
             )
             turns[-1]["moves"] = await _moves(kv, seen)
             if disk_limit is not None:  # what the directory holds, as the store counts it
-                disk_peak = max(disk_peak, agents_bytes(root))
+                turns[-1]["disk_bytes"] = agents_bytes(root)
+                disk_peak = max(disk_peak, turns[-1]["disk_bytes"])
         wall = time.perf_counter() - began
         stats = await kv.stats()
         warm = await kv.warm_stats()
@@ -295,6 +298,8 @@ def summary(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
                 "agent": turn["agent"],
                 "path": turn["path"],
                 "ttft_s": turn["ttft_s"],
+                "turn_s": turn["turn_s"],
+                "disk_bytes": turn.get("disk_bytes"),
                 "bound_s": bound,
                 "excess_s": turn["ttft_s"] - bound,
                 **turn["parts"],

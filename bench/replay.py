@@ -9,11 +9,13 @@ shape: ``--real PATH``, the JSON that bench wrote).
 
 1. **Against the real run**, the same trace (its steps, each turn's reused and new tokens
    as the unbounded run had them, the imports, the budget and disk limit, the default
-   model's cache geometry), each policy and the unbounded reference: ``decisions_equal``
-   (every turn's path and every step's moves, hot-tier demotions and installs and warm
-   agents made cold, the same as the real run's), ``paths_equal`` and ``moves_equal``
-   (shares of steps), and ``cost_error``: the largest |replayed / real - 1| of summed
-   TTFT over the policies.
+   model's cache geometry), each policy and the unbounded reference, replayed twice. On
+   the real turns' own times where the replay takes their path (what the engine's rates
+   and the hints' clock learned there): ``decisions_equal`` (every turn's path and every
+   step's moves, hot-tier demotions and installs and warm agents made cold, the same as
+   the real run's), ``paths_equal`` and ``moves_equal`` (shares of steps). On the fitted
+   costs alone, as at scale: ``cost_error``, the largest |replayed / real - 1| of summed
+   TTFT over the runs, and ``fitted_paths_equal`` / ``fitted_moves_equal``.
 2. **At scale**: seeded pressure traces of ``--sizes`` agents (5 team agents to 4
    subagents, documents and steps of the real shape's token counts, 2 rounds), the hot
    budget one turn's room plus 25% of the agents' stored caches and the disk limit 50%
@@ -45,7 +47,7 @@ import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
 
 # isort: split
 from _agentic_trace import OraclePolicy, lookahead, pressure_schedule, wrong
-from _replay import Costs, Replay, Step
+from _replay import Clock, Costs, Observed, Replay, Step
 from _results import write_json  # bench/ is the script's folder: on sys.path
 from agentic import captured
 
@@ -76,12 +78,12 @@ class IndexedOracle(OraclePolicy):
         return steps[i] - self.position + 1 if i < len(steps) else math.inf
 
 
-def _policy(name: str, order: Sequence[str]) -> Any:
+def _policy(name: str, order: Sequence[str], clock: Clock) -> Any:
     if name == "lru":
         return kvactor.LRUPolicy()
     if name == "oracle":
         return IndexedOracle(order)
-    return kvactor.WorkflowPolicy()
+    return kvactor.WorkflowPolicy(clock=clock.monotonic)  # the hints' times: the replay's
 
 
 def replay(
@@ -100,7 +102,8 @@ def replay(
     """One replay of ``steps`` under ``policy``, hinted as ``bench/agentic.py`` hints (the
     soonest distinct agents before each step, ``done`` after an agent's last step)."""
     order = [s.agent for s in steps]
-    chosen = _policy(policy, order)
+    clock = Clock()
+    chosen = _policy(policy, order, clock)
     rng = random.Random(seed)
     run = Replay(
         geometry=geometry,
@@ -109,6 +112,7 @@ def replay(
         budget=budget,
         disk_limit=disk_limit,
         costs=costs,
+        clock=clock,
     )
     run.seed("brief", list(range(brief)), hot=brief_hot)
     last = {agent: i for i, agent in enumerate(order)}
@@ -158,15 +162,26 @@ def policy_ratios(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 # -- against the real run ---------------------------------------------------------------
-def real_steps(pressure: dict[str, Any]) -> list[Step]:
-    """The real run's trace as replay steps: the unbounded run's reused and new tokens."""
+def real_steps(pressure: dict[str, Any], run: dict[str, Any] | None = None) -> list[Step]:
+    """The real run's trace as replay steps: the unbounded run's reused and new tokens;
+    with ``run`` (one of the real runs), each step observes that run's turn."""
     ref = pressure["reference"]["turns"]
     imported = pressure["imported_tokens"]
     seen: set[str] = set()
     steps = []
-    for (agent, wait), turn in zip(pressure["trace"], ref, strict=True):
+    for at, ((agent, wait), turn) in enumerate(zip(pressure["trace"], ref, strict=True)):
         first = agent not in seen
         seen.add(agent)
+        observed = None
+        if run is not None:
+            real = run["turns"][at]
+            observed = Observed(
+                real["path"],
+                real["ttft_s"],
+                real.get("turn_s", real["ttft_s"]),
+                real["dequantize_s"],
+                real["prefill_s"],
+            )
         steps.append(
             Step(
                 agent,
@@ -174,6 +189,7 @@ def real_steps(pressure: dict[str, Any]) -> list[Step]:
                 new=turn["prompt_tokens"] - turn["reused_tokens"],
                 tool_wait_s=wait,
                 imported=imported[agent] if first and agent in imported else 0,
+                observed=observed,
             )
         )
     return steps
@@ -183,65 +199,78 @@ def _moves(moves: list[list[str]]) -> Counter[tuple[str, ...]]:
     return Counter(tuple(m) for m in moves)
 
 
+def _compare(replayed: Sequence[dict[str, Any]], real: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Step by step: the same path, the same moves (each a share of the steps), and the
+    steps that differ."""
+    pairs = list(zip(replayed, real, strict=True))
+    paths = [a["path"] == b["path"] for a, b in pairs]
+    moves = [_moves(a["moves"]) == _moves(b["moves"]) for a, b in pairs]
+    return {
+        "paths_equal": sum(paths) / len(paths),
+        "moves_equal": sum(moves) / len(moves),
+        "differ": [
+            {
+                "step": i,
+                "agent": a["agent"],
+                "replayed": [a["path"], a["moves"]],
+                "real": [b["path"], b["moves"]],
+            }
+            for i, (a, b) in enumerate(pairs)
+            if not (paths[i] and moves[i])
+        ],
+    }
+
+
 def against_real(pressure: dict[str, Any], geometry: CacheGeometry) -> dict[str, Any]:
-    steps = real_steps(pressure)
+    """Each run of the real one replayed twice: on the real turns' own times where the
+    replay takes their path (the decisions: ``paths_equal``, ``moves_equal``), and on the
+    fitted :class:`Costs` alone, as at scale (``cost_error``, ``fitted_*``)."""
     agents = sorted(a for a in pressure["imported_tokens"] if a.startswith("te")) + sorted(
         a for a in pressure["imported_tokens"] if a.startswith("su")
     )
     real_turns = [t for r in pressure["policies"].values() for t in r["turns"]]
     costs = Costs.fit(real_turns)
-    bounds = [costs.prefill_s * t["prefilled_tokens"] for t in pressure["reference"]["turns"]]
+    bounds = [
+        costs.prefill(t["prefilled_tokens"], t["reused_tokens"])
+        for t in pressure["reference"]["turns"]
+    ]
     runs: dict[str, Any] = {}
     for name in ("reference", *POLICIES):
         real = pressure["reference"] if name == "reference" else pressure["policies"][name]
-        limits = (
-            (None, None)
-            if name == "reference"
-            else (
-                pressure["budget_bytes"],
-                pressure["disk_limit_bytes"],
-            )
-        )
-        run = replay(
-            steps,
-            agents,
-            policy="lru" if name == "reference" else name,
-            geometry=geometry,
-            budget=limits[0],
-            disk_limit=limits[1],
-            costs=costs,
-            brief=pressure["brief_tokens"],
-            brief_hot="brief" in pressure["start_hot"],
-        )
-        paths = [a["path"] == b["path"] for a, b in zip(run.turns, real["turns"], strict=True)]
-        moves = [
-            _moves(a["moves"]) == _moves(b["moves"])
-            for a, b in zip(run.turns, real["turns"], strict=True)
-        ]
-        got = figures(run, bounds)
+        limited = name != "reference"
+        common: dict[str, Any] = {
+            "policy": name if limited else "lru",
+            "geometry": geometry,
+            "budget": pressure["budget_bytes"] if limited else None,
+            "disk_limit": pressure["disk_limit_bytes"] if limited else None,
+            "costs": costs,
+            "brief": pressure["brief_tokens"],
+            "brief_hot": "brief" in pressure["start_hot"],
+        }
+        fitted = replay(real_steps(pressure), agents, **common)
+        seen = replay(real_steps(pressure, real), agents, **common)
+        decided = _compare(seen.turns, real["turns"])
+        costed = _compare(fitted.turns, real["turns"])
+        got = figures(fitted, bounds)
         real_ttft = real["summed_ttft_s"]
         runs[name] = {
             **got,
             "real_summed_ttft_s": real_ttft,
             "real_summed_excess_s": real["summed_excess_s"],
             "cost_error": got["summed_ttft_s"] / real_ttft - 1,
-            "paths_equal": sum(paths) / len(paths),
-            "moves_equal": sum(moves) / len(moves),
-            "differ": [
-                {
-                    "step": i,
-                    "agent": a["agent"],
-                    "replayed": [a["path"], a["moves"]],
-                    "real": [b["path"], b["moves"]],
-                }
-                for i, (a, b) in enumerate(zip(run.turns, real["turns"], strict=True))
-                if a["path"] != b["path"] or _moves(a["moves"]) != _moves(b["moves"])
-            ],
+            **decided,
+            "fitted_paths_equal": costed["paths_equal"],
+            "fitted_moves_equal": costed["moves_equal"],
+            "fitted_differ": costed["differ"],
         }
+        steps = len(real["turns"])
         print(
-            f"real check   {name:15} paths {sum(paths)}/{len(paths)} moves"
-            f" {sum(moves)}/{len(moves)} ttft {got['summed_ttft_s']:7.1f}s vs real"
-            f" {real_ttft:7.1f}s ({runs[name]['cost_error']:+.3f})",
+            f"real check   {name:15} paths {round(decided['paths_equal'] * steps)}/{steps}"
+            f" moves {round(decided['moves_equal'] * steps)}/{steps}; fitted: paths"
+            f" {round(costed['paths_equal'] * steps)}/{steps} moves"
+            f" {round(costed['moves_equal'] * steps)}/{steps} ttft"
+            f" {got['summed_ttft_s']:7.1f}s vs real {real_ttft:7.1f}s"
+            f" ({runs[name]['cost_error']:+.3f})",
             flush=True,
         )
     return {
@@ -250,6 +279,8 @@ def against_real(pressure: dict[str, Any], geometry: CacheGeometry) -> dict[str,
         ),
         "paths_equal": min(r["paths_equal"] for r in runs.values()),
         "moves_equal": min(r["moves_equal"] for r in runs.values()),
+        "fitted_paths_equal": min(r["fitted_paths_equal"] for r in runs.values()),
+        "fitted_moves_equal": min(r["fitted_moves_equal"] for r in runs.values()),
         "cost_error": max(abs(r["cost_error"]) for r in runs.values()),
         "costs": dataclasses.asdict(costs),
         "runs": runs,
@@ -307,7 +338,7 @@ def at_scale(size: int, costs: Costs, seed: int) -> dict[str, Any]:
     budget = room + int(HOT_SHARE * working)
     brief = 168
     disk_limit = int(DISK_SHARE * working) + probe.stored_bytes(brief) + (1 << 20)
-    bounds = [costs.prefill_s * s.new for s in steps]
+    bounds = [costs.prefill(s.new, s.reused) for s in steps]
     runs = {}
     for policy in POLICIES:
         began = time.perf_counter()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.hot import CachePool, LRUPolicy
 from kvactor.actors.models import make_tiny_model
 from kvactor.kernels.float_turn import FloatTurnCache
@@ -71,7 +72,51 @@ def test_costs_are_each_parts_seconds_over_its_tokens() -> None:
     assert costs.load_s == pytest.approx(0.2 / 1000)
     assert costs.dequantize_s == pytest.approx(0.3 / 2000)
     assert costs.prefill_s == pytest.approx(3.0 / 300)
+    assert costs.context_s == pytest.approx(0.0, abs=1e-12)
     assert costs.fixed_s == pytest.approx(0.2)  # the median of 0.3 and 0.1
+    # A token prefilled after a longer context takes longer (attention): fitted as such.
+    slower = (1.0 + 100 * 1050 * 1e-6, 2.0 + 200 * 1100 * 1e-6)
+    for turn, seconds in zip(turns, slower, strict=True):
+        turn["prefill_s"] = seconds
+    costs = Costs.fit(turns)
+    assert costs.prefill_s == pytest.approx(0.01) and costs.context_s == pytest.approx(1e-6)
+    assert costs.prefill(300, 2000) == pytest.approx(300 * (0.01 + 1e-6 * 2150))
+
+
+def test_the_workflow_policy_weighs_hints_on_the_replays_clock() -> None:
+    """Two hot idle caches, both hinted, room for one of them beside a third agent's
+    turn: the one hinted to run later goes first. (On the machine's clock every hint
+    looked long past, so the policy fell back to least recently used and demoted the
+    sooner one.)"""
+    steps = [
+        replay.Step(agent, reused=16, new=200, imported=16 if first else 0)
+        for agent, first in (("a", True), ("b", True), ("c", True), ("a", False), ("b", False))
+    ]
+    geometry = CacheGeometry.uniform(1, 1, 64)
+    probe = Replay(
+        geometry=geometry,
+        codec=DEFAULT_CODEC,
+        policy=LRUPolicy(),
+        budget=None,
+        disk_limit=None,
+        costs=COSTS,
+    )
+    # One turn's room and one and a half caches: a third agent's turn demotes one.
+    budget = turn_reserve_bytes(geometry, 16 + 200 + 4) + 3 * probe.stored_bytes(219) // 2
+    run = replay.replay(
+        steps,
+        ["a", "b", "c"],
+        policy="workflow",
+        geometry=geometry,
+        budget=budget,
+        disk_limit=None,
+        costs=COSTS,
+        brief=16,
+        brief_hot=True,
+    )
+    demoted = [m[1] for m in run.turns[2]["moves"] if m[0] == "demoted" and m[1] != "brief"]
+    assert demoted[:1] == ["b"], run.turns[2]["moves"]
+    assert [t["path"] for t in run.turns[3:]] == ["hot", "hot"]  # b staged ahead of its turn
 
 
 def run(
