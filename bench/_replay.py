@@ -37,16 +37,19 @@ from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.enums import Room, Tier
 from kvactor.actors.hot import CachePool, EvictionPolicy
 from kvactor.actors.messages import Hint, WarmAgent
+from kvactor.actors.warm._manifest import FORMAT_VERSION, codec_key
+from kvactor.actors.warm._safetensors import build_header
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.geometry import CacheGeometry
 from kvactor.kernels.qcodec import KVCodec
 
 __all__ = ("Clock", "Costs", "Observed", "Replay", "Step")
 
-#: A manifest's bytes per token (its token ids, text and messages as JSON) and per file;
-#: a segment file's header per tensor (two per K/V layer) and per file.
-MANIFEST_PER_TOKEN, MANIFEST_FIXED = 16, 1024
-HEADER_PER_TENSOR, HEADER_FIXED = 128, 256
+#: A manifest's bytes per token (its token ids, text and messages as JSON: ~5 + 4.5 +
+#: 4.5 on the default model), per segment entry, per layer (the geometry) and per file;
+#: a segment file's header is built as the store builds it (``build_header``).
+MANIFEST_PER_TOKEN, MANIFEST_PER_SEGMENT = 14, 125
+MANIFEST_PER_LAYER, MANIFEST_FIXED = 16, 1024
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,12 @@ class Replay:
         self.book_s = 0.0  # in the tier's code and this replay's bookkeeping
         self.array_s = 0.0  # making the zeros that stand in for the forward
         self.disk_peak = 0
+        self._meta = {  # a segment header's metadata, as ``segment_metadata`` writes it
+            "format": "kvactor-warm-segment",
+            "format_version": str(FORMAT_VERSION),
+            "model_fingerprint": "0" * 64,
+            "codec": codec_key(codec.describe()).decode(),
+        }
         self._per_token = self._bytes_per_token()
 
     # -- arrays (the forward's stand-in: not bookkeeping) -----------------------------
@@ -240,6 +249,13 @@ class Replay:
         kv.deactivate()
         self.array_s = before + time.perf_counter() - began
         return kv
+
+    def _tensors(self, kv: AgentKV) -> list[dict[str, np.ndarray[Any, Any]]]:
+        """Each stored range's arrays as the store writes them (the forward's stand-in)."""
+        began = time.perf_counter()
+        out = [r.to_numpy() for r in kv.ranges]
+        self.array_s += time.perf_counter() - began
+        return out
 
     def _feed(self, kv: AgentKV, tokens: list[int]) -> None:
         """``tokens`` into ``kv``'s working copy, as a forward pass would add them."""
@@ -277,14 +293,29 @@ class Replay:
         if before == 0 or self._refs[segment] == 0:
             self._used += self._segments[segment] if before == 0 else -self._segments[segment]
 
+    def _manifest_bytes(self, tokens: int, segments: int) -> int:
+        fixed = MANIFEST_FIXED + MANIFEST_PER_LAYER * len(self.geometry.layers)
+        return fixed + MANIFEST_PER_TOKEN * tokens + MANIFEST_PER_SEGMENT * segments
+
     def _manifest(self, w: _Warm, tokens: list[int] | None) -> None:
-        """``w``'s manifest now lists ``tokens`` (None: removed)."""
+        """``w``'s manifest now lists ``tokens`` and its segments (None: removed)."""
         self._used -= w.manifest
         w.manifest = 0
         if tokens is not None:
             w.tokens = tokens
-            w.manifest = MANIFEST_FIXED + MANIFEST_PER_TOKEN * len(tokens)
+            w.manifest = self._manifest_bytes(len(tokens), len(w.segments))
             self._used += w.manifest
+
+    def _segment_bytes(
+        self, agent: str, start: int, stop: int, tensors: dict[str, np.ndarray[Any, Any]]
+    ) -> int:
+        """A segment file of ``agent``'s tokens ``start:stop``: its header as the store
+        builds it for ``tensors`` (the range's), then their bytes."""
+        began = time.perf_counter()  # the store's work, not the tier's: left out of book_s
+        meta = self._meta | {"agent": agent, "start": str(start), "stop": str(stop)}
+        header = len(build_header(tensors.items(), meta))
+        self.array_s += time.perf_counter() - began
+        return header + self.stored_bytes(stop) - self.stored_bytes(start)
 
     def _own_bytes(self, agent: str) -> int:
         w = self.warm[agent]
@@ -325,10 +356,17 @@ class Replay:
                     break
         return True
 
-    def _append(self, agent: str, tokens: list[int], start: int, stop: int) -> bool:
-        """Write ``agent``'s tokens ``start:stop`` as a segment (room made first)."""
-        nbytes = self.stored_bytes(stop) - self.stored_bytes(start)
-        nbytes += HEADER_FIXED + HEADER_PER_TENSOR * 2 * len(self.geometry.kv_layers)
+    def _append(
+        self,
+        agent: str,
+        tokens: list[int],
+        start: int,
+        stop: int,
+        tensors: dict[str, np.ndarray[Any, Any]],
+    ) -> bool:
+        """Write ``agent``'s tokens ``start:stop`` (``tensors``: its range's arrays) as a
+        segment (room made first)."""
+        nbytes = self._segment_bytes(agent, start, stop, tensors)
         bound = nbytes + 8 * stop + 4096
         if not self._make_room(agent, bound):
             return False
@@ -336,8 +374,8 @@ class Replay:
         s = next(self._ids)
         self._segments[s], self._refs[s] = nbytes, 0
         self._ref(s, 1)
-        self._manifest(w, tokens[:stop])
         w.segments.append((s, stop))
+        self._manifest(w, tokens[:stop])
         w.updated = self.clock.wall()
         return True
 
@@ -349,7 +387,7 @@ class Replay:
         linked = [(s, stop) for s, stop in src.segments if stop <= upto]
         if not linked or linked[-1][1] != upto:
             return False
-        if not self._make_room(agent, MANIFEST_FIXED + MANIFEST_PER_TOKEN * upto):
+        if not self._make_room(agent, self._manifest_bytes(upto, len(linked))):
             return False
         for s, _ in linked:
             self._ref(s, 1)
@@ -361,20 +399,20 @@ class Replay:
     def seed(self, agent: str, tokens: list[int], *, hot: bool) -> None:
         """``agent`` with a warm copy of ``tokens`` (hot too with ``hot``)."""
         self.agents[agent] = _Agent(list(tokens), len(tokens), [len(tokens)])
-        self._append(agent, tokens, 0, len(tokens))
+        kv = self._filled(tokens, [len(tokens)])
+        self._append(agent, tokens, 0, len(tokens), self._tensors(kv)[0])
         if hot:
-            kv = self._filled(tokens, [len(tokens)])
             assert self.pool.warm.install(agent, kv.stored_bytes, lambda: kv, pin=False)
         self._log()
 
     def _import(self, agent: str, tokens: list[int], brief: int) -> None:
         """A portable file's cache arrives (its ranges: the shared context's, then its
         own): written to the warm tier, under the limit."""
-        stops = [b for b in (brief, len(tokens)) if 0 < b <= len(tokens)]
-        self.agents[agent] = _Agent(list(tokens), 0, sorted(set(stops)))
+        stops = sorted({b for b in (brief, len(tokens)) if 0 < b <= len(tokens)})
+        self.agents[agent] = _Agent(list(tokens), 0, stops)
         at = 0
-        for stop in sorted(set(stops)):
-            if not self._append(agent, tokens, at, stop):
+        for stop, tensors in zip(stops, self._tensors(self._filled(tokens, stops)), strict=True):
+            if not self._append(agent, tokens, at, stop, tensors):
                 return
             at = self.agents[agent].persisted = stop
 
@@ -515,10 +553,10 @@ class Replay:
         shared = exported.shared_upto and upto == 0 and exported.shared_from
         if shared and self._link(agent, exported.shared_from, exported.shared_upto):
             upto = me.persisted = exported.shared_upto
-        for start, stop, _ in exported.ranges:
+        for start, stop, tensors in exported.ranges:
             if stop <= upto:
                 continue
-            if not self._append(agent, exported.tokens, max(start, upto), stop):
+            if not self._append(agent, exported.tokens, max(start, upto), stop, tensors):
                 break
             upto = me.persisted = stop
         self.pool.written(agent, exported.export_id, me.persisted)

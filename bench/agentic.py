@@ -200,7 +200,10 @@ async def replay(
             done = pieces.completion
             assert done is not None
             ended = time.perf_counter()
-            ttft = (first or ended) - sent
+            # A turn whose few tokens make no text yet yields no piece: its first token's
+            # time is the engine's (rendering and tokenizing, then queue to first token).
+            engine_ttft = done.timings.prompt_s + done.timings.ttft_s
+            ttft = first - sent if first is not None else min(engine_ttft, ended - sent)
             if step.tool_wait_s:
                 await kv.engine.ask(ToolWait(step.agent, step.tool_wait_s))
             if hinting and step.agent not in order[at + 1 :]:

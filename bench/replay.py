@@ -27,6 +27,8 @@ shape: ``--real PATH``, the JSON that bench wrote).
    ``oracle_vs_lru``, ``captured``, ``wrong_vs_lru``.
 
     python bench/replay.py --real agentic.json [--sizes 100 1000 10000] [--json PATH]
+        [--policies lru workflow ...]   # a share, one process per core; then:
+    python bench/replay.py --merge A.json B.json [--json PATH]
 """
 
 from __future__ import annotations
@@ -318,7 +320,11 @@ def scale_trace(agents: int, seed: int) -> tuple[list[Step], list[str]]:
     return steps, crew + helpers
 
 
-def at_scale(size: int, costs: Costs, seed: int) -> dict[str, Any]:
+def at_scale(
+    size: int, costs: Costs, seed: int, policies: Sequence[str] = POLICIES
+) -> dict[str, Any]:
+    """Each of ``policies`` on a seeded trace of ``size`` agents; the ratios when all
+    four ran (a run split over processes is merged by :func:`merged`)."""
     steps, agents = scale_trace(size, seed)
     geometry = CacheGeometry.uniform(1, 1, 64)
     probe = Replay(
@@ -340,7 +346,7 @@ def at_scale(size: int, costs: Costs, seed: int) -> dict[str, Any]:
     disk_limit = int(DISK_SHARE * working) + probe.stored_bytes(brief) + (1 << 20)
     bounds = [costs.prefill(s.new, s.reused) for s in steps]
     runs = {}
-    for policy in POLICIES:
+    for policy in policies:
         began = time.perf_counter()
         run = replay(
             steps,
@@ -368,11 +374,34 @@ def at_scale(size: int, costs: Costs, seed: int) -> dict[str, Any]:
         "budget_bytes": budget,
         "disk_limit_bytes": disk_limit,
         "working_set_bytes": working,
-        **policy_ratios(runs),
+        **(policy_ratios(runs) if set(runs) >= set(POLICIES) else {}),
         "within_budget": all(r["peak_bytes"] <= budget for r in runs.values()),
         "within_disk_limit": all(r["disk_peak_bytes"] <= disk_limit for r in runs.values()),
         "policies": runs,
     }
+
+
+def merged(paths: Sequence[str]) -> dict[str, Any]:
+    """Runs of the same sizes and seed split by ``--policies`` over processes, as one:
+    the first file's check against the real run, every file's policies, the ratios."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    out = parts[0]
+    for size, first in out["sizes"].items():
+        for part in parts[1:]:
+            other = part["sizes"][size]
+            assert other["steps"] == first["steps"], "runs of different traces"
+            first["policies"].update(other["policies"])
+        runs = first["policies"]
+        first["within_budget"] = all(
+            r["peak_bytes"] <= first["budget_bytes"] for r in runs.values()
+        )
+        first["within_disk_limit"] = all(
+            r["disk_peak_bytes"] <= first["disk_limit_bytes"] for r in runs.values()
+        )
+        if set(first["policies"]) >= set(POLICIES):
+            first.update(policy_ratios(first["policies"]))
+    out["merged"] = list(paths)
+    return out
 
 
 def default_geometry(model: str) -> CacheGeometry:
@@ -392,31 +421,47 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     costs = Costs(**check["costs"])
     out["sizes"] = {}
     for size in args.sizes:
-        out["sizes"][str(size)] = at_scale(size, costs, args.seed)
+        out["sizes"][str(size)] = at_scale(size, costs, args.seed, args.policies)
     return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--real", required=True, help="bench/agentic.py's JSON (its pressure shape)")
+    p.add_argument("--real", help="bench/agentic.py's JSON (its pressure shape)")
     p.add_argument("--sizes", type=int, nargs="*", default=[100, 1000, 10000])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        choices=POLICIES,
+        default=list(POLICIES),
+        help="a share of the policies (one process per core; merge: --merge)",
+    )
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="join split runs' JSON, then stop")
     p.add_argument("--json", metavar="PATH")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.merge and not args.real:
+        p.error("--real is needed (or --merge)")
+    return args
 
 
 if __name__ == "__main__":
     arguments = parse()
     began = time.perf_counter()
-    result = main(arguments)
-    result["total_s"] = time.perf_counter() - began
+    if arguments.merge:
+        result = merged(arguments.merge)
+    else:
+        result = main(arguments)
+        result["total_s"] = time.perf_counter() - began
     for key in ("decisions_equal", "paths_equal", "moves_equal", "cost_error"):
         print(f"{key}: {result[key]}")
     for size, part in result["sizes"].items():
+        if "captured" not in part:
+            continue
         print(
             f"{size} agents: oracle_vs_lru {part['oracle_vs_lru']:.3f} captured"
             f" {part['captured']:.3f} wrong_vs_lru {part['wrong_vs_lru']:.3f}"
         )
-    print(f"total {result['total_s']:.0f}s")
+    print(f"total {result.get('total_s', 0):.0f}s")
     if arguments.json:
         write_json(arguments.json, result)
