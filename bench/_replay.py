@@ -452,9 +452,10 @@ class Replay:
         order is the runtime's: the engine takes the hint (ready copies wanted) and the
         prefetch actor is told to stage; an import the application awaits next runs beside
         those stagings, which reserve first (they ask before the import's write is done); a
-        turn whose cache is hot is queued before they reserve (its cache is then a waiting
-        turn's, which they do not displace) and starts after them; a turn that misses its
-        cache stages it behind them (one prefetch actor)."""
+        turn whose cache is hot starts before they reserve, and they find room once it
+        ended (a race: in two real runs of this commit they did, in one of an earlier
+        commit they reserved first); a turn that misses its cache stages it behind them
+        (one prefetch actor)."""
         began, arrays = time.perf_counter(), self.array_s
         self.moves = []
         pool = self.pool
@@ -472,17 +473,15 @@ class Replay:
         prompt = me.tokens[: step.reused] + [next(self._fresh) for _ in range(step.new)]
         path, loaded = Tier.HOT, 0
         hot = step.agent in pool
-        if hot:
-            entry = pool.claim(step.agent)
-        if hint is not None and not staged_ahead:
-            self._prefetch(hint)
         if not hot:
+            if hint is not None and not staged_ahead:
+                self._prefetch(hint)
             if me.persisted > 0 and step.agent not in pool:
                 path = Tier.WARM
                 staged, loaded = self._stage(step.agent, prefetch=False)
                 if not staged:
                     me.persisted, path = 0, Tier.COLD
-            entry = pool.claim(step.agent)
+        entry = pool.claim(step.agent)
         keep, _ = pool.base(step.agent, entry, prompt, share=True)
         if keep == 0:
             path = Tier.COLD
@@ -520,6 +519,8 @@ class Replay:
         me.tokens = list(entry.kv.tokens)
         me.bounds = sorted({b for b in me.bounds if b < keep} | {keep} - {0} | {len(me.tokens)})
         self._write(step.agent, me)
+        if hot and hint is not None and not staged_ahead:
+            self._prefetch(hint)
         if step.tool_wait_s:
             pool.tool_wait(step.agent, step.tool_wait_s)
         if done is not None:
