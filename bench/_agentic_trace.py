@@ -187,13 +187,13 @@ def pressure_schedule(
 def lookahead(order: Sequence[str], at: int, count: int) -> list[str]:
     """The next ``count`` distinct agents after step ``at``, soonest first (the agent of
     step ``at`` itself only once it comes again after others)."""
-    out: list[str] = []
+    out: dict[str, None] = {}  # an ordered set: a list's ``in`` made this O(agents²) a step
     for agent in order[at + 1 :]:
         if agent not in out:
-            out.append(agent)
+            out[agent] = None
             if len(out) == count:
                 break
-    return out
+    return list(out)
 
 
 def wrong(names: list[str], agents: Sequence[str], rng: random.Random, p: float) -> list[str]:

@@ -188,50 +188,15 @@ async def replay(
                 imported[step.agent] = next(
                     w.tokens for w in await kv.warm_agents() if w.agent == step.agent
                 )
-            sent = time.perf_counter()
-            first = None
-            hot = None
-            async with agents[step.agent].stream(step.text, max_tokens=max_tokens) as pieces:
-                async for _ in pieces:
-                    if first is None:
-                        first = time.perf_counter()
-                        if disk_limit is not None:  # what the hot tier holds meanwhile
-                            hot = await kv.hot_caches()
-            done = pieces.completion
-            assert done is not None
-            ended = time.perf_counter()
-            # A turn whose few tokens make no text yet yields no piece: its first token's
-            # time is the engine's (rendering and tokenizing, then queue to first token).
-            engine_ttft = done.timings.prompt_s + done.timings.ttft_s
-            ttft = first - sent if first is not None else min(engine_ttft, ended - sent)
+            turns.append(
+                await _timed_turn(
+                    kv, step.agent, agents[step.agent], step.text, max_tokens, disk_limit
+                )
+            )
             if step.tool_wait_s:
                 await kv.engine.ask(ToolWait(step.agent, step.tool_wait_s))
             if hinting and step.agent not in order[at + 1 :]:
                 await kv.hint(done=[step.agent])
-            turns.append(
-                {
-                    "agent": step.agent,
-                    "ttft_s": ttft,
-                    "turn_s": ended - sent,  # to its last token (bench/replay.py's clock)
-                    "path": str(done.path),
-                    "prefilled_tokens": done.timings.prefilled_tokens,
-                    "prompt_tokens": done.timings.prompt_tokens,
-                    "reused_tokens": done.timings.reused_tokens,
-                    # The prefill's own compute (its working copy made before it excluded).
-                    "prefill_s": done.timings.prefill_s - done.timings.dequantize_s,
-                    "parts": {  # where the time to first token went (the engine's figures)
-                        "load_s": done.timings.load_s,
-                        "queue_s": done.timings.queue_s,
-                        "dequantize_s": done.timings.dequantize_s,
-                    },
-                    "tokens": done.token_ids,
-                    # The agents' caches hot during the turn (its own included), in tokens:
-                    # what the hot tier holds when a turn needs its room.
-                    "hot_tokens": (
-                        sum(c.tokens for c in hot if c.agent != BRIEF) if hot is not None else None
-                    ),
-                }
-            )
             turns[-1]["moves"] = await _moves(kv, seen)
             if disk_limit is not None:  # what the directory holds, as the store counts it
                 turns[-1]["disk_bytes"] = agents_bytes(root)
@@ -258,6 +223,47 @@ async def replay(
         "brief_tokens": brief_tokens,
         "start_hot": start_hot,
         "imported_tokens": imported,
+    }
+
+
+async def _timed_turn(
+    kv: Any, name: str, agent: Any, text: str, max_tokens: int, disk_limit: int | None
+) -> dict[str, Any]:
+    """One turn of ``agent``, timed as its caller sees it, and its record."""
+    sent = time.perf_counter()
+    first = None
+    hot = None
+    async with agent.stream(text, max_tokens=max_tokens) as pieces:
+        async for _ in pieces:
+            if first is None:
+                first = time.perf_counter()
+                if disk_limit is not None:  # what the hot tier holds meanwhile
+                    hot = await kv.hot_caches()
+    done = pieces.completion
+    assert done is not None
+    ended = time.perf_counter()
+    # A turn whose few tokens make no text yet yields no piece: its first token's time is
+    # the engine's (rendering and tokenizing, then queue to first token).
+    engine_ttft = done.timings.prompt_s + done.timings.ttft_s
+    return {
+        "agent": name,
+        "ttft_s": first - sent if first is not None else min(engine_ttft, ended - sent),
+        "turn_s": ended - sent,  # to its last token (bench/replay.py's clock)
+        "path": str(done.path),
+        "prefilled_tokens": done.timings.prefilled_tokens,
+        "prompt_tokens": done.timings.prompt_tokens,
+        "reused_tokens": done.timings.reused_tokens,
+        # The prefill's own compute (its working copy made before it excluded).
+        "prefill_s": done.timings.prefill_s - done.timings.dequantize_s,
+        "parts": {  # where the time to first token went (the engine's figures)
+            "load_s": done.timings.load_s,
+            "queue_s": done.timings.queue_s,
+            "dequantize_s": done.timings.dequantize_s,
+        },
+        "tokens": done.token_ids,
+        # The agents' caches hot during the turn (its own included), in tokens: what the
+        # hot tier holds when a turn needs its room.
+        "hot_tokens": (sum(c.tokens for c in hot if c.agent != BRIEF) if hot is not None else None),
     }
 
 

@@ -386,8 +386,13 @@ def merged(paths: Sequence[str]) -> dict[str, Any]:
     the first file's check against the real run, every file's policies, the ratios."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     out = parts[0]
+    for part in parts[1:]:  # sizes the first file lacks
+        for size, other in part["sizes"].items():
+            out["sizes"].setdefault(size, {**other, "policies": {}})
     for size, first in out["sizes"].items():
         for part in parts[1:]:
+            if size not in part["sizes"]:
+                continue
             other = part["sizes"][size]
             assert other["steps"] == first["steps"], "runs of different traces"
             first["policies"].update(other["policies"])

@@ -147,6 +147,51 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _save_and_load(
+    root: Path,
+    identity: CacheIdentity,
+    geometry: CacheGeometry,
+    first: Any,
+    tokens: list[int],
+    theirs: list[Any],
+    rounds: int,
+) -> dict[str, list[float]]:
+    """``rounds`` saves and loads of our cache (``first``, the stored range of ``tokens``)
+    and of mlx-lm's (``theirs``), each load from a dropped page cache: seconds of each."""
+    expect = segment_layout(DEFAULT_CODEC, geometry)
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("ours_save", "ours_load", "mlx_save", "mlx_save_fsync", "mlx_load")
+    }
+    for r in range(rounds):
+        agent = f"bench-{r}"
+        t0 = time.perf_counter()
+        append_cache(root, identity, expect, agent, 0, first.to_numpy(), tokens)
+        rows["ours_save"].append(time.perf_counter() - t0)
+        drop(root / "agents" / agent)
+        t0 = time.perf_counter()
+        loaded = read_cache(root, identity, expect, agent)
+        ranges = [StoredRange.from_numpy(s, e, geometry, t) for s, e, t in loaded.ranges()]
+        mx.eval([a for rg in ranges for k, v in rg.layers for a in (*k.values(), *v.values())])
+        rows["ours_load"].append(time.perf_counter() - t0)
+
+        path = root / f"mlx-{r}.safetensors"
+        t0 = time.perf_counter()
+        save_prompt_cache(str(path), theirs)
+        rows["mlx_save"].append(time.perf_counter() - t0)
+        # mlx-lm does not fsync. Timed separately: the same durability as ours costs
+        # this much more; dirty pages also cannot be dropped, so its load needs it.
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        rows["mlx_save_fsync"].append(time.perf_counter() - t0)
+        drop(path)
+        t0 = time.perf_counter()
+        back = load_prompt_cache(str(path))
+        mx.eval([c.state for c in back])
+        rows["mlx_load"].append(time.perf_counter() - t0)
+    return rows
+
+
 def main(n: int, extend: int, rounds: int) -> dict[str, Any]:
     mx.random.seed(0)
     kv_full = [
@@ -180,38 +225,9 @@ def main(n: int, extend: int, rounds: int) -> dict[str, Any]:
         vocab_size=1 << 20,  # above every id here: tokens are list(range(n))
     )
     expect = segment_layout(DEFAULT_CODEC, geometry)
-    rows: dict[str, list[float]] = {
-        k: [] for k in ("ours_save", "ours_load", "mlx_save", "mlx_save_fsync", "mlx_load")
-    }
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVACTOR_BENCH_DIR")) as tmp:
         root = Path(tmp)
-        for r in range(rounds):
-            agent = f"bench-{r}"
-            t0 = time.perf_counter()
-            append_cache(root, identity, expect, agent, 0, first.to_numpy(), ours.tokens)
-            rows["ours_save"].append(time.perf_counter() - t0)
-            drop(root / "agents" / agent)
-            t0 = time.perf_counter()
-            loaded = read_cache(root, identity, expect, agent)
-            ranges = [StoredRange.from_numpy(s, e, geometry, t) for s, e, t in loaded.ranges()]
-            mx.eval([a for rg in ranges for k, v in rg.layers for a in (*k.values(), *v.values())])
-            rows["ours_load"].append(time.perf_counter() - t0)
-
-            path = root / f"mlx-{r}.safetensors"
-            t0 = time.perf_counter()
-            save_prompt_cache(str(path), theirs)
-            rows["mlx_save"].append(time.perf_counter() - t0)
-            # mlx-lm does not fsync. Timed separately: the same durability as ours costs
-            # this much more; dirty pages also cannot be dropped, so its load needs it.
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-            rows["mlx_save_fsync"].append(time.perf_counter() - t0)
-            drop(path)
-            t0 = time.perf_counter()
-            back = load_prompt_cache(str(path))
-            mx.eval([c.state for c in back])
-            rows["mlx_load"].append(time.perf_counter() - t0)
+        rows = _save_and_load(root, identity, geometry, first, ours.tokens, theirs, rounds)
         ours_bytes = folder_bytes(root / "agents" / "bench-0")
         mlx_bytes = (root / "mlx-0.safetensors").stat().st_size
 
