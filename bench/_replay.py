@@ -37,7 +37,7 @@ from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.enums import Room, Tier
 from kvactor.actors.hot import CachePool, EvictionPolicy
 from kvactor.actors.messages import Hint, WarmAgent
-from kvactor.actors.warm._manifest import FORMAT_VERSION, codec_key
+from kvactor.actors.warm._manifest import CacheIdentity, segment_metadata
 from kvactor.actors.warm._safetensors import build_header
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.geometry import CacheGeometry
@@ -217,12 +217,16 @@ class Replay:
         self.book_s = 0.0  # in the tier's code and this replay's bookkeeping
         self.array_s = 0.0  # making the zeros that stand in for the forward
         self.disk_peak = 0
-        self._meta = {  # a segment header's metadata, as ``segment_metadata`` writes it
-            "format": "kvactor-warm-segment",
-            "format_version": str(FORMAT_VERSION),
-            "model_fingerprint": "0" * 64,
-            "codec": codec_key(codec.describe()).decode(),
-        }
+        # What a segment header's metadata is made from (``segment_metadata`` reads the
+        # fingerprint, codec and format; the shape fields are the geometry's own).
+        self._identity = CacheIdentity(
+            model_fingerprint="0" * 64,
+            codec=codec.describe(),
+            n_layers=len(geometry.layers),
+            n_kv_heads=1,
+            head_dim=1,
+            vocab_size=1 << 20,
+        )
         self._per_token = self._bytes_per_token()
 
     # -- arrays (the forward's stand-in: not bookkeeping) -----------------------------
@@ -312,7 +316,7 @@ class Replay:
         """A segment file of ``agent``'s tokens ``start:stop``: its header as the store
         builds it for ``tensors`` (the range's), then their bytes."""
         began = time.perf_counter()  # the store's work, not the tier's: left out of book_s
-        meta = self._meta | {"agent": agent, "start": str(start), "stop": str(stop)}
+        meta = segment_metadata(self._identity, agent, start, stop)
         header = len(build_header(tensors.items(), meta))
         self.array_s += time.perf_counter() - began
         return header + self.stored_bytes(stop) - self.stored_bytes(start)

@@ -374,10 +374,18 @@ def at_scale(
         "budget_bytes": budget,
         "disk_limit_bytes": disk_limit,
         "working_set_bytes": working,
+        **_held(runs, budget, disk_limit),
+        "policies": runs,
+    }
+
+
+def _held(runs: dict[str, dict[str, Any]], budget: int, disk_limit: int) -> dict[str, Any]:
+    """Whether ``runs`` kept to the budget and the disk limit; the ratios when all four
+    policies ran."""
+    return {
         **(policy_ratios(runs) if set(runs) >= set(POLICIES) else {}),
         "within_budget": all(r["peak_bytes"] <= budget for r in runs.values()),
         "within_disk_limit": all(r["disk_peak_bytes"] <= disk_limit for r in runs.values()),
-        "policies": runs,
     }
 
 
@@ -386,25 +394,13 @@ def merged(paths: Sequence[str]) -> dict[str, Any]:
     the first file's check against the real run, every file's policies, the ratios."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     out = parts[0]
-    for part in parts[1:]:  # sizes the first file lacks
+    for part in parts[1:]:
         for size, other in part["sizes"].items():
-            out["sizes"].setdefault(size, {**other, "policies": {}})
-    for size, first in out["sizes"].items():
-        for part in parts[1:]:
-            if size not in part["sizes"]:
-                continue
-            other = part["sizes"][size]
+            first = out["sizes"].setdefault(size, {**other, "policies": {}})
             assert other["steps"] == first["steps"], "runs of different traces"
             first["policies"].update(other["policies"])
-        runs = first["policies"]
-        first["within_budget"] = all(
-            r["peak_bytes"] <= first["budget_bytes"] for r in runs.values()
-        )
-        first["within_disk_limit"] = all(
-            r["disk_peak_bytes"] <= first["disk_limit_bytes"] for r in runs.values()
-        )
-        if set(first["policies"]) >= set(POLICIES):
-            first.update(policy_ratios(first["policies"]))
+    for part in out["sizes"].values():
+        part.update(_held(part["policies"], part["budget_bytes"], part["disk_limit_bytes"]))
     out["merged"] = list(paths)
     return out
 
