@@ -54,6 +54,12 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     cache may share up to there, and the tokens after a cut are computed from the stored
     values before it, whether this cache prefilled them or shared them.
 
+    ``answers``: token counts, increasing, each below a cut, where an answer began that
+    was decoded one token a step up to that cut. The prefill ends a chunk there, so that
+    the prompt before is chunked as its turn was, and with ``deterministic`` it feeds
+    those tokens one a step, as they were decoded: a cache re-prefilled after it was
+    dropped then holds the same bits as the one that was dropped.
+
     ``constraint``: a grammar the generated tokens must follow (compiled at admission: a
     bad one fails the request with ValueError at once); the turn ends when it is complete.
     """
@@ -64,6 +70,7 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     sent_at: float
     warm: bool = False  # the agent has a warm copy: fail with CacheMiss instead of starting cold
     cuts: tuple[int, ...] = ()
+    answers: tuple[int, ...] = ()
     # Its cache shares stored ranges only with caches of agents of the same scope (a
     # tenant of a server): what one scope caches is never visible to another.
     scope: str = ""

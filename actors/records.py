@@ -284,6 +284,8 @@ class AgentSnapshot(msgspec.Struct, frozen=True):
     # ``tokens`` are on disk (None: all; 0 for a cold cache, whose tokens are re-prefilled).
     bounds: list[int] = []
     on_disk: int | None = None
+    # Where its answers began (each decoded one token a step: ``Generate.answers``).
+    answers: list[int] = []
 
 
 class Completion(msgspec.Struct, frozen=True):

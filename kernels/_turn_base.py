@@ -225,7 +225,8 @@ class Entries:
     logits are then the bits it gets alone. Set per engine (``invariant``)."""
 
     def __init__(self, layers: list[Any], slots: tuple[tuple[int, ...], ...] = ()) -> None:
-        self._layers = layers
+        # Rows too: a prefill step of one token turns and attends as a decode row does.
+        self._layers = self._mark(layers) if self.rowwise else layers
         self._slots = slots
 
     @classmethod

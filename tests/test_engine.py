@@ -296,6 +296,13 @@ async def test_engine_refuses_a_second_generation_for_a_busy_agent() -> None:
                         Generate("y", [1, 2, 3], Sampling(), 0.0, cuts=cuts)
                     ):
                         pass
+            # An answer begins inside the prompt, below a cut (where its decoded run ends).
+            for answers in ((0,), (2,), (1, 1)):
+                with pytest.raises(ValueError, match="answers"):
+                    async for _ in engine.stream(
+                        Generate("y", [1, 2, 3], Sampling(), 0.0, cuts=(2,), answers=answers)
+                    ):
+                        pass
 
 
 async def test_forget_drops_the_cache() -> None:

@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import mlx.core as mx
+import msgspec
+import numpy as np
 import pytest
 from lively import lively
 from mounts import tmpfs
@@ -29,7 +32,16 @@ from kvactor.actors.enums import Tier
 from kvactor.actors.hot import HintBook, Rates, WorkflowPolicy, cold_candidates
 from kvactor.actors.messages import Hint, WarmAgent
 from kvactor.actors.models import make_tiny_model
-from kvactor.actors.warm import DiskUsage, StoreActor, collect, disk_footprint, list_agents
+from kvactor.actors.warm import (
+    DiskUsage,
+    StoreActor,
+    collect,
+    disk_footprint,
+    list_agents,
+    read_manifest,
+)
+from kvactor.actors.warm._manifest import held_answers, held_state
+from kvactor.kernels.qcodec import KVCodec
 
 model = functools.partial(make_tiny_model, 0, head_dim=64)
 SYSTEM = "You help."
@@ -98,9 +110,12 @@ async def test_the_bytes_written_are_the_new_files_with_a_limit_or_without(
         assert 0 < more < on_disk(root)  # the new segment and manifest, not the folder
 
 
-@pytest.mark.parametrize(("turns", "max_tokens", "share"), [(3, 12, False), (4, 20, True)])
+@pytest.mark.parametrize(
+    ("turns", "max_tokens", "share", "bits"),
+    [(3, 12, False, None), (4, 20, True, None), (4, 40, False, 8)],
+)
 async def test_a_cold_agent_answers_as_it_would_have_warm(
-    tmp_path: Path, turns: int, max_tokens: int, share: bool
+    tmp_path: Path, turns: int, max_tokens: int, share: bool, bits: int | None
 ) -> None:
     """A cold manifest keeps the token ids the cache held and where its stored ranges
     ended: the re-prefill is cut there, each range computed from the stored form of the
@@ -110,6 +125,8 @@ async def test_a_cold_agent_answers_as_it_would_have_warm(
     renders the last answer's end anew), the warm resume keeps that range's stored form up
     to there, and the re-prefill cuts there too."""
     options: dict[str, Any] = {"deterministic": True, "share_prefixes": share}
+    if bits is not None:
+        options["codec"] = KVCodec(bits=bits, rotate=True)
     asks = [
         "Tell me about the sea " * 8,
         "and the mountains? " * 6,
@@ -127,7 +144,16 @@ async def test_a_cold_agent_answers_as_it_would_have_warm(
         other = await kv.spawn_agent("b", system=SYSTEM)
         for text in asks:
             assert (await other.generate(text, max_tokens=max_tokens)).saved
+        identity = kv.identity
+        assert identity is not None
     assert {w.agent: w.tokens for w in list_agents(root)}["a"] == 0  # cold on disk
+    cold, warm = (read_manifest(where, identity, "a") for where in (root, copy))
+    assert cold is not None and warm is not None
+    # Where each turn's answer began is kept warm, and cold (with the token ids it held).
+    assert len(held_answers(warm, warm.n_tokens)) == turns
+    assert held_answers(cold, len(held_state(cold)[0])) == held_answers(warm, warm.n_tokens)
+    for bad in ("7", [3, 2], [True], [1.5]):  # hand-edited: none (the cuts still hold)
+        assert held_answers(msgspec.structs.replace(warm, extra={"answers": bad}), 99) == []
     answers = []
     for where, path in ((root, Tier.COLD), (copy, Tier.WARM)):
         async with kvactor.open(lively(), cache_dir=where, disk_limit=None, **options) as kv:
@@ -137,6 +163,31 @@ async def test_a_cold_agent_answers_as_it_would_have_warm(
             assert done.path is path
             answers.append(done.token_ids)
     assert answers[0] == answers[1]
+    # Not only the answer: the re-prefilled ranges hold the bytes the turns stored, the
+    # answers' tokens fed one a step as they were decoded (Generate.answers).
+    # (A prompt that leaves the cache inside its last range keeps that range whole on disk
+    # when warm, and only up to there when re-prefilled: the tokens both hold compared.)
+    again, kept = stored_ranges(root, "a"), stored_ranges(copy, "a")
+    assert len(kept) == len(again) == turns + 2  # the system prompt, the turns, the last
+    for (start, stop), (start2, stop2) in zip(sorted(kept), sorted(again), strict=True):
+        assert start == start2
+        both = min(stop, stop2) - start
+        tensors, made = kept[start, stop], again[start2, stop2]
+        assert tensors.keys() == made.keys()
+        for name, array in tensors.items():
+            assert np.array_equal(array[:, :, :both], made[name][:, :, :both]), (start, name)
+
+
+def stored_ranges(root: Path, agent: str) -> dict[tuple[int, int], dict[str, np.ndarray]]:
+    """Each stored range of ``agent`` in ``root``: its tensors as they are on disk."""
+    folder = root / "agents" / agent
+    manifest = json.loads((folder / "manifest.json").read_bytes())["manifest"]
+    return {
+        (seg["start"], seg["stop"]): {
+            name: np.array(array) for name, array in mx.load(str(folder / seg["file"])).items()
+        }
+        for seg in manifest["segments"]
+    }
 
 
 async def test_a_restart_under_a_lower_limit_brings_the_directory_under_it(

@@ -79,6 +79,7 @@ class _Prompt(msgspec.Struct, frozen=True):
     match: Match
     cuts: tuple[int, ...]
     constraint: Constraint | None = None
+    answers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,9 @@ class AgentActor(Actor):
         # Where that cache's stored ranges end: a re-prefill cut there (after the cache
         # was dropped) rebuilds the ranges as they were, and answers as the cache would.
         self.bounds: list[int] = []
+        # Where its answers began, each decoded one token a step up to the next bound: a
+        # re-prefill feeds them so (Generate.answers).
+        self.answers: list[int] = []
         self.text = ""  # the text those tokens spell
         self.persisted = 0  # tokens safe in the warm tier
         self.restored = False
@@ -189,6 +193,7 @@ class AgentActor(Actor):
         self.tokens, self.text = list(state.tokens), state.text
         self.messages = [dict(m) for m in state.messages]
         self.bounds = [b for b in state.bounds if 0 < b <= len(self.tokens)]
+        self.answers = [a for a in state.answers if 0 < a < len(self.tokens)]
 
     async def on_start(self) -> None:
         if self.warm is None or self.tokens:
@@ -236,6 +241,7 @@ class AgentActor(Actor):
                     self.text,
                     [dict(m) for m in self.messages],
                     list(self.bounds),
+                    answers=list(self.answers),
                 )
             case GetState():
                 return AgentState(
@@ -329,7 +335,7 @@ class AgentActor(Actor):
         self._check_length(text, raw, history)
         rendering = time.perf_counter()
         prompt = await anyio.to_thread.run_sync(self._prompt, text, raw, history, prime, tools)
-        prompt = msgspec.structs.replace(prompt, cuts=self._cuts(prompt))
+        prompt = self._cut(prompt)
         prompt_s = time.perf_counter() - rendering
         # Tool calls are read out of the text (never left in it) when tools are offered.
         reader = ToolStream(self.tool_format) if tools is not None and tools.tools else None
@@ -362,6 +368,9 @@ class AgentActor(Actor):
                 | {c for c in prompt.cuts if reused < c < len(self.tokens)}
                 | {len(self.tokens)}
             )
+            # Its answer's tokens were decoded one a step after the prompt's.
+            decoded = len(self.tokens) > len(prompt.tokens)
+            self.answers = [*prompt.answers, *([len(prompt.tokens)] if decoded else [])]
             self.turns += 1
             # The new tokens are made durable before the caller hears the turn is done,
             # so that the answer can say whether they were. Once started, the write
@@ -402,13 +411,17 @@ class AgentActor(Actor):
             tool_calls=calls,
         )
 
-    def _cuts(self, prompt: _Prompt) -> tuple[int, ...]:
-        """The prompt's cuts and the ends of this agent's stored ranges within the part of
-        the prompt its cache holds: a cache that is still there reuses past them (they
-        change nothing); one that was dropped is prefilled again range by range, each
-        from the stored form of the ones before, as the cache was made. A prompt that
-        leaves the cache inside a stored range is cut where it leaves, as a kept cache is
-        (that range's stored form up to there, the rest prefilled anew)."""
+    def _cut(self, prompt: _Prompt) -> _Prompt:
+        """``prompt`` with its cuts and answers (``Generate``) within the part of it this
+        agent's cache holds.
+
+        Cuts: the prompt's own, and the ends of the stored ranges: a cache that is still
+        there reuses past them (they change nothing); one that was dropped is prefilled
+        again range by range, each from the stored form of the ones before, as the cache
+        was made. A prompt that leaves the cache inside a stored range is cut where it
+        leaves, as a kept cache is (that range's stored form up to there, the rest
+        prefilled anew). Answers: where the answers in those ranges began, so that the
+        re-prefill feeds them as they were decoded."""
         held = 0
         for a, b in zip(self.tokens, prompt.tokens, strict=False):
             if a != b:
@@ -417,7 +430,9 @@ class AgentActor(Actor):
         known = {b for b in self.bounds if b <= held and b < len(prompt.tokens)}
         if 0 < held < len(prompt.tokens) and any(b > held for b in self.bounds):
             known.add(held)
-        return tuple(sorted(known.union(prompt.cuts)))
+        cuts = tuple(sorted(known.union(prompt.cuts)))
+        answers = tuple(a for a in self.answers if any(a < c <= held for c in cuts))
+        return msgspec.structs.replace(prompt, cuts=cuts, answers=answers)
 
     async def _generate(
         self, prompt: _Prompt, sampling: Sampling, outcome: _Outcome
@@ -439,6 +454,7 @@ class AgentActor(Actor):
                 started,
                 warm=warm,
                 cuts=prompt.cuts,
+                answers=prompt.answers,
                 scope=self.scope,
                 constraint=prompt.constraint,
             )
@@ -506,6 +522,7 @@ class AgentActor(Actor):
                 text=self.text,
                 messages=self.messages,
                 bounds=list(self.bounds),
+                answers=list(self.answers),
             )
         except Exception as exc:
             return self._save_failed(exc)
@@ -554,6 +571,7 @@ class AgentActor(Actor):
                 tokens=exported.tokens[:stop],
                 text=self.tokenizer.decode(exported.tokens[:stop]),
                 messages=self.messages,
+                answers=[a for a in self.answers if a < stop],
                 leaving=leaving,
             ):
                 log.info("agent %r: its cache stays unwritten: the disk limit is full", self.name)

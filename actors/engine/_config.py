@@ -58,6 +58,9 @@ class EngineConfig:
     answers never depend on concurrency; it costs ~10% of decode throughput at batch 1 and
     8 on this CPU (``bench/invariance.py``), so it is off by default. Without it a batch
     changes a row's last bits, and a greedy pick at a near-tie of two tokens may differ.
+    With it a cache prefilled again after it was dropped (a cold agent) is the same bits
+    as the one dropped: its answers' tokens are fed one a step as they were decoded
+    (``Generate.answers``), at a decode step's cost each.
     ``checkpoints``: with recurrent layers (state-space, linear attention), how many of an
     agent's stored ranges keep the states at their end (a turn stores its prompt and its
     answer as ranges of their own): a turn resumes at the last one at or before where its

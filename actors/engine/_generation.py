@@ -44,6 +44,7 @@ class Generation:
     dequantize_s: float = 0.0  # making its working copy (0 from a ready copy)
     shared: int = 0  # prompt tokens reused from another agent's stored ranges
     cuts: tuple[int, ...] = ()  # where the prefill stores a range (Generate.cuts)
+    answers: tuple[int, ...] = ()  # where decoded answers began (Generate.answers)
     grammar: RowGrammar | None = None  # its constraint's state (Generate.constraint)
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (penalties)
     finished: bool = False  # its Finished was sent

@@ -357,6 +357,11 @@ class ModelRunner:
         cuts = msg.cuts
         if any(not 0 < c < len(msg.tokens) for c in cuts) or list(cuts) != sorted(set(cuts)):
             raise ValueError("cuts must increase and lie inside the prompt")
+        answers = msg.answers
+        if list(answers) != sorted(set(answers)) or any(
+            a <= 0 or not any(c > a for c in cuts) for a in answers
+        ):
+            raise ValueError("answers must increase and each lie below a cut")
         if self.lm.geometry.recurrent and len(msg.tokens) > 1:
             # A checkpoint of the recurrent states where the next turn most likely diverges
             # (a redo of this answer, a template that renders it anew) or resumes.
@@ -392,6 +397,7 @@ class ModelRunner:
             reserve=0,
             warm=msg.warm,
             cuts=cuts,
+            answers=answers,
             grammar=grammar,
         )
         self._reuse(request, entry)
@@ -503,6 +509,18 @@ class ModelRunner:
         )
         return None
 
+    def _chunk(self, request: Generation, at: int) -> int:
+        """How many prompt tokens the next forward feeds from ``at``: up to the next cut or
+        answer start (``Generate.answers``), ``prefill_chunk`` at most; one inside an
+        answer when ``deterministic`` (as its decode fed it)."""
+        ends = [c for c in request.cuts if c > at]
+        if self.config.deterministic and ends:
+            began = [a for a in request.answers if a <= at]
+            if began and not any(began[-1] < c <= at for c in request.cuts):
+                return 1
+        ends += [a for a in request.answers if a > at]
+        return min([self.config.prefill_chunk] + [e - at for e in ends])
+
     def _prefill_step(self, request: Generation) -> bool:
         if not request.active:
             started = self._start(request)
@@ -519,7 +537,7 @@ class ModelRunner:
                 self.pool.rates.dequantize(round(made * per_token), request.dequantize_s)
         kv = request.entry.kv
         at = len(kv.tokens)
-        size = min([self.config.prefill_chunk] + [c - at for c in request.cuts if c > at])
+        size = self._chunk(request, at)
         chunk = request.todo[:size]
         del request.todo[: len(chunk)]
         work = kv.activate()

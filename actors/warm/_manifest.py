@@ -281,6 +281,25 @@ def held_state(m: CacheManifest) -> tuple[list[int], str, list[int]]:
     return tokens, text, sorted(set(bounds))
 
 
+#: In a manifest's ``extra``: where the agent's answers began (token counts, increasing),
+#: each decoded one token a step up to the end of its stored range, so that a re-prefill
+#: feeds them as they were decoded (``Generate.answers``). Missing or malformed: none.
+ANSWERS_KEY = "answers"
+
+
+def held_answers(m: CacheManifest, tokens: int) -> list[int]:
+    """The answer starts ``m`` keeps (``ANSWERS_KEY``) below ``tokens`` (what the agent
+    resumes holding); [] when it keeps none or they are malformed."""
+    answers = m.extra.get(ANSWERS_KEY)
+    if not (
+        isinstance(answers, list)
+        and all(isinstance(a, int) and not isinstance(a, bool) for a in answers)
+        and answers == sorted(set(answers))
+    ):
+        return []
+    return [a for a in answers if 0 < a < tokens]
+
+
 class _Versioned(msgspec.Struct):
     format_version: int
 

@@ -151,6 +151,7 @@ class Note(msgspec.Struct, frozen=True, tag=True):
     text: str
     messages: list[dict[str, Any]]
     bounds: list[int]
+    answers: list[int] = []
 
 
 class Load(msgspec.Struct, frozen=True, tag=True):
@@ -465,6 +466,7 @@ class StoreActor(Actor):
             text=m.text,
             messages=m.messages,
             bounds=m.bounds,
+            answers=m.answers,
         )
         try:
             info: WarmInfo | None = await anyio.to_thread.run_sync(note)

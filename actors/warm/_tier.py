@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from ...runtime import ActorRef
 from ..errors import CacheRejected
 from ..records import AgentSnapshot
-from ._manifest import held_state
+from ._manifest import ANSWERS_KEY, held_answers, held_state
 from ._prefetch import Prefetch, PrefetchMessage, Stage, StageResult
 from ._store import Append, Manifest, Note, ShareCache, StoreMessage
 
@@ -40,9 +40,11 @@ class WarmTier(Protocol):
         tokens: list[int],
         text: str,
         messages: list[dict[str, Any]],
+        answers: list[int] | None = None,
         leaving: bool = False,
     ) -> bool:
-        """Write a stored range from token ``start`` and commit the agent's state; False
+        """Write a stored range from token ``start`` and commit the agent's state (with
+        ``answers``: where its answers began, ``ANSWERS_KEY``); False
         when a ``leaving`` write found no room (``Append.leaving``: nothing written).
         Raises StoreWriteError when it could not be written."""
         ...
@@ -55,6 +57,7 @@ class WarmTier(Protocol):
         text: str,
         messages: list[dict[str, Any]],
         bounds: list[int],
+        answers: list[int] | None = None,
     ) -> None:
         """Write-back's turn end: commit the conversation and the tokens its cache holds
         (its warm cache unchanged). Raises StoreWriteError when it could not be written."""
@@ -98,9 +101,15 @@ class ActorWarmTier:
         # Cold, or (write-back) gone on past its warm cache: the tokens it held, if kept.
         tokens, text, bounds = held_state(manifest)
         if tokens or manifest.n_tokens == 0:
-            return AgentSnapshot(tokens, text, messages, bounds, on_disk=manifest.n_tokens)
+            answers = held_answers(manifest, len(tokens))
+            return AgentSnapshot(
+                tokens, text, messages, bounds, on_disk=manifest.n_tokens, answers=answers
+            )
         bounds = sorted({e.start + e.use for e in manifest.segments})
-        return AgentSnapshot(list(manifest.token_ids), manifest.text, messages, bounds)
+        answers = held_answers(manifest, manifest.n_tokens)
+        return AgentSnapshot(
+            list(manifest.token_ids), manifest.text, messages, bounds, answers=answers
+        )
 
     async def stage(self, agent: str) -> bool:
         result: StageResult = await self.prefetch.ask(Stage(agent), timeout=None)
@@ -118,9 +127,11 @@ class ActorWarmTier:
         tokens: list[int],
         text: str,
         messages: list[dict[str, Any]],
+        answers: list[int] | None = None,
         leaving: bool = False,
     ) -> bool:
-        append = Append(agent, start, tensors, tokens, text, messages, leaving=leaving)
+        extra = {ANSWERS_KEY: answers} if answers else {}
+        append = Append(agent, start, tensors, tokens, text, messages, extra, leaving=leaving)
         return await self.store.ask(append, timeout=120) is not None
 
     async def note(
@@ -131,8 +142,10 @@ class ActorWarmTier:
         text: str,
         messages: list[dict[str, Any]],
         bounds: list[int],
+        answers: list[int] | None = None,
     ) -> None:
-        await self.store.ask(Note(agent, tokens, text, messages, bounds), timeout=120)
+        note = Note(agent, tokens, text, messages, bounds, answers or [])
+        await self.store.ask(note, timeout=120)
 
     async def share(
         self,

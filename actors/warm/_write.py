@@ -26,6 +26,7 @@ from ._checksum import file_checksum
 from ._durable import commit, fsync_dir, remove_path, write_atomic, write_failed
 from ._fileio import in_background
 from ._manifest import (
+    ANSWERS_KEY,
     COLD_KEY,
     MAX_MANIFEST_BYTES,
     SEGMENT_FILES,
@@ -118,9 +119,11 @@ def note_conversation(
     text: str,
     messages: Sequence[Mapping[str, Any]],
     bounds: Sequence[int],
+    answers: Sequence[int] = (),
 ) -> WarmInfo | None:
     """Write-back's turn end: commit the agent's conversation (``messages``) and what its
-    cache holds now (``tokens``, the ``text`` they spell, its ranges' ends ``bounds``) in
+    cache holds now (``tokens``, the ``text`` they spell, its ranges' ends ``bounds``,
+    where its answers began ``answers``) in
     its manifest, its warm cache unchanged: after a crash it resumes the conversation, the
     tokens past its warm cache prefilled again. A folder without a manifest gets a cold
     one; when the warm cache is not a prefix of ``tokens`` (a turn cut into it) only the
@@ -137,6 +140,7 @@ def note_conversation(
     if old is None:
         old = _next_manifest(identity, agent, None, 0, [], False, "", messages, {})
     extra = {k: v for k, v in old.extra.items() if k != COLD_KEY}
+    extra[ANSWERS_KEY] = sorted({int(a) for a in answers if 0 < a < len(token_ids)})
     if len(token_ids) > old.n_tokens and token_ids[: old.n_tokens] == old.token_ids:
         kept = sorted({int(b) for b in bounds if 0 < b <= len(token_ids)})
         extra[COLD_KEY] = {"token_ids": token_ids, "text": text, "bounds": kept}
