@@ -14,7 +14,7 @@ from mlx_lm.models.cache import CacheList
 from .geometry import CacheGeometry
 from .qcodec import Role
 from .recurrent import RecurrentCache
-from .rotated import RotatedBasis
+from .rotated import RotatedBasis, RotatedKVCache
 
 if TYPE_CHECKING:
     from .agent_cache import AgentKV
@@ -211,6 +211,11 @@ class TurnCache(Protocol):
         """Every array, for ``mx.eval``."""
         ...
 
+    def stepwise(self, on: bool) -> bool:
+        """A one-row cache: make its positions attend as decode steps (or again as one
+        causal prefill); False when its kind cannot (nothing changed)."""
+        ...
+
 
 _E = TypeVar("_E", bound="Entries")
 
@@ -242,6 +247,16 @@ class Entries:
             if not isinstance(layer, RecurrentCache):
                 setattr(layer, "rowwise", self.rowwise)  # noqa: B010
         return layers
+
+    def stepwise(self, on: bool) -> bool:
+        """Make a row's positions attend as decode steps, each over the keys up to itself
+        (``kernels.rowwise.attend_steps``), or again as one causal prefill; False (nothing
+        changed) unless every entry is a one-row float cache in the Hadamard basis."""
+        if not all(isinstance(layer, RotatedKVCache) for layer in self._layers):
+            return False
+        for layer in self._layers:
+            layer.stepwise = on
+        return True
 
     @property
     def layers(self) -> Sequence[Any]:

@@ -30,7 +30,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from ._qmath import rotate, rotate_rows
 from ._shared_kv import note_fetched
 from .qcodec import KVCodec
-from .rowwise import RowwiseBatch, sdpa_call
+from .rowwise import RowwiseBatch, attend_steps, sdpa_call
 
 __all__ = ("RotatedBasis", "RotatedBatchKVCache", "RotatedKVCache", "works_rotated")
 
@@ -51,6 +51,7 @@ class RotatedBasis:
     ``bind_attention`` routes), and the check that the model's attention is bound."""
 
     _unattended = False  # a step's K/V went in, and no bound attention has read them yet
+    stepwise = False  # a row's positions attend as decode steps (``Entries.stepwise``)
 
     def attend(
         self,
@@ -86,7 +87,10 @@ class RotatedBasis:
         sinks: mx.array | None,
         sdpa: Callable[..., mx.array],
     ) -> mx.array:
-        """One row's attention (a batch's: ``RowwiseBatch._attend``)."""
+        """One row's attention (a batch's: ``RowwiseBatch._attend``); position by position
+        while ``stepwise``."""
+        if self.stepwise and queries.shape[2] > 1:
+            return attend_steps(queries, keys, values, scale=scale, sinks=sinks, sdpa=sdpa)
         return sdpa_call(sdpa, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def check_attended(self) -> None:

@@ -14,7 +14,8 @@ Two things change a row's numbers with the batch around it (``bench/invariance.p
   7 for others, never for the largest). :func:`bind_rows` pads a decode step's
   projections to the fewest rows from which that layer's rows come out as in any larger
   batch (probed per layer shape at start; zeros, dropped after), so a lone agent's step
-  is computed as a batch's.
+  is computed as a batch's; and so are a row's few positions fed again as its decode
+  steps were (:func:`attend_steps`: a cache re-prefilled after it was dropped).
 
 Norms, embeddings, RoPE and sampling work row by row already.
 
@@ -39,6 +40,7 @@ __all__ = (
     "PlainKVCache",
     "RowwiseBatch",
     "attend_rows",
+    "attend_steps",
     "bind_rows",
     "sdpa_call",
 )
@@ -47,12 +49,15 @@ _ROWS = "_kvactor_rows"  # on a bound layer: the fewest rows its decode steps ar
 _BOUND = "_kvactor_padded"  # on a bound subclass: True
 
 
-def _pad_rows(x: mx.array, rows: int) -> tuple[mx.array, int]:
-    """``x`` of one decode step ``(B, 1, D)`` with zero rows up to ``rows``, and ``B``."""
-    n = x.shape[0]
-    if x.ndim != 3 or x.shape[1] != 1 or n >= rows:
-        return x, n
-    return mx.concatenate([x, mx.zeros((rows - n, *x.shape[1:]), x.dtype)]), n
+def _pad_rows(x: mx.array, rows: int) -> mx.array | None:
+    """``x`` of one decode step ``(B, 1, D)``, or a row's few positions ``(1, L, D)`` (fed
+    as its decode steps were: ``attend_steps``), as ``(B·L, 1, D)`` with zero rows up to
+    ``rows``; None for any other ``x`` (left as it is)."""
+    if x.ndim != 3 or 1 not in x.shape[:2] or x.shape[0] * x.shape[1] >= rows:
+        return None
+    n = x.shape[0] * x.shape[1]
+    flat = x.reshape(n, 1, x.shape[2])
+    return mx.concatenate([flat, mx.zeros((rows - n, 1, x.shape[2]), x.dtype)])
 
 
 def _project(cls: type) -> Callable[[Any, mx.array], mx.array]:
@@ -72,8 +77,11 @@ def _padded_class(cls: type) -> type:
         rows = getattr(self, _ROWS, 1)
         if rows <= 1:
             return project(self, x)
-        x, n = _pad_rows(x, rows)
-        return project(self, x)[:n]
+        flat = _pad_rows(x, rows)
+        if flat is None:
+            return project(self, x)
+        out = project(self, flat)
+        return out[: x.shape[0] * x.shape[1]].reshape(*x.shape[:-1], out.shape[-1])
 
     name = "as_linear" if _is_embedding(cls) else "__call__"
     return type(cls.__name__, (cls,), {name: padded, _BOUND: True})
@@ -177,6 +185,34 @@ def attend_rows(
             sdpa_call(sdpa, queries[i : i + 1], k, v, scale=scale, mask=row_mask, sinks=sinks)
         )
     return mx.concatenate(outs, axis=0)
+
+
+def attend_steps(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    sinks: mx.array | None,
+    sdpa: Callable[..., mx.array],
+) -> mx.array:
+    """``sdpa`` of a row's last ``L`` positions (``queries`` ``(1, H, L, D)``, causal), each
+    over the keys up to itself: exactly the call each made as a decode step, so that tokens
+    that were decoded one a step can be fed again ``L`` at a time with the same bits."""
+    n, count = keys.shape[2], queries.shape[2]
+    outs = [
+        sdpa_call(
+            sdpa,
+            queries[:, :, i : i + 1],
+            keys[:, :, : n - count + i + 1],
+            values[:, :, : n - count + i + 1],
+            scale=scale,
+            mask=None,
+            sinks=sinks,
+        )
+        for i in range(count)
+    ]
+    return mx.concatenate(outs, axis=2)
 
 
 class RowwiseBatch:

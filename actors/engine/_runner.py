@@ -17,6 +17,7 @@ from ...kernels.memory import keep_freed_buffers
 from ...kernels.qcodec import DEFAULT_CODEC
 from ...kernels.rowwise import bind_rows
 from ...kernels.stored import segment_layout
+from ...kernels.turn_cache import TurnCache
 from ...runtime import Reply
 from ..enums import FinishReason, Room, Tier
 from ..errors import (
@@ -509,17 +510,25 @@ class ModelRunner:
         )
         return None
 
-    def _chunk(self, request: Generation, at: int) -> int:
+    def _chunk(self, request: Generation, at: int, work: TurnCache) -> tuple[int, bool]:
         """How many prompt tokens the next forward feeds from ``at``: up to the next cut or
-        answer start (``Generate.answers``), ``prefill_chunk`` at most; one inside an
-        answer when ``deterministic`` (as its decode fed it)."""
+        answer start (``Generate.answers``), ``prefill_chunk`` at most; and whether they
+        attend step by step. Inside an answer, with ``deterministic``, as its decode steps
+        fed them: up to ``max_batch`` at a time, each position attending as its step did
+        (their projections round as a decode step's: ``kernels.rowwise``) where the working
+        cache can (``TurnCache.stepwise``, set here; full attention only), else one a
+        step."""
         ends = [c for c in request.cuts if c > at]
         if self.config.deterministic and ends:
             began = [a for a in request.answers if a <= at]
             if began and not any(began[-1] < c <= at for c in request.cuts):
-                return 1
+                rows, geometry = min(self.config.max_batch, ends[0] - at), self.lm.geometry
+                plain = not geometry.recurrent and not geometry.sliding
+                if rows > 1 and plain and work.stepwise(True):
+                    return rows, True
+                return 1, False
         ends += [a for a in request.answers if a > at]
-        return min([self.config.prefill_chunk] + [e - at for e in ends])
+        return min([self.config.prefill_chunk] + [e - at for e in ends]), False
 
     def _prefill_step(self, request: Generation) -> bool:
         if not request.active:
@@ -537,11 +546,13 @@ class ModelRunner:
                 self.pool.rates.dequantize(round(made * per_token), request.dequantize_s)
         kv = request.entry.kv
         at = len(kv.tokens)
-        size = self._chunk(request, at)
+        work = kv.activate()
+        size, stepwise = self._chunk(request, at, work)
         chunk = request.todo[:size]
         del request.todo[: len(chunk)]
-        work = kv.activate()
         logits = self.lm.model(mx.array(chunk, dtype=mx.uint32)[None], cache=work.layers)
+        if stepwise:
+            work.stepwise(False)
         request.tokens.extend(chunk)
         if request.todo:
             if len(kv.tokens) in request.cuts:
