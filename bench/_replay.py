@@ -465,11 +465,11 @@ class Replay:
         pool = self.pool
         if hint is not None:
             pool.hint(hint)
-        staged_ahead = False
+        stagings = hint  # the hint whose prefetches are still to be staged
         if step.imported:
-            if hint is not None:
-                self._prefetch(hint)
-                staged_ahead = True
+            if stagings is not None:
+                self._prefetch(stagings)
+                stagings = None
             tokens = self.agents["brief"].tokens[: step.imported] if self._brief else []
             tokens += [next(self._fresh) for _ in range(step.imported - len(tokens))]
             self._import(step.agent, tokens, self._brief)
@@ -478,8 +478,9 @@ class Replay:
         path, loaded = Tier.HOT, 0
         hot = step.agent in pool
         if not hot:
-            if hint is not None and not staged_ahead:
-                self._prefetch(hint)
+            if stagings is not None:
+                self._prefetch(stagings)
+                stagings = None
             if me.persisted > 0 and step.agent not in pool:
                 path = Tier.WARM
                 staged, loaded = self._stage(step.agent, prefetch=False)
@@ -523,8 +524,8 @@ class Replay:
         me.tokens = list(entry.kv.tokens)
         me.bounds = sorted({b for b in me.bounds if b < keep} | {keep} - {0} | {len(me.tokens)})
         self._write(step.agent, me)
-        if hot and hint is not None and not staged_ahead:
-            self._prefetch(hint)
+        if stagings is not None:  # a hot turn's: staged once it ended
+            self._prefetch(stagings)
         if step.tool_wait_s:
             pool.tool_wait(step.agent, step.tool_wait_s)
         if done is not None:

@@ -202,14 +202,16 @@ def _moves(moves: list[list[str]]) -> Counter[tuple[str, ...]]:
 
 
 def _compare(replayed: Sequence[dict[str, Any]], real: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Step by step: the same path, the same moves (each a share of the steps), and the
-    steps that differ."""
+    """Step by step: the same path, the same moves (each a share of the steps, and a
+    count), and the steps that differ."""
     pairs = list(zip(replayed, real, strict=True))
     paths = [a["path"] == b["path"] for a, b in pairs]
     moves = [_moves(a["moves"]) == _moves(b["moves"]) for a, b in pairs]
     return {
         "paths_equal": sum(paths) / len(paths),
         "moves_equal": sum(moves) / len(moves),
+        "paths_same": sum(paths),
+        "moves_same": sum(moves),
         "differ": [
             {
                 "step": i,
@@ -267,10 +269,9 @@ def against_real(pressure: dict[str, Any], geometry: CacheGeometry) -> dict[str,
         }
         steps = len(real["turns"])
         print(
-            f"real check   {name:15} paths {round(decided['paths_equal'] * steps)}/{steps}"
-            f" moves {round(decided['moves_equal'] * steps)}/{steps}; fitted: paths"
-            f" {round(costed['paths_equal'] * steps)}/{steps} moves"
-            f" {round(costed['moves_equal'] * steps)}/{steps} ttft"
+            f"real check   {name:15} paths {decided['paths_same']}/{steps}"
+            f" moves {decided['moves_same']}/{steps}; fitted: paths"
+            f" {costed['paths_same']}/{steps} moves {costed['moves_same']}/{steps} ttft"
             f" {got['summed_ttft_s']:7.1f}s vs real {real_ttft:7.1f}s"
             f" ({runs[name]['cost_error']:+.3f})",
             flush=True,
