@@ -57,8 +57,8 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     ``answers``: token counts, increasing, each below a cut, where an answer began that
     was decoded one token a step up to that cut. The prefill ends a chunk there, so that
     the prompt before is chunked as its turn was, and with ``deterministic`` it feeds
-    those tokens one a step, as they were decoded: a cache re-prefilled after it was
-    dropped then holds the same bits as the one that was dropped.
+    those positions as they were decoded (each attending as its decode step did): a
+    cache re-prefilled after it was dropped then holds the same bits as the one dropped.
 
     ``constraint``: a grammar the generated tokens must follow (compiled at admission: a
     bad one fails the request with ValueError at once); the turn ends when it is complete.

@@ -59,8 +59,10 @@ class EngineConfig:
     8 on this CPU (``bench/invariance.py``), so it is off by default. Without it a batch
     changes a row's last bits, and a greedy pick at a near-tie of two tokens may differ.
     With it a cache prefilled again after it was dropped (a cold agent) is the same bits
-    as the one dropped: its answers' tokens are fed one a step as they were decoded
-    (``Generate.answers``), at a decode step's cost each.
+    as the one dropped: its answers' positions are fed as they were decoded
+    (``Generate.answers``): up to ``max_batch`` a forward, each attending as its decode
+    step did (1.23x a plain re-prefill's TTFT on the default model), or one a step where
+    the working cache cannot (1.82x).
     ``checkpoints``: with recurrent layers (state-space, linear attention), how many of an
     agent's stored ranges keep the states at their end (a turn stores its prompt and its
     answer as ranges of their own): a turn resumes at the last one at or before where its
