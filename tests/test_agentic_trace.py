@@ -56,6 +56,10 @@ def test_lookahead_and_wrong_hints() -> None:
     names = ["a", "b", "c", "d"]
     assert wrong(names, names, rng, 0.0) == names
     assert wrong(names, names, rng, 1.0) != names
+    # a wrong hint names another agent, never the one it replaces, drawn over all others
+    for name in names:
+        drawn = {wrong([name], names, rng, 1.0)[0] for _ in range(200)}
+        assert drawn == set(names) - {name}
 
 
 def _candidate(agent: str, nbytes: int, reload_s: float, waiting: bool = False) -> Candidate:
