@@ -3,6 +3,7 @@ sees (real AgentKV caches of a tiny model, real MLX arrays)."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -220,6 +221,50 @@ def test_the_prefix_index_finds_the_longest_boundary_and_checks_every_hit() -> N
     index.remove("a")
     assert index.longest(prompt, 6, "me", holds, order) is None
     assert not index._stops and not index._at and not index._of  # nothing left behind
+
+
+def test_the_prefix_index_agrees_with_a_search_of_every_boundary() -> None:
+    # Random caches forking from shared prefixes at random boundaries, prompts that
+    # branch off them anywhere: the index (prompt hashed once, every prefix in one pass)
+    # finds what comparing the prompt with every boundary of every cache finds.
+    from kvactor.actors.hot._prefix_index import PrefixIndex, prefix_hashes
+
+    rng = random.Random(7)
+    roots = [[rng.randrange(50) for _ in range(rng.randrange(100, 5000))] for _ in range(3)]
+    caches: dict[str, list[int]] = {}
+    bounds: dict[str, list[int]] = {}
+    index = PrefixIndex()
+    for i in range(40):
+        root = rng.choice(roots)
+        keep = rng.randrange(1, len(root))
+        tokens = root[:keep] + [rng.randrange(50) for _ in range(rng.randrange(0, 300))]
+        stops = sorted(rng.sample(range(1, len(tokens) + 1), min(4, len(tokens))))
+        caches[f"a{i}"], bounds[f"a{i}"] = tokens, stops
+        index.update(f"a{i}", tokens, stops)
+    order = sorted(caches).index
+
+    def holds(agent: str, stop: int, count: int) -> bool:
+        return bounds[agent][count - 1] == stop and caches[agent][:stop] == prompt[:stop]
+
+    def searched(limit: int, exclude: str) -> tuple[int, str, int] | None:
+        hits = [
+            (stop, agent, count)
+            for agent, stops in bounds.items()
+            for count, stop in enumerate(stops, start=1)
+            if agent != exclude and stop <= limit and caches[agent][:stop] == prompt[:stop]
+        ]
+        return min(hits, key=lambda h: (-h[0], order(h[1])), default=None)
+
+    for _ in range(60):
+        root = rng.choice([*roots, *caches.values()])
+        prompt = [*root[: rng.randrange(1, len(root) + 1)], rng.randrange(50)]
+        limit = rng.choice([len(prompt) - 1, rng.randrange(len(prompt))])
+        exclude = rng.choice(sorted(caches))
+        assert index.longest(prompt, limit, exclude, holds, order) == searched(limit, exclude)
+    tokens = roots[0]
+    hashes = prefix_hashes(tokens, len(tokens))
+    assert len(hashes) == len(tokens) + 1 and len(set(hashes.tolist())) == len(hashes)
+    assert (prefix_hashes([*tokens[:100], 1, 2], 100) == hashes[:101]).all()
 
 
 def test_a_staging_whose_cache_outgrows_its_reservation_trips_the_budget_assert(

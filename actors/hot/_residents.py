@@ -27,6 +27,9 @@ class Residents:
         self._indexes: dict[str, PrefixIndex] = {}
         self._scopes: dict[str, str] = {}  # agent -> its scope (its turns say it; else "")
         self._busy: set[str] = set()  # agents with a turn queued or running
+        # When each entry was added (its place in _entries' order, without counting it).
+        self._added: dict[str, int] = {}
+        self._adds = 0
 
     # -- reading ----------------------------------------------------------------------
     def get(self, agent: str) -> HotEntry | None:
@@ -69,12 +72,15 @@ class Residents:
     def add(self, agent: str, entry: HotEntry) -> HotEntry:
         assert agent not in self._entries, f"agent {agent!r} is hot already"
         self._entries[agent] = entry
+        self._adds += 1
+        self._added[agent] = self._adds
         self.reindex(agent, entry)
         return entry
 
     def remove(self, agent: str) -> HotEntry | None:
         """Take ``agent``'s entry out (demoted, dropped); None when it had none."""
         self._index(agent).remove(agent)
+        self._added.pop(agent, None)
         return self._entries.pop(agent, None)
 
     def reindex(self, agent: str, entry: HotEntry) -> None:
@@ -106,6 +112,7 @@ class Residents:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._added.clear()
         self._indexes.clear()
 
     # -- the shared-prefix search -----------------------------------------------------
@@ -116,8 +123,9 @@ class Residents:
         another resident of ``agent``'s scope holds: ``(stop, source, ranges)``, or None;
         ``holds`` checks a hit against the source's cache (``PrefixIndex.longest``).
         Among sources ending there, the oldest resident wins."""
-        order = {name: i for i, name in enumerate(self._entries)}
-        return self._index(agent).longest(prompt, len(prompt) - 1, agent, holds, order.__getitem__)
+        return self._index(agent).longest(
+            prompt, len(prompt) - 1, agent, holds, self._added.__getitem__
+        )
 
     def check(self) -> None:
         """Debug check: each resident's index holds its boundaries as its cache has them."""
