@@ -23,6 +23,7 @@ from kvactor.actors.cluster import (
     TurnEnd,
     prefix_blocks,
 )
+from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.messages import SpawnAgent
 
 GREEDY = {"max_tokens": 4}
@@ -68,6 +69,10 @@ def test_the_index_counts_whole_prefixes_per_host_and_follows_moves() -> None:
     assert held.prompts("h0") == 0 and held.prompts("h1") == 2 and held.prompts("h9") == 0
     held.drop("nobody")  # nothing to drop: nothing changes
     assert held.blocks_of("c") == blue and held.blocks_of("nobody") == []
+    held.went_cold("h0", ["b", "c"])  # neither is on h0 now: both kept
+    assert held.blocks_of("b") == red[:2] and held.blocks_of("c") == blue
+    held.went_cold("h1", ["b", "nobody"])
+    assert held.blocks_of("b") == [] and held.overlap("h1", red) == 0
 
 
 async def test_a_host_sends_what_its_agents_hold_with_each_turn_and_at_start(
@@ -93,6 +98,46 @@ async def test_a_host_sends_what_its_agents_hold_with_each_turn_and_at_start(
         assert list(held) == ["a"] and held["a"][: len(want)] == want
     finally:
         await again.close()
+
+
+async def test_a_host_says_which_agents_went_cold_and_the_front_forgets_them(
+    tmp_path: Path,
+) -> None:
+    # Under a disk limit of about two agents and a hot budget of one turn, the older
+    # agents go cold on the host's disk: the next TurnEnd names them, and the front's index
+    # (fed as a ClusterTextStream feeds it) stops placing by what they held.
+    options: dict[str, object] = {"share_prefixes": False}
+    probe = EngineHost("p", tiny, tmp_path / "p", options)
+    try:
+        await probe.spawn(SpawnAgent(name="a", system=TEAMS["red"]))
+        await probe.generate("a", "text", "first question", GREEDY)
+        one = (await probe.warm_stats()).disk_bytes
+        info = await probe.cache_info("a")
+    finally:
+        await probe.close()
+    room = turn_reserve_bytes(tiny().geometry, info.tokens) + one // 2
+    options |= {"disk_limit": int(one * 2.9), "budget_bytes": room}
+    host = EngineHost("h", tiny, tmp_path / "h", options)
+    held = HeldPrefixes()
+    reported: list[str] = []
+    try:
+        for i in range(5):
+            await host.spawn(SpawnAgent(name=f"a{i}", system=TEAMS["red"]))
+            items = [x async for x in host.turn(f"a{i}", "text", "first question", GREEDY, False)]
+            end = items[-1]
+            assert isinstance(end, TurnEnd)
+            held.went_cold("h", end.cold)
+            held.update("h", f"a{i}", end.blocks)
+            reported += end.cold
+        (moves,) = (await host.warm_moves({})).values()
+        made_cold = {m.agent for m in moves.moves if m.tier == "cold"}
+        hot = {c.agent for caches in (await host.board({})).hot.values() for c in caches}
+        assert made_cold and set(reported) == made_cold - hot  # each told once it happened
+        assert len(reported) == len(set(reported))
+        assert "a0" in reported and held.blocks_of("a0") == []
+        assert held.blocks_of("a4")  # the newest still holds its prompt there
+    finally:
+        await host.close()
 
 
 async def test_cache_aware_goes_where_the_prefix_is_unless_that_host_is_full(

@@ -78,6 +78,7 @@ class ClusterTextStream:
         if item is None:
             raise HostLost(f"engine host {self._host.name!r} ended the turn without its result")
         if isinstance(item, TurnEnd):
+            self._session.prefixes.went_cold(self._host.name, item.cold)
             self._session.prefixes.update(self._host.name, self._agent, item.blocks)
             await self._session.replicate(self._agent)  # before the turn is reported done
             self.completion = item.completion

@@ -109,10 +109,14 @@ class HostInfo(msgspec.Struct, frozen=True):
 
 class TurnEnd(msgspec.Struct, frozen=True):
     """A turn's last item from its host: its Completion, and the block hashes of what the
-    agent's cache holds now (``prefix_blocks``), for the front's cache-aware placement."""
+    agent's cache holds now (``prefix_blocks``), for the front's cache-aware placement;
+    ``cold``: the host's agents whose caches went cold since its last TurnEnd (the disk
+    limit, a quota, the TTL, or a hot cache with no copy on disk demoted) and are not
+    hot again: they hold nothing the front should place by."""
 
     completion: Completion
     blocks: list[int]
+    cold: list[str] = []
 
 
 class ServedModel(msgspec.Struct, frozen=True):
@@ -149,6 +153,9 @@ class EngineHost:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._in = self._out = 0
+        # How far each model's hot-tier and warm-tier move logs were read (``_went_cold``).
+        self._moves_read: dict[str, int] = {}
+        self._warm_moves_read: dict[str, int] = {}
         self._scopes = _Scopes(self.cache_dir / "scopes.json")  # its agents' scopes
         self._replica_scopes = _Scopes(self.cache_dir / "replicas" / "scopes.json")
 
@@ -268,12 +275,32 @@ class EngineHost:
                     begun = True
                     yield ""
         assert stream.completion is not None
-        yield TurnEnd(stream.completion, await self._blocks(agent))
+        yield TurnEnd(stream.completion, await self._blocks(agent), await self._went_cold())
 
     async def _blocks(self, agent: Agent) -> list[int]:
         """The block hashes of the tokens ``agent``'s cache holds now."""
         snapshot: AgentSnapshot = await agent.ref.ask(Snapshot())
         return prefix_blocks(snapshot.tokens)
+
+    async def _went_cold(self) -> list[str]:
+        """The agents whose latest move since the last call is to cold (made cold on disk,
+        or demoted from the hot tier with no copy on disk) and that are not hot now."""
+        session = await self._open()
+        latest: dict[str, tuple[float, bool]] = {}  # agent -> (when, went cold)
+        logs = (
+            (self._moves_read, await session.tier_moves(self._moves_read)),
+            (self._warm_moves_read, await session.warm_moves(self._warm_moves_read)),
+        )
+        for read, by_model in logs:
+            for model, moves in by_model.items():
+                read[model] = moves.last
+                for m in moves.moves:
+                    if m.agent not in latest or latest[m.agent][0] <= m.t:
+                        latest[m.agent] = (m.t, m.kind == "demoted" and m.tier == "cold")
+        cold = {agent for agent, (_, went) in latest.items() if went}
+        if cold:
+            cold -= {c.agent for c in await session.hot_caches()}
+        return sorted(cold)
 
     async def generate(
         self, name: str, kind: TurnKind, payload: Any, sampling: dict[str, Any]

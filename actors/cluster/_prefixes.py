@@ -71,6 +71,14 @@ class HeldPrefixes:
             if heads[blocks[0]] <= 0:
                 del heads[blocks[0]]
 
+    def went_cold(self, host: str, agents: Sequence[str]) -> None:
+        """``agents`` of ``host`` hold nothing there any more (made cold): those the index
+        has on ``host`` are dropped (one moved to another host since is kept)."""
+        for agent in agents:
+            held = self._of.get(agent)
+            if held is not None and held[0] == host:
+                self.drop(agent)
+
     def move(self, agent: str, host: str) -> None:
         """``agent``'s cache went to ``host`` (a migration, a replica promoted)."""
         held = self._of.get(agent)
