@@ -211,6 +211,11 @@ class TurnCache(Protocol):
         """Every array, for ``mx.eval``."""
         ...
 
+    def can_step(self) -> bool:
+        """Whether :meth:`stepwise` can make this cache's positions attend as decode
+        steps."""
+        ...
+
     def stepwise(self, on: bool) -> bool:
         """A one-row cache: make its positions attend as decode steps (or again as one
         causal prefill); False when its kind cannot (nothing changed)."""
@@ -248,11 +253,15 @@ class Entries:
                 setattr(layer, "rowwise", self.rowwise)  # noqa: B010
         return layers
 
+    def can_step(self) -> bool:
+        """Every entry is a float cache in the Hadamard basis (:meth:`stepwise` can)."""
+        return all(isinstance(layer, RotatedKVCache) for layer in self._layers)
+
     def stepwise(self, on: bool) -> bool:
         """Make a row's positions attend as decode steps, each over the keys up to itself
         (``kernels.rowwise.attend_steps``), or again as one causal prefill; False (nothing
         changed) unless every entry is a one-row float cache in the Hadamard basis."""
-        if not all(isinstance(layer, RotatedKVCache) for layer in self._layers):
+        if not self.can_step():
             return False
         for layer in self._layers:
             layer.stepwise = on

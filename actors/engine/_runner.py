@@ -516,15 +516,15 @@ class ModelRunner:
         attend step by step. Inside an answer, with ``deterministic``, as its decode steps
         fed them: up to ``max_batch`` at a time, each position attending as its step did
         (their projections round as a decode step's: ``kernels.rowwise``) where the working
-        cache can (``TurnCache.stepwise``, set here; full attention only), else one a
-        step."""
+        cache can (``TurnCache.can_step``; full attention only), else one a step. Changes
+        nothing: the caller sets the cache's mode for the forward."""
         ends = [c for c in request.cuts if c > at]
         if self.config.deterministic and ends:
             began = [a for a in request.answers if a <= at]
             if began and not any(began[-1] < c <= at for c in request.cuts):
                 rows, geometry = min(self.config.max_batch, ends[0] - at), self.lm.geometry
                 plain = not geometry.recurrent and not geometry.sliding
-                if rows > 1 and plain and work.stepwise(True):
+                if rows > 1 and plain and work.can_step():
                     return rows, True
                 return 1, False
         ends += [a for a in request.answers if a > at]
@@ -550,9 +550,13 @@ class ModelRunner:
         size, stepwise = self._chunk(request, at, work)
         chunk = request.todo[:size]
         del request.todo[: len(chunk)]
-        logits = self.lm.model(mx.array(chunk, dtype=mx.uint32)[None], cache=work.layers)
         if stepwise:
-            work.stepwise(False)
+            work.stepwise(True)
+        try:
+            logits = self.lm.model(mx.array(chunk, dtype=mx.uint32)[None], cache=work.layers)
+        finally:
+            if stepwise:
+                work.stepwise(False)
         request.tokens.extend(chunk)
         if request.todo:
             if len(kv.tokens) in request.cuts:
