@@ -20,7 +20,8 @@ At each size N, in one process:
   ``open_nolimit_s`` with ``disk_limit=None`` (best of ``--rounds``, alternated); the
   floor is ``open_empty_s``, the same over an empty directory. ``open_parts_s``: what
   each full pass over the directory costs on its own (the collector's ``collect``, the
-  disk count's ``scan_agents``, the store's ``list_agents``), timed directly.
+  disk count's ``scan_agents``, the store's ``list_agents``, and ``agent_names``, the
+  folder listing a cluster's placement reads), timed directly.
 - a session with the default limit spawns all N agents (``spawn_s_per_agent``: a
   manifest read each, its conversation restored), then runs ``--rounds`` rounds of three
   hot turns (six agents in turn, ``hot_turn_s``) and one warm turn (three agents in turn,
@@ -65,6 +66,7 @@ from kvactor.actors.models import make_tiny_model
 from kvactor.actors.warm import (
     CacheIdentity,
     ExpectFn,
+    agent_names,
     collect,
     fork_cache,
     list_agents,
@@ -149,6 +151,7 @@ def open_parts(root: Path, identity: CacheIdentity) -> dict[str, float]:
         ("collect", lambda: collect(root)),
         ("scan_agents", lambda: scan_agents(root)),
         ("list_agents", lambda: list_agents(root, identity)),
+        ("agent_names", lambda: agent_names(root)),
     ):
         t0 = time.perf_counter()
         fn()
@@ -447,8 +450,10 @@ def table(r: dict[str, Any]) -> str:
         parts = row["open_parts_s"]
         rows.append(
             (
-                f"full passes at {row['agents']:,}: collect / scan_agents / list_agents, s",
-                f"{parts['collect']:.3f} / {parts['scan_agents']:.3f} / {parts['list_agents']:.3f}",
+                f"full passes at {row['agents']:,}: collect / scan_agents / list_agents"
+                " / agent_names, s",
+                f"{parts['collect']:.3f} / {parts['scan_agents']:.3f}"
+                f" / {parts['list_agents']:.3f} / {parts['agent_names']:.3f}",
                 "",
                 "",
             )

@@ -96,6 +96,9 @@ async def test_a_host_sends_what_its_agents_hold_with_each_turn_and_at_start(
     try:
         held = await again.held_blocks()
         assert list(held) == ["a"] and held["a"][: len(want)] == want
+        # What placement reads of it (no manifest read) names the same agents.
+        assert (await again.load_info()).warm_agents == (await again.info()).warm_agents
+        assert (await again.load_info()).warm_agents == ["a"]
     finally:
         await again.close()
 

@@ -28,6 +28,7 @@ from kvactor.actors.warm import (
     ListAgents,
     StoreActor,
     _durable,
+    agent_names,
     default_cache_dir,
     forget,
     list_agents,
@@ -846,6 +847,12 @@ def test_list_agents_reports_refused_ones(tmp_path: Path) -> None:
     assert "agent id" in str(infos["bad..id"].rejected)
     # Without an identity (the CLI) a foreign cache is listed as it is.
     assert {i.agent: i.rejected for i in list_agents(tmp_path)}["foreign"] is None
+    # The names alone (one listing, no manifest read): every folder named by an agent id,
+    # refused caches too; no hidden folder, no file.
+    (tmp_path / "agents" / ".tmp-write").mkdir()
+    (tmp_path / "agents" / "stray-file").write_bytes(b"")
+    assert agent_names(tmp_path) == ["foreign", "good", "orphaned", "short"]
+    assert agent_names(tmp_path / "nowhere") == []
 
     rows = inspect_rows(tmp_path, IDENTITY)
     assert [r["agent"] for r in rows] == sorted(infos)

@@ -93,7 +93,9 @@ class HostInfo(msgspec.Struct, frozen=True):
     budget_bytes: int | None
     cache_bytes: int  # bytes its hot tier holds now
     agents: list[str]  # running agents
-    warm_agents: list[str]  # agents with a warm cache on its disk
+    # Agents with a folder on its disk (warm or cold); from ``info``, refused ones left
+    # out; from ``load_info``, every folder (no manifest read).
+    warm_agents: list[str]
     stats: EngineStats
     migrations_in: int = 0
     migrations_out: int = 0
@@ -206,8 +208,18 @@ class EngineHost:
     # -- what a front asks ------------------------------------------------------------
     async def info(self) -> HostInfo:
         session = await self._open()
-        stats = await session.stats()
         warm = [w.agent for w in await session.warm_agents() if not w.rejected]
+        return await self._info(session, warm)
+
+    async def load_info(self) -> HostInfo:
+        """``info`` as placement reads it, for every new agent: its ``warm_agents`` are its
+        agent folders as one directory listing names them (``info`` reads and checks
+        every manifest: seconds at 10,000 agents)."""
+        session = await self._open()
+        return await self._info(session, await session.warm_names())
+
+    async def _info(self, session: Session, warm: list[str]) -> HostInfo:
+        stats = await session.stats()
         return HostInfo(
             name=self.name,
             node=self._node,
@@ -361,6 +373,10 @@ class EngineHost:
     async def warm_list(self) -> list[WarmInfo]:
         """Every agent with a warm cache on this host's disk (``Session.warm_agents``)."""
         return await (await self._open()).warm_agents()
+
+    async def warm_names(self) -> list[str]:
+        """The agents with a folder on this host's disk (``Session.warm_names``)."""
+        return await (await self._open()).warm_names()
 
     async def stats(self) -> EngineStats:
         return await (await self._open()).stats()

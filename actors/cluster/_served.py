@@ -189,6 +189,16 @@ class ServedCluster:
         answers = await hosts.gather(lambda h: hosts.call(h, EngineHost.warm_list))
         return [w for host, ws in answers for w in ws if where.get(w.agent, host.name) == host.name]
 
+    async def warm_names(self) -> list[str]:
+        """The agents with a folder on the disk of the host that serves them (no manifest
+        read: ``EngineHost.warm_names``)."""
+        hosts = self.cluster.engine_hosts
+        where = {name: agent.host for name, agent in self.cluster.agents.items()}
+        answers = await hosts.gather(lambda h: hosts.call(h, EngineHost.warm_names))
+        return sorted(
+            n for host, names in answers for n in names if where.get(n, host.name) == host.name
+        )
+
     async def model_states(self) -> list[ModelState]:
         """The model's state on the first live host (every host runs it)."""
         hosts = self.cluster.engine_hosts

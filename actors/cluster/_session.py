@@ -333,7 +333,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         ``prompt`` (a system prompt, or a first turn's messages), and that prompt's block
         hashes (empty unless the policy looks at prompts: one host renders and hashes it,
         the others are not asked; messages its chat template refuses: placed by load)."""
-        infos = await self.hosts()
+        infos = await self.engine_hosts.each(EngineHost.load_info)
         if not isinstance(self.placement, PrefixPlacement) or not prompt:
             return self.placement.choose(agent, infos), []
         any_host = self.engine_hosts.live()[0]
@@ -430,7 +430,9 @@ class ClusterSession(SessionAPI[ClusterAgent]):
             if host is not None and host != self._where[target]:
                 raise ValueError(f"agent {target!r} is on host {self._where[target]!r}")
             host = self._where[target]
-        where = host or self.placement.choose(target, await self.hosts())
+        where = host or self.placement.choose(
+            target, await self.engine_hosts.each(EngineHost.load_info)
+        )
         hosts = self.engine_hosts
         await hosts.call(
             hosts.get(where), EngineHost.import_portable, data, target, replace, scope or ""
@@ -508,7 +510,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         fewest until they differ by at most one; the moves made."""
         moves: list[Migration] = []
         while True:
-            infos = await self.hosts()
+            infos = await self.engine_hosts.each(EngineHost.load_info)
             counts = {i.name: [a for a, h in self._where.items() if h == i.name] for i in infos}
             most = max(counts, key=lambda h: (len(counts[h]), h))
             least = min(counts, key=lambda h: (len(counts[h]), h))

@@ -49,6 +49,7 @@ from ..warm import (
     MAX_IMPORT_BYTES,
     ActorWarmTier,
     Adopt,
+    AgentNames,
     CacheDirLock,
     CacheIdentity,
     ExpectFn,
@@ -542,6 +543,15 @@ class Session(SessionAPI[Agent]):
             if part.store is not None:
                 infos += await part.store.ask(ListAgents())
         return infos
+
+    async def warm_names(self) -> list[str]:
+        """The name of every agent folder under ``cache_dir``, of every model, sorted:
+        one directory listing, no manifest read (:meth:`warm_agents` reads each one)."""
+        names: set[str] = set()
+        for part in self._models.parts():
+            if part.store is not None:
+                names.update(await part.store.ask(AgentNames()))
+        return sorted(names)
 
     async def stats(self) -> EngineStats:
         """The engine's figures (several models: summed, with the memory limit's), and the

@@ -41,12 +41,14 @@ from ._portable import staging_dir as staging_dir
 from ._prefetch import Prefetch as Prefetch
 from ._prefetch import PrefetchActor as PrefetchActor
 from ._prefetch import PrefetchMessage as PrefetchMessage
+from ._read import agent_names as agent_names
 from ._read import disk_footprint as disk_footprint
 from ._read import list_agents as list_agents
 from ._read import read_cache as read_cache
 from ._read import verify_cache as verify_cache
 from ._read import verify_file as verify_file
 from ._store import Adopt as Adopt
+from ._store import AgentNames as AgentNames
 from ._store import FitDisk as FitDisk
 from ._store import Forget as Forget
 from ._store import ForkCache as ForkCache
@@ -107,6 +109,7 @@ __all__ = (
     "Forget",
     "Forgotten",
     "ForkCache",
+    "AgentNames",
     "ListAgents",
     "MANIFEST",
     "Prefetch",
@@ -132,6 +135,7 @@ __all__ = (
     "fork_cache",
     "link_or_copy",
     "write_atomic",
+    "agent_names",
     "list_agents",
     "lock_cache_dir",
     "read_cache",

@@ -60,7 +60,7 @@ from ._manifest import (
 )
 from ._paths import agent_dir, default_cache_dir
 from ._portable import install_import
-from ._read import disk_footprint, list_agents, read_cache
+from ._read import agent_names, disk_footprint, list_agents, read_cache
 from ._usage import (
     AgentFiles,
     DiskUsage,
@@ -88,6 +88,7 @@ __all__ = (
     "FitDisk",
     "Forget",
     "Forgotten",
+    "AgentNames",
     "ListAgents",
     "Load",
     "Loaded",
@@ -170,6 +171,10 @@ class Manifest(msgspec.Struct, frozen=True, tag=True):
 
 class ListAgents(msgspec.Struct, frozen=True, tag=True):
     """A WarmInfo for every agent folder, refused ones with their reason."""
+
+
+class AgentNames(msgspec.Struct, frozen=True, tag=True):
+    """The name of every agent folder (``agent_names``: no manifest read)."""
 
 
 class Forget(msgspec.Struct, frozen=True, tag=True):
@@ -267,6 +272,7 @@ StoreMessage = (
     | Load
     | Manifest
     | ListAgents
+    | AgentNames
     | Forget
     | ForkCache
     | ShareCache
@@ -354,6 +360,8 @@ class StoreActor(Actor):
                 return await self._manifest(check_agent_id(agent))
             case ListAgents():
                 return await self._list()
+            case AgentNames():
+                return await anyio.to_thread.run_sync(agent_names, self.root)
             case Forget(agent):
                 return await self._forget(check_agent_id(agent))
             case ForkCache(source, new):

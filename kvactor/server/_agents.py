@@ -111,7 +111,7 @@ async def forget(request: Request) -> Response:
     name = request.path_params["agent_id"]
     full = tenant.full_id(name)
     session = state.session
-    known = full in session.agents or any(w.agent == full for w in await session.warm_agents())
+    known = full in session.agents or full in await session.warm_names()
     if not known:
         raise ApiError(404, f"no agent {name!r}", code="agent_not_found")
     done = await state.agents.forget(full)
@@ -132,7 +132,7 @@ async def prefetch(request: Request) -> Response:
     state = server_state(request)
     name = request.path_params["agent_id"]
     full = tenant_of(request).full_id(name)
-    if not any(w.agent == full for w in await state.session.warm_agents()):
+    if full not in await state.session.warm_names():  # one listing, no manifest read
         raise ApiError(404, f"agent {name!r} has no warm cache", code="agent_not_found")
     await state.session.prefetch(full)
     state.prefetched.add(full)
