@@ -219,10 +219,17 @@ class WarmVictims(msgspec.Struct, frozen=True, tag=True):
     """Which of ``agents`` go cold first to free ``need`` bytes of the warm tier, in the
     eviction policy's order with the application's hints (done first, hinted to run soon
     last): answers their names (fewer when all of them free less). An agent whose cache is
-    hot, staged, or with a turn queued or running is never named."""
+    hot, staged, or with a turn queued or running is never named.
+
+    ``beyond``: ``agents`` are only the least recently written of the warm agents, every
+    other one written at ``beyond`` (unix time) or later. The answer is then the names the
+    policy would give were every warm agent asked, or None when that cannot be told from
+    these (a policy that does not rank by recency alone, or a pick that reaches
+    ``beyond``): ask again with all of them."""
 
     agents: list[WarmAgent]
     need: int
+    beyond: float | None = None
 
 
 EngineMessage = (

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.enums import Room, Tier
 from kvactor.actors.hot import CachePool, EvictionPolicy
 from kvactor.actors.messages import Hint, WarmAgent
+from kvactor.actors.warm import _store as store_module
 from kvactor.actors.warm._manifest import CacheIdentity, segment_metadata
 from kvactor.actors.warm._safetensors import build_header
 from kvactor.kernels.agent_cache import AgentKV
@@ -206,6 +207,7 @@ class Replay:
         self.max_tokens = max_tokens
         self.agents: dict[str, _Agent] = {}
         self.warm: dict[str, _Warm] = {}
+        self._written: dict[str, None] = {}  # the same agents, least recently written first
         self._segments: dict[int, int] = {}  # id -> bytes
         self._refs: dict[int, int] = {}  # id -> agents holding it
         self._used = 0  # bytes of the segments held and the manifests
@@ -345,12 +347,11 @@ class Replay:
         headroom = min(max(64 << 10, limit // 64), limit // 8)
         tried = {agent}
         while (need := self.disk_used() + more + headroom - limit) > 0:
-            candidates = [
-                WarmAgent(a, self._own_bytes(a), len(w.tokens), w.updated)
-                for a, w in self.warm.items()
-                if a not in tried
-            ]
-            victims = self.pool.cold_victims(candidates, need) if candidates else []
+            victims = self._victims_of(
+                (a for a in self._written if a not in tried),
+                lambda: (a for a in self.warm if a not in tried),
+                need,
+            )
             if not victims:
                 return False
             for victim in victims:
@@ -359,6 +360,29 @@ class Replay:
                 if self.disk_used() + more + headroom <= limit:
                     break
         return True
+
+    def _victims_of(
+        self, by_write: Iterator[str], every: Callable[[], Iterator[str]], need: int
+    ) -> list[str]:
+        """The pool's victims among ``every()``, the first ``SHORTLIST`` in write order
+        (``by_write``) asked first, as the store asks (``StoreActor._victims_of``)."""
+
+        def sized(names: Iterable[str]) -> list[WarmAgent]:
+            warm = self.warm
+            return [
+                WarmAgent(a, self._own_bytes(a), len(warm[a].tokens), warm[a].updated)
+                for a in names
+            ]
+
+        head = list(itertools.islice(by_write, store_module.SHORTLIST + 1))
+        if len(head) > store_module.SHORTLIST:
+            beyond = self.warm[head[-1]].updated
+            early = self.pool.cold_victims(sized(head[:-1]), need, beyond)
+            if early is not None:
+                return early
+        victims = self.pool.cold_victims(sized(every()), need)
+        assert victims is not None
+        return victims
 
     def _append(
         self,
@@ -375,6 +399,8 @@ class Replay:
         if not self._make_room(agent, bound):
             return False
         w = self.warm.setdefault(agent, _Warm())
+        self._written.pop(agent, None)  # written now: last in write order, as the store
+        self._written[agent] = None
         s = next(self._ids)
         self._segments[s], self._refs[s] = nbytes, 0
         self._ref(s, 1)
@@ -396,6 +422,7 @@ class Replay:
         for s, _ in linked:
             self._ref(s, 1)
         w = self.warm[agent] = _Warm(list(linked), [], self.clock.wall())
+        self._written[agent] = None
         self._manifest(w, src.tokens[:upto])
         return True
 
@@ -570,6 +597,7 @@ class Replay:
     def _drop_warm(self, agent: str) -> None:
         """``agent``'s warm copy removed (made cold, or replaced by a whole write)."""
         w = self.warm.pop(agent, None)
+        self._written.pop(agent, None)
         if w is not None:
             self._manifest(w, None)
             for s, _ in w.segments:

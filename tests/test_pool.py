@@ -11,7 +11,14 @@ import pytest
 
 from kvactor.actors.enums import Room, Tier
 from kvactor.actors.errors import AgentBusy, BudgetExceeded
-from kvactor.actors.hot import CachePool, Candidate, EvictionPolicy, LRUPolicy
+from kvactor.actors.hot import (
+    CachePool,
+    Candidate,
+    EvictionPolicy,
+    LRUPolicy,
+    WorkflowPolicy,
+)
+from kvactor.actors.messages import WarmAgent
 from kvactor.actors.models import LoadedModel, make_tiny_model
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.float_turn import FloatTurnCache
@@ -265,6 +272,52 @@ def test_the_prefix_index_agrees_with_a_search_of_every_boundary() -> None:
     hashes = prefix_hashes(tokens, len(tokens))
     assert len(hashes) == len(tokens) + 1 and len(set(hashes.tolist())) == len(hashes)
     assert (prefix_hashes([*tokens[:100], 1, 2], 100) == hashes[:101]).all()
+
+
+def test_the_least_recently_written_alone_give_lru_s_answer_or_none(lm: LoadedModel) -> None:
+    # A write at the disk limit asks about the first agents in write order only
+    # (WarmVictims.beyond); the answer, when there is one, is the answer for all of them.
+    # Hot agents rank by their last turn, not their write: written long ago but used at
+    # t=1000 (then they may be among those asked yet rank after ones left out), or written
+    # last (then left out, yet ranking before some of those asked).
+    now = [1000.0]
+    offset = 1e9  # the wall clock, ahead of the monotonic one
+    pool = CachePool(
+        None,
+        LRUPolicy(),
+        persistent=True,
+        codec=DEFAULT_CODEC,
+        geometry=lm.geometry,
+        ready_copies=False,
+        clock=lambda: now[0],
+        wall=lambda: now[0] + offset,
+    )
+    hot = ("h0", "h1", "h2")
+    for name in hot:
+        turn(pool, lm, name, 10, persist=True)
+    now[0] = 2000.0
+    rng = random.Random(3)
+    answered = refused = 0
+    for round_ in range(400):
+        written = (0, 10) if round_ % 2 else (1900, 1999)
+        agents = [
+            WarmAgent(f"w{i:03d}", rng.randrange(1, 100), 10, offset + rng.uniform(10, 1500))
+            for i in range(60)
+        ] + [WarmAgent(h, rng.randrange(1, 100), 10, offset + rng.uniform(*written)) for h in hot]
+        agents.sort(key=lambda a: a.updated)
+        k = rng.randrange(1, len(agents))
+        need = rng.randrange(1, 4000)
+        full = pool.demotion.choose_cold(agents, need)
+        part = pool.demotion.choose_cold(agents[:k], need, beyond=agents[k].updated)
+        if part is None:
+            refused += 1
+        else:
+            answered += 1
+            assert part == full, (round_, k, need)
+    assert answered > 100 and refused > 100  # both ways, often
+    # Another policy is never answered early.
+    pool.demotion.policy = WorkflowPolicy()
+    assert pool.demotion.choose_cold(agents[:1], 1, beyond=agents[1].updated) is None
 
 
 def test_a_staging_whose_cache_outgrows_its_reservation_trips_the_budget_assert(

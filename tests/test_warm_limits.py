@@ -95,6 +95,46 @@ async def test_the_limit_holds_and_the_least_recently_used_go_cold(tmp_path: Pat
         assert again.text and len(await cold.history()) == 5
 
 
+async def test_asking_about_the_least_recently_written_first_makes_the_same_agents_cold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With more agents on disk than the shortlist (4 here, 64 by default), a write at the
+    # limit asks the engine about the 4 least recently written first (LRU answers from
+    # them), and the agents that go cold, in order, are those of a run that asks about
+    # every agent. The first five agents are used again before the limit bites: the least
+    # recently written are then a5, a6, a7, not the first ones written.
+    from kvactor.actors.warm import _store
+
+    one = await _one_agent_bytes(tmp_path)
+    limit = int(one * 10.5)
+
+    async def cold_order(shortlist: int, root: Path) -> list[str]:
+        monkeypatch.setattr(_store, "SHORTLIST", shortlist)
+        options: dict[str, Any] = {"disk_limit": limit, "policy": kvactor.LRUPolicy()}
+        async with kvactor.open(model, cache_dir=root, **options) as kv:
+            agents = [await kv.spawn_agent(f"a{i}", system=SYSTEM) for i in range(18)]
+            for agent in agents[:8]:
+                assert (await agent.generate(ASK, max_tokens=4)).saved
+            for agent in agents[:5]:
+                assert (await agent.generate("more", max_tokens=2)).saved
+            (moves,) = (await kv.warm_moves()).values()
+            assert moves.moves == []  # nothing cold yet
+            for agent in agents[8:12]:
+                assert (await agent.generate(ASK, max_tokens=4)).saved
+            for agent in (agents[8], agents[1], agents[9]):  # used again, at the limit now
+                assert (await agent.generate("more", max_tokens=2)).saved
+            for agent in agents[12:]:
+                assert (await agent.generate(ASK, max_tokens=4)).saved
+            (moves,) = (await kv.warm_moves()).values()
+            assert (await kv.warm_stats()).disk_peak_bytes <= limit
+            return [m.agent for m in moves.moves]
+
+    shortlisted = await cold_order(4, tmp_path / "short")
+    everyone = await cold_order(10_000, tmp_path / "all")
+    assert everyone[:3] == ["a5", "a6", "a7"] and shortlisted == everyone
+    assert "a8" not in everyone[: everyone.index("a10")]  # used again: it went later
+
+
 @pytest.mark.parametrize("limit", [None, 1 << 30])
 async def test_the_bytes_written_are_the_new_files_with_a_limit_or_without(
     tmp_path: Path, limit: int | None

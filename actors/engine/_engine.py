@@ -30,7 +30,7 @@ from ...kernels.memory import release_thread
 from ...runtime import Reply, ThreadActor
 from ..enums import Room
 from ..errors import BudgetExceeded, ModelLoadError, TurnEnded, UnknownAgent
-from ..hot import Rates, WriteBudget, cold_candidates
+from ..hot import WriteBudget, unloaded_victims
 from ..messages import (
     BoardQuery,
     CacheQuery,
@@ -417,8 +417,8 @@ class EngineActor(ThreadActor):
                 return False  # nothing hot to fork from: it stages from disk
             case DropCache() | Release() | Written() | ToolWait():
                 return None if not isinstance(message, DropCache) else False
-            case WarmVictims(agents, need):  # no hints while unloaded: the policy alone
-                return self.config.policy.victims(cold_candidates(agents, None, Rates()), need)
+            case WarmVictims(agents, need, beyond):  # no hints while unloaded: the policy
+                return unloaded_victims(self.config.policy, agents, need, beyond)
             case CacheQuery(agent) | Export(agent):
                 raise UnknownAgent(f"agent {agent!r} has no hot cache (its model is unloaded)")
             case HotQuery():

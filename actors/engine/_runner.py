@@ -280,8 +280,8 @@ class ModelRunner:
                 return self.stats()
             case EndTurns():
                 return self.end_turns()
-            case WarmVictims(agents, need):
-                return pool.cold_victims(agents, need)
+            case WarmVictims(agents, need, beyond):
+                return pool.cold_victims(agents, need, beyond)
         raise TypeError(f"the engine does not handle {type(message).__name__}")
 
     def stats(self) -> EngineStats:

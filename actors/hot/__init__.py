@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from ._demotion import Demotion as Demotion
 from ._demotion import cold_candidates as cold_candidates
+from ._demotion import early_victims as early_victims
+from ._demotion import unloaded_victims as unloaded_victims
 from ._entry import HotEntry as HotEntry
 from ._hints import PRIORITY_LIMIT as PRIORITY_LIMIT
 from ._hints import HintBook as HintBook
@@ -52,6 +54,8 @@ __all__ = (
     "WriteBack",
     "WriteBudget",
     "cold_candidates",
+    "early_victims",
+    "unloaded_victims",
     "make_hint",
     "split_hint",
 )

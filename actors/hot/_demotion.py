@@ -13,12 +13,12 @@ from ._entry import HotEntry
 from ._hints import HintBook
 from ._ledger import Ledger
 from ._moves import MoveLog
-from ._policy import Candidate, EvictionPolicy, Rates
+from ._policy import Candidate, EvictionPolicy, LRUPolicy, Rates
 from ._ready import ReadyCopies
 from ._residents import Residents
 from ._write_back import WriteBack
 
-__all__ = ("Demotion", "cold_candidates")
+__all__ = ("Demotion", "cold_candidates", "early_victims", "unloaded_victims")
 
 
 def cold_candidates(
@@ -55,6 +55,38 @@ def cold_candidates(
             )
         )
     return out
+
+
+def early_victims(
+    policy: EvictionPolicy, candidates: Sequence[Candidate], need: int, beyond: float
+) -> list[str] | None:
+    """``policy``'s victims of ``candidates`` for ``need`` bytes when they are the ones it
+    would pick were more candidates added, each idle, clean and last used at ``beyond`` or
+    later; None when that cannot be told. Only :class:`LRUPolicy` itself ranks by recency
+    alone: it picks a prefix of the candidates in (waiting, not clean, last used) order
+    until ``need`` is freed, and such later ones would come after all of it."""
+    if type(policy) is not LRUPolicy:
+        return None
+    victims = policy.victims(candidates, need)
+    by_agent = {c.agent: c for c in candidates}
+    if sum(by_agent[v].nbytes for v in victims) < need:
+        return None  # the candidates left out might have been picked too
+    last = by_agent[victims[-1]] if victims else None
+    if last is not None and (last.waiting or not last.clean or last.last_used >= beyond):
+        return None
+    return victims
+
+
+def unloaded_victims(
+    policy: EvictionPolicy, agents: Sequence[WarmAgent], need: int, beyond: float | None
+) -> list[str] | None:
+    """A ``WarmVictims``'s answer while the model is unloaded: nothing hot and no hints,
+    the policy alone."""
+    now, at = time.monotonic(), time.time()
+    candidates = cold_candidates(agents, None, Rates(), clock=lambda: now, wall=lambda: at)
+    if beyond is None:
+        return policy.victims(candidates, need)
+    return early_victims(policy, candidates, need, now - max(at - beyond, 0.0))
 
 
 class Demotion:
@@ -285,11 +317,28 @@ class Demotion:
         self.demotions[to] += 1
         self.moves.demoted(agent, to, victim.nbytes)
 
-    def cold_victims(self, agents: Sequence[WarmAgent], need: int) -> list[str]:
-        """Which of the warm ``agents`` go cold on disk first for ``need`` bytes (the
-        policy's order, with the hints). Never one staged, busy or being written; a hot
-        idle one may: it stays hot, and its hot entry learns that nothing of it is on disk
-        any more (its next write is whole, and it is never demoted as if it had a copy)."""
+    def cold_victims(
+        self, agents: Sequence[WarmAgent], need: int, beyond: float | None = None
+    ) -> list[str] | None:
+        """Which of the warm ``agents`` go cold on disk first for ``need`` bytes
+        (:meth:`choose_cold`); a hot idle one may: it stays hot, and its hot entry learns
+        that nothing of it is on disk any more (its next write is whole, and it is never
+        demoted as if it had a copy)."""
+        victims = self.choose_cold(agents, need, beyond)
+        for agent in victims or ():
+            entry = self._residents.get(agent)
+            if entry is not None:
+                entry.warm_copy_gone()
+        return victims
+
+    def choose_cold(
+        self, agents: Sequence[WarmAgent], need: int, beyond: float | None = None
+    ) -> list[str] | None:
+        """Which of the warm ``agents`` would go cold first for ``need`` bytes (the policy's
+        order, with the hints), changing nothing. Never one staged, busy or being written.
+        ``beyond``: ``agents`` are the least recently written, every other warm agent
+        written at that unix time or later (``WarmVictims``); None when the answer could
+        differ with them."""
         writing = self._ledger.writing()
         idle = []
         for a in agents:
@@ -299,19 +348,24 @@ class Demotion:
             if entry is not None and (entry.staged or entry.write_due or a.agent in writing):
                 continue
             idle.append(a)
+        now, at = self.clock(), self._wall()
         candidates = cold_candidates(
-            idle, self._hints, self._rates, clock=self.clock, wall=self._wall
+            idle, self._hints, self._rates, clock=lambda: now, wall=lambda: at
         )
         for i, c in enumerate(candidates):
             entry = self._residents.get(c.agent)
             if entry is not None:  # its last use is its last turn, not its last write
                 candidates[i] = dataclasses.replace(c, last_used=entry.last_used, tier=Tier.HOT)
-        victims = self.policy.victims(candidates, need)
-        for agent in victims:
-            entry = self._residents.get(agent)
-            if entry is not None:
-                entry.warm_copy_gone()
-        return victims
+        if beyond is None:
+            return self.policy.victims(candidates, need)
+        # A warm agent left out is used no earlier than its write, or than its last turn
+        # if it is hot (each hot one counted, whether warm or not).
+        given = {a.agent for a in agents}
+        first = now - max(at - beyond, 0.0)
+        for agent, entry in self._residents.items():
+            if agent not in given:
+                first = min(first, entry.last_used)
+        return early_victims(self.policy, candidates, need, first)
 
     def stuck(self, exclude: HotEntry | None = None) -> bool:
         """Nothing is on its way to free room: no running turn (but ``exclude``'s), no write,

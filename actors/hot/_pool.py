@@ -146,8 +146,10 @@ class CachePool:
     def stuck(self, exclude: HotEntry | None = None) -> bool:
         return self.demotion.stuck(exclude)
 
-    def cold_victims(self, agents: Sequence[WarmAgent], need: int) -> list[str]:
-        return self.demotion.cold_victims(agents, need)
+    def cold_victims(
+        self, agents: Sequence[WarmAgent], need: int, beyond: float | None = None
+    ) -> list[str] | None:
+        return self.demotion.cold_victims(agents, need, beyond)
 
     def idle_bytes(self) -> int:
         return self.demotion.idle_bytes()

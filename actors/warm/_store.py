@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import logging
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
@@ -284,6 +286,11 @@ StoreMessage = (
 )
 
 
+#: How many of the least recently written warm agents a write at the disk limit asks the
+#: engine's policy about first (``StoreActor._victims_of``).
+SHORTLIST = 64
+
+
 # ------------------------------------------------------------------------------ actor
 class StoreActor(Actor):
     """Owns the warm tier under ``root`` (default: ``default_cache_dir()``).
@@ -336,6 +343,8 @@ class StoreActor(Actor):
         self.usage = usage
         self.engine = engine
         self._warm: dict[str, WarmAgent] | None = None  # agents with tokens on disk
+        # The same agents, the least recently written first (for ``_victims_of``).
+        self._by_write: dict[str, None] = {}
         self._left: set[str] = set()  # agents whose cache was written as they left
         # Agents whose cache was last written longer ago than this go cold (None: never).
         self.ttl_s = ttl_s
@@ -595,8 +604,10 @@ class StoreActor(Actor):
 
     def _remember(self, agent: str, info: WarmInfo) -> None:
         if self._warm is not None:
+            self._by_write.pop(agent, None)  # written now: last in write order
             if info.tokens:
                 self._warm[agent] = WarmAgent(agent, info.nbytes, info.tokens, info.updated)
+                self._by_write[agent] = None
             else:
                 self._warm.pop(agent, None)
 
@@ -636,13 +647,18 @@ class StoreActor(Actor):
         return usage.over_quota(namespace, more + usage.headroom(usage.quota))
 
     async def _warm_agents(self) -> dict[str, WarmAgent]:
-        """Every agent with tokens on disk, and when it was written (listed once)."""
+        """Every agent with tokens on disk, and when it was written (listed once; and in
+        ``_by_write`` the least recently written first, kept so as each write puts its
+        agent last)."""
         if self._warm is None:
             infos = await anyio.to_thread.run_sync(list_agents, self.root, self.identity)
             self._warm = {
                 i.agent: WarmAgent(i.agent, i.nbytes, i.tokens, i.updated)
                 for i in infos
                 if i.rejected is None and i.tokens
+            }
+            self._by_write = {
+                a.agent: None for a in sorted(self._warm.values(), key=lambda a: a.updated)
             }
         return self._warm
 
@@ -662,14 +678,16 @@ class StoreActor(Actor):
             return 0
         warm = await self._warm_agents()
         demoted, tried = 0, {keep, *spare}
+
+        def mine(order: Iterable[str]) -> Iterator[WarmAgent]:
+            return (
+                warm[a]
+                for a in order
+                if a not in tried and (namespace is None or namespace_of(a) == namespace)
+            )
+
         while need := self._over(more, namespace):
-            candidates = [
-                msgspec.structs.replace(a, nbytes=usage.own_bytes(self.root, a.agent))
-                for a in warm.values()
-                if a.agent not in tried
-                and (namespace is None or namespace_of(a.agent) == namespace)
-            ]
-            victims = await self._victims(candidates, need)
+            victims = await self._victims_of(mine(self._by_write), lambda: mine(warm), need)
             if not victims:
                 break
             for agent in victims:
@@ -693,6 +711,7 @@ class StoreActor(Actor):
         finally:
             if self._warm is not None:
                 self._warm.pop(agent, None)
+                self._by_write.pop(agent, None)
             after = await self._recount(agent)
             self._wrote(_new_bytes(before, after))
         if done:
@@ -731,6 +750,34 @@ class StoreActor(Actor):
             self._count(demoted_cold=demoted, expired=demoted)
             log.info("%d agents unused for %g s went cold", demoted, ttl)
         return demoted
+
+    async def _victims_of(
+        self,
+        by_write: Iterator[WarmAgent],
+        every: Callable[[], Iterator[WarmAgent]],
+        need: int,
+    ) -> list[str]:
+        """The policy's victims for ``need`` bytes among the agents ``every()`` gives. The
+        engine is asked of the first ``SHORTLIST`` of them in write order (``by_write``,
+        least recently written first) first: with LRU that answers for all of them unless
+        its pick reaches the last (``WarmVictims.beyond``), so that a write at the limit
+        does not build a candidate for each of 10,000 agents on disk; otherwise it is
+        asked again of all."""
+        usage = self.usage
+        assert usage is not None
+
+        def sized(some: Iterable[WarmAgent]) -> list[WarmAgent]:
+            own = usage.own_bytes
+            return [msgspec.structs.replace(a, nbytes=own(self.root, a.agent)) for a in some]
+
+        if self.engine is not None:
+            head = list(itertools.islice(by_write, SHORTLIST + 1))
+            if len(head) > SHORTLIST:
+                asked = WarmVictims(sized(head[:SHORTLIST]), need, beyond=head[-1].updated)
+                early: list[str] | None = await self.engine.ask(asked)
+                if early is not None:
+                    return early
+        return await self._victims(sized(every()), need)
 
     async def _victims(self, candidates: list[WarmAgent], need: int) -> list[str]:
         if not candidates:
@@ -841,6 +888,7 @@ class StoreActor(Actor):
         self._refused.pop(agent, None)
         if self._warm is not None:
             self._warm.pop(agent, None)
+            self._by_write.pop(agent, None)
         try:
             done: Forgotten = await anyio.to_thread.run_sync(forget_cache, self.root, agent)
         finally:
