@@ -1,0 +1,204 @@
+"""A turn at the disk limit with thousands of agents on disk: the store asking the engine's
+policy about the 64 least recently written agents first, against asking about all of them.
+
+``python bench/limit_scale.py --json PATH`` (issue 40, item 4: nothing per turn should scan
+every agent). For each size N: a cache directory of N warm agents of the tiny model
+(``bench/scale.py``'s forks of one real session's cache, each then given its own copy of
+its segment files, so that making one cold frees its bytes), opened with ``LRUPolicy`` and
+a disk limit just above what they hold; three new agents' turns make room first (the
+store reads its list of warm agents then); then ``--turns`` new agents' turns in each way,
+alternated (``StoreActor``'s ``SHORTLIST`` 64, or larger than N: every agent asked). Each
+turn writes and so makes room for itself.
+
+Figures per size: ``turn_shortlist_s`` and ``turn_all_s`` (the turn's mean, the write
+included; medians in ``*_median_s``), ``engine_shortlist_ms`` and ``engine_all_ms`` (the
+engine's ranking of the warm agents, ``Demotion.choose_cold``, median per question),
+``early_answers`` (questions LRU answered from the shortlist) and ``asked_all``,
+``demoted_cold``, ``disk_peak_bytes`` against ``disk_limit_bytes`` (``within_limit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import anyio
+import scale  # bench/ is the script's folder: on sys.path
+from _results import figure_table, write_json
+
+from kvactor.actors.hot import _demotion
+from kvactor.actors.warm import _store
+
+ALL = 1 << 40  # a shortlist longer than any directory: every agent asked
+
+
+class EngineTimer:
+    """Times ``Demotion.choose_cold`` (the engine's ranking) while installed, by whether
+    it was asked about a shortlist; counts the shortlist's answers."""
+
+    def __init__(self) -> None:
+        self.short: list[float] = []
+        self.full: list[float] = []
+        self.early = 0
+        self._orig = _demotion.Demotion.choose_cold
+
+    def __enter__(self) -> EngineTimer:
+        orig, timer = self._orig, self
+
+        def timed(
+            demotion: _demotion.Demotion, agents: Any, need: int, beyond: float | None = None
+        ) -> list[str] | None:
+            began = time.perf_counter()
+            answer = orig(demotion, agents, need, beyond)
+            (timer.short if beyond is not None else timer.full).append(time.perf_counter() - began)
+            timer.early += beyond is not None and answer is not None
+            return answer
+
+        _demotion.Demotion.choose_cold = timed  # type: ignore[method-assign, assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _demotion.Demotion.choose_cold = self._orig  # type: ignore[method-assign]
+
+
+def own_copies(root: Path) -> None:
+    """Each agent's segment files its own (forks link them: making one cold frees nothing)."""
+    for folder in (root / "agents").iterdir():
+        for f in folder.glob("*.safetensors"):
+            copy = f.with_name(f.name + ".copy")
+            shutil.copyfile(f, copy)
+            os.replace(copy, f)
+
+
+async def one_size(n: int, turns: int, workdir: Path) -> dict[str, Any]:
+    root = workdir / f"agents-{n}"
+    identity, _ = await scale.seed(root)
+    scale.grow(root, identity, 1, n)
+    own_copies(root)
+    async with kvactor.open(scale.MODEL, cache_dir=root, disk_limit=1 << 40) as kv:
+        held = (await kv.stats()).warm_bytes
+    limit = held + 200_000
+    times: dict[int, list[float]] = {_store.SHORTLIST: [], ALL: []}
+    shortlist = _store.SHORTLIST
+    options: dict[str, Any] = {"disk_limit": limit, "policy": kvactor.LRUPolicy()}
+    try:
+        with EngineTimer() as timer:
+            async with kvactor.open(scale.MODEL, cache_dir=root, **options) as kv:
+                for i in range(3):  # the store lists its warm agents at the first room made
+                    agent = await kv.spawn_agent(f"first-{i}", system=scale.SYSTEM)
+                    done = await agent.generate(scale.FIRST, max_tokens=4)
+                    assert done.saved, done.save_error
+                timer.short.clear()
+                timer.full.clear()
+                timer.early = 0
+                for i in range(turns):
+                    for way in (shortlist, ALL) if i % 2 else (ALL, shortlist):
+                        _store.SHORTLIST = way
+                        agent = await kv.spawn_agent(f"new-{i}-{way}", system=scale.SYSTEM)
+                        began = time.perf_counter()
+                        done = await agent.generate(scale.FIRST, max_tokens=4)
+                        times[way].append(time.perf_counter() - began)
+                        assert done.saved, done.save_error
+                stats = await kv.warm_stats()
+    finally:
+        _store.SHORTLIST = shortlist
+    return {
+        "agents": n,
+        "turns": turns,
+        "turn_shortlist_s": statistics.mean(times[shortlist]),
+        "turn_all_s": statistics.mean(times[ALL]),
+        "turn_shortlist_median_s": statistics.median(times[shortlist]),
+        "turn_all_median_s": statistics.median(times[ALL]),
+        "engine_shortlist_ms": 1e3 * statistics.median(timer.short) if timer.short else None,
+        "engine_all_ms": 1e3 * statistics.median(timer.full) if timer.full else None,
+        "early_answers": timer.early,
+        "asked_all": len(timer.full),
+        "demoted_cold": stats.demoted_cold,
+        "disk_peak_bytes": stats.disk_peak_bytes,
+        "disk_limit_bytes": limit,
+        "within_limit": stats.disk_peak_bytes <= limit,
+    }
+
+
+async def run(sizes: Sequence[int], turns: int, workdir: str | None = None) -> dict[str, Any]:
+    base = Path(workdir or tempfile.mkdtemp(prefix="kvactor-limit-scale-"))
+    rows = []
+    try:
+        for n in sizes:
+            rows.append(await one_size(n, turns, base))
+            print(short(rows[-1]), flush=True)
+    finally:
+        if workdir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    return {"sizes": list(sizes), "shortlist": _store.SHORTLIST, "rows": rows}
+
+
+def short(r: dict[str, Any]) -> str:
+    return (
+        f"{r['agents']:6} agents: turn {1e3 * r['turn_shortlist_s']:.1f} ms shortlisted,"
+        f" {1e3 * r['turn_all_s']:.1f} ms asking all; engine"
+        f" {r['engine_shortlist_ms'] or 0:.2f} / {r['engine_all_ms'] or 0:.2f} ms;"
+        f" answered early {r['early_answers']}, asked of all {r['asked_all']}"
+    )
+
+
+def table(result: dict[str, Any]) -> str:
+    rows: list[tuple[object, object, object, object]] = []
+    for r in result["rows"]:
+        n = f"{r['agents']:,}"
+        ratio = r["turn_all_s"] / r["turn_shortlist_s"]
+        rows += [
+            (
+                f"turn at the limit, {n} agents: shortlist / all (mean of {r['turns']})",
+                f"{1e3 * r['turn_shortlist_s']:.1f} / {1e3 * r['turn_all_s']:.1f} ms"
+                f" ({ratio:.2f}x)",
+                "",
+                "",
+            ),
+            (
+                f"engine's ranking, {n} agents: shortlist / all (median)",
+                f"{r['engine_shortlist_ms'] or 0:.2f} / {r['engine_all_ms'] or 0:.2f} ms",
+                "",
+                "",
+            ),
+            (
+                f"answered from the shortlist / asked of all, {n} agents",
+                f"{r['early_answers']} / {r['asked_all']}",
+                "",
+                "",
+            ),
+            (
+                f"disk peak / limit, {n} agents",
+                f"{r['disk_peak_bytes']:,} / {r['disk_limit_bytes']:,}",
+                "peak <= limit",
+                "met" if r["within_limit"] else "NOT met",
+            ),
+        ]
+    return figure_table(rows)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--turns", type=int, default=12, help="turns each way, per size")
+    parser.add_argument("--quick", action="store_true", help="sizes 100 / 300, 4 turns")
+    parser.add_argument("--dir", dest="workdir", help="keep the cache directories here")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    sizes, turns = ([100, 300], 4) if args.quick else (args.sizes, args.turns)
+    result = anyio.run(run, sizes, turns, args.workdir)
+    print(table(result))
+    if args.json:
+        write_json(args.json, result)
