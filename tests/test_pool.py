@@ -4,7 +4,8 @@ sees (real AgentKV caches of a tiny model, real MLX arrays)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import pytest
@@ -38,6 +39,8 @@ def new_pool(
     *,
     persistent: bool = True,
     policy: EvictionPolicy | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
 ) -> CachePool:
     return CachePool(
         limit,
@@ -46,6 +49,8 @@ def new_pool(
         codec=DEFAULT_CODEC,
         geometry=lm.geometry,
         ready_copies=False,
+        clock=clock,
+        wall=wall,
     )
 
 
@@ -282,16 +287,7 @@ def test_the_least_recently_written_alone_give_lru_s_answer_or_none(lm: LoadedMo
     # last (then left out, yet ranking before some of those asked).
     now = [1000.0]
     offset = 1e9  # the wall clock, ahead of the monotonic one
-    pool = CachePool(
-        None,
-        LRUPolicy(),
-        persistent=True,
-        codec=DEFAULT_CODEC,
-        geometry=lm.geometry,
-        ready_copies=False,
-        clock=lambda: now[0],
-        wall=lambda: now[0] + offset,
-    )
+    pool = new_pool(lm, None, clock=lambda: now[0], wall=lambda: now[0] + offset)
     hot = ("h0", "h1", "h2")
     for name in hot:
         turn(pool, lm, name, 10, persist=True)
