@@ -277,6 +277,7 @@ def test_the_prefix_index_agrees_with_a_search_of_every_boundary() -> None:
     hashes = prefix_hashes(tokens, len(tokens))
     assert len(hashes) == len(tokens) + 1 and len(set(hashes.tolist())) == len(hashes)
     assert (prefix_hashes([*tokens[:100], 1, 2], 100) == hashes[:101]).all()
+    assert len(prefix_hashes([-1, 2**40], 2)) == 3  # any id a list holds hashes
 
 
 def test_the_least_recently_written_alone_give_lru_s_answer_or_none(lm: LoadedModel) -> None:

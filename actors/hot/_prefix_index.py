@@ -45,7 +45,9 @@ def prefix_hashes(tokens: Sequence[int], upto: int) -> np.ndarray:
     upto = min(upto, len(tokens))
     out = np.zeros(upto + 1, dtype=np.uint64)
     if upto:
-        codes = np.fromiter(tokens[:upto] if upto < len(tokens) else tokens, np.uint64, upto)
+        # as int64 read as uint64: any id a list may hold hashes (a negative one too)
+        some = tokens[:upto] if upto < len(tokens) else tokens
+        codes = np.fromiter(some, np.int64, upto).view(np.uint64)
         # token + 1: a zero token still moves the hash (each prefix's hash is its own)
         np.cumsum((codes + np.uint64(1)) * _powers_upto(upto), dtype=np.uint64, out=out[1:])
     return out
