@@ -10,7 +10,7 @@ prompt is cached (:meth:`ServedCluster.spawn_placed`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -26,6 +26,7 @@ from ._session import ClusterSession
 __all__ = ("ServedCluster", "sum_structs")
 
 S = TypeVar("S", bound=msgspec.Struct)
+T = TypeVar("T")
 PIECE = 1 << 20  # an export is sent on in pieces of this many bytes
 
 
@@ -184,20 +185,24 @@ class ServedCluster:
 
     async def warm_agents(self) -> list[WarmInfo]:
         """Every agent with a warm cache on the disk of the host that serves it."""
-        hosts = self.cluster.engine_hosts
-        where = {name: agent.host for name, agent in self.cluster.agents.items()}
-        answers = await hosts.gather(lambda h: hosts.call(h, EngineHost.warm_list))
-        return [w for host, ws in answers for w in ws if where.get(w.agent, host.name) == host.name]
+        return await self._served_here(EngineHost.warm_list, lambda w: w.agent)
 
     async def warm_names(self) -> list[str]:
         """The agents with a folder on the disk of the host that serves them (no manifest
         read: ``EngineHost.warm_names``)."""
+        return sorted(await self._served_here(EngineHost.warm_names, str))
+
+    async def _served_here(
+        self, ask: Callable[[EngineHost], Awaitable[list[T]]], agent: Callable[[T], str]
+    ) -> list[T]:
+        """``ask``'s items from every host, each kept from the host that serves its
+        ``agent`` only (a replica's or a migrated agent's old copy left out)."""
         hosts = self.cluster.engine_hosts
-        where = {name: agent.host for name, agent in self.cluster.agents.items()}
-        answers = await hosts.gather(lambda h: hosts.call(h, EngineHost.warm_names))
-        return sorted(
-            n for host, names in answers for n in names if where.get(n, host.name) == host.name
-        )
+        where = {name: a.host for name, a in self.cluster.agents.items()}
+        answers = await hosts.gather(lambda h: hosts.call(h, ask))
+        return [
+            x for host, xs in answers for x in xs if where.get(agent(x), host.name) == host.name
+        ]
 
     async def model_states(self) -> list[ModelState]:
         """The model's state on the first live host (every host runs it)."""

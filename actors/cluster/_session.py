@@ -268,6 +268,10 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         """What every host says of itself, by name."""
         return await self.engine_hosts.each(EngineHost.info)
 
+    async def _loads(self) -> list[HostInfo]:
+        """What placement reads of every host (``EngineHost.load_info``: no manifest read)."""
+        return await self.engine_hosts.each(EngineHost.load_info)
+
     async def stats(self) -> ClusterStats:
         return ClusterStats(
             hosts=await self.hosts(),
@@ -333,7 +337,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         ``prompt`` (a system prompt, or a first turn's messages), and that prompt's block
         hashes (empty unless the policy looks at prompts: one host renders and hashes it,
         the others are not asked; messages its chat template refuses: placed by load)."""
-        infos = await self.engine_hosts.each(EngineHost.load_info)
+        infos = await self._loads()
         if not isinstance(self.placement, PrefixPlacement) or not prompt:
             return self.placement.choose(agent, infos), []
         any_host = self.engine_hosts.live()[0]
@@ -430,9 +434,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
             if host is not None and host != self._where[target]:
                 raise ValueError(f"agent {target!r} is on host {self._where[target]!r}")
             host = self._where[target]
-        where = host or self.placement.choose(
-            target, await self.engine_hosts.each(EngineHost.load_info)
-        )
+        where = host or self.placement.choose(target, await self._loads())
         hosts = self.engine_hosts
         await hosts.call(
             hosts.get(where), EngineHost.import_portable, data, target, replace, scope or ""
@@ -510,7 +512,7 @@ class ClusterSession(SessionAPI[ClusterAgent]):
         fewest until they differ by at most one; the moves made."""
         moves: list[Migration] = []
         while True:
-            infos = await self.engine_hosts.each(EngineHost.load_info)
+            infos = await self._loads()
             counts = {i.name: [a for a, h in self._where.items() if h == i.name] for i in infos}
             most = max(counts, key=lambda h: (len(counts[h]), h))
             least = min(counts, key=lambda h: (len(counts[h]), h))

@@ -21,6 +21,13 @@ from ._write_back import WriteBack
 __all__ = ("Demotion", "cold_candidates", "early_victims", "unloaded_victims")
 
 
+def _used_at(updated: float, now: float, at: float) -> float:
+    """A warm cache written at unix time ``updated`` as a last use on the monotonic clock
+    (``now``, read with the wall clock's ``at``): never later than ``now``. The candidates
+    and the bound of ``early_victims`` convert alike, so that they compare exactly."""
+    return now - max(at - updated, 0.0)
+
+
 def cold_candidates(
     agents: Sequence[WarmAgent],
     hints: HintBook | None,
@@ -42,7 +49,7 @@ def cold_candidates(
                 agent=a.agent,
                 nbytes=a.nbytes,
                 tokens=a.tokens,
-                last_used=now - max(at - a.updated, 0.0),
+                last_used=_used_at(a.updated, now, at),
                 hits=0,
                 clean=True,
                 demote_to=Tier.COLD,
@@ -86,7 +93,7 @@ def unloaded_victims(
     candidates = cold_candidates(agents, None, Rates(), clock=lambda: now, wall=lambda: at)
     if beyond is None:
         return policy.victims(candidates, need)
-    return early_victims(policy, candidates, need, now - max(at - beyond, 0.0))
+    return early_victims(policy, candidates, need, _used_at(beyond, now, at))
 
 
 class Demotion:
@@ -361,7 +368,7 @@ class Demotion:
         # A warm agent left out is used no earlier than its write, or than its last turn
         # if it is hot (each hot one counted, whether warm or not).
         given = {a.agent for a in agents}
-        first = now - max(at - beyond, 0.0)
+        first = _used_at(beyond, now, at)
         for agent, entry in self._residents.items():
             if agent not in given:
                 first = min(first, entry.last_used)
