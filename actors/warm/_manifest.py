@@ -524,13 +524,17 @@ def load_manifest(
     """
     path = folder / MANIFEST
     try:
-        fd, _ = open_regular(path, MAX_MANIFEST_BYTES)
+        fd, size = open_regular(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return None
     try:
         parts, got = [], 0
-        while got <= MAX_MANIFEST_BYTES:  # to the end, not fstat's size: it may grow
-            part = os.read(fd, MAX_MANIFEST_BYTES + 1 - got)
+        # To the end, not fstat's size: it may grow. Each read asks for what fstat saw
+        # plus a little, never the whole bound: os.read allocates what it is asked for,
+        # and 32 MB twice a manifest was a quarter of listing 10,000 agents.
+        chunk = max(size + 1, 1 << 16)
+        while got <= MAX_MANIFEST_BYTES:
+            part = os.read(fd, min(chunk, MAX_MANIFEST_BYTES + 1 - got))
             if not part:
                 break
             parts.append(part)

@@ -443,7 +443,7 @@ def list_agents(
             manifest, size = loaded
             for s in manifest.all_segments:
                 try:
-                    info = os.lstat(folder / s.file)
+                    info = os.lstat(os.path.join(entry.path, s.file))
                 except OSError as exc:
                     raise CacheRejected(f"{s.file}: {exc.strerror}") from None
                 if not stat.S_ISREG(info.st_mode):
