@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from lively import lively
 from mounts import tmpfs
+from test_budget import one_turn_need
 
 import kvactor
 from kvactor.actors.enums import Tier
@@ -133,6 +134,45 @@ async def test_asking_about_the_least_recently_written_first_makes_the_same_agen
     everyone = await cold_order(10_000, tmp_path / "all")
     assert everyone[:3] == ["a5", "a6", "a7"] and shortlisted == everyone
     assert "a8" not in everyone[: everyone.index("a10")]  # used again: it went later
+
+
+async def test_an_imported_agent_is_asked_about_by_the_age_of_its_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An import keeps the time its cache was written where it was exported: the oldest
+    # here, though written last. Among the least recently written it stands by that time,
+    # so that asking about the first ones (2 here) still gives LRU's answer: it goes cold
+    # first, as it does when every agent is asked.
+    from kvactor.actors.warm import _store
+
+    one = await _one_agent_bytes(tmp_path)
+    limit = int(one * 6.5)
+
+    async def cold_order(shortlist: int, root: Path) -> list[str]:
+        monkeypatch.setattr(_store, "SHORTLIST", shortlist)
+        options: dict[str, Any] = {
+            "disk_limit": limit,
+            "policy": kvactor.LRUPolicy(),
+            "budget_bytes": one_turn_need(False),  # the idle agents leave the hot tier
+        }
+        carried = root.parent / f"{root.name}.kva"
+        async with kvactor.open(model, cache_dir=root, **options) as kv:
+            old = await kv.spawn_agent("old", system=SYSTEM)
+            assert (await old.generate(ASK, max_tokens=4)).saved
+            await kv.export_agent("old", carried)
+            await kv.forget("old")
+            agents = [await kv.spawn_agent(f"a{i}", system=SYSTEM) for i in range(12)]
+            for agent in agents[:8]:  # the limit bites: the store lists its agents
+                assert (await agent.generate(ASK, max_tokens=4)).saved
+            await kv.import_agent(carried, "old")
+            for agent in agents[8:]:
+                assert (await agent.generate(ASK, max_tokens=4)).saved
+            (moves,) = (await kv.warm_moves()).values()
+            return [m.agent for m in moves.moves]
+
+    shortlisted = await cold_order(4, tmp_path / "short")
+    everyone = await cold_order(10_000, tmp_path / "all")
+    assert "old" in everyone and shortlisted == everyone, (shortlisted, everyone)
 
 
 @pytest.mark.parametrize("limit", [None, 1 << 30])

@@ -603,13 +603,21 @@ class StoreActor(Actor):
             await self._fit(0, keep=agent)
 
     def _remember(self, agent: str, info: WarmInfo) -> None:
-        if self._warm is not None:
-            self._by_write.pop(agent, None)  # written now: last in write order
-            if info.tokens:
-                self._warm[agent] = WarmAgent(agent, info.nbytes, info.tokens, info.updated)
-                self._by_write[agent] = None
-            else:
-                self._warm.pop(agent, None)
+        warm = self._warm
+        if warm is None:
+            return
+        self._by_write.pop(agent, None)  # written now: last in write order, as a rule
+        if not info.tokens:
+            warm.pop(agent, None)
+            return
+        warm[agent] = WarmAgent(agent, info.nbytes, info.tokens, info.updated)
+        last = next(reversed(self._by_write), None)
+        self._by_write[agent] = None
+        if last is not None and warm[last].updated > info.updated:
+            # Written with an earlier time: an import keeps the one it was exported with
+            # (a clock set back would do it too). ``WarmVictims.beyond`` holds only if the
+            # order is by that time: sorted again (stable, rare).
+            self._by_write = dict.fromkeys(sorted(self._by_write, key=lambda a: warm[a].updated))
 
     async def _make_room(
         self, agent: str, bound: int, *, spare: AbstractSet[str] = frozenset()
@@ -648,8 +656,8 @@ class StoreActor(Actor):
 
     async def _warm_agents(self) -> dict[str, WarmAgent]:
         """Every agent with tokens on disk, and when it was written (listed once; and in
-        ``_by_write`` the least recently written first, kept so as each write puts its
-        agent last)."""
+        ``_by_write`` the least recently written first, by the time its manifest says,
+        kept so as each write puts its agent last)."""
         if self._warm is None:
             infos = await anyio.to_thread.run_sync(list_agents, self.root, self.identity)
             self._warm = {
