@@ -14,6 +14,7 @@ __all__ = (
     "BoardQuery",
     "WarmAgent",
     "WarmVictims",
+    "AskWith",
     "MakeContext",
     "SpawnAgent",
     "AgentMessage",
@@ -221,15 +222,23 @@ class WarmVictims(msgspec.Struct, frozen=True, tag=True):
     last): answers their names (fewer when all of them free less). An agent whose cache is
     hot, staged, or with a turn queued or running is never named.
 
-    ``beyond``: ``agents`` are only the least recently written of the warm agents, every
-    other one written at ``beyond`` (unix time) or later. The answer is then the names the
-    policy would give were every warm agent asked, or None when that cannot be told from
-    these (a policy that does not rank by recency alone, or a pick that reaches
-    ``beyond``): ask again with all of them."""
+    ``beyond``: ``agents`` are only the least recently written of the warm agents (and
+    those an ``AskWith`` named), every other one written at ``beyond`` (unix time) or
+    later. The answer is then the names the policy would give were every warm agent asked;
+    an ``AskWith`` when the hints rank agents left out first (done, or of a lower
+    priority): ask again with those too; or None when it cannot be told from these (a
+    policy of unknown order, or a pick that reaches ``beyond``): ask again with all."""
 
     agents: list[WarmAgent]
     need: int
     beyond: float | None = None
+
+
+class AskWith(msgspec.Struct, frozen=True):
+    """A ``WarmVictims``'s answer: ask again with these agents too (those of them still
+    warm), the same ``beyond``; the hints rank them before any other agent left out."""
+
+    agents: tuple[str, ...]
 
 
 EngineMessage = (

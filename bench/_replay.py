@@ -36,7 +36,7 @@ import numpy as np
 from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.enums import Room, Tier
 from kvactor.actors.hot import CachePool, EvictionPolicy
-from kvactor.actors.messages import Hint, WarmAgent
+from kvactor.actors.messages import AskWith, Hint, WarmAgent
 from kvactor.actors.warm import _store as store_module
 from kvactor.actors.warm._manifest import CacheIdentity, segment_metadata
 from kvactor.actors.warm._safetensors import build_header
@@ -346,12 +346,12 @@ class Replay:
             return True
         headroom = min(max(64 << 10, limit // 64), limit // 8)
         tried = {agent}
+
+        def mine(names: Iterable[str]) -> Iterator[str]:
+            return (a for a in names if a in self.warm and a not in tried)
+
         while (need := self.disk_used() + more + headroom - limit) > 0:
-            victims = self._victims_of(
-                (a for a in self._written if a not in tried),
-                lambda: (a for a in self.warm if a not in tried),
-                need,
-            )
+            victims = self._victims_of(mine, need)
             if not victims:
                 return False
             for victim in victims:
@@ -361,11 +361,10 @@ class Replay:
                     break
         return True
 
-    def _victims_of(
-        self, by_write: Iterator[str], every: Callable[[], Iterator[str]], need: int
-    ) -> list[str]:
-        """The pool's victims among ``every()``, the first ``SHORTLIST`` in write order
-        (``by_write``) asked first, as the store asks (``StoreActor._victims_of``)."""
+    def _victims_of(self, mine: Callable[[Iterable[str]], Iterator[str]], need: int) -> list[str]:
+        """The pool's victims among the warm agents ``mine`` gives, the first ``SHORTLIST``
+        in write order asked first (with those an ``AskWith`` names), as the store asks
+        (``StoreActor._victims_of``)."""
 
         def sized(names: Iterable[str]) -> list[WarmAgent]:
             warm = self.warm
@@ -374,14 +373,19 @@ class Replay:
                 for a in names
             ]
 
-        head = list(itertools.islice(by_write, store_module.SHORTLIST + 1))
+        head = list(itertools.islice(mine(self._written), store_module.SHORTLIST + 1))
         if len(head) > store_module.SHORTLIST:
             beyond = self.warm[head[-1]].updated
-            early = self.pool.cold_victims(sized(head[:-1]), need, beyond)
-            if early is not None:
+            asked = sized(head[:-1])
+            early = self.pool.cold_victims(asked, need, beyond)
+            if isinstance(early, AskWith):
+                have = set(head[:-1])
+                more = sized(mine(a for a in early.agents if a not in have))
+                early = self.pool.cold_victims(asked + more, need, beyond)
+            if isinstance(early, list):
                 return early
-        victims = self.pool.cold_victims(sized(every()), need)
-        assert victims is not None
+        victims = self.pool.cold_victims(sized(mine(self.warm)), need)
+        assert isinstance(victims, list)
         return victims
 
     def _append(

@@ -2,19 +2,22 @@
 policy about the 64 least recently written agents first, against asking about all of them.
 
 ``python bench/limit_scale.py --json PATH`` (issue 40, item 4: nothing per turn should scan
-every agent). For each size N: a cache directory of N warm agents of the tiny model
-(``bench/scale.py``'s forks of one real session's cache, each then given its own copy of
-its segment files, so that making one cold frees its bytes), opened with ``LRUPolicy`` and
+every agent). For each size N and policy: a cache directory of N warm agents of the tiny
+model (``bench/scale.py``'s forks of one real session's cache, each then given its own copy
+of its segment files, so that making one cold frees its bytes), opened with the policy and
 a disk limit just above what they hold; 3 + N / 200 new agents' turns first, untimed (the
 store reads its list of warm agents at the first, and its collector goes through every
-folder after open, beside them); then ``--turns`` new agents' turns in each way,
-alternated (``StoreActor``'s ``SHORTLIST`` 64, or larger than N: every agent asked). Each
-turn writes and so makes room for itself.
+folder after open, beside them); with ``workflow`` (``WorkflowPolicy``), hints then: one
+agent in ten expected in 600 s, one in 500 done, one in 1,000 of priority -1 (a lower
+rank than the plain agents', so that the first such asks go to all); then ``--turns`` new
+agents' turns in each way, alternated (``StoreActor``'s ``SHORTLIST`` 64, or larger than
+N: every agent asked). Each turn writes and so makes room for itself.
 
-Figures per size: ``turn_shortlist_s`` and ``turn_all_s`` (the turn's mean, the write
+Figures per size and ``policy``: ``turn_shortlist_s`` and ``turn_all_s`` (the turn's mean, the write
 included; medians in ``*_median_s``), ``engine_shortlist_ms`` and ``engine_all_ms`` (the
 engine's ranking of the warm agents, ``Demotion.choose_cold``, median per question),
-``early_answers`` (questions LRU answered from the shortlist) and ``asked_all``,
+``early_answers`` (questions the policy answered from the shortlist, with the agents an
+``AskWith`` named: ``asked_with``) and ``asked_all``,
 ``demoted_cold``, ``disk_peak_bytes`` against ``disk_limit_bytes`` (``within_limit``).
 """
 
@@ -40,6 +43,7 @@ import scale  # bench/ is the script's folder: on sys.path
 from _results import figure_table, write_json
 
 from kvactor.actors.hot import _demotion
+from kvactor.actors.messages import AskWith
 from kvactor.actors.warm import _store
 
 ALL = 1 << 40  # a shortlist longer than any directory: every agent asked
@@ -53,6 +57,7 @@ class EngineTimer:
         self.short: list[float] = []
         self.full: list[float] = []
         self.early = 0
+        self.ask_with = 0  # answers that named agents to ask about too
         self._orig = _demotion.Demotion.choose_cold
 
     def __enter__(self) -> EngineTimer:
@@ -60,11 +65,12 @@ class EngineTimer:
 
         def timed(
             demotion: _demotion.Demotion, agents: Any, need: int, beyond: float | None = None
-        ) -> list[str] | None:
+        ) -> list[str] | AskWith | None:
             began = time.perf_counter()
             answer = orig(demotion, agents, need, beyond)
             (timer.short if beyond is not None else timer.full).append(time.perf_counter() - began)
-            timer.early += beyond is not None and answer is not None
+            timer.early += beyond is not None and isinstance(answer, list)
+            timer.ask_with += isinstance(answer, AskWith)
             return answer
 
         _demotion.Demotion.choose_cold = timed  # type: ignore[method-assign, assignment]
@@ -83,8 +89,22 @@ def own_copies(root: Path) -> None:
             os.replace(copy, f)
 
 
-async def one_size(n: int, turns: int, workdir: Path) -> dict[str, Any]:
-    root = workdir / f"agents-{n}"
+POLICIES = ("lru", "workflow")
+
+
+async def give_hints(kv: kvactor.Session, n: int) -> None:
+    """Hints on agents spread over the directory (see the module's docstring)."""
+    names = [scale.agent_name(i) for i in range(n)]
+    await kv.hint(
+        expect_in_s={a: 600.0 for a in names[::10]},
+        done=names[5::500],
+        priority={a: -1 for a in names[7::1000]},
+        prefetch=0,
+    )
+
+
+async def one_size(n: int, turns: int, workdir: Path, policy: str = "lru") -> dict[str, Any]:
+    root = workdir / f"agents-{n}-{policy}"
     identity, _ = await scale.seed(root)
     scale.grow(root, identity, 1, n)
     own_copies(root)
@@ -93,7 +113,8 @@ async def one_size(n: int, turns: int, workdir: Path) -> dict[str, Any]:
     limit = held + 200_000
     times: dict[int, list[float]] = {_store.SHORTLIST: [], ALL: []}
     shortlist = _store.SHORTLIST
-    options: dict[str, Any] = {"disk_limit": limit, "policy": kvactor.LRUPolicy()}
+    chosen = kvactor.LRUPolicy() if policy == "lru" else kvactor.WorkflowPolicy()
+    options: dict[str, Any] = {"disk_limit": limit, "policy": chosen}
     try:
         with EngineTimer() as timer:
             async with kvactor.open(scale.MODEL, cache_dir=root, **options) as kv:
@@ -104,9 +125,11 @@ async def one_size(n: int, turns: int, workdir: Path) -> dict[str, Any]:
                     agent = await kv.spawn_agent(f"first-{i}", system=scale.SYSTEM)
                     done = await agent.generate(scale.FIRST, max_tokens=4)
                     assert done.saved, done.save_error
+                if policy == "workflow":
+                    await give_hints(kv, n)
                 timer.short.clear()
                 timer.full.clear()
-                timer.early = 0
+                timer.early = timer.ask_with = 0
                 for i in range(turns):
                     for way in (shortlist, ALL) if i % 2 else (ALL, shortlist):
                         _store.SHORTLIST = way
@@ -120,6 +143,7 @@ async def one_size(n: int, turns: int, workdir: Path) -> dict[str, Any]:
         _store.SHORTLIST = shortlist
     return {
         "agents": n,
+        "policy": policy,
         "turns": turns,
         "turn_shortlist_s": statistics.mean(times[shortlist]),
         "turn_all_s": statistics.mean(times[ALL]),
@@ -128,6 +152,7 @@ async def one_size(n: int, turns: int, workdir: Path) -> dict[str, Any]:
         "engine_shortlist_ms": 1e3 * statistics.median(timer.short) if timer.short else None,
         "engine_all_ms": 1e3 * statistics.median(timer.full) if timer.full else None,
         "early_answers": timer.early,
+        "asked_with": timer.ask_with,
         "asked_all": len(timer.full),
         "demoted_cold": stats.demoted_cold,
         "disk_peak_bytes": stats.disk_peak_bytes,
@@ -136,55 +161,68 @@ async def one_size(n: int, turns: int, workdir: Path) -> dict[str, Any]:
     }
 
 
-async def run(sizes: Sequence[int], turns: int, workdir: str | None = None) -> dict[str, Any]:
+async def run(
+    sizes: Sequence[int],
+    turns: int,
+    workdir: str | None = None,
+    policies: Sequence[str] = POLICIES,
+) -> dict[str, Any]:
     base = Path(workdir or tempfile.mkdtemp(prefix="kvactor-limit-scale-"))
     rows = []
     try:
         for n in sizes:
-            rows.append(await one_size(n, turns, base))
-            print(short(rows[-1]), flush=True)
+            for policy in policies:
+                rows.append(await one_size(n, turns, base, policy))
+                print(short(rows[-1]), flush=True)
     finally:
         if workdir is None:
             shutil.rmtree(base, ignore_errors=True)
-    return {"sizes": list(sizes), "shortlist": _store.SHORTLIST, "rows": rows}
+    return {
+        "sizes": list(sizes),
+        "policies": list(policies),
+        "shortlist": _store.SHORTLIST,
+        "rows": rows,
+    }
 
 
 def short(r: dict[str, Any]) -> str:
     return (
-        f"{r['agents']:6} agents: turn {1e3 * r['turn_shortlist_s']:.1f} ms shortlisted,"
+        f"{r['agents']:6} agents, {r['policy']:8}: turn"
+        f" {1e3 * r['turn_shortlist_s']:.1f} ms shortlisted,"
         f" {1e3 * r['turn_all_s']:.1f} ms asking all; engine"
         f" {r['engine_shortlist_ms'] or 0:.2f} / {r['engine_all_ms'] or 0:.2f} ms;"
-        f" answered early {r['early_answers']}, asked of all {r['asked_all']}"
+        f" answered early {r['early_answers']} (asked with more {r['asked_with']}),"
+        f" asked of all {r['asked_all']}"
     )
 
 
 def table(result: dict[str, Any]) -> str:
     rows: list[tuple[object, object, object, object]] = []
     for r in result["rows"]:
-        n = f"{r['agents']:,}"
+        n = f"{r['agents']:,} agents, {r['policy']}"
         ratio = r["turn_all_s"] / r["turn_shortlist_s"]
         rows += [
             (
-                f"turn at the limit, {n} agents: shortlist / all (mean of {r['turns']})",
+                f"turn at the limit, {n}: shortlist / all (mean of {r['turns']})",
                 f"{1e3 * r['turn_shortlist_s']:.1f} / {1e3 * r['turn_all_s']:.1f} ms"
                 f" ({ratio:.2f}x)",
                 "",
                 "",
             ),
             (
-                f"engine's ranking, {n} agents: shortlist / all (median)",
+                f"engine's ranking, {n}: shortlist / all (median)",
                 f"{r['engine_shortlist_ms'] or 0:.2f} / {r['engine_all_ms'] or 0:.2f} ms",
                 "",
                 "",
             ),
             (
-                f"answered from the shortlist / asked of all, {n} agents",
+                f"answered from the shortlist / asked of all, {n}",
                 f"{r['early_answers']} / {r['asked_all']}",
                 "",
                 "",
             ),
             (
-                f"disk peak / limit, {n} agents",
+                f"disk peak / limit, {n}",
                 f"{r['disk_peak_bytes']:,} / {r['disk_limit_bytes']:,}",
                 "peak <= limit",
                 "met" if r["within_limit"] else "NOT met",
@@ -197,12 +235,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--turns", type=int, default=12, help="turns each way, per size")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--quick", action="store_true", help="sizes 100 / 300, 4 turns")
     parser.add_argument("--dir", dest="workdir", help="keep the cache directories here")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     sizes, turns = ([100, 300], 4) if args.quick else (args.sizes, args.turns)
-    result = anyio.run(run, sizes, turns, args.workdir)
+    result = anyio.run(run, sizes, turns, args.workdir, args.policies)
     print(table(result))
     if args.json:
         write_json(args.json, result)

@@ -1,5 +1,6 @@
 """``bench/limit_scale.py`` at a tiny size: every figure is there, the disk limit held, and
-LRU answered from the shortlist while the other way asked about every agent."""
+LRU and the hinted workflow policy answered from the shortlist while the other way asked
+about every agent."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ def anyio_backend() -> str:
 
 async def test_the_bench_answers_from_the_shortlist_and_holds_the_limit(tmp_path: Path) -> None:
     result = await limit_scale.run([90], 3, str(tmp_path))
-    (row,) = result["rows"]
-    assert [k for k in KEYS if k not in row] == []
-    assert row["within_limit"] and row["demoted_cold"] > 0
-    assert row["early_answers"] > 0 and row["asked_all"] > 0
+    assert [r["policy"] for r in result["rows"]] == ["lru", "workflow"]
+    for row in result["rows"]:
+        assert [k for k in KEYS if k not in row] == []
+        assert row["within_limit"] and row["demoted_cold"] > 0
+        assert row["early_answers"] > 0 and row["asked_all"] > 0, row
     assert _store.SHORTLIST == 64  # the bench put it back
     assert "turn at the limit, 90 agents" in limit_scale.table(result)

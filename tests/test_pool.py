@@ -16,10 +16,13 @@ from kvactor.actors.hot import (
     CachePool,
     Candidate,
     EvictionPolicy,
+    HintBook,
     LRUPolicy,
     WorkflowPolicy,
+    _hints,
+    make_hint,
 )
-from kvactor.actors.messages import WarmAgent
+from kvactor.actors.messages import AskWith, WarmAgent
 from kvactor.actors.models import LoadedModel, make_tiny_model
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.float_turn import FloatTurnCache
@@ -312,9 +315,122 @@ def test_the_least_recently_written_alone_give_lru_s_answer_or_none(lm: LoadedMo
             answered += 1
             assert part == full, (round_, k, need)
     assert answered > 100 and refused > 100  # both ways, often
-    # Another policy is never answered early.
-    pool.demotion.policy = WorkflowPolicy()
+
+    class Custom(LRUPolicy):  # any other policy: its order is not known, never early
+        pass
+
+    pool.demotion.policy = Custom()
     assert pool.demotion.choose_cold(agents[:1], 1, beyond=agents[1].updated) is None
+
+
+def test_the_least_recently_written_alone_give_workflow_s_answer_or_none(
+    lm: LoadedModel,
+) -> None:
+    # The same with the hints: agents, some of them left out, marked done, given a
+    # priority (lower or higher) or expected soon or late; the answer from the first in
+    # write order, when there is one, is the answer for all of them.
+    now = [1000.0]
+    offset = 1e9
+    pool = new_pool(lm, None, clock=lambda: now[0], wall=lambda: now[0] + offset)
+    pool.demotion.policy = WorkflowPolicy(clock=lambda: now[0])
+    for name in ("h0", "h1"):
+        turn(pool, lm, name, 10, persist=True)
+    now[0] = 2000.0
+    rng = random.Random(5)
+    answered = refused = asked_with = 0
+    for round_ in range(400):
+        agents = [
+            WarmAgent(f"w{i:03d}", rng.randrange(1, 100), 10, offset + rng.uniform(10, 1500))
+            for i in range(60)
+        ] + [
+            WarmAgent(h, rng.randrange(1, 100), 10, offset + rng.uniform(0, 1999))
+            for h in ("h0", "h1")
+        ]
+        agents.sort(key=lambda a: a.updated)
+        names = [a.agent for a in agents]
+        for name in names:
+            pool.hints.forget(name)
+        some = rng.sample(names, rng.randrange(0, 6))
+        pool.hints.apply(
+            make_hint(
+                done=some[:2],
+                expect_in_s={a: rng.uniform(0, 500) for a in some[2:4]},
+                priority={a: rng.choice((-2, -1, 1, 3)) for a in some[3:]},
+            ),
+            now[0],
+        )
+        k = rng.randrange(1, len(agents))
+        need = rng.randrange(1, 3000)
+        full = pool.demotion.choose_cold(agents, need)
+        part = pool.demotion.choose_cold(agents[:k], need, beyond=agents[k].updated)
+        if isinstance(part, AskWith):  # asked again with the agents it named
+            assert part.agents and not set(part.agents) & set(names[:k])
+            more = [a for a in agents[k:] if a.agent in part.agents]
+            part = pool.demotion.choose_cold(agents[:k] + more, need, agents[k].updated)
+            assert not isinstance(part, AskWith)
+            asked_with += 1
+        if part is None:
+            refused += 1
+        else:
+            answered += 1
+            assert part == full, (round_, k, need, some)
+    assert answered > 100 and refused > 100 and asked_with > 20  # each way, often
+
+
+def test_a_done_agent_left_out_is_asked_about_and_once_cold_left_out(
+    lm: LoadedModel,
+) -> None:
+    # A done agent left out of those asked goes first, so the first ones alone cannot
+    # answer: the engine names it, and asked again with it, answers as if asked of all.
+    # Once it went cold, the first ones alone answer again.
+    offset, now = 1e9, 2000.0
+    pool = new_pool(lm, None, clock=lambda: now, wall=lambda: now + offset)
+    pool.demotion.policy = WorkflowPolicy(clock=lambda: now)
+    agents = [WarmAgent(f"w{i:03d}", 10, 10, offset + i) for i in range(100)]
+    pool.hints.apply(make_hint(done=["w090"]), now)
+    beyond = agents[50].updated
+    assert pool.cold_victims(agents[:50], 15, beyond) == AskWith(("w090",))
+    assert pool.demotion.choose_cold([*agents[:50], agents[90]], 15, beyond) == ["w090", "w000"]
+    assert pool.cold_victims(agents, 15) == ["w090", "w000"]
+    left = [a for a in agents if a.agent not in ("w090", "w000")]
+    assert pool.cold_victims(left[:50], 15, beyond=left[50].updated) == ["w001", "w002"]
+
+
+def test_a_hint_book_counts_its_ranks_as_hints_come_and_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # lowest_rank is kept by counting, not by a pass over the agents: it must agree with
+    # one over the agents in a tier (not made cold since their last turn) after every
+    # change, the book's limit (here 12 agents) included.
+    monkeypatch.setattr(_hints, "BOOK_LIMIT", 12)
+    book, rng = HintBook(), random.Random(7)
+    names = [f"a{i}" for i in range(40)]
+    cold: dict[str, None] = {}  # the last 12 made cold, as the book keeps them
+    for step in range(1500):
+        pick = rng.sample(names, 3)
+        match rng.randrange(6):
+            case 0:
+                book.apply(make_hint(done=pick), float(step))
+            case 1:
+                book.apply(make_hint(priority={a: rng.randint(-3, 3) for a in pick}), float(step))
+            case 2:
+                book.apply(make_hint(next=pick), float(step))
+            case 3:
+                book.queued(pick[0])
+                cold.pop(pick[0], None)
+            case 4:
+                book.went_cold(pick[0])
+                cold.pop(pick[0], None)
+                cold[pick[0]] = None
+                if len(cold) > 12:
+                    del cold[next(iter(cold))]
+                assert not book.done(pick[0])
+            case _:
+                book.forget(pick[0])
+                cold.pop(pick[0], None)
+        left_out = set(rng.sample(names, rng.randrange(0, 10)))
+        ranks = [book.rank(a) for a in names if a not in left_out and a not in cold]
+        assert book.lowest_rank(left_out) == min([(0, 1), *ranks]), step
 
 
 def test_a_staging_whose_cache_outgrows_its_reservation_trips_the_budget_assert(

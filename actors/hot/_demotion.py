@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from ..enums import Tier
-from ..messages import WarmAgent
+from ..messages import AskWith, WarmAgent
 from ._entry import HotEntry
-from ._hints import HintBook
+from ._hints import PLAIN_RANK, HintBook
 from ._ledger import Ledger
 from ._moves import MoveLog
-from ._policy import Candidate, EvictionPolicy, LRUPolicy, Rates
+from ._policy import Candidate, EvictionPolicy, LRUPolicy, Rates, WorkflowPolicy
 from ._ready import ReadyCopies
 from ._residents import Residents
 from ._write_back import WriteBack
@@ -65,21 +65,45 @@ def cold_candidates(
 
 
 def early_victims(
-    policy: EvictionPolicy, candidates: Sequence[Candidate], need: int, beyond: float
+    policy: EvictionPolicy,
+    candidates: Sequence[Candidate],
+    need: int,
+    beyond: float,
+    lowest: tuple[int, int] = PLAIN_RANK,
 ) -> list[str] | None:
     """``policy``'s victims of ``candidates`` for ``need`` bytes when they are the ones it
-    would pick were more candidates added, each idle, clean and last used at ``beyond`` or
-    later; None when that cannot be told. Only :class:`LRUPolicy` itself ranks by recency
-    alone: it picks a prefix of the candidates in (waiting, not clean, last used) order
-    until ``need`` is freed, and such later ones would come after all of it."""
-    if type(policy) is not LRUPolicy:
+    would pick were more candidates added, each idle, clean, last used at ``beyond`` or
+    later and of a ``HintBook.rank`` no lower than ``lowest``; None when that cannot be
+    told. Either policy picks a prefix of the candidates in its order until ``need`` is
+    freed, so the answer holds when every such later candidate sorts after the last one
+    picked:
+
+    - :class:`LRUPolicy` orders by (waiting, not clean, last used) alone;
+    - :class:`WorkflowPolicy` puts (waiting, priority, done / plain / hinted) first, and
+      a later one may be hinted (its rank a lower bound, its worth unknown), so it can
+      answer when the last one picked is done or plain, clean and used before
+      ``beyond``, or of a lower priority than any later one.
+
+    Any other policy (its order unknown here): None."""
+    if type(policy) is LRUPolicy:
+
+        def key(c: Candidate) -> tuple[float, ...]:
+            return float(c.waiting), float(not c.clean), c.last_used
+
+        bound: tuple[float, ...] = (0.0, 0.0, beyond)
+    elif type(policy) is WorkflowPolicy:
+
+        def key(c: Candidate) -> tuple[float, ...]:
+            return tuple(map(float, WorkflowPolicy.key(c, 0.0)))
+
+        bound = (0.0, float(lowest[0]), float(lowest[1]), 0.0, beyond)
+    else:
         return None
     victims = policy.victims(candidates, need)
     by_agent = {c.agent: c for c in candidates}
     if sum(by_agent[v].nbytes for v in victims) < need:
         return None  # the candidates left out might have been picked too
-    last = by_agent[victims[-1]] if victims else None
-    if last is not None and (last.waiting or not last.clean or last.last_used >= beyond):
+    if victims and not key(by_agent[victims[-1]]) < bound:
         return None
     return victims
 
@@ -326,26 +350,32 @@ class Demotion:
 
     def cold_victims(
         self, agents: Sequence[WarmAgent], need: int, beyond: float | None = None
-    ) -> list[str] | None:
+    ) -> list[str] | AskWith | None:
         """Which of the warm ``agents`` go cold on disk first for ``need`` bytes
         (:meth:`choose_cold`); a hot idle one may: it stays hot, and its hot entry learns
         that nothing of it is on disk any more (its next write is whole, and it is never
-        demoted as if it had a copy)."""
+        demoted as if it had a copy). One not hot loses its done mark
+        (``HintBook.went_cold``)."""
         victims = self.choose_cold(agents, need, beyond)
-        for agent in victims or ():
+        if not isinstance(victims, list):
+            return victims
+        for agent in victims:
             entry = self._residents.get(agent)
             if entry is not None:
                 entry.warm_copy_gone()
+            else:
+                self._hints.went_cold(agent)
         return victims
 
     def choose_cold(
         self, agents: Sequence[WarmAgent], need: int, beyond: float | None = None
-    ) -> list[str] | None:
+    ) -> list[str] | AskWith | None:
         """Which of the warm ``agents`` would go cold first for ``need`` bytes (the policy's
         order, with the hints), changing nothing. Never one staged, busy or being written.
         ``beyond``: ``agents`` are the least recently written, every other warm agent
-        written at that unix time or later (``WarmVictims``); None when the answer could
-        differ with them."""
+        written at that unix time or later (``WarmVictims``); an ``AskWith`` naming the
+        agents left out that the hints rank first, or None when the answer could differ
+        with them."""
         writing = self._ledger.writing()
         idle = []
         for a in agents:
@@ -372,7 +402,13 @@ class Demotion:
         for agent, entry in self._residents.items():
             if agent not in given:
                 first = min(first, entry.last_used)
-        return early_victims(self.policy, candidates, need, first)
+        lowest = self._hints.lowest_rank(given)
+        early = early_victims(self.policy, candidates, need, first, lowest)
+        if early is None and lowest < PLAIN_RANK and type(self.policy) is WorkflowPolicy:
+            # Agents left out that the hints put first (done, or of a lower priority): the
+            # answer with them is told from them and these, not from every agent.
+            return AskWith(tuple(self._hints.below_plain(given)))
+        return early
 
     def stuck(self, exclude: HotEntry | None = None) -> bool:
         """Nothing is on its way to free room: no running turn (but ``exclude``'s), no write,

@@ -12,13 +12,14 @@ is long overdue (then the agent is ranked as if unhinted again).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from ..ids import check_agent_id
 from ..messages import Hint
 
-__all__ = ("HintBook", "PRIORITY_LIMIT", "make_hint", "split_hint")
+__all__ = ("PLAIN_RANK", "PRIORITY_LIMIT", "HintBook", "make_hint", "split_hint")
 
 #: Priorities lie in [-PRIORITY_LIMIT, PRIORITY_LIMIT]; 0 is every agent's default.
 PRIORITY_LIMIT = 1000
@@ -26,6 +27,8 @@ PRIORITY_LIMIT = 1000
 #: name agents that never run, and a server takes them from its clients.
 BOOK_LIMIT = 10_000
 _MAX_WAIT_S = 86_400.0
+#: ``HintBook.rank`` of an agent no priority or done hint names.
+PLAIN_RANK = (0, 1)
 
 
 def make_hint(
@@ -100,36 +103,120 @@ class HintBook:
         self._at: dict[str, float] = {}  # agent -> time.monotonic() of its expected turn
         self._priority: dict[str, int] = {}
         self._done: dict[str, None] = {}  # an ordered set: the oldest go first past the limit
+        # How many agents hold each rank other than the plain one (see ``rank``), but those
+        # in ``_away``: agents that went cold, in no tier to rank in (an ordered set: past
+        # the limit the oldest count again, which only errs towards asking all).
+        self._ranks: Counter[tuple[int, int]] = Counter()
+        self._away: dict[str, None] = {}
+        self._low: dict[str, None] = {}  # the agents counted below the plain rank
         self.turn_s = 1.0  # moving average of a turn's time, queued to ended
         self.given = 0  # hints applied
 
     def apply(self, hint: Hint, now: float) -> None:
         """Take ``hint`` at ``now`` (later hints about an agent replace earlier ones)."""
         self.given += 1
-        for rank, agent in enumerate(hint.next):
+        for place, agent in enumerate(hint.next):
             self._at.pop(agent, None)  # re-inserted: the newest last
-            self._at[agent] = now + rank * self.turn_s
-            self._done.pop(agent, None)
+            self._at[agent] = now + place * self.turn_s
+            self._set_done(agent, False)
         for agent, seconds in hint.expect_in_s:
             self._at.pop(agent, None)
             self._at[agent] = now + seconds
-            self._done.pop(agent, None)
+            self._set_done(agent, False)
         for agent, value in hint.priority:
-            if value:
-                self._priority[agent] = value
-            else:
-                self._priority.pop(agent, None)
+            self._set_priority(agent, value)
         for agent in hint.done:
             self._at.pop(agent, None)
-            self._done[agent] = None
-        for book in (self._at, self._priority, self._done):
-            while len(book) > BOOK_LIMIT:
-                del book[next(iter(book))]
+            self._set_done(agent, True)
+        while len(self._at) > BOOK_LIMIT:
+            del self._at[next(iter(self._at))]
+        while len(self._priority) > BOOK_LIMIT:
+            self._set_priority(next(iter(self._priority)), 0)
+        while len(self._done) > BOOK_LIMIT:
+            self._set_done(next(iter(self._done)), False)
+
+    def _set_priority(self, agent: str, value: int) -> None:
+        before = self._counted(agent)
+        if value:
+            self._priority[agent] = value
+        else:
+            self._priority.pop(agent, None)
+        self._reranked(agent, before)
+
+    def _set_done(self, agent: str, done: bool) -> None:
+        before = self._counted(agent)
+        if done:
+            self._done[agent] = None  # one already done keeps its place
+        else:
+            self._done.pop(agent, None)
+        self._reranked(agent, before)
+
+    def _counted(self, agent: str) -> tuple[int, int]:
+        return PLAIN_RANK if agent in self._away else self.rank(agent)
+
+    def _reranked(self, agent: str, before: tuple[int, int]) -> None:
+        after = self._counted(agent)
+        if after == before:
+            return
+        if after < PLAIN_RANK:
+            self._low[agent] = None
+        else:
+            self._low.pop(agent, None)
+        if before != PLAIN_RANK:
+            self._ranks[before] -= 1
+            if not self._ranks[before]:
+                del self._ranks[before]
+        if after != PLAIN_RANK:
+            self._ranks[after] += 1
+
+    def rank(self, agent: str) -> tuple[int, int]:
+        """``(priority, 0 if done else 1)``: what orders ``agent`` before any time does, in
+        :class:`~kvactor.actors.hot.WorkflowPolicy`, but for a hint of its next turn (which
+        puts it after every plain agent of its priority). An agent no hint names has
+        ``PLAIN_RANK``."""
+        return self._priority.get(agent, 0), 0 if agent in self._done else 1
+
+    def below_plain(self, excluding: Collection[str] = ()) -> list[str]:
+        """The agents ``lowest_rank`` counts below the plain rank (done, or of a priority
+        below 0), but those in ``excluding``: the ones a policy with the hints puts before
+        every agent no hint names."""
+        return [a for a in self._low if a not in excluding]
+
+    def lowest_rank(self, excluding: Collection[str] = ()) -> tuple[int, int]:
+        """The lowest ``rank`` any agent but those in ``excluding`` may have in a tier,
+        agents no hint names counted (``PLAIN_RANK``), agents that went cold not
+        (``went_cold``): as many steps as there are ranks in use, not agents."""
+        left = Counter(self._ranks)
+        for agent in excluding:
+            rank = self._counted(agent)
+            if rank != PLAIN_RANK:
+                left[rank] -= 1
+        return min([PLAIN_RANK, *(rank for rank, n in left.items() if n > 0)])
 
     def queued(self, agent: str) -> None:
         """A turn of ``agent`` was queued: what was expected of it came (or came early)."""
         self._at.pop(agent, None)
-        self._done.pop(agent, None)
+        self._set_done(agent, False)
+        self._set_away(agent, False)  # back in a tier: its priority counts again
+
+    def went_cold(self, agent: str) -> None:
+        """``agent`` is leaving the warm tier, not hot: in no tier to rank in until its
+        next turn (``queued``), so that ``lowest_rank`` leaves it out. Its done mark has
+        done its work (it ranked it first to go): dropped, as its next turn would. Its
+        priority stays for that turn. (An import comes back through ``forget``; a cold
+        demotion that failed leaves it out until its next turn, so that the first agents
+        asked may then answer as if it were cold.)"""
+        self._set_done(agent, False)
+        self._set_away(agent, True)
+        while len(self._away) > BOOK_LIMIT:
+            self._set_away(next(iter(self._away)), False)
+
+    def _set_away(self, agent: str, away: bool) -> None:
+        before = self._counted(agent)
+        self._away.pop(agent, None)
+        if away:
+            self._away[agent] = None  # the newest last
+        self._reranked(agent, before)
 
     def turn_took(self, seconds: float) -> None:
         if seconds > 0:
@@ -138,8 +225,9 @@ class HintBook:
     def forget(self, agent: str) -> None:
         """``agent`` is gone: every hint about it goes too."""
         self._at.pop(agent, None)
-        self._priority.pop(agent, None)
-        self._done.pop(agent, None)
+        self._set_priority(agent, 0)
+        self._set_done(agent, False)
+        self._set_away(agent, False)
 
     def next_use(self, agent: str, now: float) -> float | None:
         """When ``agent``'s next turn is expected (None: no hint, or one long overdue)."""

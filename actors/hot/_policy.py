@@ -102,21 +102,22 @@ class WorkflowPolicy:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
 
+    @staticmethod
+    def key(c: Candidate, now: float) -> tuple[bool, int, int, float, float]:
+        """Where ``c`` stands at ``now``: the smaller key is demoted first."""
+        if c.done and not c.hinted:
+            return c.waiting, c.priority, 0, float(not c.clean), c.last_used
+        if not c.hinted or c.next_use is None:
+            return c.waiting, c.priority, 1, float(not c.clean), c.last_used
+        ahead = max(c.next_use - now, 0.0)
+        # Seconds until it runs per second of reload per byte: larger goes first.
+        worth = ahead * max(c.nbytes, 1) / max(c.reload_s, 1e-9)
+        return c.waiting, c.priority, 2, -worth, c.last_used
+
     def order(self, candidates: Sequence[Candidate]) -> list[Candidate]:
         """Every candidate, first to demote first."""
         now = self._clock()
-
-        def key(c: Candidate) -> tuple[bool, int, int, float, float]:
-            if c.done and not c.hinted:
-                return c.waiting, c.priority, 0, float(not c.clean), c.last_used
-            if not c.hinted or c.next_use is None:
-                return c.waiting, c.priority, 1, float(not c.clean), c.last_used
-            ahead = max(c.next_use - now, 0.0)
-            # Seconds until it runs per second of reload per byte: larger goes first.
-            worth = ahead * max(c.nbytes, 1) / max(c.reload_s, 1e-9)
-            return c.waiting, c.priority, 2, -worth, c.last_used
-
-        return sorted(candidates, key=key)
+        return sorted(candidates, key=lambda c: self.key(c, now))
 
     def victims(self, candidates: Sequence[Candidate], need: int) -> list[str]:
         chosen: list[str] = []

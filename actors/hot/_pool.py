@@ -21,7 +21,7 @@ from ...kernels.turn_cache import FloatTurnCache, TurnCache
 from ...runtime import DEBUG, Reply
 from ..enums import Room, Tier
 from ..errors import AgentBusy, UnknownAgent
-from ..messages import Hint, WarmAgent
+from ..messages import AskWith, Hint, WarmAgent
 from ..records import CacheInfo, Exported
 from ._demotion import Demotion
 from ._entry import HotEntry, common_prefix
@@ -148,7 +148,7 @@ class CachePool:
 
     def cold_victims(
         self, agents: Sequence[WarmAgent], need: int, beyond: float | None = None
-    ) -> list[str] | None:
+    ) -> list[str] | AskWith | None:
         return self.demotion.cold_victims(agents, need, beyond)
 
     def idle_bytes(self) -> int:

@@ -35,7 +35,7 @@ from ...runtime import Actor, ActorDeadError, ActorRef, MailboxFull
 from ..errors import AgentExists, CacheRejected, StoreWriteError
 from ..hot import LRUPolicy, MoveLog, Rates, cold_candidates
 from ..ids import check_agent_id, namespace_of
-from ..messages import EngineMessage, WarmAgent, WarmVictims
+from ..messages import AskWith, EngineMessage, WarmAgent, WarmVictims
 from ._dirlock import LOCK_FILE, CacheDirLock, lock_cache_dir
 from ._forget import (
     Collected,
@@ -691,11 +691,13 @@ class StoreActor(Actor):
             return (
                 warm[a]
                 for a in order
-                if a not in tried and (namespace is None or namespace_of(a) == namespace)
+                if a in warm
+                and a not in tried
+                and (namespace is None or namespace_of(a) == namespace)
             )
 
         while need := self._over(more, namespace):
-            victims = await self._victims_of(mine(self._by_write), lambda: mine(warm), need)
+            victims = await self._victims_of(mine, need)
             if not victims:
                 break
             for agent in victims:
@@ -760,17 +762,15 @@ class StoreActor(Actor):
         return demoted
 
     async def _victims_of(
-        self,
-        by_write: Iterator[WarmAgent],
-        every: Callable[[], Iterator[WarmAgent]],
-        need: int,
+        self, mine: Callable[[Iterable[str]], Iterator[WarmAgent]], need: int
     ) -> list[str]:
-        """The policy's victims for ``need`` bytes among the agents ``every()`` gives. The
-        engine is asked of the first ``SHORTLIST`` of them in write order (``by_write``,
-        least recently written first) first: with LRU that answers for all of them unless
+        """The policy's victims for ``need`` bytes among the agents ``mine`` gives of the
+        warm ones. The engine is asked of the first ``SHORTLIST`` of them in write order
+        (least recently written first) first: with LRU that answers for all of them unless
         its pick reaches the last (``WarmVictims.beyond``), so that a write at the limit
-        does not build a candidate for each of 10,000 agents on disk; otherwise it is
-        asked again of all."""
+        does not build a candidate for each of 10,000 agents on disk; with the hints, it
+        may name the agents left out that they rank first (``AskWith``), asked again with
+        them; otherwise it is asked again of all."""
         usage = self.usage
         assert usage is not None
 
@@ -779,13 +779,19 @@ class StoreActor(Actor):
             return [msgspec.structs.replace(a, nbytes=own(self.root, a.agent)) for a in some]
 
         if self.engine is not None:
-            head = list(itertools.islice(by_write, SHORTLIST + 1))
+            head = list(itertools.islice(mine(self._by_write), SHORTLIST + 1))
             if len(head) > SHORTLIST:
-                asked = WarmVictims(sized(head[:SHORTLIST]), need, beyond=head[-1].updated)
-                early: list[str] | None = await self.engine.ask(asked)
-                if early is not None:
+                asked = sized(head[:SHORTLIST])
+                beyond = head[-1].updated
+                early = await self.engine.ask(WarmVictims(asked, need, beyond=beyond))
+                if isinstance(early, AskWith):
+                    have = {a.agent for a in asked}
+                    more = sized(mine(a for a in early.agents if a not in have))
+                    early = await self.engine.ask(WarmVictims(asked + more, need, beyond))
+                if isinstance(early, list):
                     return early
-        return await self._victims(sized(every()), need)
+        assert self._warm is not None
+        return await self._victims(sized(mine(self._warm)), need)
 
     async def _victims(self, candidates: list[WarmAgent], need: int) -> list[str]:
         if not candidates:
