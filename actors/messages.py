@@ -227,11 +227,14 @@ class WarmVictims(msgspec.Struct, frozen=True, tag=True):
     later. The answer is then the names the policy would give were every warm agent asked;
     an ``AskWith`` when the hints rank agents left out first (done, or of a lower
     priority): ask again with those too; or None when it cannot be told from these (a
-    policy of unknown order, or a pick that reaches ``beyond``): ask again with all."""
+    policy of unknown order, or a pick that reaches ``beyond``): ask again with all.
+    ``checked``: the names an ``AskWith`` gave, those not among ``agents`` being no
+    candidates (not warm, or spared by the store): left out of what may rank first."""
 
     agents: list[WarmAgent]
     need: int
     beyond: float | None = None
+    checked: tuple[str, ...] = ()
 
 
 class AskWith(msgspec.Struct, frozen=True):

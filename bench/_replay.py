@@ -381,7 +381,7 @@ class Replay:
             if isinstance(early, AskWith):
                 have = set(head[:-1])
                 more = sized(mine(a for a in early.agents if a not in have))
-                early = self.pool.cold_victims(asked + more, need, beyond)
+                early = self.pool.cold_victims(asked + more, need, beyond, early.agents)
             if isinstance(early, list):
                 return early
         victims = self.pool.cold_victims(sized(mine(self.warm)), need)

@@ -280,8 +280,8 @@ class ModelRunner:
                 return self.stats()
             case EndTurns():
                 return self.end_turns()
-            case WarmVictims(agents, need, beyond):
-                return pool.cold_victims(agents, need, beyond)
+            case WarmVictims(agents, need, beyond, checked):
+                return pool.cold_victims(agents, need, beyond, checked)
         raise TypeError(f"the engine does not handle {type(message).__name__}")
 
     def stats(self) -> EngineStats:

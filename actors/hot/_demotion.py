@@ -349,14 +349,18 @@ class Demotion:
         self.moves.demoted(agent, to, victim.nbytes)
 
     def cold_victims(
-        self, agents: Sequence[WarmAgent], need: int, beyond: float | None = None
+        self,
+        agents: Sequence[WarmAgent],
+        need: int,
+        beyond: float | None = None,
+        checked: Collection[str] = (),
     ) -> list[str] | AskWith | None:
         """Which of the warm ``agents`` go cold on disk first for ``need`` bytes
         (:meth:`choose_cold`); a hot idle one may: it stays hot, and its hot entry learns
         that nothing of it is on disk any more (its next write is whole, and it is never
         demoted as if it had a copy). One not hot loses its done mark
         (``HintBook.went_cold``)."""
-        victims = self.choose_cold(agents, need, beyond)
+        victims = self.choose_cold(agents, need, beyond, checked)
         if not isinstance(victims, list):
             return victims
         for agent in victims:
@@ -368,14 +372,19 @@ class Demotion:
         return victims
 
     def choose_cold(
-        self, agents: Sequence[WarmAgent], need: int, beyond: float | None = None
+        self,
+        agents: Sequence[WarmAgent],
+        need: int,
+        beyond: float | None = None,
+        checked: Collection[str] = (),
     ) -> list[str] | AskWith | None:
         """Which of the warm ``agents`` would go cold first for ``need`` bytes (the policy's
         order, with the hints), changing nothing. Never one staged, busy or being written.
         ``beyond``: ``agents`` are the least recently written, every other warm agent
         written at that unix time or later (``WarmVictims``); an ``AskWith`` naming the
         agents left out that the hints rank first, or None when the answer could differ
-        with them."""
+        with them. ``checked``: agents an ``AskWith`` named, no candidates unless among
+        ``agents`` (``WarmVictims.checked``)."""
         writing = self._ledger.writing()
         idle = []
         for a in agents:
@@ -397,7 +406,7 @@ class Demotion:
             return self.policy.victims(candidates, need)
         # A warm agent left out is used no earlier than its write, or than its last turn
         # if it is hot (each hot one counted, whether warm or not).
-        given = {a.agent for a in agents}
+        given = {a.agent for a in agents}.union(checked)
         first = _used_at(beyond, now, at)
         for agent, entry in self._residents.items():
             if agent not in given:

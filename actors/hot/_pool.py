@@ -12,7 +12,7 @@ entries through the methods here; the pool answers with typed results.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from ...kernels.agent_cache import DEFAULT_CHECKPOINTS, AgentKV
 from ...kernels.geometry import CacheGeometry
@@ -147,9 +147,13 @@ class CachePool:
         return self.demotion.stuck(exclude)
 
     def cold_victims(
-        self, agents: Sequence[WarmAgent], need: int, beyond: float | None = None
+        self,
+        agents: Sequence[WarmAgent],
+        need: int,
+        beyond: float | None = None,
+        checked: Collection[str] = (),
     ) -> list[str] | AskWith | None:
-        return self.demotion.cold_victims(agents, need, beyond)
+        return self.demotion.cold_victims(agents, need, beyond, checked)
 
     def idle_bytes(self) -> int:
         return self.demotion.idle_bytes()

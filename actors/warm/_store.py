@@ -787,7 +787,8 @@ class StoreActor(Actor):
                 if isinstance(early, AskWith):
                     have = {a.agent for a in asked}
                     more = sized(mine(a for a in early.agents if a not in have))
-                    early = await self.engine.ask(WarmVictims(asked + more, need, beyond))
+                    again = WarmVictims(asked + more, need, beyond, checked=early.agents)
+                    early = await self.engine.ask(again)
                 if isinstance(early, list):
                     return early
         assert self._warm is not None
