@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
@@ -431,6 +432,36 @@ def test_a_hint_book_counts_its_ranks_as_hints_come_and_go(
         left_out = set(rng.sample(names, rng.randrange(0, 10)))
         ranks = [book.rank(a) for a in names if a not in left_out and a not in cold]
         assert book.lowest_rank(left_out) == min([(0, 1), *ranks]), step
+
+
+def test_what_each_cache_alone_holds_is_kept_as_caches_share_and_go(lm: LoadedModel) -> None:
+    # StoredCounts.own keeps a shared cache's own bytes until some array's sole holder
+    # changes: after every fork, turn and drop it equals a count from scratch, by ids.
+    pool = new_pool(lm, None)
+    rng = random.Random(11)
+    names: list[str] = []
+    for step in range(60):
+        op = rng.randrange(4) if names else 1
+        if op == 0:  # a fork of a hot, idle cache shares all its arrays
+            source, new = rng.choice(names), f"f{step}"
+            assert pool.fork(source, new, list(pool.residents[source].kv.tokens))
+            names.append(new)
+        elif op == 1:  # a turn, of a new agent or of one hot
+            agent = rng.choice([*names, f"a{step}"])
+            turn(pool, lm, agent, rng.randrange(1, 9), persist=True)
+            names += [] if agent in names else [agent]
+        elif op == 2:
+            agent = rng.choice(names)
+            pool.drop(agent)
+            names.remove(agent)
+        else:
+            pool.measure()
+        stored = pool.ledger.stored()
+        arrays = {n: {id(a): a.nbytes for a in pool.residents[n].kv.stored_arrays()} for n in names}
+        holders = Counter(i for held in arrays.values() for i in held)
+        for n, held in arrays.items():
+            assert stored.own(n) == sum(b for i, b in held.items() if holders[i] == 1), (step, n)
+    assert any(pool.residents[n].kv.shared for n in names)  # it did share
 
 
 def test_a_staging_whose_cache_outgrows_its_reservation_trips_the_budget_assert(

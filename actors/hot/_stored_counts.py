@@ -18,7 +18,7 @@ class _Counted:
     """What was counted for one cache: which cache, at which change, shared or not, its
     stored bytes and (shared) each of its arrays' id and bytes."""
 
-    __slots__ = ("arrays", "gen", "kv", "nbytes", "shared")
+    __slots__ = ("arrays", "gen", "kv", "nbytes", "own", "own_at", "shared")
 
     def __init__(self, kv: AgentKV, nbytes: int, arrays: tuple[tuple[int, int], ...]) -> None:
         self.kv = weakref.ref(kv)  # no reference: a cache let go is freed at once
@@ -26,9 +26,8 @@ class _Counted:
         self.shared = kv.shared
         self.nbytes = nbytes
         self.arrays = arrays
-
-    def current(self, kv: AgentKV) -> bool:
-        return self.kv() is kv and self.gen == kv.stored_gen and self.shared == kv.shared
+        self.own = nbytes  # a shared cache's own bytes, as of ``StoredCounts._epoch`` own_at
+        self.own_at = -1
 
 
 class StoredCounts:
@@ -36,22 +35,30 @@ class StoredCounts:
 
     Invariant: ``total`` is the bytes of the union of the stored arrays of the caches last
     synced (a cache's arrays that are no other cache's are summed from its ranges);
-    ``_holders`` counts, for each array of a shared cache, the synced caches holding it."""
+    ``_holders`` counts, for each array of a shared cache, the synced caches holding it;
+    ``_epoch`` changes whenever an array's holders go from one to two or from two to one
+    (the only changes that move bytes between caches' own counts)."""
 
     def __init__(self) -> None:
         self.total = 0
         self._counted: dict[str, _Counted] = {}
         self._holders: dict[int, int] = {}  # id of a shared cache's array -> caches holding it
+        self._epoch = 0
 
     def sync(self, residents: Residents) -> int:
         """Count the caches of ``residents`` now: those gone or changed since the last
-        sync are taken out first (an array freed since may share an id with a new one),
-        then those new or changed are read. Returns :attr:`total`."""
+        sync (another cache, another change count, or shared since) are taken out first
+        (an array freed since may share an id with a new one), then those new or changed
+        are read. Returns :attr:`total`."""
         counted = self._counted
+        get = residents.get
         stale = [
             agent
             for agent, c in counted.items()
-            if (e := residents.get(agent)) is None or not c.current(e.kv)
+            if (e := get(agent)) is None
+            or (kv := e.kv) is not c.kv()
+            or c.gen != kv.stored_gen
+            or c.shared != kv.shared
         ]
         for agent in stale:
             self._take_out(agent)
@@ -69,8 +76,11 @@ class StoredCounts:
             return 0
         if not c.shared:
             return c.nbytes
-        holders = self._holders
-        return sum(n for i, n in c.arrays if holders[i] == 1)
+        if c.own_at != self._epoch:  # some array's sole holder changed since: count again
+            holders = self._holders
+            c.own = sum(n for i, n in c.arrays if holders[i] == 1)
+            c.own_at = self._epoch
+        return c.own
 
     def _count(self, agent: str, kv: AgentKV) -> None:
         if not kv.shared:  # the common case: no array of it is another cache's
@@ -86,6 +96,8 @@ class StoredCounts:
             held = holders.get(i, 0)
             if not held:
                 self.total += n
+            elif held == 1:
+                self._epoch += 1  # its one holder no longer holds it alone
             holders[i] = held + 1
         self._counted[agent] = _Counted(kv, sum(sizes.values()), tuple(sizes.items()))
 
@@ -99,6 +111,8 @@ class StoredCounts:
             held = holders[i] - 1
             if held:
                 holders[i] = held
+                if held == 1:
+                    self._epoch += 1  # its last holder holds it alone now
             else:
                 del holders[i]
                 self.total -= n
