@@ -64,10 +64,14 @@ class EngineTimer:
         orig, timer = self._orig, self
 
         def timed(
-            demotion: _demotion.Demotion, agents: Any, need: int, beyond: float | None = None
+            demotion: _demotion.Demotion,
+            agents: Any,
+            need: int,
+            beyond: float | None = None,
+            checked: Any = (),
         ) -> list[str] | AskWith | None:
             began = time.perf_counter()
-            answer = orig(demotion, agents, need, beyond)
+            answer = orig(demotion, agents, need, beyond, checked)
             (timer.short if beyond is not None else timer.full).append(time.perf_counter() - began)
             timer.early += beyond is not None and isinstance(answer, list)
             timer.ask_with += isinstance(answer, AskWith)
