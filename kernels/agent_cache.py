@@ -165,8 +165,16 @@ class AgentKV:
         return cache.nbytes - sum(shared.values())
 
     @property
+    def copies_bytes(self) -> int:
+        """Its working and ready copies' bytes: ``work_bytes + ready_bytes``, 0 at once for
+        a cache with neither (most idle caches: a count over every hot cache reads it)."""
+        if self.work is None and self.ready is None:
+            return 0
+        return self.work_bytes + self.ready_bytes
+
+    @property
     def nbytes(self) -> int:
-        return self.stored_bytes + self.work_bytes + self.ready_bytes
+        return self.stored_bytes + self.copies_bytes
 
     # -- transitions ------------------------------------------------------------------
     def activate(self, prefix: FloatPrefix | None = None) -> TurnCache:

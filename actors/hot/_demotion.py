@@ -175,10 +175,7 @@ class Demotion:
             if e is exclude or e.running or e.write_due or agent in writing:
                 continue
             # What demoting it frees: arrays another cache holds too stay.
-            nbytes = stored.own(agent)
-            kv = e.kv
-            if kv.work is not None or kv.ready is not None:  # most idle caches have neither
-                nbytes += kv.work_bytes + kv.ready_bytes
+            nbytes = stored.own(agent) + e.kv.copies_bytes
             # A cache not complete on disk (a cancelled turn's, or one whose write failed)
             # goes cold: its warm copy, if any, is older; under a write budget one that it
             # admits is written as it leaves.

@@ -103,12 +103,13 @@ class HintBook:
         self._at: dict[str, float] = {}  # agent -> time.monotonic() of its expected turn
         self._priority: dict[str, int] = {}
         self._done: dict[str, None] = {}  # an ordered set: the oldest go first past the limit
-        # How many agents hold each rank other than the plain one (see ``rank``), but those
-        # in ``_away``: agents that went cold, in no tier to rank in (an ordered set: past
-        # the limit the oldest count again, which only errs towards asking all).
+        # The agents whose ``rank`` is below the plain one, and how many hold each such
+        # rank, but those in ``_away``: agents that went cold, in no tier to rank in (an
+        # ordered set: past the limit the oldest count again, which only errs towards
+        # asking all).
+        self._low: dict[str, None] = {}
         self._ranks: Counter[tuple[int, int]] = Counter()
         self._away: dict[str, None] = {}
-        self._low: dict[str, None] = {}  # the agents counted below the plain rank
         self.turn_s = 1.0  # moving average of a turn's time, queued to ended
         self.given = 0  # hints applied
 
@@ -158,16 +159,15 @@ class HintBook:
         after = self._counted(agent)
         if after == before:
             return
-        if after < PLAIN_RANK:
-            self._low[agent] = None
-        else:
-            self._low.pop(agent, None)
-        if before != PLAIN_RANK:
+        if before < PLAIN_RANK:
             self._ranks[before] -= 1
             if not self._ranks[before]:
                 del self._ranks[before]
-        if after != PLAIN_RANK:
+        if after < PLAIN_RANK:
             self._ranks[after] += 1
+            self._low[agent] = None
+        else:
+            self._low.pop(agent, None)
 
     def rank(self, agent: str) -> tuple[int, int]:
         """``(priority, 0 if done else 1)``: what orders ``agent`` before any time does, in
@@ -189,7 +189,7 @@ class HintBook:
         left = Counter(self._ranks)
         for agent in excluding:
             rank = self._counted(agent)
-            if rank != PLAIN_RANK:
+            if rank < PLAIN_RANK:
                 left[rank] -= 1
         return min([PLAIN_RANK, *(rank for rank, n in left.items() if n > 0)])
 

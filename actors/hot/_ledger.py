@@ -107,10 +107,7 @@ class Ledger:
         ``kvactor.runtime.DEBUG``, the count against one made from scratch)."""
         used = self._batch_bytes + self._stored.sync(self._residents)
         for e in self._residents.values():
-            kv = e.kv
-            if kv.work is not None or kv.ready is not None:  # most hot caches have neither
-                used += kv.work_bytes + kv.ready_bytes
-            used += e.due_bytes
+            used += e.kv.copies_bytes + e.due_bytes
         used += self.freeing() + sum(self._staged.values())
         used += self._ready.held
         self.used = used

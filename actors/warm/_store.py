@@ -606,9 +606,8 @@ class StoreActor(Actor):
         warm = self._warm
         if warm is None:
             return
-        self._by_write.pop(agent, None)  # written now: last in write order, as a rule
+        self._unlist(agent)  # written now: last in write order, as a rule
         if not info.tokens:
-            warm.pop(agent, None)
             return
         warm[agent] = WarmAgent(agent, info.nbytes, info.tokens, info.updated)
         last = next(reversed(self._by_write), None)
@@ -618,6 +617,12 @@ class StoreActor(Actor):
             # (a clock set back would do it too). ``WarmVictims.beyond`` holds only if the
             # order is by that time: sorted again (stable, rare).
             self._by_write = dict.fromkeys(sorted(self._by_write, key=lambda a: warm[a].updated))
+
+    def _unlist(self, agent: str) -> None:
+        """``agent`` is no longer among the warm agents listed (if they are)."""
+        if self._warm is not None:
+            self._warm.pop(agent, None)
+            self._by_write.pop(agent, None)
 
     async def _make_room(
         self, agent: str, bound: int, *, spare: AbstractSet[str] = frozenset()
@@ -719,9 +724,7 @@ class StoreActor(Actor):
         try:
             done = await anyio.to_thread.run_sync(demote_cold, self.root, self.identity, agent)
         finally:
-            if self._warm is not None:
-                self._warm.pop(agent, None)
-                self._by_write.pop(agent, None)
+            self._unlist(agent)
             after = await self._recount(agent)
             self._wrote(_new_bytes(before, after))
         if done:
@@ -901,9 +904,7 @@ class StoreActor(Actor):
     async def _forget(self, agent: str) -> Forgotten:
         self._manifests.pop(agent, None)
         self._refused.pop(agent, None)
-        if self._warm is not None:
-            self._warm.pop(agent, None)
-            self._by_write.pop(agent, None)
+        self._unlist(agent)
         try:
             done: Forgotten = await anyio.to_thread.run_sync(forget_cache, self.root, agent)
         finally:
