@@ -51,13 +51,17 @@ agents' stored caches at the longest context):
     python bench/warm_limits.py [--quick] [--model PATH] [--agents 200] [--turns 7]
         [--words 190 230] [--max-tokens 32] [--concurrency 4] [--hot-agents 4]
         [--back-hot-share 0.6] [--back-budget-share 0.25] [--write-back-only | --no-write-back]
-        [--seed 0] [--mlx-agents 16] [--dir DIR] [--json PATH]
+        [--seed 0] [--mlx-agents 16] [--dir DIR [--stop-after-unbounded | --resume]]
+        [--json PATH]
 
 ``--quick`` (about a minute): the tiny random-weight llama with its layers scaled up so
 that greedy answers depend on the whole context (as tests/lively.py does), 40 agents of 6
 turns, contexts of ~1K tokens. The full mode (the default model, 200 agents of 7 turns of
 ~270 new tokens) takes hours on a 2-core CPU, most of it phase 3's re-prefills; each
-phase prints its progress and ETA to stderr.
+phase prints its progress and ETA to stderr. It can take two sittings: ``--dir DIR
+--stop-after-unbounded`` runs the probe and phase 1 and keeps them in DIR (phase 1's
+figures in ``unbounded.json``); the same options with ``--resume`` instead go on from
+there. Phase 4 takes a turn in phase 1's directory, so it removes the checkpoint.
 """
 
 from __future__ import annotations
@@ -125,6 +129,8 @@ class Config:
     mlx_agents: int = 16  # 0: every agent
     seed: int = 0
     workdir: str | None = None
+    resume: bool = False  # phase 1 from the work directory's checkpoint
+    stop_after_unbounded: bool = False  # the probe and phase 1 only, checkpointed
 
     def model_spec(self) -> Any:
         return functools.partial(lively_tiny, 0) if self.quick else self.model
@@ -551,6 +557,67 @@ async def phase_write_back(
     return out
 
 
+# ----------------------------------------------------------------------- the checkpoint
+CHECKPOINT = "unbounded.json"
+# What phase 1 depends on: a checkpoint serves a run whose settings agree on these.
+PHASE_ONE_KEYS = (
+    "quick", "model", "agents", "turns", "words", "max_tokens", "concurrency", "hot_agents", "seed"
+)  # fmt: skip
+
+
+def phase_one_settings(cfg: Config) -> dict[str, Any]:
+    return {
+        k: list(v) if k == "words" else v for k, v in asdict(cfg).items() if k in PHASE_ONE_KEYS
+    }
+
+
+def save_checkpoint(work: Path, cfg: Config, sizes: dict[str, Any], one: dict[str, Any]) -> None:
+    """The probe's sizes and phase 1's figures beside its directory, so that a later run
+    (``--resume``) starts at phase 2: the full mode takes longer than one sitting. Written
+    whole or not at all."""
+    body = {"settings": phase_one_settings(cfg), "sizes": sizes, "unbounded": one}
+    part = work / (CHECKPOINT + ".part")
+    part.write_text(json.dumps(body))
+    part.replace(work / CHECKPOINT)
+
+
+def load_checkpoint(work: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--resume``: the sizes and phase 1's figures a run with the same settings kept in
+    ``work``; a clear error where there are none or they were made otherwise."""
+    path = work / CHECKPOINT
+    if not path.is_file() or not (work / "unbounded").is_dir():
+        raise SystemExit(
+            f"--resume: no finished phase 1 in {work} (it keeps {CHECKPOINT} and unbounded/; "
+            "phase 4 changes that directory and removes the checkpoint)"
+        )
+    body = json.loads(path.read_text())
+    want = phase_one_settings(cfg)
+    other = {k: v for k, v in body["settings"].items() if want.get(k) != v}
+    if other:
+        mine = {k: want.get(k) for k in other}
+        raise SystemExit(f"--resume: {path} was made with {other}, this run asks {mine}")
+    return body["sizes"], body["unbounded"]
+
+
+async def unbounded_first(
+    cfg: Config, trace: Trace, work: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The probe and phase 1, or their checkpoint (``--resume``); checkpointed when the
+    work directory is kept."""
+    if cfg.resume:
+        sizes, one = load_checkpoint(work, cfg)
+        print(f"[1 unbounded] from {work / CHECKPOINT}", file=sys.stderr, flush=True)
+        return sizes, one
+    (work / CHECKPOINT).unlink(missing_ok=True)
+    for old in ("probe", "unbounded"):
+        shutil.rmtree(work / old, ignore_errors=True)
+    sizes = await probe(cfg, trace, work / "probe")
+    one = await phase_unbounded(cfg, trace, work / "unbounded", sizes["budget_bytes"])
+    if cfg.workdir:
+        save_checkpoint(work, cfg, sizes, one)
+    return sizes, one
+
+
 # --------------------------------------------------------------------------- the whole
 async def run(cfg: Config) -> dict[str, Any]:
     """Every phase in a work directory (``cfg.workdir``, else a temporary one, removed)."""
@@ -559,14 +626,15 @@ async def run(cfg: Config) -> dict[str, Any]:
     work = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="warm-limits-"))
     work.mkdir(parents=True, exist_ok=True)
     roots = (work / "unbounded", work / "limited")
-    for old in (*roots, work / "probe", work / "mlx-lm", work / "write-back"):
+    for old in (roots[1], work / "mlx-lm", work / "write-back"):
         shutil.rmtree(old, ignore_errors=True)
     try:
-        sizes = await probe(cfg, trace, work / "probe")
+        sizes, one = await unbounded_first(cfg, trace, work)
         shown = {k: v for k, v in sizes.items() if k != "layers"}
         print(f"[probe] {shown}", file=sys.stderr, flush=True)
+        if cfg.stop_after_unbounded:
+            return {"settings": phase_one_settings(cfg), "unbounded": drop(one, "records")}
         budget = sizes["budget_bytes"]
-        one = await phase_unbounded(cfg, trace, roots[0], budget)
         limit = int(one["unbounded_bytes"] * cfg.limit_share)
         bounds = (limit, one["new_kv_bytes"])
         if cfg.write_back_only:
@@ -579,6 +647,7 @@ async def run(cfg: Config) -> dict[str, Any]:
         )
         three = await phase_limited(cfg, trace, roots[1], budget, limit, one)
         print("[4 restart] ...", file=sys.stderr, flush=True)
+        (work / CHECKPOINT).unlink(missing_ok=True)  # phase 4 takes a turn in unbounded/
         four = await phase_restart(cfg, trace, roots, budget, limit)
         five: dict[str, Any] | None = None
         if not cfg.no_write_back:
@@ -878,6 +947,14 @@ def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
     parser.add_argument("--mlx-agents", type=int, help="agents replayed for mlx-lm (0: all)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--dir", dest="workdir", help="keep the cache directories here")
+    parser.add_argument(
+        "--stop-after-unbounded",
+        action="store_true",
+        help="the probe and phase 1 only, checkpointed in --dir for a later --resume",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="phase 1 from --dir's checkpoint, then the rest"
+    )
     parser.add_argument("--json", metavar="PATH")
     args = vars(parser.parse_args(argv))
     json_path = args.pop("json")
@@ -888,13 +965,20 @@ def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
     cfg = replace(base, **given)
     if cfg.quick and cfg.model:
         parser.error("--quick runs the tiny model: no --model")
+    if (cfg.resume or cfg.stop_after_unbounded) and not cfg.workdir:
+        parser.error("--resume and --stop-after-unbounded keep phase 1 in --dir DIR")
+    if cfg.resume and cfg.stop_after_unbounded:
+        parser.error("--resume starts after what --stop-after-unbounded runs")
     return cfg, json_path
 
 
 if __name__ == "__main__":
     config, json_path = parse()
     result = anyio.run(run, config)
-    if config.write_back_only:
+    if config.stop_after_unbounded:
+        print(json.dumps(result["unbounded"], indent=1))
+        print(f"phase 1 kept in {config.workdir}: go on with the same options and --resume")
+    elif config.write_back_only:
         print(figure_table([("model", result["model"], "", ""), *write_back_rows(result)]))
     else:
         print(table(result))

@@ -45,7 +45,17 @@ async def test_the_quick_bench_keeps_the_directory_under_its_limit(tmp_path: Pat
     cfg = replace(
         warm_limits.QUICK, agents=8, turns=3, words=(6, 10), max_tokens=6, workdir=str(tmp_path)
     )
-    result = await warm_limits.run(cfg)
+    # In two sittings, as the full mode runs: phase 1 checkpointed, then the rest from it.
+    first = await warm_limits.run(replace(cfg, stop_after_unbounded=True))
+    assert (tmp_path / warm_limits.CHECKPOINT).is_file() and not (tmp_path / "limited").exists()
+    with pytest.raises(SystemExit, match="was made with"):
+        warm_limits.load_checkpoint(tmp_path, replace(cfg, seed=1))
+    result = await warm_limits.run(replace(cfg, resume=True))
+    assert result["unbounded_bytes"] == first["unbounded"]["unbounded_bytes"]
+    assert result["answers_identical"]  # against the records the checkpoint kept
+    assert not (tmp_path / warm_limits.CHECKPOINT).exists()  # phase 4 changed unbounded/
+    with pytest.raises(SystemExit, match="no finished phase 1"):
+        warm_limits.load_checkpoint(tmp_path, cfg)
     assert [k for k in KEYS if k not in result] == []
     assert result["quick"] and result["turns"] == 24
     assert result["over_limit_samples"] == 0
