@@ -19,6 +19,10 @@ engine's ranking of the warm agents, ``Demotion.choose_cold``, median per questi
 ``early_answers`` (questions the policy answered from the shortlist, with the agents an
 ``AskWith`` named: ``asked_with``) and ``asked_all``,
 ``demoted_cold``, ``disk_peak_bytes`` against ``disk_limit_bytes`` (``within_limit``).
+Before all that, the first turn at the limit in a session, in two sessions of their own:
+``first_turn_at_open_s`` (at once after open: the store lists the warm agents the
+collector's pass has not, most of them) and ``first_turn_after_pass_s`` (after the pass,
+``collector_pass_s``, which lists them beside it).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from _results import figure_table, write_json
 
 from kvactor.actors.hot import _demotion
 from kvactor.actors.messages import AskWith
-from kvactor.actors.warm import _store
+from kvactor.actors.warm import DiskUsage, _store
 
 ALL = 1 << 40  # a shortlist longer than any directory: every agent asked
 
@@ -107,6 +111,27 @@ async def give_hints(kv: kvactor.Session, n: int) -> None:
     )
 
 
+async def first_turns(root: Path, options: dict[str, Any]) -> dict[str, float]:
+    """The first turn at the limit after open, twice: at once (the collector's pass just
+    begun, the store lists the warm agents it has not at that write) and after the pass
+    (``collector_pass_s``: it listed them beside it). Each opens the directory anew."""
+    out: dict[str, float] = {}
+    for way in ("at_open", "after_pass"):
+        async with kvactor.open(scale.MODEL, cache_dir=root, **options) as kv:
+            if way == "after_pass":
+                began = time.perf_counter()
+                while (await kv.warm_stats()).collector_left:
+                    await anyio.sleep(0.01)
+                out["collector_pass_s"] = time.perf_counter() - began
+            agent = await kv.spawn_agent(f"first-{way}", system=scale.SYSTEM)
+            began = time.perf_counter()
+            done = await agent.generate(scale.FIRST, max_tokens=4)
+            out[f"first_turn_{way}_s"] = time.perf_counter() - began
+            assert done.saved, done.save_error
+            assert (await kv.warm_stats()).demoted_cold, "the first turn made no room"
+    return out
+
+
 async def one_size(n: int, turns: int, workdir: Path, policy: str = "lru") -> dict[str, Any]:
     root = workdir / f"agents-{n}-{policy}"
     identity, _ = await scale.seed(root)
@@ -114,11 +139,14 @@ async def one_size(n: int, turns: int, workdir: Path, policy: str = "lru") -> di
     own_copies(root)
     async with kvactor.open(scale.MODEL, cache_dir=root, disk_limit=1 << 40) as kv:
         held = (await kv.stats()).warm_bytes
-    limit = held + 200_000
+    limit = held + 20_000
+    while limit < held + 20_000 + DiskUsage.headroom(limit):  # under it at open
+        limit = held + 20_000 + DiskUsage.headroom(limit)
     times: dict[int, list[float]] = {_store.SHORTLIST: [], ALL: []}
     shortlist = _store.SHORTLIST
     chosen = kvactor.LRUPolicy() if policy == "lru" else kvactor.WorkflowPolicy()
     options: dict[str, Any] = {"disk_limit": limit, "policy": chosen}
+    first = await first_turns(root, options)
     try:
         with EngineTimer() as timer:
             async with kvactor.open(scale.MODEL, cache_dir=root, **options) as kv:
@@ -158,6 +186,7 @@ async def one_size(n: int, turns: int, workdir: Path, policy: str = "lru") -> di
         "early_answers": timer.early,
         "asked_with": timer.ask_with,
         "asked_all": len(timer.full),
+        **first,
         "demoted_cold": stats.demoted_cold,
         "disk_peak_bytes": stats.disk_peak_bytes,
         "disk_limit_bytes": limit,
@@ -222,6 +251,13 @@ def table(result: dict[str, Any]) -> str:
             (
                 f"answered from the shortlist / asked of all, {n}",
                 f"{r['early_answers']} / {r['asked_all']}",
+                "",
+                "",
+            ),
+            (
+                f"first turn at the limit, {n}: at open / after the collector's pass",
+                f"{1e3 * r['first_turn_at_open_s']:.0f} / {1e3 * r['first_turn_after_pass_s']:.0f}"
+                f" ms (the pass {r['collector_pass_s']:.2f} s)",
                 "",
                 "",
             ),

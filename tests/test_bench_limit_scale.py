@@ -27,6 +27,9 @@ KEYS = (
     "disk_peak_bytes",
     "disk_limit_bytes",
     "within_limit",
+    "first_turn_at_open_s",
+    "first_turn_after_pass_s",
+    "collector_pass_s",
 )
 
 

@@ -175,6 +175,74 @@ async def test_an_imported_agent_is_asked_about_by_the_age_of_its_cache(
     assert "old" in everyone and shortlisted == everyone, (shortlisted, everyone)
 
 
+@pytest.mark.parametrize("folders", [1, 1000])
+async def test_the_warm_list_made_beside_the_collector_gives_the_same_cold_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folders: int
+) -> None:
+    # After open, the store lists its warm agents during the collector's pass, a few
+    # folders between its messages, instead of reading every manifest at the first write
+    # at the limit. With one folder a step, that write comes mid-pass (the rest is listed
+    # then); with a thousand, after it. Writes during the pass reach the list either way.
+    # The agents made cold are those of a store that lists them all at that write.
+    from kvactor.actors.warm import _store
+
+    one = await _one_agent_bytes(tmp_path)
+    made = tmp_path / "made"
+    async with kvactor.open(model, cache_dir=made, disk_limit=None) as kv:
+        agents = [await kv.spawn_agent(f"a{i}", system=SYSTEM) for i in range(40)]
+        for agent in agents:
+            assert (await agent.generate(ASK, max_tokens=4)).saved
+        for agent in (agents[16], agents[0], agents[3]):  # the order of writes is not by name
+            assert (await agent.generate("more", max_tokens=2)).saved
+    shutil.copytree(made, tmp_path / "copied")  # as the copies hold it: no file linked
+    # Under it at open, with its headroom and room for a1's short turn (its folder among
+    # the first listed): n0's write makes room, mid-pass with one folder a step.
+    room = on_disk(tmp_path / "copied") + one // 2
+    limit = room
+    while limit < room + DiskUsage.headroom(limit):
+        limit = room + DiskUsage.headroom(limit)
+    listed: list[int] = []  # the folders each list_some call read
+    real_list_some = _store.list_some
+
+    def counted(root: Any, names: Any, identity: Any = None) -> Any:
+        names = list(names)
+        listed.append(len(names))
+        return real_list_some(root, names, identity)
+
+    async def cold_order(root: Path) -> list[str]:
+        shutil.copytree(made, root)
+        hot = one_turn_need(False)  # the idle agents leave the hot tier: asked by write time
+        async with kvactor.open(model, cache_dir=root, disk_limit=limit, budget_bytes=hot) as kv:
+            for name in ("a1", "n0", "a8", "a2", "a16", "n1", "n2", "n3"):
+                agent = await kv.spawn_agent(name, system=SYSTEM)
+                assert (await agent.generate("again", max_tokens=2)).saved
+                
+            (moves,) = (await kv.warm_moves()).values()
+            assert (await kv.warm_stats()).disk_peak_bytes <= limit
+            return [m.agent for m in moves.moves]
+
+    monkeypatch.setattr(StoreActor, "sweep_folders", folders)
+    monkeypatch.setattr(_store, "SHORTLIST", 4)  # the list's order asked of, not only its set
+    monkeypatch.setattr(_store, "list_some", counted)
+    at_once = 0
+    real_list_agents = _store.list_agents
+
+    def all_at_once(root: Any, identity: Any = None) -> Any:
+        nonlocal at_once
+        at_once += 1
+        return real_list_agents(root, identity)
+
+    monkeypatch.setattr(_store, "list_agents", all_at_once)
+    beside = await cold_order(tmp_path / "beside")
+    assert at_once == 0 and sum(listed) >= 40 and 0 not in listed, listed  # once each
+    if folders == 1:  # the first write at the limit came mid-pass: it listed the rest
+        assert max(listed) > 1, listed
+    monkeypatch.setattr(_store.WarmList, "begin", lambda self, folders: None)  # no pass
+    everyone = await cold_order(tmp_path / "at-once")
+    assert at_once == 1
+    assert len(everyone) >= 3 and beside == everyone, (beside, everyone)
+
+
 @pytest.mark.parametrize("limit", [None, 1 << 30])
 async def test_the_bytes_written_are_the_new_files_with_a_limit_or_without(
     tmp_path: Path, limit: int | None

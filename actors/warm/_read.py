@@ -13,7 +13,7 @@ import math
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -428,34 +428,53 @@ def list_agents(
             entries = sorted(listed, key=lambda e: e.name)
     except FileNotFoundError:
         return []
+    return [
+        _listed(root, base / e.name, identity, e.is_symlink())
+        for e in entries
+        if not e.name.startswith(".") and e.is_dir()
+    ]
+
+
+def list_some(
+    root: str | os.PathLike[str], names: Iterable[str], identity: CacheIdentity | None = None
+) -> list[WarmInfo]:
+    """:func:`list_agents` over the folders of ``names`` only, in their order (one that is
+    gone, hidden or no folder is skipped): a list made a few folders at a time."""
+    base = contained(root, "agents")
     out = []
-    for entry in entries:
-        name, folder = entry.name, base / entry.name
-        if name.startswith(".") or not entry.is_dir():
-            continue
-        try:
-            check_agent_id(name)
-            if entry.is_symlink():  # refused (UnsafeCachePath); a real folder needs no check
-                contained(root, "agents", name)
-            loaded = load_manifest(folder, identity, name)
-            if loaded is None:
-                raise CacheRejected("no manifest.json (an interrupted first write?)")
-            manifest, size = loaded
-            for s in manifest.all_segments:
-                try:
-                    info = os.lstat(os.path.join(entry.path, s.file))
-                except OSError as exc:
-                    raise CacheRejected(f"{s.file}: {exc.strerror}") from None
-                if not stat.S_ISREG(info.st_mode):
-                    kind = file_kind(info.st_mode)
-                    raise CacheRejected(f"{s.file} is {kind}, not a regular file")
-                if info.st_size != s.nbytes:
-                    raise CacheRejected(
-                        f"{s.file}: {info.st_size} bytes, the manifest says {s.nbytes}"
-                    )
-        except (CacheRejected, InvalidAgentId) as exc:
-            reason = exc.reason if isinstance(exc, CacheRejected) else str(exc)
-            out.append(_refused_info(name, folder, reason))
-            continue
-        out.append(warm_info(manifest, size))
+    for name in names:
+        folder = base / name
+        if not name.startswith(".") and folder.is_dir():
+            out.append(_listed(root, folder, identity, folder.is_symlink()))
     return out
+
+
+def _listed(
+    root: str | os.PathLike[str], folder: Path, identity: CacheIdentity | None, link: bool
+) -> WarmInfo:
+    """One agent folder's line of :func:`list_agents`: refused with the reason where a
+    cheap check fails."""
+    name = folder.name
+    try:
+        check_agent_id(name)
+        if link:  # refused (UnsafeCachePath); a real folder needs no check
+            contained(root, "agents", name)
+        loaded = load_manifest(folder, identity, name)
+        if loaded is None:
+            raise CacheRejected("no manifest.json (an interrupted first write?)")
+        manifest, size = loaded
+        where = os.fspath(folder)  # joined as strings: 10,000 folders at open
+        for s in manifest.all_segments:
+            try:
+                info = os.lstat(os.path.join(where, s.file))
+            except OSError as exc:
+                raise CacheRejected(f"{s.file}: {exc.strerror}") from None
+            if not stat.S_ISREG(info.st_mode):
+                kind = file_kind(info.st_mode)
+                raise CacheRejected(f"{s.file} is {kind}, not a regular file")
+            if info.st_size != s.nbytes:
+                raise CacheRejected(f"{s.file}: {info.st_size} bytes, the manifest says {s.nbytes}")
+    except (CacheRejected, InvalidAgentId) as exc:
+        reason = exc.reason if isinstance(exc, CacheRejected) else str(exc)
+        return _refused_info(name, folder, reason)
+    return warm_info(manifest, size)

@@ -62,7 +62,7 @@ from ._manifest import (
 )
 from ._paths import agent_dir, default_cache_dir
 from ._portable import install_import
-from ._read import agent_names, disk_footprint, list_agents, read_cache
+from ._read import agent_names, disk_footprint, list_agents, list_some, read_cache
 from ._usage import (
     AgentFiles,
     DiskUsage,
@@ -72,6 +72,7 @@ from ._usage import (
     make_reserve,
     record_disk_limit,
 )
+from ._warmlist import WarmList
 from ._write import append_cache, note_conversation
 
 log = logging.getLogger("kvactor.store")
@@ -241,7 +242,9 @@ class Sweep(msgspec.Struct, frozen=True, tag=True):
     """Collect (see ``collect``) what no manifest names in the next few agent folders of
     the directory, then tell itself the next Sweep until every folder the directory held
     at the first one is done: a session's collector, in the background, so that opening
-    a directory of many agents reads none of their manifests. A tell; answers nothing."""
+    a directory of many agents reads none of their manifests. Under a disk limit or a TTL
+    it lists those folders' warm agents too (``WarmList``), so that the first write at
+    the limit does not read every manifest. A tell; answers nothing."""
 
 
 class StoreStats(msgspec.Struct, frozen=True):
@@ -266,6 +269,9 @@ class StoreStats(msgspec.Struct, frozen=True):
     # Caches of agents leaving under write-back not written: only caches written while
     # leaving could have made room for them (``Append.leaving``).
     left_unwritten: int = 0
+    # Agent folders the collector's pass after open has yet to go through (0: done). Under
+    # a disk limit or a TTL the pass also lists the warm agents that may go cold.
+    collector_left: int = 0
 
 
 StoreMessage = (
@@ -342,9 +348,10 @@ class StoreActor(Actor):
         # engine whose policy and hints order the agents that go cold (None: LRU).
         self.usage = usage
         self.engine = engine
-        self._warm: dict[str, WarmAgent] | None = None  # agents with tokens on disk
-        # The same agents, the least recently written first (for ``_victims_of``).
-        self._by_write: dict[str, None] = {}
+        # The agents with tokens on disk, the least recently written first: listed during
+        # the collector's pass where a limit or a TTL will ask for them.
+        self._warm_list = WarmList()
+        self._lists = usage is not None or ttl_s is not None
         self._left: set[str] = set()  # agents whose cache was written as they left
         # Agents whose cache was last written longer ago than this go cold (None: never).
         self.ttl_s = ttl_s
@@ -447,7 +454,7 @@ class StoreActor(Actor):
         self._refused.pop(agent, None)
         # Exactly what the write put on disk: the files it made (a manifest is a new file).
         self._wrote(_new_bytes(before, after), writes=1, write_s=time.perf_counter() - t0)
-        self._remember(agent, info)
+        self._warm_list.remember(info)
         if m.leaving:
             self._left.add(agent)
         else:
@@ -491,7 +498,7 @@ class StoreActor(Actor):
             after = await self._recount(agent)
         self._wrote(_new_bytes(before, after), writes=1, write_s=time.perf_counter() - t0)
         if info is not None:
-            self._remember(agent, info)
+            self._warm_list.remember(info)
         return info
 
     async def _adopt(self, m: Adopt) -> WarmInfo:
@@ -521,7 +528,7 @@ class StoreActor(Actor):
             segments=len(manifest.segments),
             updated=manifest.updated,
         )
-        self._remember(agent, info)
+        self._warm_list.remember(info)
         return info
 
     async def _write(self, m: Append, agent: str) -> tuple[WarmInfo, AgentFiles]:
@@ -598,31 +605,9 @@ class StoreActor(Actor):
         if info is None:
             return
         await self._recount(agent)
-        self._remember(agent, info)
+        self._warm_list.remember(info)
         if self.usage is not None and self.usage.over():
             await self._fit(0, keep=agent)
-
-    def _remember(self, agent: str, info: WarmInfo) -> None:
-        warm = self._warm
-        if warm is None:
-            return
-        self._unlist(agent)  # written now: last in write order, as a rule
-        if not info.tokens:
-            return
-        warm[agent] = WarmAgent(agent, info.nbytes, info.tokens, info.updated)
-        last = next(reversed(self._by_write), None)
-        self._by_write[agent] = None
-        if last is not None and warm[last].updated > info.updated:
-            # Written with an earlier time: an import keeps the one it was exported with
-            # (a clock set back would do it too). ``WarmVictims.beyond`` holds only if the
-            # order is by that time: sorted again (stable, rare).
-            self._by_write = dict.fromkeys(sorted(self._by_write, key=lambda a: warm[a].updated))
-
-    def _unlist(self, agent: str) -> None:
-        """``agent`` is no longer among the warm agents listed (if they are)."""
-        if self._warm is not None:
-            self._warm.pop(agent, None)
-            self._by_write.pop(agent, None)
 
     async def _make_room(
         self, agent: str, bound: int, *, spare: AbstractSet[str] = frozenset()
@@ -660,20 +645,19 @@ class StoreActor(Actor):
         return usage.over_quota(namespace, more + usage.headroom(usage.quota))
 
     async def _warm_agents(self) -> dict[str, WarmAgent]:
-        """Every agent with tokens on disk, and when it was written (listed once; and in
-        ``_by_write`` the least recently written first, by the time its manifest says,
-        kept so as each write puts its agent last)."""
-        if self._warm is None:
-            infos = await anyio.to_thread.run_sync(list_agents, self.root, self.identity)
-            self._warm = {
-                i.agent: WarmAgent(i.agent, i.nbytes, i.tokens, i.updated)
-                for i in infos
-                if i.rejected is None and i.tokens
-            }
-            self._by_write = {
-                a.agent: None for a in sorted(self._warm.values(), key=lambda a: a.updated)
-            }
-        return self._warm
+        """Every agent with tokens on disk, and when it was written: the warm list made
+        whole (what the collector's pass has yet to list, or all at once)."""
+        warm = self._warm_list
+        if warm.complete:
+            return warm.agents
+        if warm.begun:
+            rest = warm.pending()
+            warm.listed(
+                rest, await anyio.to_thread.run_sync(list_some, self.root, rest, self.identity)
+            )
+        else:
+            warm.fill(await anyio.to_thread.run_sync(list_agents, self.root, self.identity))
+        return warm.agents
 
     async def _fit(
         self,
@@ -724,7 +708,7 @@ class StoreActor(Actor):
         try:
             done = await anyio.to_thread.run_sync(demote_cold, self.root, self.identity, agent)
         finally:
-            self._unlist(agent)
+            self._warm_list.unlist(agent)
             after = await self._recount(agent)
             self._wrote(_new_bytes(before, after))
         if done:
@@ -782,7 +766,7 @@ class StoreActor(Actor):
             return [msgspec.structs.replace(a, nbytes=own(self.root, a.agent)) for a in some]
 
         if self.engine is not None:
-            head = list(itertools.islice(mine(self._by_write), SHORTLIST + 1))
+            head = list(itertools.islice(mine(self._warm_list.by_write), SHORTLIST + 1))
             if len(head) > SHORTLIST:
                 asked = sized(head[:SHORTLIST])
                 beyond = head[-1].updated
@@ -794,8 +778,7 @@ class StoreActor(Actor):
                     early = await self.engine.ask(again)
                 if isinstance(early, list):
                     return early
-        assert self._warm is not None
-        return await self._victims(sized(mine(self._warm)), need)
+        return await self._victims(sized(mine(self._warm_list.agents)), need)
 
     async def _victims(self, candidates: list[WarmAgent], need: int) -> list[str]:
         if not candidates:
@@ -807,10 +790,11 @@ class StoreActor(Actor):
 
     def _stats(self) -> StoreStats:
         usage = self.usage
+        io = msgspec.structs.replace(self._io, collector_left=len(self._sweep or ()))
         if usage is None:
-            return self._io
+            return io
         return msgspec.structs.replace(
-            self._io,
+            io,
             disk_bytes=usage.used,
             disk_peak_bytes=usage.peak,
             disk_limit_bytes=usage.limit,
@@ -873,9 +857,15 @@ class StoreActor(Actor):
             if self._sweep is None:
                 self._sweep = await anyio.to_thread.run_sync(agent_folders, self.root)
                 self._sweep.reverse()
+                if self._lists:  # the warm list made beside it
+                    self._warm_list.begin(self._sweep)
             some = self._sweep[-self.sweep_folders :]
             del self._sweep[-self.sweep_folders :]
-            done = await anyio.to_thread.run_sync(collect_agents, self.root, some)
+            listing = self._warm_list.begun and not self._warm_list.complete
+            collect = functools.partial(_collect, self.root, self.identity, some, listing=listing)
+            done, infos = await anyio.to_thread.run_sync(collect)
+            if listing:
+                self._warm_list.listed(some, infos)
             # A folder it emptied may not be named as an agent's could be: listed by name.
             for name in sorted({path.split("/")[1] for path in done.removed}):
                 files = await anyio.to_thread.run_sync(folder_files, self.root, name)
@@ -884,6 +874,7 @@ class StoreActor(Actor):
         except Exception as exc:
             log.warning("unreferenced cache files not collected: %s", exc)
             self._sweep = []
+            self._warm_list.abandon()
             return
         self.swept += len(done.removed)
         if done.removed:
@@ -904,12 +895,21 @@ class StoreActor(Actor):
     async def _forget(self, agent: str) -> Forgotten:
         self._manifests.pop(agent, None)
         self._refused.pop(agent, None)
-        self._unlist(agent)
+        self._warm_list.unlist(agent)
         try:
             done: Forgotten = await anyio.to_thread.run_sync(forget_cache, self.root, agent)
         finally:
             await self._recount(agent)
         return done
+
+
+def _collect(
+    root: Path, identity: CacheIdentity, folders: list[str], *, listing: bool
+) -> tuple[Collected, list[WarmInfo]]:
+    """The collector's step over ``folders``: what it removed, then (``listing``) the
+    folders listed as they are after."""
+    done = collect_agents(root, folders)
+    return done, list_some(root, folders, identity) if listing else []
 
 
 def _adopt_files(
