@@ -229,12 +229,17 @@ class WarmVictims(msgspec.Struct, frozen=True, tag=True):
     priority): ask again with those too; or None when it cannot be told from these (a
     policy of unknown order, or a pick that reaches ``beyond``): ask again with all.
     ``checked``: the names an ``AskWith`` gave, those not among ``agents`` being no
-    candidates (not warm, or spared by the store): left out of what may rank first."""
+    candidates (not warm, or spared by the store) unless ``held_back``: left out of what
+    may rank first. ``held_back``: those still warm but not among ``agents``, each written
+    at ``held_beyond`` (unix time) or later (the store sends the least recently written of
+    them; the answer must stop short of the rest as of the others left out)."""
 
     agents: list[WarmAgent]
     need: int
     beyond: float | None = None
     checked: tuple[str, ...] = ()
+    held_back: tuple[str, ...] = ()
+    held_beyond: float = 0.0
 
 
 class AskWith(msgspec.Struct, frozen=True):

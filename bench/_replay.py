@@ -361,10 +361,13 @@ class Replay:
                     break
         return True
 
+    def _when(self, agent: str) -> float:
+        return self.warm[agent].updated
+
     def _victims_of(self, mine: Callable[[Iterable[str]], Iterator[str]], need: int) -> list[str]:
         """The pool's victims among the warm agents ``mine`` gives, the first ``SHORTLIST``
-        in write order asked first (with those an ``AskWith`` names), as the store asks
-        (``StoreActor._victims_of``)."""
+        in write order asked first (with the first of those an ``AskWith`` names), as the
+        store asks (``StoreActor._victims_of``)."""
 
         def sized(names: Iterable[str]) -> list[WarmAgent]:
             warm = self.warm
@@ -380,8 +383,13 @@ class Replay:
             early = self.pool.cold_victims(asked, need, beyond)
             if isinstance(early, AskWith):
                 have = set(head[:-1])
-                more = sized(mine(a for a in early.agents if a not in have))
-                early = self.pool.cold_victims(asked + more, need, beyond, early.agents)
+                named = sorted(mine(a for a in early.agents if a not in have), key=self._when)
+                held = named[store_module.SHORTLIST :]
+                since = self.warm[held[0]].updated if held else 0.0
+                more = sized(named[: store_module.SHORTLIST])
+                early = self.pool.cold_victims(
+                    asked + more, need, beyond, early.agents, (held, since)
+                )
             if isinstance(early, list):
                 return early
         victims = self.pool.cold_victims(sized(mine(self.warm)), need)

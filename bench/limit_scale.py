@@ -73,9 +73,10 @@ class EngineTimer:
             need: int,
             beyond: float | None = None,
             checked: Any = (),
+            held: Any = ((), 0.0),
         ) -> list[str] | AskWith | None:
             began = time.perf_counter()
-            answer = orig(demotion, agents, need, beyond, checked)
+            answer = orig(demotion, agents, need, beyond, checked, held)
             (timer.short if beyond is not None else timer.full).append(time.perf_counter() - began)
             timer.early += beyond is not None and isinstance(answer, list)
             timer.ask_with += isinstance(answer, AskWith)

@@ -338,7 +338,7 @@ def test_the_least_recently_written_alone_give_workflow_s_answer_or_none(
         turn(pool, lm, name, 10, persist=True)
     now[0] = 2000.0
     rng = random.Random(5)
-    answered = refused = asked_with = 0
+    answered = refused = asked_with = held_back = 0
     for round_ in range(400):
         agents = [
             WarmAgent(f"w{i:03d}", rng.randrange(1, 100), 10, offset + rng.uniform(10, 1500))
@@ -367,15 +367,26 @@ def test_the_least_recently_written_alone_give_workflow_s_answer_or_none(
         if isinstance(part, AskWith):  # asked again with the agents it named
             assert part.agents and not set(part.agents) & set(names[:k])
             more = [a for a in agents[k:] if a.agent in part.agents]
-            part = pool.demotion.choose_cold(agents[:k] + more, need, agents[k].updated)
+            # The least recently written of them, the rest held back (some of it hot).
+            j = rng.randrange(0, len(more) + 1)
+            held = ([a.agent for a in more[j:]], more[j].updated if j < len(more) else 0.0)
+            part = pool.demotion.choose_cold(
+                agents[:k] + more[:j], need, agents[k].updated, part.agents, held
+            )
             assert not isinstance(part, AskWith)
             asked_with += 1
+            held_back += j < len(more)
         if part is None:
             refused += 1
         else:
             answered += 1
             assert part == full, (round_, k, need, some)
-    assert answered > 100 and refused > 100 and asked_with > 20  # each way, often
+    assert answered > 100 and refused > 100 and asked_with > 20 and held_back > 10, (
+        answered,
+        refused,
+        asked_with,
+        held_back,
+    )  # each way, often
 
 
 def test_a_done_agent_left_out_is_asked_about_and_once_cold_left_out(
@@ -395,6 +406,30 @@ def test_a_done_agent_left_out_is_asked_about_and_once_cold_left_out(
     assert pool.cold_victims(agents, 15) == ["w090", "w000"]
     left = [a for a in agents if a.agent not in ("w090", "w000")]
     assert pool.cold_victims(left[:50], 15, beyond=left[50].updated) == ["w001", "w002"]
+
+
+def test_named_agents_held_back_bound_the_answer_by_their_last_use(lm: LoadedModel) -> None:
+    # Of the done agents an AskWith names, the store sends the least recently written and
+    # holds back the rest, written later. A hot one held back may have been used before
+    # its write: its last turn bounds the answer, and the engine refuses (the store then
+    # asks all) where the full answer puts it first.
+    offset, now = 1e9, [5.0]
+    pool = new_pool(lm, None, clock=lambda: now[0], wall=lambda: now[0] + offset)
+    pool.demotion.policy = WorkflowPolicy(clock=lambda: now[0])
+    turn(pool, lm, "h", 10, persist=True)  # its last turn at 5
+    now[0] = 2000.0
+    agents = [WarmAgent(f"w{i:03d}", 10, 10, offset + i) for i in range(100)]
+    hot = WarmAgent("h", 10, 10, offset + 95)  # its warm copy dated later than its turn
+    pool.hints.apply(make_hint(done=["w090", "h"]), now[0])
+    beyond = agents[50].updated
+    asked = pool.demotion.choose_cold(agents[:50], 10, beyond)
+    assert isinstance(asked, AskWith) and set(asked.agents) == {"w090", "h"}
+    full = pool.demotion.choose_cold([*agents, hot], 10)
+    assert full == ["h"]  # used at 5, before w090's write at 90
+    sent = [*agents[:50], agents[90]]
+    assert pool.demotion.choose_cold(sent, 10, beyond, asked.agents, (["h"], hot.updated)) is None
+    # Were h no candidate (not warm any more: not held back), w090 would be the answer.
+    assert pool.demotion.choose_cold(sent, 10, beyond, asked.agents, ([], 0.0)) == ["w090"]
 
 
 def test_a_hint_book_counts_its_ranks_as_hints_come_and_go(

@@ -181,9 +181,10 @@ async def test_the_warm_list_made_beside_the_collector_gives_the_same_cold_order
 ) -> None:
     # After open, the store lists its warm agents during the collector's pass, a few
     # folders between its messages, instead of reading every manifest at the first write
-    # at the limit. With one folder a step, that write comes mid-pass (the rest is listed
-    # then); with a thousand, after it. Writes during the pass reach the list either way.
-    # The agents made cold are those of a store that lists them all at that write.
+    # at the limit. With one folder a step and the pass held after five, that write comes
+    # mid-pass (the rest is listed then); with a thousand, after it. Writes during the
+    # pass reach the list either way. The agents made cold are those of a store that
+    # lists them all at that write.
     from kvactor.actors.warm import _store
 
     one = await _one_agent_bytes(tmp_path)
@@ -216,12 +217,18 @@ async def test_the_warm_list_made_beside_the_collector_gives_the_same_cold_order
             for name in ("a1", "n0", "a8", "a2", "a16", "n1", "n2", "n3"):
                 agent = await kv.spawn_agent(name, system=SYSTEM)
                 assert (await agent.generate("again", max_tokens=2)).saved
-                
+
             (moves,) = (await kv.warm_moves()).values()
             assert (await kv.warm_stats()).disk_peak_bytes <= limit
             return [m.agent for m in moves.moves]
 
     monkeypatch.setattr(StoreActor, "sweep_folders", folders)
+    if folders == 1:  # the pass stops after 5 folders: the write at the limit comes mid-pass
+        steps = iter(range(4))
+        go_on = StoreActor._queue_sweep
+        monkeypatch.setattr(
+            StoreActor, "_queue_sweep", lambda store: next(steps, None) is not None and go_on(store)
+        )
     monkeypatch.setattr(_store, "SHORTLIST", 4)  # the list's order asked of, not only its set
     monkeypatch.setattr(_store, "list_some", counted)
     at_once = 0

@@ -417,7 +417,7 @@ class EngineActor(ThreadActor):
                 return False  # nothing hot to fork from: it stages from disk
             case DropCache() | Release() | Written() | ToolWait():
                 return None if not isinstance(message, DropCache) else False
-            case WarmVictims(agents, need, beyond, _):  # no hints while unloaded: the policy
+            case WarmVictims(agents, need, beyond):  # no hints while unloaded: the policy
                 return unloaded_victims(self.config.policy, agents, need, beyond)
             case CacheQuery(agent) | Export(agent):
                 raise UnknownAgent(f"agent {agent!r} has no hot cache (its model is unloaded)")

@@ -354,13 +354,14 @@ class Demotion:
         need: int,
         beyond: float | None = None,
         checked: Collection[str] = (),
+        held: tuple[Collection[str], float] = ((), 0.0),
     ) -> list[str] | AskWith | None:
         """Which of the warm ``agents`` go cold on disk first for ``need`` bytes
         (:meth:`choose_cold`); a hot idle one may: it stays hot, and its hot entry learns
         that nothing of it is on disk any more (its next write is whole, and it is never
         demoted as if it had a copy). One not hot loses its done mark
         (``HintBook.went_cold``)."""
-        victims = self.choose_cold(agents, need, beyond, checked)
+        victims = self.choose_cold(agents, need, beyond, checked, held)
         if not isinstance(victims, list):
             return victims
         for agent in victims:
@@ -377,6 +378,7 @@ class Demotion:
         need: int,
         beyond: float | None = None,
         checked: Collection[str] = (),
+        held: tuple[Collection[str], float] = ((), 0.0),
     ) -> list[str] | AskWith | None:
         """Which of the warm ``agents`` would go cold first for ``need`` bytes (the policy's
         order, with the hints), changing nothing. Never one staged, busy or being written.
@@ -384,7 +386,8 @@ class Demotion:
         written at that unix time or later (``WarmVictims``); an ``AskWith`` naming the
         agents left out that the hints rank first, or None when the answer could differ
         with them. ``checked``: agents an ``AskWith`` named, no candidates unless among
-        ``agents`` (``WarmVictims.checked``)."""
+        ``agents`` or ``held``; ``held``: those of them still warm but left out, and the
+        unix time each was written at or after (``WarmVictims.held_back``)."""
         writing = self._ledger.writing()
         idle = []
         for a in agents:
@@ -412,12 +415,29 @@ class Demotion:
             if agent not in given:
                 first = min(first, entry.last_used)
         lowest = self._hints.lowest_rank(given)
+        if held[0]:  # the answer must stop short of them too: the lower of the two bounds
+            lowest, first = min((lowest, first), self._held_bound(*held, now, at))
         early = early_victims(self.policy, candidates, need, first, lowest)
         if early is None and lowest < PLAIN_RANK and type(self.policy) is WorkflowPolicy:
             # Agents left out that the hints put first (done, or of a lower priority): the
             # answer with them is told from them and these, not from every agent.
-            return AskWith(tuple(self._hints.below_plain(given)))
+            named = self._hints.below_plain(given)
+            if named:  # none: those held back stood in the way, ask all
+                return AskWith(tuple(named))
         return early
+
+    def _held_bound(
+        self, agents: Collection[str], written: float, now: float, at: float
+    ) -> tuple[tuple[int, int], float]:
+        """The lowest rank of the warm ``agents`` left out though named (``held``), and
+        the earliest each may have been used: at its write (``written`` or later), or its
+        last turn where it is hot."""
+        first = _used_at(written, now, at)
+        for agent in agents:
+            entry = self._residents.get(agent)
+            if entry is not None:
+                first = min(first, entry.last_used)
+        return min(self._hints.rank(a) for a in agents), first
 
     def stuck(self, exclude: HotEntry | None = None) -> bool:
         """Nothing is on its way to free room: no running turn (but ``exclude``'s), no write,

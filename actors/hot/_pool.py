@@ -152,8 +152,9 @@ class CachePool:
         need: int,
         beyond: float | None = None,
         checked: Collection[str] = (),
+        held: tuple[Collection[str], float] = ((), 0.0),
     ) -> list[str] | AskWith | None:
-        return self.demotion.cold_victims(agents, need, beyond, checked)
+        return self.demotion.cold_victims(agents, need, beyond, checked, held)
 
     def idle_bytes(self) -> int:
         return self.demotion.idle_bytes()

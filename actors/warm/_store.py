@@ -757,7 +757,8 @@ class StoreActor(Actor):
         its pick reaches the last (``WarmVictims.beyond``), so that a write at the limit
         does not build a candidate for each of 10,000 agents on disk; with the hints, it
         may name the agents left out that they rank first (``AskWith``), asked again with
-        them; otherwise it is asked again of all."""
+        the ``SHORTLIST`` least recently written of those; otherwise it is asked again of
+        all."""
         usage = self.usage
         assert usage is not None
 
@@ -772,9 +773,20 @@ class StoreActor(Actor):
                 beyond = head[-1].updated
                 early = await self.engine.ask(WarmVictims(asked, need, beyond=beyond))
                 if isinstance(early, AskWith):
+                    # The least recently written of those still warm, the rest held back
+                    # (a backlog of done agents can be hundreds: each a candidate built).
                     have = {a.agent for a in asked}
-                    more = sized(mine(a for a in early.agents if a not in have))
-                    again = WarmVictims(asked + more, need, beyond, checked=early.agents)
+                    named = mine(a for a in early.agents if a not in have)
+                    more = sorted(named, key=lambda a: a.updated)
+                    held = more[SHORTLIST:]
+                    again = WarmVictims(
+                        asked + sized(more[:SHORTLIST]),
+                        need,
+                        beyond,
+                        checked=early.agents,
+                        held_back=tuple(a.agent for a in held),
+                        held_beyond=held[0].updated if held else 0.0,
+                    )
                     early = await self.engine.ask(again)
                 if isinstance(early, list):
                     return early
