@@ -48,7 +48,7 @@ agents' stored caches at the longest context):
    ``--write-back-only`` runs the probe, phase 1 (for the limit) and this phase;
    ``--no-write-back`` leaves it out (phases 1-4: the limit's figures alone).
 
-    python bench/warm_limits.py [--quick] [--model PATH] [--agents 200] [--turns 7]
+    python bench/warm_limits.py [--quick] [--model PATH] [--agents 200] [--turns 8]
         [--words 190 230] [--max-tokens 32] [--concurrency 4] [--hot-agents 4]
         [--back-hot-share 0.6] [--back-budget-share 0.25] [--write-back-only | --no-write-back]
         [--seed 0] [--mlx-agents 16] [--dir DIR [--stop-after-unbounded | --resume]]
@@ -56,9 +56,10 @@ agents' stored caches at the longest context):
 
 ``--quick`` (about a minute): the tiny random-weight llama with its layers scaled up so
 that greedy answers depend on the whole context (as tests/lively.py does), 40 agents of 6
-turns, contexts of ~1K tokens. The full mode (the default model, 200 agents of 7 turns of
-~270 new tokens) takes hours on a 2-core CPU, most of it phase 3's re-prefills; each
-phase prints its progress and ETA to stderr. It can take two sittings: ``--dir DIR
+turns, contexts of ~1K tokens. The full mode (the default model, 200 agents of 8 turns of
+~270 new tokens, contexts to ~2.2K) takes hours on a 2-core CPU (phase 1 alone, of 7
+turns: 93 minutes), most of it phase 3's re-prefills; each phase prints its progress and
+ETA to stderr. It can take two sittings: ``--dir DIR
 --stop-after-unbounded`` runs the probe and phase 1 and keeps them in DIR (phase 1's
 figures in ``unbounded.json``); the same options with ``--resume`` instead go on from
 there. Phase 4 takes a turn in phase 1's directory, so it removes the checkpoint.
@@ -114,7 +115,7 @@ class Config:
     quick: bool = False
     model: str | None = None
     agents: int = 200
-    turns: int = 7
+    turns: int = 8  # 7 turns of these sizes end at 1,938 tokens: short of the 2K asked
     words: tuple[int, int] = (190, 230)
     max_tokens: int = 32
     concurrency: int = 4
