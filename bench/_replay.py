@@ -36,7 +36,7 @@ import numpy as np
 from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.enums import Room, Tier
 from kvactor.actors.hot import CachePool, EvictionPolicy
-from kvactor.actors.messages import AskWith, Hint, WarmAgent
+from kvactor.actors.messages import AskWith, Hint, WarmAgent, WarmVictims
 from kvactor.actors.warm import _store as store_module
 from kvactor.actors.warm._manifest import CacheIdentity, segment_metadata
 from kvactor.actors.warm._safetensors import build_header
@@ -380,19 +380,23 @@ class Replay:
         if len(head) > store_module.SHORTLIST:
             beyond = self.warm[head[-1]].updated
             asked = sized(head[:-1])
-            early = self.pool.cold_victims(asked, need, beyond)
+            early = self.pool.cold_victims(WarmVictims(asked, need, beyond))
             if isinstance(early, AskWith):
                 have = set(head[:-1])
                 named = sorted(mine(a for a in early.agents if a not in have), key=self._when)
                 held = named[store_module.SHORTLIST :]
-                since = self.warm[held[0]].updated if held else 0.0
-                more = sized(named[: store_module.SHORTLIST])
-                early = self.pool.cold_victims(
-                    asked + more, need, beyond, early.agents, (held, since)
+                again = WarmVictims(
+                    asked + sized(named[: store_module.SHORTLIST]),
+                    need,
+                    beyond,
+                    checked=early.agents,
+                    held_back=tuple(held),
+                    held_beyond=self._when(held[0]) if held else 0.0,
                 )
+                early = self.pool.cold_victims(again)
             if isinstance(early, list):
                 return early
-        victims = self.pool.cold_victims(sized(mine(self.warm)), need)
+        victims = self.pool.cold_victims(WarmVictims(sized(mine(self.warm)), need))
         assert isinstance(victims, list)
         return victims
 

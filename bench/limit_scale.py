@@ -47,7 +47,7 @@ import scale  # bench/ is the script's folder: on sys.path
 from _results import figure_table, write_json
 
 from kvactor.actors.hot import _demotion
-from kvactor.actors.messages import AskWith
+from kvactor.actors.messages import AskWith, WarmVictims
 from kvactor.actors.warm import DiskUsage, _store
 
 ALL = 1 << 40  # a shortlist longer than any directory: every agent asked
@@ -67,18 +67,12 @@ class EngineTimer:
     def __enter__(self) -> EngineTimer:
         orig, timer = self._orig, self
 
-        def timed(
-            demotion: _demotion.Demotion,
-            agents: Any,
-            need: int,
-            beyond: float | None = None,
-            checked: Any = (),
-            held: Any = ((), 0.0),
-        ) -> list[str] | AskWith | None:
+        def timed(demotion: _demotion.Demotion, asked: WarmVictims) -> list[str] | AskWith | None:
             began = time.perf_counter()
-            answer = orig(demotion, agents, need, beyond, checked, held)
-            (timer.short if beyond is not None else timer.full).append(time.perf_counter() - began)
-            timer.early += beyond is not None and isinstance(answer, list)
+            answer = orig(demotion, asked)
+            short = asked.beyond is not None
+            (timer.short if short else timer.full).append(time.perf_counter() - began)
+            timer.early += short and isinstance(answer, list)
             timer.ask_with += isinstance(answer, AskWith)
             return answer
 

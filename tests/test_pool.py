@@ -23,7 +23,7 @@ from kvactor.actors.hot import (
     _hints,
     make_hint,
 )
-from kvactor.actors.messages import AskWith, WarmAgent
+from kvactor.actors.messages import AskWith, WarmAgent, WarmVictims
 from kvactor.actors.models import LoadedModel, make_tiny_model
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.float_turn import FloatTurnCache
@@ -308,8 +308,8 @@ def test_the_least_recently_written_alone_give_lru_s_answer_or_none(lm: LoadedMo
         agents.sort(key=lambda a: a.updated)
         k = rng.randrange(1, len(agents))
         need = rng.randrange(1, 4000)
-        full = pool.demotion.choose_cold(agents, need)
-        part = pool.demotion.choose_cold(agents[:k], need, beyond=agents[k].updated)
+        full = pool.demotion.choose_cold(WarmVictims(agents, need))
+        part = pool.demotion.choose_cold(WarmVictims(agents[:k], need, agents[k].updated))
         if part is None:
             refused += 1
         else:
@@ -321,7 +321,7 @@ def test_the_least_recently_written_alone_give_lru_s_answer_or_none(lm: LoadedMo
         pass
 
     pool.demotion.policy = Custom()
-    assert pool.demotion.choose_cold(agents[:1], 1, beyond=agents[1].updated) is None
+    assert pool.demotion.choose_cold(WarmVictims(agents[:1], 1, agents[1].updated)) is None
 
 
 def test_the_least_recently_written_alone_give_workflow_s_answer_or_none(
@@ -362,17 +362,22 @@ def test_the_least_recently_written_alone_give_workflow_s_answer_or_none(
         )
         k = rng.randrange(1, len(agents))
         need = rng.randrange(1, 3000)
-        full = pool.demotion.choose_cold(agents, need)
-        part = pool.demotion.choose_cold(agents[:k], need, beyond=agents[k].updated)
+        full = pool.demotion.choose_cold(WarmVictims(agents, need))
+        part = pool.demotion.choose_cold(WarmVictims(agents[:k], need, agents[k].updated))
         if isinstance(part, AskWith):  # asked again with the agents it named
             assert part.agents and not set(part.agents) & set(names[:k])
             more = [a for a in agents[k:] if a.agent in part.agents]
             # The least recently written of them, the rest held back (some of it hot).
             j = rng.randrange(0, len(more) + 1)
-            held = ([a.agent for a in more[j:]], more[j].updated if j < len(more) else 0.0)
-            part = pool.demotion.choose_cold(
-                agents[:k] + more[:j], need, agents[k].updated, part.agents, held
+            again = WarmVictims(
+                agents[:k] + more[:j],
+                need,
+                agents[k].updated,
+                checked=part.agents,
+                held_back=tuple(a.agent for a in more[j:]),
+                held_beyond=more[j].updated if j < len(more) else 0.0,
             )
+            part = pool.demotion.choose_cold(again)
             assert not isinstance(part, AskWith)
             asked_with += 1
             held_back += j < len(more)
@@ -401,11 +406,12 @@ def test_a_done_agent_left_out_is_asked_about_and_once_cold_left_out(
     agents = [WarmAgent(f"w{i:03d}", 10, 10, offset + i) for i in range(100)]
     pool.hints.apply(make_hint(done=["w090"]), now)
     beyond = agents[50].updated
-    assert pool.cold_victims(agents[:50], 15, beyond) == AskWith(("w090",))
-    assert pool.demotion.choose_cold([*agents[:50], agents[90]], 15, beyond) == ["w090", "w000"]
-    assert pool.cold_victims(agents, 15) == ["w090", "w000"]
+    assert pool.cold_victims(WarmVictims(agents[:50], 15, beyond)) == AskWith(("w090",))
+    asked = WarmVictims([*agents[:50], agents[90]], 15, beyond)
+    assert pool.demotion.choose_cold(asked) == ["w090", "w000"]
+    assert pool.cold_victims(WarmVictims(agents, 15)) == ["w090", "w000"]
     left = [a for a in agents if a.agent not in ("w090", "w000")]
-    assert pool.cold_victims(left[:50], 15, beyond=left[50].updated) == ["w001", "w002"]
+    assert pool.cold_victims(WarmVictims(left[:50], 15, left[50].updated)) == ["w001", "w002"]
 
 
 def test_named_agents_held_back_bound_the_answer_by_their_last_use(lm: LoadedModel) -> None:
@@ -422,14 +428,15 @@ def test_named_agents_held_back_bound_the_answer_by_their_last_use(lm: LoadedMod
     hot = WarmAgent("h", 10, 10, offset + 95)  # its warm copy dated later than its turn
     pool.hints.apply(make_hint(done=["w090", "h"]), now[0])
     beyond = agents[50].updated
-    asked = pool.demotion.choose_cold(agents[:50], 10, beyond)
+    asked = pool.demotion.choose_cold(WarmVictims(agents[:50], 10, beyond))
     assert isinstance(asked, AskWith) and set(asked.agents) == {"w090", "h"}
-    full = pool.demotion.choose_cold([*agents, hot], 10)
+    full = pool.demotion.choose_cold(WarmVictims([*agents, hot], 10))
     assert full == ["h"]  # used at 5, before w090's write at 90
     sent = [*agents[:50], agents[90]]
-    assert pool.demotion.choose_cold(sent, 10, beyond, asked.agents, (["h"], hot.updated)) is None
+    again = WarmVictims(sent, 10, beyond, asked.agents, held_back=("h",), held_beyond=hot.updated)
+    assert pool.demotion.choose_cold(again) is None
     # Were h no candidate (not warm any more: not held back), w090 would be the answer.
-    assert pool.demotion.choose_cold(sent, 10, beyond, asked.agents, ([], 0.0)) == ["w090"]
+    assert pool.demotion.choose_cold(WarmVictims(sent, 10, beyond, asked.agents)) == ["w090"]
 
 
 def test_a_hint_book_counts_its_ranks_as_hints_come_and_go(

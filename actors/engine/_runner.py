@@ -280,9 +280,8 @@ class ModelRunner:
                 return self.stats()
             case EndTurns():
                 return self.end_turns()
-            case WarmVictims(agents, need, beyond, checked, held_back, held_beyond):
-                held = (held_back, held_beyond)
-                return pool.cold_victims(agents, need, beyond, checked, held)
+            case WarmVictims():
+                return pool.cold_victims(message)
         raise TypeError(f"the engine does not handle {type(message).__name__}")
 
     def stats(self) -> EngineStats:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from ..enums import Tier
-from ..messages import AskWith, WarmAgent
+from ..messages import AskWith, WarmAgent, WarmVictims
 from ._entry import HotEntry
 from ._hints import PLAIN_RANK, HintBook
 from ._ledger import Ledger
@@ -348,20 +348,13 @@ class Demotion:
         self.demotions[to] += 1
         self.moves.demoted(agent, to, victim.nbytes)
 
-    def cold_victims(
-        self,
-        agents: Sequence[WarmAgent],
-        need: int,
-        beyond: float | None = None,
-        checked: Collection[str] = (),
-        held: tuple[Collection[str], float] = ((), 0.0),
-    ) -> list[str] | AskWith | None:
-        """Which of the warm ``agents`` go cold on disk first for ``need`` bytes
+    def cold_victims(self, asked: WarmVictims) -> list[str] | AskWith | None:
+        """Which of the warm agents ``asked`` about go cold on disk first
         (:meth:`choose_cold`); a hot idle one may: it stays hot, and its hot entry learns
         that nothing of it is on disk any more (its next write is whole, and it is never
         demoted as if it had a copy). One not hot loses its done mark
         (``HintBook.went_cold``)."""
-        victims = self.choose_cold(agents, need, beyond, checked, held)
+        victims = self.choose_cold(asked)
         if not isinstance(victims, list):
             return victims
         for agent in victims:
@@ -372,22 +365,14 @@ class Demotion:
                 self._hints.went_cold(agent)
         return victims
 
-    def choose_cold(
-        self,
-        agents: Sequence[WarmAgent],
-        need: int,
-        beyond: float | None = None,
-        checked: Collection[str] = (),
-        held: tuple[Collection[str], float] = ((), 0.0),
-    ) -> list[str] | AskWith | None:
-        """Which of the warm ``agents`` would go cold first for ``need`` bytes (the policy's
-        order, with the hints), changing nothing. Never one staged, busy or being written.
-        ``beyond``: ``agents`` are the least recently written, every other warm agent
-        written at that unix time or later (``WarmVictims``); an ``AskWith`` naming the
-        agents left out that the hints rank first, or None when the answer could differ
-        with them. ``checked``: agents an ``AskWith`` named, no candidates unless among
-        ``agents`` or ``held``; ``held``: those of them still warm but left out, and the
-        unix time each was written at or after (``WarmVictims.held_back``)."""
+    def choose_cold(self, asked: WarmVictims) -> list[str] | AskWith | None:
+        """Which of the warm agents ``asked`` about would go cold first for its ``need``
+        bytes (the policy's order, with the hints), changing nothing. Never one staged,
+        busy or being written. With ``beyond`` (only the least recently written asked
+        about: see ``WarmVictims``, ``checked`` and ``held_back`` too), an ``AskWith``
+        naming the agents left out that the hints rank first, or None when the answer
+        could differ with them."""
+        agents, need, beyond = asked.agents, asked.need, asked.beyond
         writing = self._ledger.writing()
         idle = []
         for a in agents:
@@ -409,14 +394,15 @@ class Demotion:
             return self.policy.victims(candidates, need)
         # A warm agent left out is used no earlier than its write, or than its last turn
         # if it is hot (each hot one counted, whether warm or not).
-        given = {a.agent for a in agents}.union(checked)
+        given = {a.agent for a in agents}.union(asked.checked)
         first = _used_at(beyond, now, at)
         for agent, entry in self._residents.items():
             if agent not in given:
                 first = min(first, entry.last_used)
         lowest = self._hints.lowest_rank(given)
-        if held[0]:  # the answer must stop short of them too: the lower of the two bounds
-            lowest, first = min((lowest, first), self._held_bound(*held, now, at))
+        if asked.held_back:  # the answer must stop short of them too: the lower bound
+            held = self._held_bound(asked.held_back, asked.held_beyond, now, at)
+            lowest, first = min((lowest, first), held)
         early = early_victims(self.policy, candidates, need, first, lowest)
         if early is None and lowest < PLAIN_RANK and type(self.policy) is WorkflowPolicy:
             # Agents left out that the hints put first (done, or of a lower priority): the
@@ -429,8 +415,8 @@ class Demotion:
     def _held_bound(
         self, agents: Collection[str], written: float, now: float, at: float
     ) -> tuple[tuple[int, int], float]:
-        """The lowest rank of the warm ``agents`` left out though named (``held``), and
-        the earliest each may have been used: at its write (``written`` or later), or its
+        """The lowest rank of the warm ``agents`` left out though named (``held_back``),
+        and the earliest each may have been used: at its write (``written`` or later), or its
         last turn where it is hot."""
         first = _used_at(written, now, at)
         for agent in agents:

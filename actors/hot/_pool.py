@@ -12,7 +12,7 @@ entries through the methods here; the pool answers with typed results.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable
 
 from ...kernels.agent_cache import DEFAULT_CHECKPOINTS, AgentKV
 from ...kernels.geometry import CacheGeometry
@@ -21,7 +21,7 @@ from ...kernels.turn_cache import FloatTurnCache, TurnCache
 from ...runtime import DEBUG, Reply
 from ..enums import Room, Tier
 from ..errors import AgentBusy, UnknownAgent
-from ..messages import AskWith, Hint, WarmAgent
+from ..messages import AskWith, Hint, WarmVictims
 from ..records import CacheInfo, Exported
 from ._demotion import Demotion
 from ._entry import HotEntry, common_prefix
@@ -146,15 +146,8 @@ class CachePool:
     def stuck(self, exclude: HotEntry | None = None) -> bool:
         return self.demotion.stuck(exclude)
 
-    def cold_victims(
-        self,
-        agents: Sequence[WarmAgent],
-        need: int,
-        beyond: float | None = None,
-        checked: Collection[str] = (),
-        held: tuple[Collection[str], float] = ((), 0.0),
-    ) -> list[str] | AskWith | None:
-        return self.demotion.cold_victims(agents, need, beyond, checked, held)
+    def cold_victims(self, asked: WarmVictims) -> list[str] | AskWith | None:
+        return self.demotion.cold_victims(asked)
 
     def idle_bytes(self) -> int:
         return self.demotion.idle_bytes()
