@@ -56,7 +56,8 @@ def open(
     ``budget_bytes`` bounds the hot tier; ``codec`` picks how caches are stored (default
     ``DEFAULT_CODEC``: keys 5-bit, values 3-bit in groups of 64, Hadamard-rotated, 4 sink
     tokens at 8 bits); ``policy`` picks whom to demote (default ``WorkflowPolicy``: by
-    the hints of ``Session.hint``, LRU order without them). ``delete_rejected`` deletes
+    the hints of ``Session.hint``, LRU order without them; a name, ``"lru"`` or
+    ``"workflow"``, picks one of those). ``delete_rejected`` deletes
     warm caches that are refused (another model, corrupt) instead of setting them
     aside. ``mailbox_size`` (64) bounds each actor's mailbox.
     ``attention``: ``"quantized"`` runs attention and batches over the stored quantized

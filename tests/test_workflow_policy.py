@@ -18,6 +18,7 @@ from test_budget import one_turn_need
 from test_pool import new_pool, turn
 
 import kvactor
+from kvactor.actors.engine import EngineConfig
 from kvactor.actors.enums import Room, Tier
 from kvactor.actors.hot import Candidate, LRUPolicy, WorkflowPolicy, make_hint
 from kvactor.actors.hot._hints import HintBook
@@ -347,3 +348,36 @@ def test_a_prefetch_gives_up_no_ready_copy_of_an_agent_hinted_sooner(lm: LoadedM
     assert pool.ready.building and "a" in pool  # a runs first: its copy stays
     assert pool.reserve("later", 1000) is Room.RESERVED  # for a waiting turn: it may go
     assert not pool.ready.building
+
+
+def test_a_policy_is_named_or_refused_when_the_config_is_made() -> None:
+    assert isinstance(EngineConfig(policy="lru").policy, LRUPolicy)  # type: ignore[arg-type]
+    assert isinstance(EngineConfig(policy="workflow").policy, WorkflowPolicy)  # type: ignore[arg-type]
+    mine = LRUPolicy()
+    assert EngineConfig(policy=mine).policy is mine
+    with pytest.raises(ValueError, match="unknown policy 'fifo'; known: lru, workflow"):
+        EngineConfig(policy="fifo")  # type: ignore[arg-type]
+    for bad in (LRUPolicy, 42, object()):  # the class itself: a common slip
+        with pytest.raises(TypeError, match="policy must be an EvictionPolicy"):
+            EngineConfig(policy=bad)  # type: ignore[arg-type]
+
+
+async def test_open_takes_a_policy_by_name_and_refuses_a_bad_one_before_any_turn(
+    tmp_path: Path,
+) -> None:
+    # Before, a name was taken as the policy itself and the engine died at its first
+    # demotion ("'str' object has no attribute 'victims'").
+    for bad, error in (("fifo", ValueError), (LRUPolicy, TypeError)):
+        with pytest.raises(error):
+            await kvactor.open(tiny(), policy=bad)  # type: ignore[arg-type]
+    budget = one_turn_need(False) + 2 * 40_000  # a turn's room and about two idle caches
+    async with kvactor.open(
+        tiny(), cache_dir=tmp_path, budget_bytes=budget, policy="lru", attention="dequantized"
+    ) as kv:
+        agents = [await kv.spawn_agent(f"a{i}") for i in range(AGENTS)]
+        for step, agent in enumerate(agents + agents):
+            with anyio.fail_after(60):
+                await agent.generate(f"step {step} says {'xy' * (step % 4)}", max_tokens=6)
+        stats = await kv.stats()
+    assert stats.demoted_warm > 0  # the named policy chose whom to demote
+    assert stats.peak_bytes <= budget

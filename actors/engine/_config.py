@@ -13,7 +13,7 @@ from ...kernels.agent_cache import DEFAULT_CHECKPOINTS
 from ...kernels.geometry import CacheGeometry
 from ...kernels.qcodec import KVCodec
 from ...kernels.turn_cache import FloatTurnCache, QuantizedTurnCache
-from ..hot import EvictionPolicy, WorkflowPolicy
+from ..hot import EvictionPolicy, WorkflowPolicy, make_policy
 from ..models import LoadedModel
 
 __all__ = ("Attention", "EngineConfig", "ModelSpec", "turn_reserve_bytes")
@@ -95,6 +95,9 @@ class EngineConfig:
     write_window_s: float = 86_400.0
 
     def __post_init__(self) -> None:
+        # A name ("lru", "workflow") picks a policy; anything else without victims() is
+        # refused here, not at the first demotion (where it would stop the engine).
+        object.__setattr__(self, "policy", make_policy(self.policy))
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         if not 0 <= self.tool_wait_s <= 86_400:

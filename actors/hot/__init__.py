@@ -20,11 +20,13 @@ from ._hints import split_hint as split_hint
 from ._ledger import Ledger as Ledger
 from ._moves import MAX_MOVES as MAX_MOVES
 from ._moves import MoveLog as MoveLog
+from ._policy import POLICIES as POLICIES
 from ._policy import Candidate as Candidate
 from ._policy import EvictionPolicy as EvictionPolicy
 from ._policy import LRUPolicy as LRUPolicy
 from ._policy import Rates as Rates
 from ._policy import WorkflowPolicy as WorkflowPolicy
+from ._policy import make_policy as make_policy
 from ._pool import CachePool as CachePool
 from ._ready import ReadyCopies as ReadyCopies
 from ._residents import Residents as Residents
@@ -35,6 +37,7 @@ from ._write_back import WriteBudget as WriteBudget
 
 __all__ = (
     "MAX_MOVES",
+    "POLICIES",
     "PRIORITY_LIMIT",
     "CachePool",
     "Candidate",
@@ -57,5 +60,6 @@ __all__ = (
     "early_victims",
     "unloaded_victims",
     "make_hint",
+    "make_policy",
     "split_hint",
 )

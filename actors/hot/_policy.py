@@ -4,13 +4,21 @@ default, and the measured rates that price a reload."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from ..enums import Tier
 
-__all__ = ("Candidate", "EvictionPolicy", "LRUPolicy", "Rates", "WorkflowPolicy")
+__all__ = (
+    "POLICIES",
+    "Candidate",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "Rates",
+    "WorkflowPolicy",
+    "make_policy",
+)
 
 
 @dataclass(frozen=True)
@@ -128,3 +136,27 @@ class WorkflowPolicy:
             chosen.append(c.agent)
             freed += c.nbytes
         return chosen
+
+
+# The policies a name picks (``open(policy="lru")``, a scenario's ``policy``).
+POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "workflow": WorkflowPolicy,
+}
+
+
+def make_policy(policy: object) -> EvictionPolicy:
+    """``policy`` itself when it is one (it has ``victims``), or a new policy of that name
+    (:data:`POLICIES`). Raises ValueError for an unknown name and TypeError for anything
+    else, so that a session refuses it at ``open()`` instead of at its first demotion."""
+    if isinstance(policy, str):
+        make = POLICIES.get(policy)
+        if make is None:
+            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        return make()
+    if isinstance(policy, type) or not callable(getattr(policy, "victims", None)):
+        raise TypeError(
+            f"policy must be an EvictionPolicy (an object with victims(candidates, need)) "
+            f"or one of the names {', '.join(map(repr, POLICIES))}, not {policy!r}"
+        )
+    return policy  # type: ignore[return-value]

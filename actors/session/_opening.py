@@ -35,7 +35,7 @@ class OpenOptions(TypedDict, total=False):
     mailbox_size: int
     budget_bytes: int | None
     codec: KVCodec | None
-    policy: EvictionPolicy | None
+    policy: EvictionPolicy | str | None
     cache_dir: str | os.PathLike[str] | None
     delete_rejected: bool
     attention: Attention

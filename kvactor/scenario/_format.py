@@ -6,7 +6,7 @@ import functools
 import re
 import string
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +14,7 @@ import msgspec
 
 from ..actors.engine import Attention, ModelSpec
 from ..actors.errors import InvalidAgentId
-from ..actors.hot import EvictionPolicy, LRUPolicy, WorkflowPolicy
+from ..actors.hot import POLICIES
 from ..actors.ids import check_agent_id
 from ..actors.models import make_tiny_model
 from ..actors.warm import default_cache_dir
@@ -51,10 +51,6 @@ PLACEHOLDERS: Mapping[str, str] = {
     "phase": "the name of the phase",
     "outputs": "the other agents' latest outputs as of the start of the phase",
     "own": "this agent's own latest output",
-}
-POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "workflow": WorkflowPolicy,
 }
 NO_OUTPUTS = "(nothing yet)"
 CONTEXT_AGENT = "shared"  # the shared context's name in the session (and its warm cache)
