@@ -29,7 +29,7 @@ to the same token (:meth:`AgentKV.reusable`), or from nothing when none is left.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import mlx.core as mx
 
@@ -54,6 +54,11 @@ class AgentKV:
 
     Invariant: when not active, the stored ranges cover every token.
     """
+
+    # Every cache's changes of its stored ranges, counted together (``stored_gen``'s
+    # setter is the only writer): a counter over many caches tells at once whether any
+    # of them changed since it last looked, instead of asking each.
+    changes: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -80,7 +85,16 @@ class AgentKV:
         self.shared = False
         # Counts the changes of the stored ranges (a range added, cut, made, or its arrays
         # let go): a counter of stored bytes reads them again only when it moved.
-        self.stored_gen = 0
+        self._stored_gen = 0
+
+    @property
+    def stored_gen(self) -> int:
+        return self._stored_gen
+
+    @stored_gen.setter
+    def stored_gen(self, value: int) -> None:
+        self._stored_gen = value
+        AgentKV.changes += 1
 
     def fill_staged(
         self, tokens: list[int], ranges: Sequence[tuple[int, int, Mapping[str, Any]]]

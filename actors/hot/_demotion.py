@@ -214,8 +214,15 @@ class Demotion:
         return out
 
     def idle_bytes(self) -> int:
-        """What demoting every idle cache (no turn queued, staged or awaited) frees now."""
-        return sum(c.nbytes for c in self.candidates() if not c.waiting)
+        """What demoting every idle cache (no turn queued, staged or awaited) frees now:
+        the candidates' bytes, counted without making them."""
+        writing = self._ledger.writing()
+        stored = self._ledger.stored()
+        return sum(
+            stored.own(agent) + e.kv.copies_bytes
+            for agent, e in self._residents.items()
+            if not (e.running or e.write_due or agent in writing or self.waiting(agent, e))
+        )
 
     def _sooner(self, agent: str) -> set[str]:
         """Hot agents a prefetch of ``agent`` must not displace: those hinted to run no
@@ -284,6 +291,7 @@ class Demotion:
             return False
         # Ready copies being built go first of all (a bet on a turn to come), then built
         # ones, then shared prefixes' copies (each serves every agent sharing it).
+        before = missing
         missing -= self._ready.give_up(missing, keep)
         for agent in ready:
             if missing <= 0:
@@ -291,12 +299,13 @@ class Demotion:
             missing -= self._ready.drop(self._residents[agent].kv)
         if missing > 0:
             missing -= self._ready.shared.drop_copies(missing)
-        if missing > 0:
+        if 0 < missing < before:  # a copy dropped: the candidates' bytes changed
             candidates = [
                 c
                 for c in self.candidates(exclude)
                 if (turn or not c.waiting) and c.agent not in keep
             ]
+        if missing > 0:
             chosen = {c.agent: c for c in candidates}
             for agent in self.policy.victims(candidates, missing):
                 assert agent in chosen, f"the policy chose {agent!r}, not a candidate"

@@ -105,9 +105,20 @@ class Ledger:
         (forks share their source's) counts once; a cache's stored arrays are read again
         only when they changed (:class:`StoredCounts`). Checks the budget (and, with
         ``kvactor.runtime.DEBUG``, the count against one made from scratch)."""
+        return self._measure()[0]
+
+    def _measure(self) -> tuple[int, int, int]:
+        """:meth:`measure`, with what :meth:`committed` needs of the same pass over the
+        residents: (bytes in use, running turns' working caches, their reserves' room)."""
         used = self._batch_bytes + self._stored.sync(self._residents)
+        working = reserved = 0
         for e in self._residents.values():
-            used += e.kv.copies_bytes + e.due_bytes
+            kv = e.kv
+            used += kv.copies_bytes + e.due_bytes
+            if kv.work is not None:
+                working += kv.work_bytes
+            if (reserve := e.turn_reserve) is not None:
+                reserved += max(reserve - max(kv.stored_bytes - e.turn_stored, 0), 0)
         used += self.freeing() + sum(self._staged.values())
         used += self._ready.held
         self.used = used
@@ -118,7 +129,7 @@ class Ledger:
         assert not DEBUG or used == (scratch := self._scratch()), (
             f"the hot count {used} is not {scratch}, counted from scratch"
         )
-        return used
+        return used, working + self._batch_bytes, reserved
 
     def stored(self) -> StoredCounts:
         """The stored bytes of the residents, synced now (what each cache alone holds:
@@ -140,15 +151,9 @@ class Ledger:
     def committed(self) -> int:
         """Bytes in use, counting running turns' working caches at their reserved maximum
         (the reserve covers the batch's padding and the merge copy, and what a turn stores
-        before it ends: a cut's range, a recurrent layer's checkpoint)."""
-        used = self.measure()
-        entries = list(self._residents.values())
-        working = self.working()
-        reserved = sum(
-            max(e.turn_reserve - max(e.kv.stored_bytes - e.turn_stored, 0), 0)
-            for e in entries
-            if e.turn_reserve is not None
-        )
+        before it ends: a cut's range, a recurrent layer's checkpoint). One pass over the
+        residents, as :meth:`measure`."""
+        used, working, reserved = self._measure()
         return used - working + max(working, reserved)
 
     def reset_peak(self) -> None:

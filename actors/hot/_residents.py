@@ -30,6 +30,8 @@ class Residents:
         # When each entry was added (its place in _entries' order, without counting it).
         self._added: dict[str, int] = {}
         self._adds = 0
+        # Moves at every add and removal: who is hot changed (see StoredCounts.sync).
+        self.version = 0
 
     # -- reading ----------------------------------------------------------------------
     def get(self, agent: str) -> HotEntry | None:
@@ -73,6 +75,7 @@ class Residents:
         assert agent not in self._entries, f"agent {agent!r} is hot already"
         self._entries[agent] = entry
         self._adds += 1
+        self.version += 1
         self._added[agent] = self._adds
         self.reindex(agent, entry)
         return entry
@@ -81,6 +84,7 @@ class Residents:
         """Take ``agent``'s entry out (demoted, dropped); None when it had none."""
         self._index(agent).remove(agent)
         self._added.pop(agent, None)
+        self.version += 1
         return self._entries.pop(agent, None)
 
     def reindex(self, agent: str, entry: HotEntry) -> None:
@@ -111,6 +115,7 @@ class Residents:
         self._busy.discard(agent)
 
     def clear(self) -> None:
+        self.version += 1
         self._entries.clear()
         self._added.clear()
         self._indexes.clear()

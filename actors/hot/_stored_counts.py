@@ -44,12 +44,19 @@ class StoredCounts:
         self._counted: dict[str, _Counted] = {}
         self._holders: dict[int, int] = {}  # id of a shared cache's array -> caches holding it
         self._epoch = 0
+        # What the last sync saw: its residents (by id and version) and every cache's
+        # changes (AgentKV.changes); the same again means nothing to read.
+        self._synced: tuple[int, int, int] | None = None
 
     def sync(self, residents: Residents) -> int:
         """Count the caches of ``residents`` now: those gone or changed since the last
         sync (another cache, another change count, or shared since) are taken out first
         (an array freed since may share an id with a new one), then those new or changed
-        are read. Returns :attr:`total`."""
+        are read; nothing is looked at when neither the residents nor any cache's stored
+        ranges changed since the last sync. Returns :attr:`total`."""
+        seen = (id(residents), residents.version, AgentKV.changes)
+        if seen == self._synced:
+            return self.total
         counted = self._counted
         get = residents.get
         stale = [
@@ -66,6 +73,7 @@ class StoredCounts:
             for agent, e in residents.items():
                 if agent not in counted:
                     self._count(agent, e.kv)
+        self._synced = seen
         return self.total
 
     def own(self, agent: str) -> int:
