@@ -78,7 +78,10 @@ class AgentKV:
         self.ranges: list[StoredRange] = []
         self.work: TurnCache | None = None
         # Between turns: the float copy of every stored token (see the module doc).
-        self.ready: TurnCache | None = None
+        self._ready: TurnCache | None = None
+        # Its bytes as last counted, and at which change of the stored ranges: a count of
+        # every hot cache each decode step reads it (ready_bytes).
+        self._ready_nbytes: tuple[int, int] | None = None
         # Sliding-window layers keep no parts of the ranges before this token (slide()).
         self.window_start = 0
         # Some stored arrays may be another cache's too (a fork, or its source).
@@ -160,12 +163,32 @@ class AgentKV:
         return states
 
     @property
+    def ready(self) -> TurnCache | None:
+        return self._ready
+
+    @ready.setter
+    def ready(self, copy: TurnCache | None) -> None:
+        self._ready = copy
+        self._ready_nbytes = None
+
+    @property
     def work_bytes(self) -> int:
         return self._own_bytes(self.work)
 
     @property
     def ready_bytes(self) -> int:
-        return self._own_bytes(self.ready)
+        """The ready copy's own bytes, counted again only when it was replaced, trimmed, or
+        the stored ranges changed (a copy is not changed in place otherwise)."""
+        memo = self._ready_nbytes
+        if memo is not None and memo[0] == self._stored_gen:
+            return memo[1]
+        nbytes = self._own_bytes(self._ready)
+        self._ready_nbytes = (self._stored_gen, nbytes)
+        return nbytes
+
+    def ready_bytes_now(self) -> int:
+        """:attr:`ready_bytes` counted now (a count from scratch checks the kept one)."""
+        return self._own_bytes(self._ready)
 
     def _own_bytes(self, cache: TurnCache | None) -> int:
         """A working or ready copy's bytes, less the recurrent states it shares with the
@@ -456,6 +479,7 @@ class AgentKV:
         self.stored_gen += 1
         if self.ready is not None:
             self.ready.trim(keep, self.last_states())
+            self._ready_nbytes = None
 
     def _cut(self, r: StoredRange, keep: int) -> StoredRange:
         """The first ``keep - r.start`` tokens of a range (per-token codecs slice cleanly),

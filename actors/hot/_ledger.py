@@ -170,7 +170,7 @@ class Ledger:
         seen: set[int] = set()
         used = self._batch_bytes + self._ready.held
         for e in self._residents.values():
-            used += e.kv.work_bytes + e.kv.ready_bytes + e.due_bytes
+            used += e.kv.work_bytes + e.kv.ready_bytes_now() + e.due_bytes
             for a in e.kv.stored_arrays():
                 if id(a) not in seen:
                     seen.add(id(a))
