@@ -3,8 +3,8 @@
 agents spawned (all but the turns' agents idle on disk), what spawning costs per agent, and
 the memory each idle agent holds beyond its KV (it has none hot: its cache is on disk).
 
-    python bench/scale.py [--quick] [--sizes 10 1000 10000] [--rounds 5] [--max-tokens 4]
-        [--dir DIR] [--json PATH]
+    python bench/scale.py [--quick] [--sizes 10 1000 10000] [--hot-sizes 10 1000 3000]
+        [--rounds 5] [--max-tokens 4] [--dir DIR] [--json PATH]
 
 How the directory is built, once, grown in place from one size to the next: a session
 writes agent ``agent-00000`` for real (a system prompt and one turn), then every other
@@ -32,6 +32,12 @@ At each size N, in one process:
 - ``idle_agent_bytes``: the process's RSS grown over spawning the first N - K agents,
   per agent; ``idle_agent_traced_bytes``: Python's allocations (tracemalloc) over the
   last K, per agent, with the largest sites in the JSON.
+
+Then with ``--hot-sizes`` agents hot at once (10 / 1,000 / 3,000; a turn each, ready
+copies kept, a cache directory of their own): ``hot_step_s``, a decode step of one of
+them, and ``hot_room_turn_s``, a new agent's turn under a hot budget that holds 95% of
+theirs, so that each such turn makes room (``hot_room_moves``): what grows with the
+agents hot, each against the smallest size (``hot_step_3000_vs_10``).
 
 ``--quick`` (sizes 10 / 300, about a minute); the full mode (10 / 1,000 / 10,000) takes
 a few minutes on a 2-core CPU. Targets: ``open_s`` <= 1 s at 10,000 agents, hot and warm
@@ -86,6 +92,7 @@ TURN_TARGET = 1.1  # 10,000 vs 10
 IDLE_TARGET_BYTES = 64 << 10
 HOT_PER_WARM = 3  # hot turns per round, with one warm turn
 HOT_AGENTS, WARM_AGENTS = 6, 3  # whose turns are timed, in turn
+STEP_TOKENS = 24  # a hot decode's length, timed per step after its first token
 
 
 @dataclass(frozen=True)
@@ -96,10 +103,11 @@ class Config:
     max_tokens: int = 4
     traced: int = 300  # agents spawned under tracemalloc at each size (at most half)
     verify: int = 16  # agents verified (read whole) at each size
+    hot_sizes: tuple[int, ...] = (10, 1_000, 3_000)  # agents hot at once (none: skip)
     workdir: str | None = None
 
 
-QUICK = Config(quick=True, sizes=(10, 300))
+QUICK = Config(quick=True, sizes=(10, 300), hot_sizes=(10, 100))
 
 
 def agent_name(i: int) -> str:
@@ -287,6 +295,61 @@ async def turn_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
     }
 
 
+async def fill_hot(kv: kvactor.Session, n: int, prefix: str, cfg: Config) -> list[Any]:
+    """``n`` agents of one turn each, hot (and idle) in ``kv``; their handles."""
+    agents = []
+    for i in range(n):
+        agent = await kv.spawn_agent(f"{prefix}{i:05d}", system=SYSTEM)
+        await agent.generate(FIRST, max_tokens=cfg.max_tokens)
+        agents.append(agent)
+    return agents
+
+
+async def hot_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
+    """With ``n`` agents hot and idle (a turn each; ready copies kept, the default):
+    ``hot_step_s``, one of them decoding ``STEP_TOKENS`` tokens, its time after the first
+    token per token (median of ``cfg.rounds`` turns of different agents), without a hot
+    budget; then ``hot_room_turn_s``, a new agent's turn in a session whose hot budget
+    holds 95% of what the ``n`` hold plus one turn's room, so that each such turn makes
+    room (drops ready copies or demotes: ``hot_room_moves``): the bookkeeping that
+    grows with the agents hot, each figure against its own at the smallest size."""
+    steps = []
+    shutil.rmtree(root, ignore_errors=True)
+    async with kvactor.open(MODEL, cache_dir=root) as kv:
+        agents = await fill_hot(kv, n, "hot-", cfg)
+        held = (await kv.stats()).cache_bytes
+        for r in range(cfg.rounds):
+            t0 = time.perf_counter()
+            done = await agents[r % n].generate(ASK, max_tokens=STEP_TOKENS)
+            after_first = time.perf_counter() - t0 - done.timings.ttft_s
+            steps.append(after_first / max(len(done.token_ids) - 1, 1))
+            assert done.path == Tier.HOT, (r, done.path)
+    shutil.rmtree(root, ignore_errors=True)
+    budget = int(held * 0.95) + (1 << 20)  # a short turn's room: 1 MiB (tiny model)
+    rooms = []
+    async with kvactor.open(MODEL, cache_dir=root, budget_bytes=budget) as kv:
+        await fill_hot(kv, n, "hot-", cfg)
+        before = await kv.stats()
+        for r in range(cfg.rounds):
+            agent = await kv.spawn_agent(f"new-{r:03d}", system=SYSTEM)
+            rooms.append(
+                await timed(functools.partial(agent.generate, FIRST, max_tokens=cfg.max_tokens))
+            )
+        after = await kv.stats()
+    shutil.rmtree(root, ignore_errors=True)
+    moves = (after.demoted_warm + after.demoted_cold + after.dropped_ready) - (
+        before.demoted_warm + before.demoted_cold + before.dropped_ready
+    )
+    return {
+        "hot_agents": n,
+        "hot_step_s": round(statistics.median(steps), 6),
+        "hot_room_turn_s": round(statistics.median(t.wall_s for t in rooms), 5),
+        "hot_room_turn_nowrite_s": round(statistics.median(t.wall_s - t.write_s for t in rooms), 5),
+        "hot_room_moves": moves,
+        "hot_budget_bytes": budget,
+    }
+
+
 async def floor(root: Path, cfg: Config) -> dict[str, Any]:
     """The floors: open over an empty directory, and a hot turn with one agent."""
     opened = [(await open_once(root))[0] for _ in range(cfg.rounds)]
@@ -321,7 +384,8 @@ async def run(cfg: Config) -> dict[str, Any]:
     root, empty = work / "agents-cache", work / "empty"
     for old in (root, empty):
         shutil.rmtree(old, ignore_errors=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    hot_rows: list[dict[str, Any]] = []
     try:
         base = await floor(empty, cfg)
         identity, layout = await seed(root)
@@ -336,10 +400,13 @@ async def run(cfg: Config) -> dict[str, Any]:
             row["build_s"] = round(build_s, 2)
             rows.append(row)
             print(f"[{n} agents] {short(row)}", file=sys.stderr, flush=True)
+        for n in sorted(cfg.hot_sizes):
+            hot_rows.append(await hot_times(work / "hot-cache", n, cfg))
+            print(f"[{n} hot] {hot_rows[-1]}", file=sys.stderr, flush=True)
     finally:
         if not cfg.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    return summary(cfg, base, rows, time.perf_counter() - began)
+    return summary(cfg, base, rows, hot_rows, time.perf_counter() - began)
 
 
 def short(row: dict[str, Any]) -> str:
@@ -348,7 +415,11 @@ def short(row: dict[str, Any]) -> str:
 
 
 def summary(
-    cfg: Config, base: dict[str, Any], rows: list[dict[str, Any]], wall: float
+    cfg: Config,
+    base: dict[str, Any],
+    rows: list[dict[str, Any]],
+    hot_rows: list[dict[str, Any]],
+    wall: float,
 ) -> dict[str, Any]:
     """The figures the issue names, by size (keys: the sizes, as str), and the ratios."""
     small, large = rows[0], rows[-1]
@@ -386,8 +457,23 @@ def summary(
             large["warm_turn_nowrite_s"] / small["warm_turn_nowrite_s"], 3
         ),
         "rows": rows,
+        **hot_summary(hot_rows),
         "wall_s": round(wall, 1),
     }
+    return out
+
+
+def hot_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The hot figures by agents hot (keys: the sizes, as str), and the largest over the
+    smallest."""
+    if not rows:
+        return {}
+    keys = ("hot_step_s", "hot_room_turn_s", "hot_room_turn_nowrite_s", "hot_room_moves")
+    out: dict[str, Any] = {"hot_sizes": [r["hot_agents"] for r in rows]}
+    out.update({k: {str(r["hot_agents"]): r[k] for r in rows} for k in keys})
+    a, b = rows[0], rows[-1]
+    for k in ("hot_step", "hot_room_turn"):
+        out[f"{k}_{b['hot_agents']}_vs_{a['hot_agents']}"] = round(b[f"{k}_s"] / a[f"{k}_s"], 3)
     return out
 
 
@@ -460,13 +546,45 @@ def table(r: dict[str, Any]) -> str:
         )
     wrong = [w for row in r["rows"] for w in row["wrong_paths"]]
     rows.append(("turns not on their expected tier", len(wrong), "0", ok[not wrong]))
+    rows += hot_rows(r)
     return figure_table(rows)
+
+
+def hot_rows(r: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """The table's rows of the agents-hot figures (none when they were not measured)."""
+    if not r.get("hot_sizes"):
+        return []
+    hot = r["hot_sizes"]
+    x, y = hot[0], hot[-1]
+
+    def per_hot(key: str, unit: float, fmt: str) -> str:
+        return " / ".join(fmt.format(r[key][str(n)] * unit) for n in hot)
+
+    return [
+        ("agents hot at once", " / ".join(f"{n:,}" for n in hot), "", ""),
+        ("hot_step_s (a decode step), ms", per_hot("hot_step_s", 1e3, "{:.2f}"), "", ""),
+        (f"hot_step_{y}_vs_{x}", r[f"hot_step_{y}_vs_{x}"], "", ""),
+        (
+            "hot_room_turn_s (a turn that makes room), ms",
+            per_hot("hot_room_turn_s", 1e3, "{:.1f}"),
+            "",
+            "",
+        ),
+        (f"hot_room_turn_{y}_vs_{x}", r[f"hot_room_turn_{y}_vs_{x}"], "", ""),
+        (
+            "hot_room_moves (ready copies dropped, demotions)",
+            per_hot("hot_room_moves", 1, "{:.0f}"),
+            "",
+            "",
+        ),
+    ]
 
 
 def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="sizes 10 / 300")
     parser.add_argument("--sizes", type=int, nargs="+")
+    parser.add_argument("--hot-sizes", type=int, nargs="*", help="agents hot at once (none: skip)")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--dir", dest="workdir", help="keep the cache directories here")
@@ -475,8 +593,9 @@ def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
     json_path = args.pop("json")
     base = QUICK if args.pop("quick") else Config()
     given: dict[str, Any] = {k: v for k, v in args.items() if v is not None}
-    if "sizes" in given:
-        given["sizes"] = tuple(sorted(given["sizes"]))
+    for key in ("sizes", "hot_sizes"):
+        if key in given:
+            given[key] = tuple(sorted(given[key]))
     return replace(base, **given), json_path
 
 

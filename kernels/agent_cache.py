@@ -55,9 +55,11 @@ class AgentKV:
     Invariant: when not active, the stored ranges cover every token.
     """
 
-    # Every cache's changes of its stored ranges, counted together (``stored_gen``'s
-    # setter is the only writer): a counter over many caches tells at once whether any
-    # of them changed since it last looked, instead of asking each.
+    # Every cache's changes of its stored ranges, working cache or ready copy, counted
+    # together (the setters of ``stored_gen``, ``work`` and ``ready`` are its only
+    # writers): a counter over many caches tells at once whether any of them changed
+    # since it last looked, instead of asking each. A working cache also grows in place
+    # during its turn; a ready copy does not (trim replaces its count).
     changes: ClassVar[int] = 0
 
     def __init__(
@@ -76,7 +78,7 @@ class AgentKV:
         self.checkpoints = checkpoints  # ranges that keep their recurrent states
         self.tokens: list[int] = []
         self.ranges: list[StoredRange] = []
-        self.work: TurnCache | None = None
+        self._work: TurnCache | None = None
         # Between turns: the float copy of every stored token (see the module doc).
         self._ready: TurnCache | None = None
         # Its bytes as last counted, and at which change of the stored ranges: a count of
@@ -163,6 +165,17 @@ class AgentKV:
         return states
 
     @property
+    def work(self) -> TurnCache | None:
+        """The running turn's working cache (None between turns, or while a batch holds
+        it: ``lend_work``)."""
+        return self._work
+
+    @work.setter
+    def work(self, cache: TurnCache | None) -> None:
+        self._work = cache
+        AgentKV.changes += 1
+
+    @property
     def ready(self) -> TurnCache | None:
         return self._ready
 
@@ -170,6 +183,7 @@ class AgentKV:
     def ready(self, copy: TurnCache | None) -> None:
         self._ready = copy
         self._ready_nbytes = None
+        AgentKV.changes += 1
 
     @property
     def work_bytes(self) -> int:
@@ -480,6 +494,7 @@ class AgentKV:
         if self.ready is not None:
             self.ready.trim(keep, self.last_states())
             self._ready_nbytes = None
+            AgentKV.changes += 1
 
     def _cut(self, r: StoredRange, keep: int) -> StoredRange:
         """The first ``keep - r.start`` tokens of a range (per-token codecs slice cleanly),

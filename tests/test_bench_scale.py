@@ -30,18 +30,33 @@ KEYS = (
     "hot_turn_14_vs_10",
     "warm_turn_14_vs_10",
     "rows",
+    "hot_step_s",
+    "hot_room_turn_s",
+    "hot_step_14_vs_10",
+    "hot_room_turn_14_vs_10",
 )
 
 
 @pytest.mark.slow  # a bench's run, seconds: the whole suite's
 async def test_the_bench_measures_real_warm_agents(tmp_path: Path) -> None:
-    cfg = replace(scale.QUICK, sizes=(10, 14), rounds=2, traced=2, verify=4, workdir=str(tmp_path))
+    cfg = replace(
+        scale.QUICK,
+        sizes=(10, 14),
+        hot_sizes=(10, 14),
+        rounds=2,
+        traced=2,
+        verify=4,
+        workdir=str(tmp_path),
+    )
     result = await scale.run(cfg)
     assert [k for k in KEYS if k not in result] == []
     assert sorted(result["open_s"]) == ["10", "14"]
     assert [w for row in result["rows"] for w in row["wrong_paths"]] == []
     assert all(row["verified"] > 0 for row in result["rows"])
     assert "| hot_turn_14_vs_10 |" in scale.table(result)
+    assert "| hot_step_14_vs_10 |" in scale.table(result)
+    # Each timed turn under the full hot budget made room (a ready copy or a demotion).
+    assert all(result["hot_room_moves"][n] >= 2 for n in ("10", "14"))
     # A sample of the forks the bench made, never turned: each resumes from disk.
     root = tmp_path / "agents-cache"
     async with kvactor.open(scale.MODEL, cache_dir=root) as kv:

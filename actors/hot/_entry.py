@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from ...kernels.agent_cache import AgentKV
 
 __all__ = ("HotEntry", "common_prefix")
@@ -23,6 +25,11 @@ class HotEntry:
     through the transitions below (a turn queued, started, ended; a write pinned and done;
     a tool wait), each of which checks what it needs. Everyone else reads them through the
     properties, and runs turns on ``kv`` through the pool's methods."""
+
+    # Every entry's changes of what the budget counts of it (a turn's reserve, a due
+    # write's bytes), counted together by the transitions that make them: the ledger
+    # tells from it whether any entry changed since its last count.
+    changes: ClassVar[int] = 0
 
     __slots__ = (
         "_due_bytes",
@@ -131,6 +138,7 @@ class HotEntry:
     def queued(self, now: float, *, hit: bool) -> None:
         """A turn of it is queued (``hit``: it found this cache hot): it is expected now,
         no longer staged, waiting on tools or due to write."""
+        HotEntry.changes += 1
         self._hits += hit
         self._pinned = False
         self._write_due = False
@@ -155,6 +163,7 @@ class HotEntry:
 
     def turn_started(self, reserve: int) -> None:
         """Room for its turn's working cache of up to ``reserve`` bytes was granted."""
+        HotEntry.changes += 1
         assert self._turn_reserve is None, "one turn at a time"
         self._turn_reserve = reserve
         self._turn_stored = self.kv.stored_bytes
@@ -162,6 +171,7 @@ class HotEntry:
     def turn_ended(self, now: float, *, write_due: bool, due_bytes: int) -> None:
         """Its turn is over (or never started); ``write_due``: its agent exports the new
         tokens next, pinning ``due_bytes``, held in the budget until then."""
+        HotEntry.changes += 1
         self._turn_reserve = None
         self._next_use = None
         self._last_used = now
@@ -170,12 +180,14 @@ class HotEntry:
 
     def export_pinned(self) -> None:
         """Its export was taken: the pins hold its bytes from now on."""
+        HotEntry.changes += 1
         self._write_due = False
         self._due_bytes = 0
 
     def written(self, upto: int) -> None:
         """An export of it is over: ``upto`` tokens are safe on disk (an ``upto`` past what
         it holds, from a write of tokens it no longer has, changes nothing)."""
+        HotEntry.changes += 1
         self._write_due = False
         self._due_bytes = 0
         if upto <= len(self.kv.tokens):

@@ -4,6 +4,7 @@ batch, and the bound in force."""
 
 from __future__ import annotations
 
+from ...kernels.agent_cache import AgentKV
 from ...runtime import DEBUG
 from ._entry import HotEntry
 from ._ready import ReadyCopies
@@ -38,6 +39,13 @@ class Ledger:
         self._exports = 0  # the last export id given
         self._batch_bytes = 0  # the engine's running batch (working caches out of entries)
         self.turn_room = 0  # the reserve of the last turn that started
+        # The residents without a turn (no working cache, no reserve): their copies' and
+        # due writes' bytes summed, kept while nothing of any entry or cache changed (the
+        # key: the residents' version and the changes AgentKV and HotEntry count); the
+        # rest, a few, are counted at each measure (a working cache grows in place).
+        self._quiet_key: tuple[int, int, int, int] | None = None
+        self._quiet = 0
+        self._live: list[HotEntry] = []
 
     # -- the bound --------------------------------------------------------------------
     @property
@@ -110,9 +118,20 @@ class Ledger:
     def _measure(self) -> tuple[int, int, int]:
         """:meth:`measure`, with what :meth:`committed` needs of the same pass over the
         residents: (bytes in use, running turns' working caches, their reserves' room)."""
-        used = self._batch_bytes + self._stored.sync(self._residents)
+        residents = self._residents
+        used = self._batch_bytes + self._stored.sync(residents)
+        key = (id(residents), residents.version, AgentKV.changes, HotEntry.changes)
+        if key != self._quiet_key:
+            quiet, live = 0, []
+            for e in residents.values():
+                if e.kv.work is not None or e.turn_reserve is not None:
+                    live.append(e)
+                else:
+                    quiet += e.kv.copies_bytes + e.due_bytes
+            self._quiet_key, self._quiet, self._live = key, quiet, live
+        used += self._quiet
         working = reserved = 0
-        for e in self._residents.values():
+        for e in self._live:
             kv = e.kv
             used += kv.copies_bytes + e.due_bytes
             if kv.work is not None:
