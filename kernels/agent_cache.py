@@ -59,7 +59,7 @@ class AgentKV:
     # together (the setters of ``stored_gen``, ``work`` and ``ready`` are its only
     # writers): a counter over many caches tells at once whether any of them changed
     # since it last looked, instead of asking each. A working cache also grows in place
-    # during its turn; a ready copy does not (trim replaces its count).
+    # during its turn; a ready copy does not (a trim is a change of the stored ranges).
     changes: ClassVar[int] = 0
 
     def __init__(
@@ -490,11 +490,9 @@ class AgentKV:
             elif r.start < keep:
                 kept.append(self._cut(r, keep))
         self.ranges = kept
-        self.stored_gen += 1
         if self.ready is not None:
             self.ready.trim(keep, self.last_states())
-            self._ready_nbytes = None
-            AgentKV.changes += 1
+        self.stored_gen += 1  # after the ready copy's trim: its bytes are counted again
 
     def _cut(self, r: StoredRange, keep: int) -> StoredRange:
         """The first ``keep - r.start`` tokens of a range (per-token codecs slice cleanly),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from ..enums import Tier
 from ..messages import AskWith, WarmAgent, WarmVictims
@@ -163,19 +163,24 @@ class Demotion:
         results (within their TTL): a reload would come soon."""
         return self._residents.busy(agent) or entry.staged or entry.tool_waiting(self.clock())
 
-    def candidates(self, exclude: HotEntry | None = None) -> list[Candidate]:
-        """Every cache that may be demoted now: all but running turns' (and ``exclude``),
-        and those whose new tokens are being written or about to be."""
+    def _demotable(self, exclude: HotEntry | None) -> Iterator[tuple[str, HotEntry, int]]:
+        """Every cache that may be demoted now, with what demoting it frees (arrays another
+        cache holds too stay): all but running turns' (and ``exclude``), and those whose
+        new tokens are being written or about to be."""
         writing = self._ledger.writing()
         stored = self._ledger.stored()  # what each cache alone holds
-        now = self.clock()
-        rates = self._rates
-        out = []
         for agent, e in self._residents.items():
             if e is exclude or e.running or e.write_due or agent in writing:
                 continue
-            # What demoting it frees: arrays another cache holds too stay.
-            nbytes = stored.own(agent) + e.kv.copies_bytes
+            yield agent, e, stored.own(agent) + e.kv.copies_bytes
+
+    def candidates(self, exclude: HotEntry | None = None) -> list[Candidate]:
+        """Every cache that may be demoted now (:meth:`_demotable`), as the policy sees
+        it."""
+        now = self.clock()
+        rates = self._rates
+        out = []
+        for agent, e, nbytes in self._demotable(exclude):
             # A cache not complete on disk (a cancelled turn's, or one whose write failed)
             # goes cold: its warm copy, if any, is older; under a write budget one that it
             # admits is written as it leaves.
@@ -216,12 +221,8 @@ class Demotion:
     def idle_bytes(self) -> int:
         """What demoting every idle cache (no turn queued, staged or awaited) frees now:
         the candidates' bytes, counted without making them."""
-        writing = self._ledger.writing()
-        stored = self._ledger.stored()
         return sum(
-            stored.own(agent) + e.kv.copies_bytes
-            for agent, e in self._residents.items()
-            if not (e.running or e.write_due or agent in writing or self.waiting(agent, e))
+            nbytes for agent, e, nbytes in self._demotable(None) if not self.waiting(agent, e)
         )
 
     def _sooner(self, agent: str) -> set[str]:
