@@ -28,8 +28,8 @@ to the same token (:meth:`AgentKV.reusable`), or from nothing when none is left.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, ClassVar, cast
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -54,13 +54,6 @@ class AgentKV:
 
     Invariant: when not active, the stored ranges cover every token.
     """
-
-    # Every cache's changes of its stored ranges, working cache or ready copy, counted
-    # together (the setters of ``stored_gen``, ``work`` and ``ready`` are its only
-    # writers): a counter over many caches tells at once whether any of them changed
-    # since it last looked, instead of asking each. A working cache also grows in place
-    # during its turn; a ready copy does not (a trim is a change of the stored ranges).
-    changes: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -91,6 +84,12 @@ class AgentKV:
         # Counts the changes of the stored ranges (a range added, cut, made, or its arrays
         # let go): a counter of stored bytes reads them again only when it moved.
         self._stored_gen = 0
+        # Called at each change of its stored ranges, working cache, ready copy or
+        # ``shared`` (the setters below and ``share_into`` are its only callers), so that
+        # a count over many caches reads again only those that changed (the hot tier's
+        # ``Residents`` sets it). A working cache also grows in place during its turn; a
+        # ready copy does not (a trim is a change of the stored ranges).
+        self.on_change: Callable[[], None] | None = None
 
     @property
     def stored_gen(self) -> int:
@@ -99,7 +98,11 @@ class AgentKV:
     @stored_gen.setter
     def stored_gen(self, value: int) -> None:
         self._stored_gen = value
-        AgentKV.changes += 1
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def fill_staged(
         self, tokens: list[int], ranges: Sequence[tuple[int, int, Mapping[str, Any]]]
@@ -173,7 +176,7 @@ class AgentKV:
     @work.setter
     def work(self, cache: TurnCache | None) -> None:
         self._work = cache
-        AgentKV.changes += 1
+        self._changed()
 
     @property
     def ready(self) -> TurnCache | None:
@@ -183,7 +186,7 @@ class AgentKV:
     def ready(self, copy: TurnCache | None) -> None:
         self._ready = copy
         self._ready_nbytes = None
-        AgentKV.changes += 1
+        self._changed()
 
     @property
     def work_bytes(self) -> int:
@@ -278,7 +281,10 @@ class AgentKV:
         into.work = into.ready = None
         into.stored_gen += 1
         if shared:
-            self.shared = into.shared = True
+            into.shared = True
+            if not self.shared:
+                self.shared = True
+                self._changed()  # its arrays are counted once for both from now on
         return into
 
     def reusable(self, keep: int) -> int:

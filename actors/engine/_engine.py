@@ -328,6 +328,8 @@ class EngineActor(ThreadActor):
             pool = other.runner.pool
             pool.limit = max(pool.committed() - missing, 0)
             pool.make_room(0)
+        if not others:
+            return  # no model to unload: its turn's start demotes its own idle caches
         # Its own idle caches go before any model does (its turn's start demotes them).
         own = slot.runner.pool.idle_bytes() if slot.loaded else 0
         for other in others:

@@ -279,17 +279,18 @@ class Demotion:
         missing -= ledger.freeing()
         if missing <= 0:
             return False
-        candidates = [
-            c for c in self.candidates(exclude) if (turn or not c.waiting) and c.agent not in keep
-        ]
         # Ready copies go first (least recently used first, those of waiting turns last):
         # the stored form stays, so bringing one back costs a dequantize, not a reload.
         ready = self._ready_copies(exclude, turn=turn, keep=keep)
-        demotable = {c.agent for c in candidates}
-        spare = sum(self._residents[a].kv.ready_bytes for a in ready if a not in demotable)
         bets = self._ready.reserved_except(keep) + self._ready.shared.nbytes
-        if bets + spare + sum(c.nbytes for c in candidates) < missing:
-            return False
+        copies = sum(self._residents[a].kv.ready_bytes for a in ready)
+        candidates = None
+        if bets + copies < missing:  # the copies alone are not room enough: can demoting?
+            candidates = self._candidates(exclude, turn, keep)
+            demotable = {c.agent for c in candidates}
+            spare = sum(self._residents[a].kv.ready_bytes for a in ready if a not in demotable)
+            if bets + spare + sum(c.nbytes for c in candidates) < missing:
+                return False
         # Ready copies being built go first of all (a bet on a turn to come), then built
         # ones, then shared prefixes' copies (each serves every agent sharing it).
         before = missing
@@ -300,13 +301,11 @@ class Demotion:
             missing -= self._ready.drop(self._residents[agent].kv)
         if missing > 0:
             missing -= self._ready.shared.drop_copies(missing)
-        if 0 < missing < before:  # a copy dropped: the candidates' bytes changed
-            candidates = [
-                c
-                for c in self.candidates(exclude)
-                if (turn or not c.waiting) and c.agent not in keep
-            ]
+        if missing > 0 and (candidates is None or missing < before):
+            # Not made yet, or a copy dropped since: the candidates' bytes changed.
+            candidates = self._candidates(exclude, turn, keep)
         if missing > 0:
+            assert candidates is not None
             chosen = {c.agent: c for c in candidates}
             for agent in self.policy.victims(candidates, missing):
                 assert agent in chosen, f"the policy chose {agent!r}, not a candidate"
@@ -315,6 +314,15 @@ class Demotion:
                 self._ready.shared.left(agent)
                 self._demoted(agent, entry, chosen[agent])
         return ledger.committed() + need <= ledger.limit
+
+    def _candidates(
+        self, exclude: HotEntry | None, turn: bool, keep: Collection[str]
+    ) -> list[Candidate]:
+        """The candidates room may be made of: waiting turns' only for a starting ``turn``,
+        none in ``keep``."""
+        return [
+            c for c in self.candidates(exclude) if (turn or not c.waiting) and c.agent not in keep
+        ]
 
     def _ready_copies(
         self, exclude: HotEntry | None, *, turn: bool, keep: Collection[str] = ()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
 
 from ...kernels.agent_cache import AgentKV
 
@@ -26,11 +26,6 @@ class HotEntry:
     a tool wait), each of which checks what it needs. Everyone else reads them through the
     properties, and runs turns on ``kv`` through the pool's methods."""
 
-    # Every entry's changes of what the budget counts of it (a turn's reserve, a due
-    # write's bytes), counted together by the transitions that make them: the ledger
-    # tells from it whether any entry changed since its last count.
-    changes: ClassVar[int] = 0
-
     __slots__ = (
         "_due_bytes",
         "_hits",
@@ -42,6 +37,7 @@ class HotEntry:
         "_tool_wait_until",
         "_turn_reserve",
         "_turn_stored",
+        "_watch",
         "_write_due",
         "kv",
     )
@@ -71,6 +67,19 @@ class HotEntry:
         self._shared_from: tuple[str, int] | None = None
         # time.monotonic() until which it waits on its tool calls' results (kept hot)
         self._tool_wait_until = 0.0
+        self._watch: Callable[[], None] | None = None
+
+    def watch(self, call: Callable[[], None] | None) -> None:
+        """Call ``call`` (None: nobody) at each change of what the budget counts of it: a
+        turn's reserve, a due write's bytes (the transitions below), and its cache's
+        stored ranges, working cache and ready copy (``AgentKV.on_change``). The hot
+        tier's ``Residents`` watches its residents, so that a count reads again only the
+        entries that changed."""
+        self._watch = self.kv.on_change = call
+
+    def _changed(self) -> None:
+        if self._watch is not None:
+            self._watch()
 
     # -- what others read -------------------------------------------------------------
     @property
@@ -138,7 +147,7 @@ class HotEntry:
     def queued(self, now: float, *, hit: bool) -> None:
         """A turn of it is queued (``hit``: it found this cache hot): it is expected now,
         no longer staged, waiting on tools or due to write."""
-        HotEntry.changes += 1
+        self._changed()
         self._hits += hit
         self._pinned = False
         self._write_due = False
@@ -163,7 +172,7 @@ class HotEntry:
 
     def turn_started(self, reserve: int) -> None:
         """Room for its turn's working cache of up to ``reserve`` bytes was granted."""
-        HotEntry.changes += 1
+        self._changed()
         assert self._turn_reserve is None, "one turn at a time"
         self._turn_reserve = reserve
         self._turn_stored = self.kv.stored_bytes
@@ -171,7 +180,7 @@ class HotEntry:
     def turn_ended(self, now: float, *, write_due: bool, due_bytes: int) -> None:
         """Its turn is over (or never started); ``write_due``: its agent exports the new
         tokens next, pinning ``due_bytes``, held in the budget until then."""
-        HotEntry.changes += 1
+        self._changed()
         self._turn_reserve = None
         self._next_use = None
         self._last_used = now
@@ -180,14 +189,14 @@ class HotEntry:
 
     def export_pinned(self) -> None:
         """Its export was taken: the pins hold its bytes from now on."""
-        HotEntry.changes += 1
+        self._changed()
         self._write_due = False
         self._due_bytes = 0
 
     def written(self, upto: int) -> None:
         """An export of it is over: ``upto`` tokens are safe on disk (an ``upto`` past what
         it holds, from a write of tokens it no longer has, changes nothing)."""
-        HotEntry.changes += 1
+        self._changed()
         self._write_due = False
         self._due_bytes = 0
         if upto <= len(self.kv.tokens):

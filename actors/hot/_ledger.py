@@ -4,7 +4,6 @@ batch, and the bound in force."""
 
 from __future__ import annotations
 
-from ...kernels.agent_cache import AgentKV
 from ...runtime import DEBUG
 from ._entry import HotEntry
 from ._ready import ReadyCopies
@@ -31,6 +30,7 @@ class Ledger:
         self._residents = residents
         self._ready = ready
         self._stored = StoredCounts()  # the residents' stored bytes, kept by change
+        self._changed = residents.feed()  # who changed since the last count
         self.used = 0
         self.peak = 0
         self._staged: dict[str, int] = {}  # agent -> bytes reserved for its staging warm cache
@@ -40,12 +40,12 @@ class Ledger:
         self._batch_bytes = 0  # the engine's running batch (working caches out of entries)
         self.turn_room = 0  # the reserve of the last turn that started
         # The residents without a turn (no working cache, no reserve): their copies' and
-        # due writes' bytes summed, kept while nothing of any entry or cache changed (the
-        # key: the residents' version and the changes AgentKV and HotEntry count); the
-        # rest, a few, are counted at each measure (a working cache grows in place).
-        self._quiet_key: tuple[int, int, int, int] | None = None
-        self._quiet = 0
-        self._live: list[HotEntry] = []
+        # due writes' bytes, each kept until its entry or cache changes (``_changed``),
+        # and their sum; the rest, a few, are counted at each measure (a working cache
+        # grows in place).
+        self._quiet: dict[str, int] = {}
+        self._quiet_sum = 0
+        self._live: dict[str, HotEntry] = {}
 
     # -- the bound --------------------------------------------------------------------
     @property
@@ -118,20 +118,9 @@ class Ledger:
     def _measure(self) -> tuple[int, int, int]:
         """:meth:`measure`, with what :meth:`committed` needs of the same pass over the
         residents: (bytes in use, running turns' working caches, their reserves' room)."""
-        residents = self._residents
-        used = self._batch_bytes + self._stored.sync(residents)
-        key = (id(residents), residents.version, AgentKV.changes, HotEntry.changes)
-        if key != self._quiet_key:
-            quiet, live = 0, []
-            for e in residents.values():
-                if e.kv.work is not None or e.turn_reserve is not None:
-                    live.append(e)
-                else:
-                    quiet += e.kv.copies_bytes + e.due_bytes
-            self._quiet_key, self._quiet, self._live = key, quiet, live
-        used += self._quiet
+        used = self._batch_bytes + self._catch_up() + self._quiet_sum
         working = reserved = 0
-        for e in self._live:
+        for e in self._live.values():
             kv = e.kv
             used += kv.copies_bytes + e.due_bytes
             if kv.work is not None:
@@ -150,10 +139,31 @@ class Ledger:
         )
         return used, working + self._batch_bytes, reserved
 
+    def _catch_up(self) -> int:
+        """Read again the residents that changed since the last count (or came, or left):
+        their stored bytes, and whether each is quiet (its copies' and due write's bytes
+        kept) or live. The residents' stored bytes."""
+        changed = self._changed.drain()
+        if not changed:
+            return self._stored.total
+        residents, quiet, live = self._residents, self._quiet, self._live
+        for agent in changed:
+            self._quiet_sum -= quiet.pop(agent, 0)
+            live.pop(agent, None)
+            e = residents.get(agent)
+            if e is None:
+                continue
+            if e.kv.work is not None or e.turn_reserve is not None:
+                live[agent] = e
+            else:
+                quiet[agent] = nbytes = e.kv.copies_bytes + e.due_bytes
+                self._quiet_sum += nbytes
+        return self._stored.sync(residents, changed)
+
     def stored(self) -> StoredCounts:
         """The stored bytes of the residents, synced now (what each cache alone holds:
         ``own``)."""
-        self._stored.sync(self._residents)
+        self._catch_up()
         return self._stored
 
     def freeing(self) -> int:

@@ -4,12 +4,35 @@ shared-prefix search)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 from ._entry import HotEntry
 from ._prefix_index import PrefixIndex
 
-__all__ = ("Residents",)
+__all__ = ("ChangeFeed", "Residents")
+
+
+class ChangeFeed:
+    """The agents whose hot entry or cache changed, or who came or left, since its reader
+    last drained it (:meth:`Residents.feed`): a count kept by change reads those again,
+    not every resident.
+
+    Invariant: its set is written only by :meth:`note` (the residents' watch) and
+    :meth:`drain` (its one reader)."""
+
+    __slots__ = ("_agents",)
+
+    def __init__(self) -> None:
+        self._agents: set[str] = set()
+
+    def note(self, agent: str) -> None:
+        self._agents.add(agent)
+
+    def drain(self) -> set[str]:
+        """The agents noted since the last drain (and forget them)."""
+        agents, self._agents = self._agents, set()
+        return agents
 
 
 class Residents:
@@ -30,8 +53,8 @@ class Residents:
         # When each entry was added (its place in _entries' order, without counting it).
         self._added: dict[str, int] = {}
         self._adds = 0
-        # Moves at every add and removal: who is hot changed (see StoredCounts.sync).
-        self.version = 0
+        # Each reader's agents changed since it last looked (see ChangeFeed).
+        self._feeds: list[ChangeFeed] = []
 
     # -- reading ----------------------------------------------------------------------
     def get(self, agent: str) -> HotEntry | None:
@@ -63,6 +86,19 @@ class Residents:
     def busy_agents(self) -> frozenset[str]:
         return frozenset(self._busy)
 
+    # -- who changed ------------------------------------------------------------------
+    def feed(self) -> ChangeFeed:
+        """A new reader's feed of changed agents, every resident noted in it now."""
+        feed = ChangeFeed()
+        for agent in self._entries:
+            feed.note(agent)
+        self._feeds.append(feed)
+        return feed
+
+    def _changed(self, agent: str) -> None:
+        for feed in self._feeds:
+            feed.note(agent)
+
     # -- writing ----------------------------------------------------------------------
     def _index(self, agent: str) -> PrefixIndex:
         scope = self._scopes.get(agent, "")
@@ -75,8 +111,9 @@ class Residents:
         assert agent not in self._entries, f"agent {agent!r} is hot already"
         self._entries[agent] = entry
         self._adds += 1
-        self.version += 1
         self._added[agent] = self._adds
+        entry.watch(functools.partial(self._changed, agent))
+        self._changed(agent)
         self.reindex(agent, entry)
         return entry
 
@@ -84,8 +121,11 @@ class Residents:
         """Take ``agent``'s entry out (demoted, dropped); None when it had none."""
         self._index(agent).remove(agent)
         self._added.pop(agent, None)
-        self.version += 1
-        return self._entries.pop(agent, None)
+        entry = self._entries.pop(agent, None)
+        if entry is not None:
+            entry.watch(None)
+            self._changed(agent)
+        return entry
 
     def reindex(self, agent: str, entry: HotEntry) -> None:
         """``entry``'s stored ranges changed: index where they end now (when it is the
@@ -115,7 +155,9 @@ class Residents:
         self._busy.discard(agent)
 
     def clear(self) -> None:
-        self.version += 1
+        for agent, entry in self._entries.items():
+            entry.watch(None)
+            self._changed(agent)
         self._entries.clear()
         self._added.clear()
         self._indexes.clear()

@@ -1,12 +1,14 @@
 """The stored bytes of the hot tier's caches, an array several caches share (a fork and its
 source, agents over one shared prefix) counted once, kept by change: a cache's arrays are
-read again only when its stored ranges changed (``AgentKV.stored_gen``), so a count looks at
-each cache, not at each of its arrays. The ledger keeps it (its only writer, through
+read again only when its stored ranges changed (``AgentKV.stored_gen``), and a count looks
+only at the caches that changed since the last (the residents' ``ChangeFeed``), not at
+each cache or each of its arrays. The ledger keeps it (its only writer, through
 :meth:`StoredCounts.sync`); demotion reads what each cache alone holds."""
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Collection
 
 from ...kernels.agent_cache import AgentKV
 from ._residents import Residents
@@ -44,36 +46,26 @@ class StoredCounts:
         self._counted: dict[str, _Counted] = {}
         self._holders: dict[int, int] = {}  # id of a shared cache's array -> caches holding it
         self._epoch = 0
-        # What the last sync saw: its residents (by id and version) and every cache's
-        # changes (AgentKV.changes); the same again means nothing to read.
-        self._synced: tuple[int, int, int] | None = None
 
-    def sync(self, residents: Residents) -> int:
-        """Count the caches of ``residents`` now: those gone or changed since the last
-        sync (another cache, another change count, or shared since) are taken out first
-        (an array freed since may share an id with a new one), then those new or changed
-        are read; nothing is looked at when neither the residents nor any cache's stored
-        ranges changed since the last sync. Returns :attr:`total`."""
-        seen = (id(residents), residents.version, AgentKV.changes)
-        if seen == self._synced:
-            return self.total
+    def sync(self, residents: Residents, changed: Collection[str]) -> int:
+        """Count the caches of ``residents`` now, given the agents ``changed`` since the
+        last sync (a ``ChangeFeed``'s): a cache gone or changed (another cache, another
+        change of its ranges, or shared since) is taken out first (an array freed since
+        may share an id with a new one), then one new or changed is read. Returns
+        :attr:`total`."""
         counted = self._counted
-        get = residents.get
-        stale = [
-            agent
-            for agent, c in counted.items()
-            if (e := get(agent)) is None
-            or (kv := e.kv) is not c.kv()
-            or c.gen != kv.stored_gen
-            or c.shared != kv.shared
-        ]
-        for agent in stale:
-            self._take_out(agent)
-        if len(counted) != len(residents):
-            for agent, e in residents.items():
-                if agent not in counted:
-                    self._count(agent, e.kv)
-        self._synced = seen
+        for agent in changed:
+            c = counted.get(agent)
+            e = residents.get(agent)
+            if c is not None and (
+                e is None
+                or (kv := e.kv) is not c.kv()
+                or c.gen != kv.stored_gen
+                or c.shared != kv.shared
+            ):
+                self._take_out(agent)
+            if e is not None and agent not in counted:
+                self._count(agent, e.kv)
         return self.total
 
     def own(self, agent: str) -> int:
