@@ -18,6 +18,7 @@ from kvactor.actors.hot import (
     Candidate,
     EvictionPolicy,
     HintBook,
+    HotEntry,
     LRUPolicy,
     WorkflowPolicy,
     _hints,
@@ -474,6 +475,66 @@ def test_a_hint_book_counts_its_ranks_as_hints_come_and_go(
         left_out = set(rng.sample(names, rng.randrange(0, 10)))
         ranks = [book.rank(a) for a in names if a not in left_out and a not in cold]
         assert book.lowest_rank(left_out) == min([(0, 1), *ranks]), step
+
+
+def test_ready_copies_go_in_one_order_read_a_page_at_a_time(lm: LoadedModel) -> None:
+    # Room takes ready copies idle before waiting, a lower priority first, then agents
+    # without an expected turn least recently used first, then those expected, furthest
+    # first. The pool reads the order a page at a time from the hot agents' ready order and
+    # merges in the agents hints name: what it drops for ``need`` bytes must be exactly
+    # the first copies of that order sorted over every hot cache (ties of last use,
+    # priorities, expected turns and tool waits among them), and more than a page deep.
+    now = [100.0]
+    pool = CachePool(
+        None,
+        LRUPolicy(),
+        persistent=True,
+        codec=DEFAULT_CODEC,
+        geometry=lm.geometry,
+        ready_copies=True,
+        clock=lambda: now[0],
+    )
+    rng = random.Random(5)
+    names = [f"a{i:03d}" for i in range(200)]
+    for name in names:
+        now[0] += rng.choice((0.0, 1.0))  # some turns end at the same time
+        turn(pool, lm, name, 4, persist=True)
+    hints, demotion = pool.hints, pool.demotion
+
+    def key(agent: str, entry: HotEntry) -> tuple[bool, int, bool, float]:
+        at = hints.next_use(agent, now[0])
+        rank = entry.last_used if at is None else -at
+        return demotion.waiting(agent, entry), hints.priority(agent), at is not None, rank
+
+    deep = 0
+    for round_ in range(25):
+        for name in rng.sample(names, 12):  # another turn: a later use, a ready copy again
+            now[0] += rng.choice((0.0, 0.5))
+            turn(pool, lm, name, 2, persist=True)
+        expect = {a: rng.uniform(0, 60) for a in rng.sample(names, 6)}
+        pool.hint(
+            make_hint(
+                expect_in_s=expect, priority={a: rng.randint(-2, 2) for a in rng.sample(names, 6)}
+            ),
+            ahead=0,
+        )
+        for name in rng.sample(names, 4):
+            pool.tool_wait(name, rng.choice((0.0, 30.0)))
+        ready = {a: e for a, e in pool.residents.items() if e.kv.ready is not None}
+        order = [a for _, a in sorted((key(a, e), a) for a, e in ready.items() if not key(a, e)[0])]
+        need = rng.randrange(1, sum(ready[a].kv.ready_bytes for a in order))
+        want, held = [], 0
+        for agent in order:
+            if held >= need:
+                break
+            want.append(agent)
+            held += ready[agent].kv.ready_bytes
+        deep = max(deep, len(want))
+        assert pool.demotion.drop_ready(need) == held, round_
+        dropped = {a for a, e in ready.items() if e.kv.ready is None}
+        assert dropped == set(want), round_
+        pool.check()
+    assert deep > 64  # past the first page
 
 
 def test_what_each_cache_alone_holds_is_kept_as_caches_share_and_go(lm: LoadedModel) -> None:

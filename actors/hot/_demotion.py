@@ -4,6 +4,8 @@ and the tool-wait state), making room, and whether anything is on its way to fre
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 
@@ -19,6 +21,11 @@ from ._residents import Residents
 from ._write_back import WriteBack
 
 __all__ = ("Demotion", "cold_candidates", "early_victims", "unloaded_victims")
+
+# What orders ready copies for room (``Demotion._ready_order``), and how many of the
+# residents' ready order ``Demotion._ready_copies`` reads at a time.
+_ReadyKey = tuple[bool, int, bool, float]
+_PAGE = 64
 
 
 def _used_at(updated: float, now: float, at: float) -> float:
@@ -240,7 +247,7 @@ class Demotion:
             or hints.priority(other) > mine
         }
 
-    def _ready_order(self, agent: str, entry: HotEntry) -> tuple[bool, int, bool, float]:
+    def _ready_order(self, agent: str, entry: HotEntry) -> _ReadyKey:
         """Whose ready copy goes first: not waiting before waiting, low priority first, then
         unhinted least recently used, then hinted furthest first."""
         at = self._hints.next_use(agent, self.clock())
@@ -281,8 +288,8 @@ class Demotion:
             return False
         # Ready copies go first (least recently used first, those of waiting turns last):
         # the stored form stays, so bringing one back costs a dequantize, not a reload.
-        ready = self._ready_copies(exclude, turn=turn, keep=keep)
         bets = self._ready.reserved_except(keep) + self._ready.shared.nbytes
+        ready = self._ready_copies(exclude, turn=turn, keep=keep, upto=missing - bets)
         copies = sum(self._residents[a].kv.ready_bytes for a in ready)
         candidates = None
         if bets + copies < missing:  # the copies alone are not room enough: can demoting?
@@ -295,10 +302,8 @@ class Demotion:
         # ones, then shared prefixes' copies (each serves every agent sharing it).
         before = missing
         missing -= self._ready.give_up(missing, keep)
-        for agent in ready:
-            if missing <= 0:
-                break
-            missing -= self._ready.drop(self._residents[agent].kv)
+        if missing > 0:
+            missing -= self._drop_ready(missing, exclude, turn=turn, keep=keep)
         if missing > 0:
             missing -= self._ready.shared.drop_copies(missing)
         if missing > 0 and (candidates is None or missing < before):
@@ -325,32 +330,85 @@ class Demotion:
         ]
 
     def _ready_copies(
-        self, exclude: HotEntry | None, *, turn: bool, keep: Collection[str] = ()
+        self,
+        exclude: HotEntry | None,
+        *,
+        turn: bool,
+        keep: Collection[str] = (),
+        upto: int | None = None,
     ) -> list[str]:
-        """The agents whose ready copies may go for room, first to go first: not running,
-        not ``exclude``'s, waiting turns' only for a starting ``turn``, none in ``keep``."""
-        return [
-            agent
-            for _, agent in sorted(
-                (self._ready_order(agent, e), agent)
-                for agent, e in self._residents.items()
-                if e.kv.ready is not None
-                and e is not exclude
-                and not e.running
-                and (turn or not self.waiting(agent, e))
-                and agent not in keep
-            )
-        ]
+        """The agents whose ready copies may go for room, first to go first
+        (:meth:`_ready_order`): not running, not ``exclude``'s, waiting turns' only for a
+        starting ``turn``, none in ``keep``. With ``upto``, only the first ones whose copies
+        hold ``upto`` bytes (all of them when they hold less).
+
+        Agents no hint names come from the residents' ready order (least recently used
+        first), a page at a time; those named (``HintBook.named``) are ordered apart and
+        merged in. So the work grows with the copies taken and the agents named, not with
+        the agents hot."""
+        residents, named = self._residents, self._hints.named()
+
+        def may(agent: str, e: HotEntry) -> bool:
+            return e is not exclude and not e.running and agent not in keep
+
+        apart: list[tuple[_ReadyKey, str]] = []
+        later: list[tuple[_ReadyKey, str]] = []  # waiting turns' (a starting turn's only)
+        for agent in named:
+            e = residents.get(agent)
+            if e is not None and e.kv.ready is not None and may(agent, e):
+                order = self._ready_order(agent, e)
+                if not order[0]:
+                    apart.append((order, agent))
+                elif turn:
+                    later.append((order, agent))
+        apart.sort()
+
+        def plain() -> Iterator[tuple[_ReadyKey, str]]:
+            start = 0
+            while page := residents.by_use(start, _PAGE, ready=True):
+                start += len(page)
+                for _, agent in page:
+                    e = residents[agent]
+                    if agent in named or not may(agent, e):
+                        continue
+                    if not self.waiting(agent, e):
+                        yield (False, 0, False, e.last_used), agent
+                    elif turn:
+                        later.append(((True, 0, False, e.last_used), agent))
+
+        def waiting_last() -> Iterator[tuple[_ReadyKey, str]]:
+            yield from sorted(later)  # complete once plain() is spent
+
+        out: list[str] = []
+        held = 0
+        for _, agent in itertools.chain(heapq.merge(plain(), apart), waiting_last()):
+            if upto is not None and held >= upto:
+                break
+            out.append(agent)
+            if upto is not None:
+                held += residents[agent].kv.ready_bytes
+        return out
+
+    def _drop_ready(
+        self, need: int, exclude: HotEntry | None, *, turn: bool, keep: Collection[str] = ()
+    ) -> int:
+        """Drop ready copies in :meth:`_ready_copies`' order until ``need`` bytes are freed
+        (or none is left); the bytes freed."""
+        freed = 0
+        while freed < need:
+            agents = self._ready_copies(exclude, turn=turn, keep=keep, upto=need - freed)
+            if not agents:
+                break
+            for agent in agents:
+                if freed >= need:
+                    break
+                freed += self._ready.drop(self._residents[agent].kv)
+        return freed
 
     def drop_ready(self, need: int, exclude: HotEntry | None = None) -> int:
         """Drop idle agents' ready copies (no turn of theirs waits), in the order room is
         made, until ``need`` bytes are freed; demotes nobody. The bytes freed."""
-        freed = 0
-        for agent in self._ready_copies(exclude, turn=False):
-            if freed >= need:
-                break
-            freed += self._ready.drop(self._residents[agent].kv)
-        return freed
+        return self._drop_ready(need, exclude, turn=False)
 
     def _demoted(self, agent: str, entry: HotEntry, victim: Candidate) -> None:
         """Count and log ``agent``'s demotion (out of the residents now); a dirty cache the

@@ -147,12 +147,12 @@ class HotEntry:
     def queued(self, now: float, *, hit: bool) -> None:
         """A turn of it is queued (``hit``: it found this cache hot): it is expected now,
         no longer staged, waiting on tools or due to write."""
-        self._changed()
         self._hits += hit
         self._pinned = False
         self._write_due = False
         self._tool_wait_until = 0.0  # the turn that brings the results is here
         self._next_use = self._last_used = now  # soon: its turn is queued
+        self._changed()
 
     def expected(self, now: float) -> None:
         """Its turn is expected now (a staging for it found it hot)."""
@@ -172,37 +172,37 @@ class HotEntry:
 
     def turn_started(self, reserve: int) -> None:
         """Room for its turn's working cache of up to ``reserve`` bytes was granted."""
-        self._changed()
         assert self._turn_reserve is None, "one turn at a time"
         self._turn_reserve = reserve
         self._turn_stored = self.kv.stored_bytes
+        self._changed()
 
     def turn_ended(self, now: float, *, write_due: bool, due_bytes: int) -> None:
         """Its turn is over (or never started); ``write_due``: its agent exports the new
         tokens next, pinning ``due_bytes``, held in the budget until then."""
-        self._changed()
         self._turn_reserve = None
         self._next_use = None
         self._last_used = now
         self._write_due = write_due
         self._due_bytes = due_bytes if write_due else 0
+        self._changed()
 
     def export_pinned(self) -> None:
         """Its export was taken: the pins hold its bytes from now on."""
-        self._changed()
         self._write_due = False
         self._due_bytes = 0
+        self._changed()
 
     def written(self, upto: int) -> None:
         """An export of it is over: ``upto`` tokens are safe on disk (an ``upto`` past what
         it holds, from a write of tokens it no longer has, changes nothing)."""
-        self._changed()
         self._write_due = False
         self._due_bytes = 0
         if upto <= len(self.kv.tokens):
             self._persisted = max(self._persisted, upto)
         if self._persisted:
             self._shared_from = None  # its warm copy exists: later writes append
+        self._changed()
 
     def warm_copy_gone(self) -> None:
         """Its warm copy was made cold (the disk limit): nothing of it is on disk now, so

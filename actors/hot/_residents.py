@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 from ._entry import HotEntry
 from ._prefix_index import PrefixIndex
+from ._use_order import UseOrder
 
 __all__ = ("ChangeFeed", "Residents")
 
@@ -40,8 +41,10 @@ class Residents:
 
     Invariant: this is the only writer of which agents are hot, which are busy and which
     scope each is in; each resident's stored-range boundaries are in its scope's index
-    exactly as its cache has them (``reindex`` after every change of its ranges; checked by
-    ``check``)."""
+    exactly as its cache has them (``reindex`` after every change of its ranges); every
+    resident is in the order of last uses at its last use, and in the ready one too while it
+    keeps a ready copy (placed again at each change its entry or cache makes:
+    ``HotEntry.watch``). Both checked by ``check``."""
 
     def __init__(self) -> None:
         self._entries: dict[str, HotEntry] = {}
@@ -55,6 +58,10 @@ class Residents:
         self._adds = 0
         # Each reader's agents changed since it last looked (see ChangeFeed).
         self._feeds: list[ChangeFeed] = []
+        # The residents by last use, and those keeping a ready copy (placed again at each
+        # change of an entry: _changed).
+        self._by_use = UseOrder()
+        self._ready_by_use = UseOrder()
 
     # -- reading ----------------------------------------------------------------------
     def get(self, agent: str) -> HotEntry | None:
@@ -98,6 +105,16 @@ class Residents:
     def _changed(self, agent: str) -> None:
         for feed in self._feeds:
             feed.note(agent)
+        entry = self._entries.get(agent)
+        at = None if entry is None else entry.last_used
+        self._by_use.place(agent, at)
+        self._ready_by_use.place(agent, None if entry is None or entry.kv.ready is None else at)
+
+    def by_use(self, start: int, count: int, *, ready: bool = False) -> list[tuple[float, str]]:
+        """Up to ``count`` residents from the ``start``-th on, least recently used first
+        (ties by name), as (last use, agent); ``ready``: of those keeping a ready copy
+        only. Reads those alone, not every resident."""
+        return (self._ready_by_use if ready else self._by_use).page(start, count)
 
     # -- writing ----------------------------------------------------------------------
     def _index(self, agent: str) -> PrefixIndex:
@@ -155,10 +172,10 @@ class Residents:
         self._busy.discard(agent)
 
     def clear(self) -> None:
-        for agent, entry in self._entries.items():
+        entries, self._entries = self._entries, {}
+        for agent, entry in entries.items():
             entry.watch(None)
             self._changed(agent)
-        self._entries.clear()
         self._added.clear()
         self._indexes.clear()
 
@@ -175,7 +192,12 @@ class Residents:
         )
 
     def check(self) -> None:
-        """Debug check: each resident's index holds its boundaries as its cache has them."""
+        """Debug check: each resident's index holds its boundaries as its cache has them,
+        and the ready order holds the residents with a ready copy at their last use."""
         for agent, entry in self._entries.items():
             index = self._index(agent)
             assert index.stops(agent) == entry.kv.boundaries(), f"{agent}: index out of date"
+        self._by_use.check({a: e.last_used for a, e in self._entries.items()})
+        self._ready_by_use.check(
+            {a: e.last_used for a, e in self._entries.items() if e.kv.ready is not None}
+        )
