@@ -36,8 +36,10 @@ At each size N, in one process:
 Then with ``--hot-sizes`` agents hot at once (10 / 1,000 / 3,000; a turn each, ready
 copies kept, a cache directory of their own): ``hot_step_s``, a decode step of one of
 them, and ``hot_room_turn_s``, a new agent's turn under a hot budget that holds 95% of
-theirs, so that each such turn makes room (``hot_room_moves``): what grows with the
-agents hot, each against the smallest size (``hot_step_3000_vs_10``).
+theirs, so that each such turn makes room (``hot_room_moves``), and
+``hot_demote_turn_s``, the same without ready copies, so that each such turn demotes
+(``hot_demote_moves``): what grows with the agents hot, each against the smallest size
+(``hot_step_3000_vs_10``).
 
 ``--quick`` (sizes 10 / 300, about a minute); the full mode (10 / 1,000 / 10,000) takes
 a few minutes on a 2-core CPU. Targets: ``open_s`` <= 1 s at 10,000 agents, hot and warm
@@ -317,7 +319,8 @@ async def hot_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)
     async with kvactor.open(MODEL, cache_dir=root) as kv:
         agents = await fill_hot(kv, n, "hot-", cfg)
-        held = (await kv.stats()).cache_bytes
+        stats = await kv.stats()
+        held, stored = stats.cache_bytes, stats.cache_bytes - stats.ready_bytes
         for r in range(cfg.rounds):
             t0 = time.perf_counter()
             done = await agents[r % n].generate(ASK, max_tokens=STEP_TOKENS)
@@ -326,10 +329,33 @@ async def hot_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
             assert done.path == Tier.HOT, (r, done.path)
     shutil.rmtree(root, ignore_errors=True)
     budget = int(held * 0.95) + (1 << 20)  # a short turn's room: 1 MiB (tiny model)
-    rooms = []
-    async with kvactor.open(MODEL, cache_dir=root, budget_bytes=budget) as kv:
+    rooms, moves = await room_turns(root, n, cfg, budget, ready_copies=True)
+    # Without ready copies each such turn demotes (the policy chooses among the caches).
+    stored_budget = int(stored * 0.95) + (1 << 20)
+    demotes, demotions = await room_turns(root, n, cfg, stored_budget, ready_copies=False)
+    return {
+        "hot_agents": n,
+        "hot_step_s": round(statistics.median(steps), 6),
+        "hot_room_turn_s": round(statistics.median(t.wall_s for t in rooms), 5),
+        "hot_room_turn_nowrite_s": round(statistics.median(t.wall_s - t.write_s for t in rooms), 5),
+        "hot_room_moves": moves,
+        "hot_demote_turn_s": round(statistics.median(t.wall_s for t in demotes), 5),
+        "hot_demote_moves": demotions,
+        "hot_budget_bytes": budget,
+    }
+
+
+async def room_turns(
+    root: Path, n: int, cfg: Config, budget: int, *, ready_copies: bool
+) -> tuple[list[Timed], int]:
+    """``cfg.rounds`` new agents' turns with ``n`` agents hot in a session of hot budget
+    ``budget``; the turns, and the ready copies dropped and caches demoted meanwhile."""
+    async with kvactor.open(
+        MODEL, cache_dir=root, budget_bytes=budget, ready_copies=ready_copies
+    ) as kv:
         await fill_hot(kv, n, "hot-", cfg)
         before = await kv.stats()
+        rooms = []
         for r in range(cfg.rounds):
             agent = await kv.spawn_agent(f"new-{r:03d}", system=SYSTEM)
             rooms.append(
@@ -340,14 +366,7 @@ async def hot_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
     moves = (after.demoted_warm + after.demoted_cold + after.dropped_ready) - (
         before.demoted_warm + before.demoted_cold + before.dropped_ready
     )
-    return {
-        "hot_agents": n,
-        "hot_step_s": round(statistics.median(steps), 6),
-        "hot_room_turn_s": round(statistics.median(t.wall_s for t in rooms), 5),
-        "hot_room_turn_nowrite_s": round(statistics.median(t.wall_s - t.write_s for t in rooms), 5),
-        "hot_room_moves": moves,
-        "hot_budget_bytes": budget,
-    }
+    return rooms, moves
 
 
 async def floor(root: Path, cfg: Config) -> dict[str, Any]:
@@ -468,11 +487,18 @@ def hot_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     smallest."""
     if not rows:
         return {}
-    keys = ("hot_step_s", "hot_room_turn_s", "hot_room_turn_nowrite_s", "hot_room_moves")
+    keys = (
+        "hot_step_s",
+        "hot_room_turn_s",
+        "hot_room_turn_nowrite_s",
+        "hot_room_moves",
+        "hot_demote_turn_s",
+        "hot_demote_moves",
+    )
     out: dict[str, Any] = {"hot_sizes": [r["hot_agents"] for r in rows]}
     out.update({k: {str(r["hot_agents"]): r[k] for r in rows} for k in keys})
     a, b = rows[0], rows[-1]
-    for k in ("hot_step", "hot_room_turn"):
+    for k in ("hot_step", "hot_room_turn", "hot_demote_turn"):
         out[f"{k}_{b['hot_agents']}_vs_{a['hot_agents']}"] = round(b[f"{k}_s"] / a[f"{k}_s"], 3)
     return out
 
@@ -577,6 +603,14 @@ def hot_rows(r: dict[str, Any]) -> list[tuple[Any, ...]]:
             "",
             "",
         ),
+        (
+            "hot_demote_turn_s (the same, no ready copies: it demotes), ms",
+            per_hot("hot_demote_turn_s", 1e3, "{:.1f}"),
+            "",
+            "",
+        ),
+        (f"hot_demote_turn_{y}_vs_{x}", r[f"hot_demote_turn_{y}_vs_{x}"], "", ""),
+        ("hot_demote_moves (demotions)", per_hot("hot_demote_moves", 1, "{:.0f}"), "", ""),
     ]
 
 

@@ -34,6 +34,8 @@ KEYS = (
     "hot_room_turn_s",
     "hot_step_14_vs_10",
     "hot_room_turn_14_vs_10",
+    "hot_demote_turn_s",
+    "hot_demote_turn_14_vs_10",
 )
 
 
@@ -57,6 +59,7 @@ async def test_the_bench_measures_real_warm_agents(tmp_path: Path) -> None:
     assert "| hot_step_14_vs_10 |" in scale.table(result)
     # Each timed turn under the full hot budget made room (a ready copy or a demotion).
     assert all(result["hot_room_moves"][n] >= 2 for n in ("10", "14"))
+    assert all(result["hot_demote_moves"][n] >= 2 for n in ("10", "14"))
     # A sample of the forks the bench made, never turned: each resumes from disk.
     root = tmp_path / "agents-cache"
     async with kvactor.open(scale.MODEL, cache_dir=root) as kv:

@@ -537,6 +537,56 @@ def test_ready_copies_go_in_one_order_read_a_page_at_a_time(lm: LoadedModel) -> 
     assert deep > 64  # past the first page
 
 
+@pytest.mark.parametrize("workflow", [False, True], ids=["lru", "workflow"])
+def test_the_least_recently_used_alone_give_the_policy_s_answer_for_all(
+    lm: LoadedModel, workflow: bool
+) -> None:
+    # With more hot caches than the shortlist, room is made by asking the policy about the
+    # 64 least recently used and the agents hints name first: its answer must be the one
+    # it gives about every cache (hints, done marks, priorities, tool waits, unwritten
+    # caches and tied last uses among them), and both ways must be taken often.
+    now = [100.0]
+    policy = WorkflowPolicy(clock=lambda: now[0]) if workflow else LRUPolicy()
+    pool = new_pool(lm, None, policy=policy, clock=lambda: now[0])
+    rng = random.Random(11)
+    made = 0
+
+    def add(count: int) -> None:
+        nonlocal made
+        for _ in range(count):
+            now[0] += rng.choice((0.0, 1.0))  # some turns end at the same time
+            turn(pool, lm, f"a{made:04d}", rng.randrange(2, 9), persist=rng.random() < 0.7)
+            made += 1
+
+    add(200)
+    for round_ in range(60):
+        names = list(pool.residents)
+        if workflow:
+            pick = rng.sample(names, 6)
+            pool.hint(
+                make_hint(
+                    expect_in_s={a: rng.uniform(0, 60) for a in pick[:2]},
+                    priority={a: rng.randint(-2, 2) for a in pick[2:4]},
+                    done=pick[4:],
+                ),
+                ahead=0,
+            )
+        for name in rng.sample(names, 3):
+            pool.tool_wait(name, rng.choice((0.0, 30.0)))
+        pool.limit = pool.committed()
+        candidates = [c for c in pool.candidates() if not c.waiting]
+        need = rng.randrange(1, sum(c.nbytes for c in candidates) // rng.choice((3, 12)))
+        want = set(policy.victims(candidates, need))
+        before = set(pool.residents)
+        assert pool.make_room(need), round_
+        assert before - set(pool.residents) == want, round_
+        pool.limit = None
+        add(len(want))
+        now[0] += 1.0
+    asked = pool.demotion.asked
+    assert asked["shortlist"] > 5 and asked["all"] > 5, asked
+
+
 def test_what_each_cache_alone_holds_is_kept_as_caches_share_and_go(lm: LoadedModel) -> None:
     # StoredCounts.own keeps a shared cache's own bytes until some array's sole holder
     # changes: after every fork, turn and drop it equals a count from scratch, by ids.

@@ -7,7 +7,7 @@ import dataclasses
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 from ..enums import Tier
 from ..messages import AskWith, WarmAgent, WarmVictims
@@ -26,6 +26,8 @@ __all__ = ("Demotion", "cold_candidates", "early_victims", "unloaded_victims")
 # residents' ready order ``Demotion._ready_copies`` reads at a time.
 _ReadyKey = tuple[bool, int, bool, float]
 _PAGE = 64
+#: The least recently used hot caches a policy is asked about first to demote.
+SHORTLIST = 64
 
 
 def _used_at(updated: float, now: float, at: float) -> float:
@@ -163,6 +165,10 @@ class Demotion:
         self.demotions = {Tier.WARM: 0, Tier.COLD: 0}
         self.moves = moves if moves is not None else MoveLog()  # each demotion logged
         self.write_back = write_back
+        # Caches asked about first when room is made by demoting (None: always all), and
+        # how often the answer came from them or from all (see _victims).
+        self.shortlist: int | None = SHORTLIST
+        self.asked = {"shortlist": 0, "all": 0}
 
     # -- who waits --------------------------------------------------------------------
     def waiting(self, agent: str, entry: HotEntry) -> bool:
@@ -170,24 +176,33 @@ class Demotion:
         results (within their TTL): a reload would come soon."""
         return self._residents.busy(agent) or entry.staged or entry.tool_waiting(self.clock())
 
-    def _demotable(self, exclude: HotEntry | None) -> Iterator[tuple[str, HotEntry, int]]:
-        """Every cache that may be demoted now, with what demoting it frees (arrays another
-        cache holds too stay): all but running turns' (and ``exclude``), and those whose
-        new tokens are being written or about to be."""
+    def _demotable(
+        self, exclude: HotEntry | None, among: Iterable[str] | None = None
+    ) -> Iterator[tuple[str, HotEntry, int]]:
+        """Every cache (of those ``among``, when given) that may be demoted now, with what
+        demoting it frees (arrays another cache holds too stay): all but running turns'
+        (and ``exclude``), and those whose new tokens are being written or about to be."""
         writing = self._ledger.writing()
         stored = self._ledger.stored()  # what each cache alone holds
-        for agent, e in self._residents.items():
-            if e is exclude or e.running or e.write_due or agent in writing:
+        residents = self._residents
+        if among is None:
+            pairs: Iterable[tuple[str, HotEntry | None]] = residents.items()
+        else:
+            pairs = ((agent, residents.get(agent)) for agent in among)
+        for agent, e in pairs:
+            if e is None or e is exclude or e.running or e.write_due or agent in writing:
                 continue
             yield agent, e, stored.own(agent) + e.kv.copies_bytes
 
-    def candidates(self, exclude: HotEntry | None = None) -> list[Candidate]:
-        """Every cache that may be demoted now (:meth:`_demotable`), as the policy sees
-        it."""
+    def candidates(
+        self, exclude: HotEntry | None = None, among: Iterable[str] | None = None
+    ) -> list[Candidate]:
+        """Every cache that may be demoted now (:meth:`_demotable`; of those ``among``,
+        when given), as the policy sees it."""
         now = self.clock()
         rates = self._rates
         out = []
-        for agent, e, nbytes in self._demotable(exclude):
+        for agent, e, nbytes in self._demotable(exclude, among):
             # A cache not complete on disk (a cancelled turn's, or one whose write failed)
             # goes cold: its warm copy, if any, is older; under a write budget one that it
             # admits is written as it leaves.
@@ -293,11 +308,16 @@ class Demotion:
         copies = sum(self._residents[a].kv.ready_bytes for a in ready)
         candidates = None
         if bets + copies < missing:  # the copies alone are not room enough: can demoting?
-            candidates = self._candidates(exclude, turn, keep)
-            demotable = {c.agent for c in candidates}
-            spare = sum(self._residents[a].kv.ready_bytes for a in ready if a not in demotable)
-            if bets + spare + sum(c.nbytes for c in candidates) < missing:
-                return False
+            # Demoting the shortlist's caches after the copies went would free this much
+            # (a lower bound of what all would free); if it is not enough, ask all.
+            short = self._shortlist()
+            part = [] if short is None else self._candidates(exclude, turn, keep, short[0])
+            if bets + copies + sum(self._past_copy(c) for c in part) < missing:
+                candidates = self._candidates(exclude, turn, keep)
+                demotable = {c.agent for c in candidates}
+                spare = sum(self._residents[a].kv.ready_bytes for a in ready if a not in demotable)
+                if bets + spare + sum(c.nbytes for c in candidates) < missing:
+                    return False
         # Ready copies being built go first of all (a bet on a turn to come), then built
         # ones, then shared prefixes' copies (each serves every agent sharing it).
         before = missing
@@ -306,13 +326,11 @@ class Demotion:
             missing -= self._drop_ready(missing, exclude, turn=turn, keep=keep)
         if missing > 0:
             missing -= self._ready.shared.drop_copies(missing)
-        if missing > 0 and (candidates is None or missing < before):
-            # Not made yet, or a copy dropped since: the candidates' bytes changed.
-            candidates = self._candidates(exclude, turn, keep)
         if missing > 0:
-            assert candidates is not None
-            chosen = {c.agent: c for c in candidates}
-            for agent in self.policy.victims(candidates, missing):
+            if missing < before:  # a copy dropped: the candidates' bytes changed
+                candidates = None
+            victims, chosen = self._victims(missing, exclude, turn, keep, candidates)
+            for agent in victims:
                 assert agent in chosen, f"the policy chose {agent!r}, not a candidate"
                 entry = self._residents.remove(agent)
                 assert entry is not None
@@ -321,13 +339,76 @@ class Demotion:
         return ledger.committed() + need <= ledger.limit
 
     def _candidates(
-        self, exclude: HotEntry | None, turn: bool, keep: Collection[str]
+        self,
+        exclude: HotEntry | None,
+        turn: bool,
+        keep: Collection[str],
+        among: Iterable[str] | None = None,
     ) -> list[Candidate]:
-        """The candidates room may be made of: waiting turns' only for a starting ``turn``,
-        none in ``keep``."""
+        """The candidates room may be made of (of those ``among``, when given): waiting
+        turns' only for a starting ``turn``, none in ``keep``."""
         return [
-            c for c in self.candidates(exclude) if (turn or not c.waiting) and c.agent not in keep
+            c
+            for c in self.candidates(exclude, among)
+            if (turn or not c.waiting) and c.agent not in keep
         ]
+
+    def _victims(
+        self,
+        need: int,
+        exclude: HotEntry | None,
+        turn: bool,
+        keep: Collection[str],
+        candidates: list[Candidate] | None,
+    ) -> tuple[list[str], dict[str, Candidate]]:
+        """The policy's victims for ``need`` bytes, and the candidates by agent. Unless
+        ``candidates`` (all of them) are made already, :class:`LRUPolicy` and
+        :class:`WorkflowPolicy` are asked first about the ``shortlist`` least recently used
+        caches and those a hint names (``HintBook.named``), whose answer is theirs for all
+        when every cache left out would come after the last one picked (``early_victims``:
+        each is of the plain rank, used no earlier than the first one left out); else they
+        are asked about all."""
+        short = None if candidates is not None else self._shortlist()
+        if short is not None:
+            among, beyond = short
+            part = self._candidates(exclude, turn, keep, among)
+            early = early_victims(self.policy, part, need, beyond)
+            if early is not None:
+                self.asked["shortlist"] += 1
+                return early, {c.agent: c for c in part}
+        if candidates is None:
+            candidates = self._candidates(exclude, turn, keep)
+        self.asked["all"] += 1
+        return self.policy.victims(candidates, need), {c.agent: c for c in candidates}
+
+    def _shortlist(self) -> tuple[list[str], float] | None:
+        """The caches to ask about first (:meth:`_victims`): those a hint names and the
+        ``shortlist`` least recently used of the others, and the last use of the first one
+        left out (every other was used then or later); None when all are to be asked (a
+        policy whose order is not known here, or no more caches than that)."""
+        residents, short = self._residents, self.shortlist
+        if short is None or len(residents) <= short:
+            return None
+        if type(self.policy) not in (LRUPolicy, WorkflowPolicy):
+            return None
+        named = self._hints.named()
+        plain: list[str] = []
+        start = 0
+        while page := residents.by_use(start, _PAGE):
+            start += len(page)
+            for at, agent in page:
+                if agent in named:
+                    continue
+                if len(plain) == short:
+                    # In the residents' order, as when all are asked: a policy keeps it
+                    # among ties.
+                    return residents.in_order(named.union(plain)), at
+                plain.append(agent)
+        return None  # all of them were read
+
+    def _past_copy(self, c: Candidate) -> int:
+        """What demoting ``c`` frees once its ready copy has gone."""
+        return c.nbytes - self._residents[c.agent].kv.ready_bytes
 
     def _ready_copies(
         self,

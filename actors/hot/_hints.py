@@ -241,9 +241,9 @@ class HintBook:
         return self._priority.get(agent, 0)
 
     def named(self) -> set[str]:
-        """The agents with an expected turn (overdue ones too) or a priority other than
-        0: those a hint may rank apart from the agents no hint names."""
-        return self._at.keys() | self._priority.keys()
+        """The agents with an expected turn (overdue ones too), a priority other than 0 or
+        a done mark: those a hint may rank apart from the agents no hint names."""
+        return self._at.keys() | self._priority.keys() | self._done.keys()
 
     def done(self, agent: str) -> bool:
         return agent in self._done

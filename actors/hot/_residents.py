@@ -5,7 +5,7 @@ shared-prefix search)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from ._entry import HotEntry
 from ._prefix_index import PrefixIndex
@@ -92,6 +92,12 @@ class Residents:
     @property
     def busy_agents(self) -> frozenset[str]:
         return frozenset(self._busy)
+
+    def in_order(self, agents: Iterable[str]) -> list[str]:
+        """Those of ``agents`` that are hot, in the order :meth:`items` gives them (the
+        order of their entries' adding: a policy breaks ties by it)."""
+        added = self._added
+        return sorted((a for a in agents if a in added), key=added.__getitem__)
 
     # -- who changed ------------------------------------------------------------------
     def feed(self) -> ChangeFeed:
