@@ -306,13 +306,13 @@ class Demotion:
         bets = self._ready.reserved_except(keep) + self._ready.shared.nbytes
         ready = self._ready_copies(exclude, turn=turn, keep=keep, upto=missing - bets)
         copies = sum(self._residents[a].kv.ready_bytes for a in ready)
-        candidates = None
+        candidates = part = short = None
         if bets + copies < missing:  # the copies alone are not room enough: can demoting?
             # Demoting the shortlist's caches after the copies went would free this much
             # (a lower bound of what all would free); if it is not enough, ask all.
             short = self._shortlist()
-            part = [] if short is None else self._candidates(exclude, turn, keep, short[0])
-            if bets + copies + sum(self._past_copy(c) for c in part) < missing:
+            part = None if short is None else self._candidates(exclude, turn, keep, short[0])
+            if bets + copies + sum(self._past_copy(c) for c in part or ()) < missing:
                 candidates = self._candidates(exclude, turn, keep)
                 demotable = {c.agent for c in candidates}
                 spare = sum(self._residents[a].kv.ready_bytes for a in ready if a not in demotable)
@@ -328,8 +328,10 @@ class Demotion:
             missing -= self._ready.shared.drop_copies(missing)
         if missing > 0:
             if missing < before:  # a copy dropped: the candidates' bytes changed
-                candidates = None
-            victims, chosen = self._victims(missing, exclude, turn, keep, candidates)
+                candidates = part = None
+            victims, chosen = self._victims(
+                missing, exclude, turn, keep, candidates, (short, part) if part else None
+            )
             for agent in victims:
                 assert agent in chosen, f"the policy chose {agent!r}, not a candidate"
                 entry = self._residents.remove(agent)
@@ -360,19 +362,24 @@ class Demotion:
         turn: bool,
         keep: Collection[str],
         candidates: list[Candidate] | None,
+        made: tuple[tuple[list[str], float] | None, list[Candidate]] | None = None,
     ) -> tuple[list[str], dict[str, Candidate]]:
-        """The policy's victims for ``need`` bytes, and the candidates by agent. Unless
-        ``candidates`` (all of them) are made already, :class:`LRUPolicy` and
+        """The policy's victims for ``need`` bytes, and the candidates by agent (``made``:
+        the shortlist and its candidates, when made already). Unless ``candidates`` (all
+        of them) are made already, :class:`LRUPolicy` and
         :class:`WorkflowPolicy` are asked first about the ``shortlist`` least recently used
         caches and those a hint names (``HintBook.named``), whose answer is theirs for all
         when every cache left out would come after the last one picked (``early_victims``:
         each is of the plain rank, used no earlier than the first one left out); else they
         are asked about all."""
-        short = None if candidates is not None else self._shortlist()
-        if short is not None:
-            among, beyond = short
-            part = self._candidates(exclude, turn, keep, among)
-            early = early_victims(self.policy, part, need, beyond)
+        part: list[Candidate] | None
+        if made is not None:
+            short, part = made
+        else:
+            short = None if candidates is not None else self._shortlist()
+            part = None if short is None else self._candidates(exclude, turn, keep, short[0])
+        if short is not None and part is not None:
+            early = early_victims(self.policy, part, need, short[1])
             if early is not None:
                 self.asked["shortlist"] += 1
                 return early, {c.agent: c for c in part}
