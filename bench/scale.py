@@ -340,6 +340,9 @@ async def hot_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
         "hot_room_turn_nowrite_s": round(statistics.median(t.wall_s - t.write_s for t in rooms), 5),
         "hot_room_moves": moves,
         "hot_demote_turn_s": round(statistics.median(t.wall_s for t in demotes), 5),
+        "hot_demote_turn_nowrite_s": round(
+            statistics.median(t.wall_s - t.write_s for t in demotes), 5
+        ),
         "hot_demote_moves": demotions,
         "hot_budget_bytes": budget,
     }
@@ -493,6 +496,7 @@ def hot_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "hot_room_turn_nowrite_s",
         "hot_room_moves",
         "hot_demote_turn_s",
+        "hot_demote_turn_nowrite_s",
         "hot_demote_moves",
     )
     out: dict[str, Any] = {"hot_sizes": [r["hot_agents"] for r in rows]}
@@ -610,6 +614,12 @@ def hot_rows(r: dict[str, Any]) -> list[tuple[Any, ...]]:
             "",
         ),
         (f"hot_demote_turn_{y}_vs_{x}", r[f"hot_demote_turn_{y}_vs_{x}"], "", ""),
+        (
+            "the same without its write to disk, ms",
+            per_hot("hot_demote_turn_nowrite_s", 1e3, "{:.1f}"),
+            "",
+            "",
+        ),
         ("hot_demote_moves (demotions)", per_hot("hot_demote_moves", 1, "{:.0f}"), "", ""),
     ]
 

@@ -46,6 +46,7 @@ def new_pool(
     policy: EvictionPolicy | None = None,
     clock: Callable[[], float] = time.monotonic,
     wall: Callable[[], float] = time.time,
+    ready_copies: bool = False,
 ) -> CachePool:
     return CachePool(
         limit,
@@ -53,7 +54,7 @@ def new_pool(
         persistent=persistent,
         codec=DEFAULT_CODEC,
         geometry=lm.geometry,
-        ready_copies=False,
+        ready_copies=ready_copies,
         clock=clock,
         wall=wall,
     )
@@ -485,15 +486,7 @@ def test_ready_copies_go_in_one_order_read_a_page_at_a_time(lm: LoadedModel) -> 
     # the first copies of that order sorted over every hot cache (ties of last use,
     # priorities, expected turns and tool waits among them), and more than a page deep.
     now = [100.0]
-    pool = CachePool(
-        None,
-        LRUPolicy(),
-        persistent=True,
-        codec=DEFAULT_CODEC,
-        geometry=lm.geometry,
-        ready_copies=True,
-        clock=lambda: now[0],
-    )
+    pool = new_pool(lm, None, clock=lambda: now[0], ready_copies=True)
     rng = random.Random(5)
     names = [f"a{i:03d}" for i in range(200)]
     for name in names:
