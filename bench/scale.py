@@ -590,37 +590,24 @@ def hot_rows(r: dict[str, Any]) -> list[tuple[Any, ...]]:
     def per_hot(key: str, unit: float, fmt: str) -> str:
         return " / ".join(fmt.format(r[key][str(n)] * unit) for n in hot)
 
+    def row(label: str, key: str, unit: float = 1e3, fmt: str = "{:.1f}") -> tuple[Any, ...]:
+        return label, per_hot(key, unit, fmt), "", ""
+
+    def ratio(key: str) -> tuple[Any, ...]:
+        name = f"{key}_{y}_vs_{x}"
+        return name, r[name], "", ""
+
     return [
         ("agents hot at once", " / ".join(f"{n:,}" for n in hot), "", ""),
-        ("hot_step_s (a decode step), ms", per_hot("hot_step_s", 1e3, "{:.2f}"), "", ""),
-        (f"hot_step_{y}_vs_{x}", r[f"hot_step_{y}_vs_{x}"], "", ""),
-        (
-            "hot_room_turn_s (a turn that makes room), ms",
-            per_hot("hot_room_turn_s", 1e3, "{:.1f}"),
-            "",
-            "",
-        ),
-        (f"hot_room_turn_{y}_vs_{x}", r[f"hot_room_turn_{y}_vs_{x}"], "", ""),
-        (
-            "hot_room_moves (ready copies dropped, demotions)",
-            per_hot("hot_room_moves", 1, "{:.0f}"),
-            "",
-            "",
-        ),
-        (
-            "hot_demote_turn_s (the same, no ready copies: it demotes), ms",
-            per_hot("hot_demote_turn_s", 1e3, "{:.1f}"),
-            "",
-            "",
-        ),
-        (f"hot_demote_turn_{y}_vs_{x}", r[f"hot_demote_turn_{y}_vs_{x}"], "", ""),
-        (
-            "the same without its write to disk, ms",
-            per_hot("hot_demote_turn_nowrite_s", 1e3, "{:.1f}"),
-            "",
-            "",
-        ),
-        ("hot_demote_moves (demotions)", per_hot("hot_demote_moves", 1, "{:.0f}"), "", ""),
+        row("hot_step_s (a decode step), ms", "hot_step_s", fmt="{:.2f}"),
+        ratio("hot_step"),
+        row("hot_room_turn_s (a turn that makes room), ms", "hot_room_turn_s"),
+        ratio("hot_room_turn"),
+        row("hot_room_moves (ready copies dropped, demotions)", "hot_room_moves", 1, "{:.0f}"),
+        row("hot_demote_turn_s (the same, no ready copies: it demotes), ms", "hot_demote_turn_s"),
+        ratio("hot_demote_turn"),
+        row("the same without its write to disk, ms", "hot_demote_turn_nowrite_s"),
+        row("hot_demote_moves (demotions)", "hot_demote_moves", 1, "{:.0f}"),
     ]
 
 

@@ -165,9 +165,7 @@ class Demotion:
         self.demotions = {Tier.WARM: 0, Tier.COLD: 0}
         self.moves = moves if moves is not None else MoveLog()  # each demotion logged
         self.write_back = write_back
-        # Caches asked about first when room is made by demoting (None: always all), and
-        # how often the answer came from them or from all (see _victims).
-        self.shortlist: int | None = SHORTLIST
+        # How often the answer to a demotion came from the shortlist or from all (_victims).
         self.asked = {"shortlist": 0, "all": 0}
 
     # -- who waits --------------------------------------------------------------------
@@ -323,15 +321,13 @@ class Demotion:
         before = missing
         missing -= self._ready.give_up(missing, keep)
         if missing > 0:
-            missing -= self._drop_ready(missing, exclude, turn=turn, keep=keep)
+            missing -= self._drop_ready(missing, exclude, turn=turn, keep=keep, first=ready)
         if missing > 0:
             missing -= self._ready.shared.drop_copies(missing)
         if missing > 0:
             if missing < before:  # a copy dropped: the candidates' bytes changed
                 candidates = part = None
-            victims, chosen = self._victims(
-                missing, exclude, turn, keep, candidates, (short, part) if part else None
-            )
+            victims, chosen = self._victims(missing, exclude, turn, keep, candidates, short, part)
             for agent in victims:
                 assert agent in chosen, f"the policy chose {agent!r}, not a candidate"
                 entry = self._residents.remove(agent)
@@ -362,23 +358,21 @@ class Demotion:
         turn: bool,
         keep: Collection[str],
         candidates: list[Candidate] | None,
-        made: tuple[tuple[list[str], float] | None, list[Candidate]] | None = None,
+        short: tuple[list[str], float] | None = None,
+        part: list[Candidate] | None = None,
     ) -> tuple[list[str], dict[str, Candidate]]:
-        """The policy's victims for ``need`` bytes, and the candidates by agent (``made``:
-        the shortlist and its candidates, when made already). Unless ``candidates`` (all
-        of them) are made already, :class:`LRUPolicy` and
-        :class:`WorkflowPolicy` are asked first about the ``shortlist`` least recently used
+        """The policy's victims for ``need`` bytes, and the candidates by agent (``short``
+        and ``part``: the shortlist and its candidates, when made already). Unless
+        ``candidates`` (all of them) are made already, :class:`LRUPolicy` and
+        :class:`WorkflowPolicy` are asked first about the :data:`SHORTLIST` least recently used
         caches and those a hint names (``HintBook.named``), whose answer is theirs for all
         when every cache left out would come after the last one picked (``early_victims``:
         each is of the plain rank, used no earlier than the first one left out); else they
         are asked about all."""
-        part: list[Candidate] | None
-        if made is not None:
-            short, part = made
-        else:
-            short = None if candidates is not None else self._shortlist()
+        if candidates is None and part is None:
+            short = self._shortlist()
             part = None if short is None else self._candidates(exclude, turn, keep, short[0])
-        if short is not None and part is not None:
+        if candidates is None and short is not None and part is not None:
             early = early_victims(self.policy, part, need, short[1])
             if early is not None:
                 self.asked["shortlist"] += 1
@@ -390,11 +384,11 @@ class Demotion:
 
     def _shortlist(self) -> tuple[list[str], float] | None:
         """The caches to ask about first (:meth:`_victims`): those a hint names and the
-        ``shortlist`` least recently used of the others, and the last use of the first one
+        :data:`SHORTLIST` least recently used of the others, and the last use of the first one
         left out (every other was used then or later); None when all are to be asked (a
         policy whose order is not known here, or no more caches than that)."""
-        residents, short = self._residents, self.shortlist
-        if short is None or len(residents) <= short:
+        residents, short = self._residents, SHORTLIST
+        if len(residents) <= short:
             return None
         if type(self.policy) not in (LRUPolicy, WorkflowPolicy):
             return None
@@ -478,13 +472,22 @@ class Demotion:
         return out
 
     def _drop_ready(
-        self, need: int, exclude: HotEntry | None, *, turn: bool, keep: Collection[str] = ()
+        self,
+        need: int,
+        exclude: HotEntry | None,
+        *,
+        turn: bool,
+        keep: Collection[str] = (),
+        first: list[str] | None = None,
     ) -> int:
         """Drop ready copies in :meth:`_ready_copies`' order until ``need`` bytes are freed
-        (or none is left); the bytes freed."""
+        (or none is left), starting with ``first`` (the head of that order, listed
+        already); the bytes freed."""
         freed = 0
+        pending = first or []
         while freed < need:
-            agents = self._ready_copies(exclude, turn=turn, keep=keep, upto=need - freed)
+            agents = pending or self._ready_copies(exclude, turn=turn, keep=keep, upto=need - freed)
+            pending = []
             if not agents:
                 break
             for agent in agents:

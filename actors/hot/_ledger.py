@@ -175,7 +175,7 @@ class Ledger:
 
     def working(self) -> int:
         """Bytes of running turns' working caches now (in :meth:`measure`'s count)."""
-        return sum(e.kv.work_bytes for e in self._residents.values()) + self._batch_bytes
+        return self._measure()[1]
 
     def committed(self) -> int:
         """Bytes in use, counting running turns' working caches at their reserved maximum

@@ -24,9 +24,6 @@ class UseOrder:
         self._order: SortedList = SortedList()  # (last use, agent)
         self._at: dict[str, float] = {}
 
-    def __len__(self) -> int:
-        return len(self._at)
-
     def place(self, agent: str, at: float | None) -> None:
         """``agent`` last used at ``at`` (None: out of the order)."""
         was = self._at.get(agent)
