@@ -218,27 +218,34 @@ def test_the_prefix_index_finds_the_longest_boundary_and_checks_every_hit() -> N
 
     index = PrefixIndex()
     caches = {"a": [1, 2, 3, 4, 5, 6], "b": [1, 2, 3, 9, 9]}
-    index.update("a", caches["a"], [2, 4, 6])
-    index.update("b", caches["b"], [3, 5])
+    index.update("a", caches["a"], [2, 4, 6], 0)
+    index.update("b", caches["b"], [3, 5], 1)
 
     def holds(agent: str, stop: int, count: int) -> bool:
         return caches[agent][:stop] == prompt[:stop]
 
-    order = ["a", "b"].index
     prompt = [1, 2, 3, 4, 5, 7, 8]
-    assert index.longest(prompt, len(prompt) - 1, "me", holds, order) == (4, "a", 2)
-    assert index.longest(prompt, 3, "me", holds, order) == (3, "b", 1)  # the limit
-    assert index.longest(prompt, 6, "a", holds, order) == (3, "b", 1)  # not its own
+    assert index.longest(prompt, len(prompt) - 1, "me", holds) == (4, "a", 2)
+    assert index.longest(prompt, 3, "me", holds) == (3, "b", 1)  # the limit
+    assert index.longest(prompt, 6, "a", holds) == (3, "b", 1)  # not its own
     # A trim keeps the boundaries below it; a hit that the cache does not hold is refused.
     caches["a"] = [1, 2, 7]
-    index.update("a", caches["a"], [2])
-    assert index.longest(prompt, 6, "me", holds, order) == (3, "b", 1)
-    assert index.longest(prompt, 6, "me", lambda *_: False, order) is None
+    index.update("a", caches["a"], [2], 0)
+    assert index.longest(prompt, 6, "me", holds) == (3, "b", 1)
+    assert index.longest(prompt, 6, "me", lambda *_: False) is None
+    # Among agents ending at one boundary the lowest rank wins, whichever came in first.
+    caches["c"] = caches["b"][:3]
+    index.update("c", caches["c"], [3], -1)
+    assert index.longest(prompt, 6, "me", holds) == (3, "c", 1)
+    assert index.longest(prompt, 6, "c", holds) == (3, "b", 1)
+    index.remove("c")
+    index.check()
     index.remove("b")
-    assert index.longest(prompt, 6, "me", holds, order) == (2, "a", 1)
+    assert index.longest(prompt, 6, "me", holds) == (2, "a", 1)
     index.remove("a")
-    assert index.longest(prompt, 6, "me", holds, order) is None
-    assert not index._stops and not index._at and not index._of  # nothing left behind
+    assert index.longest(prompt, 6, "me", holds) is None
+    # nothing left behind
+    assert not index._stops and not index._at and not index._of and not index._rank
 
 
 def test_the_prefix_index_agrees_with_a_search_of_every_boundary() -> None:
@@ -252,14 +259,26 @@ def test_the_prefix_index_agrees_with_a_search_of_every_boundary() -> None:
     caches: dict[str, list[int]] = {}
     bounds: dict[str, list[int]] = {}
     index = PrefixIndex()
-    for i in range(40):
-        root = rng.choice(roots)
-        keep = rng.randrange(1, len(root))
-        tokens = root[:keep] + [rng.randrange(50) for _ in range(rng.randrange(0, 300))]
-        stops = sorted(rng.sample(range(1, len(tokens) + 1), min(4, len(tokens))))
+    # Ranks in no relation to the order of updating (the lowest wins a tied boundary), and
+    # agents updated again later: the holders of a boundary stay in rank order.
+    ranks = rng.sample(range(1000), 40)
+    for step in range(80):
+        i = step if step < 40 else rng.randrange(40)
+        if step >= 40 and rng.random() < 0.5:  # a turn extends its cache by a range
+            tokens = caches[f"a{i}"] + [rng.randrange(50) for _ in range(rng.randrange(1, 99))]
+            stops = [*bounds[f"a{i}"], len(tokens)]
+        else:  # a cache of its own (again: the agent left and came back)
+            index.remove(f"a{i}")
+            root = rng.choice(roots)
+            keep = rng.randrange(1, len(root))
+            tokens = root[:keep] + [rng.randrange(50) for _ in range(rng.randrange(0, 300))]
+            stops = sorted(rng.sample(range(1, len(tokens) + 1), min(4, len(tokens))))
         caches[f"a{i}"], bounds[f"a{i}"] = tokens, stops
-        index.update(f"a{i}", tokens, stops)
-    order = sorted(caches).index
+        index.update(f"a{i}", tokens, stops, ranks[i])
+    index.check()
+
+    def order(agent: str) -> int:
+        return ranks[int(agent[1:])]
 
     def holds(agent: str, stop: int, count: int) -> bool:
         return bounds[agent][count - 1] == stop and caches[agent][:stop] == prompt[:stop]
@@ -278,7 +297,7 @@ def test_the_prefix_index_agrees_with_a_search_of_every_boundary() -> None:
         prompt = [*root[: rng.randrange(1, len(root) + 1)], rng.randrange(50)]
         limit = rng.choice([len(prompt) - 1, rng.randrange(len(prompt))])
         exclude = rng.choice(sorted(caches))
-        assert index.longest(prompt, limit, exclude, holds, order) == searched(limit, exclude)
+        assert index.longest(prompt, limit, exclude, holds) == searched(limit, exclude)
     tokens = roots[0]
     hashes = prefix_hashes(tokens, len(tokens))
     assert len(hashes) == len(tokens) + 1 and len(set(hashes.tolist())) == len(hashes)

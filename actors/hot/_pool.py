@@ -269,7 +269,7 @@ class CachePool:
     @property
     def ready_agents(self) -> int:
         """Hot agents keeping a ready copy."""
-        return sum(e.kv.ready is not None for e in self.residents.values())
+        return self.residents.ready_count()
 
     @property
     def ready_bytes(self) -> int:

@@ -56,19 +56,30 @@ def prefix_hashes(tokens: Sequence[int], upto: int) -> np.ndarray:
 class PrefixIndex:
     """Boundaries of stored ranges by agent. Owned by the hot tier's Residents, which call
     :meth:`update` whenever an agent's stored ranges change and :meth:`remove` when its cache
-    leaves the hot tier."""
+    leaves the hot tier.
+
+    Invariant: the agents ending at a boundary are kept in the order of their ranks (given
+    at :meth:`update`), so that a lookup takes the first that holds the hit instead of
+    sorting every holder: thousands of agents share one system prompt's boundary. An agent
+    comes in last almost always (a newly hot agent has the highest rank); one that does not
+    (an older agent's ranges changed before a younger one's) costs that boundary's sort."""
 
     def __init__(self) -> None:
-        # (stop, hash of tokens[:stop]) -> agents whose ranges end there -> ranges up to it
+        # (stop, hash of tokens[:stop]) -> agents whose ranges end there (by rank) -> ranges
+        # up to it
         self._at: dict[tuple[int, int], dict[str, int]] = {}
+        self._rank: dict[str, int] = {}  # agent -> its rank (the holders' order)
         # agent -> its (stop, hash) keys, in range order
         self._of: dict[str, list[tuple[int, int]]] = {}
         self._stops: dict[int, int] = {}  # boundary length -> how many keys have it
         self._sorted: list[int] = []  # the lengths of _stops, ascending
 
-    def update(self, agent: str, tokens: list[int], stops: list[int]) -> None:
+    def update(self, agent: str, tokens: list[int], stops: list[int], rank: int) -> None:
         """``agent``'s stored ranges now end at ``stops`` (increasing) of ``tokens``. Keys
-        of a prefix that did not change are kept, not hashed again."""
+        of a prefix that did not change are kept, not hashed again. Among agents ending at
+        one boundary, a lookup prefers the lowest ``rank`` (an agent keeps its rank until
+        :meth:`remove`)."""
+        self._rank[agent] = rank
         old = self._of.get(agent, [])
         keep = 0
         while keep < min(len(old), len(stops)) and old[keep][0] == stops[keep]:
@@ -81,7 +92,7 @@ class PrefixIndex:
         for count, stop in enumerate(stops[keep:], start=keep + 1):
             assert hashes is not None
             key = (stop, int(hashes[stop]))
-            self._at.setdefault(key, {})[agent] = count
+            self._hold(key, agent, count, rank)
             self._count_stop(stop, 1)
             keys.append(key)
         if keys:
@@ -96,6 +107,18 @@ class PrefixIndex:
     def remove(self, agent: str) -> None:
         """Forget ``agent``'s boundaries (its cache left the hot tier)."""
         self._drop(agent, self._of.pop(agent, []))
+        self._rank.pop(agent, None)
+
+    def _hold(self, key: tuple[int, int], agent: str, count: int, rank: int) -> None:
+        holders = self._at.get(key)
+        if holders is None:
+            self._at[key] = {agent: count}
+            return
+        ranks = self._rank
+        behind = rank < ranks[next(reversed(holders))]  # rarely: keep the order
+        holders[agent] = count
+        if behind:
+            self._at[key] = {a: holders[a] for a in sorted(holders, key=ranks.__getitem__)}
 
     def _drop(self, agent: str, keys: Iterable[tuple[int, int]]) -> None:
         for key in keys:
@@ -122,13 +145,12 @@ class PrefixIndex:
         limit: int,
         exclude: str,
         holds: Callable[[str, int, int], bool],
-        order: Callable[[str], int],
     ) -> tuple[int, str, int] | None:
         """The longest boundary ``stop <= limit`` of another agent than ``exclude`` whose
         tokens ``prompt`` begins with: ``(stop, agent, ranges up to it)``, or None.
         ``holds(agent, stop, count)`` checks a hit against the cache itself (its first
         ``count`` ranges end at ``stop`` and its tokens are the prompt's up to there);
-        among agents ending there, the one first in ``order`` wins."""
+        among agents ending there, the one of lowest rank wins."""
         below = bisect.bisect_right(self._sorted, limit)
         if not below:
             return None
@@ -139,7 +161,14 @@ class PrefixIndex:
             holders = self._at.get((stop, hashes[stop]))
             if not holders:
                 continue
-            for agent in sorted(holders, key=order):
+            for agent in holders:  # by rank
                 if agent != exclude and holds(agent, stop, holders[agent]):
                     return stop, agent, holders[agent]
         return None
+
+    def check(self) -> None:
+        """Debug check: every boundary's agents are in rank order, and each is indexed."""
+        for key, holders in self._at.items():
+            ranks = [self._rank[agent] for agent in holders]
+            assert ranks == sorted(ranks), f"boundary {key[0]}: holders out of rank order"
+            assert all(key in self._of[agent] for agent in holders), "a holder not indexed"

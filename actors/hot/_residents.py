@@ -122,6 +122,10 @@ class Residents:
         only. Reads those alone, not every resident."""
         return (self._ready_by_use if ready else self._by_use).page(start, count)
 
+    def ready_count(self) -> int:
+        """How many residents keep a ready copy (without reading them)."""
+        return len(self._ready_by_use)
+
     # -- writing ----------------------------------------------------------------------
     def _index(self, agent: str) -> PrefixIndex:
         scope = self._scopes.get(agent, "")
@@ -154,7 +158,8 @@ class Residents:
         """``entry``'s stored ranges changed: index where they end now (when it is the
         agent's resident entry; a turn's entry that was demoted meanwhile is not)."""
         if self._entries.get(agent) is entry:
-            self._index(agent).update(agent, entry.kv.tokens, entry.kv.boundaries())
+            index = self._index(agent)
+            index.update(agent, entry.kv.tokens, entry.kv.boundaries(), self._added[agent])
 
     def set_scope(self, agent: str, scope: str) -> None:
         """``agent``'s turns share within ``scope`` from now on (its entry re-indexed)."""
@@ -193,9 +198,7 @@ class Residents:
         another resident of ``agent``'s scope holds: ``(stop, source, ranges)``, or None;
         ``holds`` checks a hit against the source's cache (``PrefixIndex.longest``).
         Among sources ending there, the oldest resident wins."""
-        return self._index(agent).longest(
-            prompt, len(prompt) - 1, agent, holds, self._added.__getitem__
-        )
+        return self._index(agent).longest(prompt, len(prompt) - 1, agent, holds)
 
     def check(self) -> None:
         """Debug check: each resident's index holds its boundaries as its cache has them,
@@ -203,6 +206,8 @@ class Residents:
         for agent, entry in self._entries.items():
             index = self._index(agent)
             assert index.stops(agent) == entry.kv.boundaries(), f"{agent}: index out of date"
+        for index in self._indexes.values():
+            index.check()
         self._by_use.check({a: e.last_used for a, e in self._entries.items()})
         self._ready_by_use.check(
             {a: e.last_used for a, e in self._entries.items() if e.kv.ready is not None}

@@ -37,6 +37,9 @@ class UseOrder:
             self._at[agent] = at
             self._order.add((at, agent))
 
+    def __len__(self) -> int:
+        return len(self._at)
+
     def page(self, start: int, count: int) -> list[tuple[float, str]]:
         """Up to ``count`` (last use, agent) pairs from the ``start``-th on."""
         return list(self._order.islice(start, start + count))
