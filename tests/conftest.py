@@ -18,3 +18,20 @@ BACKENDS = os.environ.get("KVACTOR_TEST_BACKENDS", "asyncio,trio").split(",")
 @pytest.fixture(params=[b.strip() for b in BACKENDS if b.strip()])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # The default model's tests (``slow``) check the model end to end, not the event loop:
+    # they run on the first backend alone (trio's runs are the runtime's, the tiers' and
+    # the engine's on tiny models), which keeps the whole suite within CI's time.
+    definition = metafunc.definition
+    if "anyio_backend" not in metafunc.fixturenames or not definition.get_closest_marker("slow"):
+        return
+    for mark in definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        if "anyio_backend" in (
+            names.replace(" ", "").split(",") if isinstance(names, str) else names
+        ):
+            return  # the test names its backends itself
+    metafunc.parametrize("anyio_backend", [BACKENDS[0].strip()])

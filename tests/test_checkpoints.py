@@ -25,6 +25,14 @@ from kvactor.actors.models import make_tiny_model
 from kvactor.actors.models._tiny import TINY_FAMILIES
 from kvactor.actors.warm._prefetch import Stage
 
+
+@pytest.fixture
+def anyio_backend() -> str:
+    # Checkpoints of each recurrent family are this file's subject, not the event loop:
+    # asyncio alone (trio's runs are the runtime's, the tiers' and the engine's).
+    return "asyncio"
+
+
 RECURRENT = [
     f
     for f in sorted(TINY_FAMILIES)

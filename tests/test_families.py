@@ -38,6 +38,14 @@ from kvactor.kernels.geometry import LayerGeometry, StateGeometry
 from kvactor.kernels.qcodec import DEFAULT_CODEC
 from kvactor.kernels.stored import cache_nbytes
 
+
+@pytest.fixture
+def anyio_backend() -> str:
+    # The families' caches through the tiers are this file's subject, not the event loop:
+    # asyncio alone (trio's runs are the runtime's, the tiers' and the engine's).
+    return "asyncio"
+
+
 FAMILIES = sorted(TINY_FAMILIES)
 #: Families refused at open() (in both attention modes, with the default codec), and why.
 REFUSED = {"kimi_linear": "layer 1"}

@@ -166,8 +166,6 @@ async def test_deterministic_agents_answer_alike_alone_and_together_across_a_res
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["dequantized", "quantized"])
 async def test_the_default_model_answers_alike_alone_and_together(
-    attention: kvactor.Attention, tmp_path: Path, anyio_backend: str
+    attention: kvactor.Attention, tmp_path: Path
 ) -> None:
-    if anyio_backend != "asyncio":
-        pytest.skip("one backend is enough for the default model")
     await _one_at_a_time_vs_all_at_once(None, tmp_path, deterministic=True, attention=attention)

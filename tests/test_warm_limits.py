@@ -653,10 +653,8 @@ _CHURN = textwrap.dedent(
 
 @pytest.mark.slow  # thirty processes killed at random points: the whole suite's
 async def test_kill_9_during_cold_demotions_leaves_each_agent_warm_or_cold(
-    tmp_path: Path, anyio_backend: str
+    tmp_path: Path,
 ) -> None:
-    if anyio_backend != "asyncio":
-        pytest.skip("the killed processes run asyncio: one backend is enough")
     one = await _one_agent_bytes(tmp_path)
     root = tmp_path / "cache"
     rng = random.Random(7)
