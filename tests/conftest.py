@@ -22,11 +22,15 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    # The default model's tests (``slow``) check the model end to end, not the event loop:
-    # they run on the first backend alone (trio's runs are the runtime's, the tiers' and
-    # the engine's on tiny models), which keeps the whole suite within CI's time.
+    # The default model's tests (``slow``) and those marked ``one_backend`` (a model
+    # family, a budget's or a policy's arithmetic) check what the event loop does not
+    # change: they run on the first backend alone. Trio's runs are the runtime's, the
+    # tiers', the store's faults and cancels, the engine's, the scenarios' and the
+    # server's; this keeps the whole suite within CI's time.
     definition = metafunc.definition
-    if "anyio_backend" not in metafunc.fixturenames or not definition.get_closest_marker("slow"):
+    if "anyio_backend" not in metafunc.fixturenames or not (
+        definition.get_closest_marker("slow") or definition.get_closest_marker("one_backend")
+    ):
         return
     for mark in definition.iter_markers("parametrize"):
         names = mark.args[0]

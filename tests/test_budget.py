@@ -27,6 +27,8 @@ from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.float_turn import FloatTurnCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC
 
+pytestmark = pytest.mark.one_backend  # the budget's arithmetic, not the event loop
+
 AGENTS = 10
 ROUNDS = 3
 MAX_TOKENS = 6

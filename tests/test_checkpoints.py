@@ -25,12 +25,7 @@ from kvactor.actors.models import make_tiny_model
 from kvactor.actors.models._tiny import TINY_FAMILIES
 from kvactor.actors.warm._prefetch import Stage
 
-
-@pytest.fixture
-def anyio_backend() -> str:
-    # Checkpoints of each recurrent family are this file's subject, not the event loop:
-    # asyncio alone (trio's runs are the runtime's, the tiers' and the engine's).
-    return "asyncio"
+pytestmark = pytest.mark.one_backend  # checkpoints of each recurrent family, not the event loop
 
 
 RECURRENT = [

@@ -38,12 +38,7 @@ from kvactor.kernels.geometry import LayerGeometry, StateGeometry
 from kvactor.kernels.qcodec import DEFAULT_CODEC
 from kvactor.kernels.stored import cache_nbytes
 
-
-@pytest.fixture
-def anyio_backend() -> str:
-    # The families' caches through the tiers are this file's subject, not the event loop:
-    # asyncio alone (trio's runs are the runtime's, the tiers' and the engine's).
-    return "asyncio"
+pytestmark = pytest.mark.one_backend  # the families' caches through the tiers, not the event loop
 
 
 FAMILIES = sorted(TINY_FAMILIES)

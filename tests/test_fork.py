@@ -21,6 +21,8 @@ import kvactor
 from kvactor.actors.enums import Tier
 from kvactor.actors.models import make_tiny_model
 
+pytestmark = pytest.mark.one_backend  # forks of caches, not the event loop
+
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 SYSTEM = "You are agent seven."
 

@@ -24,6 +24,8 @@ from kvactor.actors.options import MAX_GRAMMAR_CHARS, Constraint, Sampling
 from kvactor.actors.records import Finished
 from kvactor.actors.tools import closed_objects
 
+pytestmark = pytest.mark.one_backend  # constrained decoding, not the event loop
+
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 
 

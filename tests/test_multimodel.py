@@ -20,6 +20,8 @@ from kvactor.actors.enums import Tier
 from kvactor.actors.errors import ModelLoadError
 from kvactor.cli._inspect import run_inspect
 
+pytestmark = pytest.mark.one_backend  # models under one memory limit, not the event loop
+
 PROMPTS = ["hello there", "and now something else", "a third turn"]
 
 

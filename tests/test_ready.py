@@ -29,6 +29,8 @@ from kvactor.kernels.float_turn import FloatPrefix, FloatTurnCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC, KVCodec
 from kvactor.kernels.rotated import RotatedKVCache
 
+pytestmark = pytest.mark.one_backend  # ready copies, not the event loop
+
 TURNS = ["hello there", "tell me more", "tell me more", "and something else entirely"]
 
 

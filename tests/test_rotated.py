@@ -22,6 +22,8 @@ from kvactor.kernels.float_turn import FloatPrefix, FloatTurnCache
 from kvactor.kernels.qcodec import DEFAULT_CODEC, KVCodec
 from kvactor.kernels.rotated import RotatedBasis, RotatedBatchKVCache, RotatedKVCache, works_rotated
 
+pytestmark = pytest.mark.one_backend  # the rotated basis's bits, not the event loop
+
 TURNS = (40, 9, 300)  # the last outgrows the first ready copy's spare room
 
 

@@ -26,6 +26,8 @@ from kvactor.actors.enums import Tier
 from kvactor.actors.models import make_tiny_model
 from kvactor.actors.warm import collect, list_agents
 
+pytestmark = pytest.mark.one_backend  # shared prefixes on disk and hot, not the event loop
+
 tiny = functools.partial(make_tiny_model, 0, head_dim=64)
 DOC = " ".join(f"Clause {i}: the service keeps record {i} for {i % 7} days." for i in range(40))
 MODES: list[kvactor.Attention] = ["dequantized", "quantized"]

@@ -319,8 +319,8 @@ async def test_on_the_default_model_a_cold_agent_stores_the_bits_it_stored_warm(
         "market",
         "garden",
     ]
-    asks = [" ".join(rng.choice(words) for _ in range(120)) for _ in range(4)]
-    await cold_as_warm(tmp_path, None, asks, 32, {"deterministic": True})
+    asks = [" ".join(rng.choice(words) for _ in range(120)) for _ in range(3)]
+    await cold_as_warm(tmp_path, None, asks, 16, {"deterministic": True})
 
 
 async def cold_as_warm(

@@ -26,6 +26,8 @@ from kvactor.actors.messages import Hint
 from kvactor.actors.models import LoadedModel, make_tiny_model
 from kvactor.kernels.float_turn import FloatTurnCache
 
+pytestmark = pytest.mark.one_backend  # the policy's choices, not the event loop
+
 
 @pytest.fixture(scope="module")
 def lm() -> LoadedModel:
