@@ -62,7 +62,8 @@ class PrefixIndex:
     at :meth:`update`), so that a lookup takes the first that holds the hit instead of
     sorting every holder: thousands of agents share one system prompt's boundary. An agent
     comes in last almost always (a newly hot agent has the highest rank); one that does not
-    (an older agent's ranges changed before a younger one's) costs that boundary's sort."""
+    (an older agent's ranges came to end at a boundary after a younger one's did) costs that
+    boundary's sort."""
 
     def __init__(self) -> None:
         # (stop, hash of tokens[:stop]) -> agents whose ranges end there (by rank) -> ranges
