@@ -27,9 +27,16 @@ three, none, none, three...: each round's pair in both orders) after one untimed
   process (``kvactor``: the engine, the server, the board), medians over rounds.
 
 The three browsers run on this machine's CPUs beside the engine: their rendering is part of
-what is measured. The bench stops its server and browsers itself.
+what is measured. ``--browsers-nice N`` (Linux) runs every Chromium process at niceness
+``N`` (19: they get the CPU only where the engine leaves it), the bound of the server's own
+part on a machine with no core to spare for a browser (``browsers_nice`` in the JSON).
+``--pollers`` opens no browser: a ``three`` round runs a process of three plain HTTP
+clients asking ``/v1/status`` and parsing it a second apart, as the pages do (``clients``:
+``pollers``): the server's part alone. The bench stops its server, browsers and pollers
+itself.
 
     python bench/dashboard.py [--rounds 3] [--agents 4] [--tokens 64] [--json PATH] [--quick]
+        [--browsers-nice N] [--pollers]
 
 ``--quick`` runs on a tiny random model, one round of each (a smoke test, not a
 measurement). Needs ``chromium`` and ``chromedriver`` on the PATH and ``selenium``.
@@ -42,6 +49,8 @@ import contextlib
 import functools
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -98,22 +107,119 @@ class Counted:
         await self.app(scope, receive, send)
 
 
-def browsers_cpu_s() -> float:
-    """The CPU seconds every Chromium process alive now has used (0 without ``/proc``)."""
-    total = 0
+def browser_pids() -> Iterator[int]:
+    """The Chromium processes alive now (none without ``/proc``)."""
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/comm") as f:
-                if not f.read().startswith(("chrom", "headless")):
-                    continue
+                if f.read().startswith(("chrom", "headless")):
+                    yield int(pid)
+        except OSError:  # gone meanwhile
+            continue
+
+
+def browsers_cpu_s() -> float:
+    """The CPU seconds every Chromium process alive now has used (0 without ``/proc``)."""
+    total = 0
+    for pid in browser_pids():
+        try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
         total += int(fields[11]) + int(fields[12])  # utime, stime: clock ticks
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it alive now (``[root]`` without ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:  # gone meanwhile
+                continue
+            children.setdefault(parent, []).append(int(pid))
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        at = todo.pop()
+        out.append(at)
+        todo += children.get(at, [])
+    return out
+
+
+def renice_browsers(drivers: list[Any], nice: int) -> None:
+    """The processes of ``drivers`` (each chromedriver and the Chromium below it) to
+    niceness ``nice``: those Chromium starts later inherit it from its browser process and
+    zygote, and a visit's new renderers are reniced after it (``main``)."""
+    for driver in drivers:
+        for pid in descendants(driver.service.process.pid):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                os.setpriority(os.PRIO_PROCESS, pid, nice)
+
+
+# A page's polling without a browser: ``n`` threads each asking ``/v1/status`` and
+# parsing it, a second apart, as the page does (stdlib only: nothing to import for long).
+POLLER = """
+import json, sys, threading, time, urllib.request
+base, n = sys.argv[1], int(sys.argv[2])
+def ask():
+    with urllib.request.urlopen(base + "/v1/status", timeout=60) as r:
+        json.loads(r.read())
+def poll():
+    while True:
+        t = time.monotonic()
+        ask()
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - t)))
+ask()
+print("ready", flush=True)
+for _ in range(n):
+    threading.Thread(target=poll, daemon=True).start()
+sys.stdin.read()  # until the bench closes it
+"""
+
+
+class Clients:
+    """What a ``three`` round opens against ``none``: ``PAGES`` Chromium pages on
+    ``/dashboard`` (at niceness ``nice`` when not 0), or with ``pollers`` a process of
+    ``PAGES`` plain HTTP clients polling ``/v1/status`` as the pages do (the server's own
+    part, no browser)."""
+
+    def __init__(self, pages: list[Any], base: str, *, nice: int, pollers: bool) -> None:
+        self.pages, self.base, self.nice, self.pollers = pages, base, nice, pollers
+        self._poller: subprocess.Popen[str] | None = None
+
+    def open(self, kind: str) -> None:
+        """Open what ``kind`` ("three" or "none") has, live, before a round."""
+        if self.pollers:
+            self.close()
+            if kind == "three":
+                self._poller = subprocess.Popen(
+                    [sys.executable, "-c", POLLER, self.base, str(PAGES)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                assert self._poller.stdout is not None
+                if self._poller.stdout.readline().strip() != "ready":
+                    raise RuntimeError("the pollers did not start")
+            return
+        show(self.pages, f"{self.base}/dashboard" if kind == "three" else None)
+        if self.nice:  # the pages' renderers too, started by the visit
+            renice_browsers(self.pages, self.nice)
+
+    def close(self) -> None:
+        poller, self._poller = self._poller, None
+        if poller is not None:
+            assert poller.stdin is not None and poller.stdout is not None
+            poller.stdin.close()
+            poller.wait(timeout=30)
+            poller.stdout.close()
 
 
 class CpuShare:
@@ -143,9 +249,11 @@ async def status_ms(http: httpx.AsyncClient, base: str, n: int) -> list[float]:
     return out
 
 
-async def main(rounds: int, agents: int, tokens: int, quick: bool) -> dict[str, Any]:
+async def main(
+    rounds: int, agents: int, tokens: int, quick: bool, nice: int = 0, pollers: bool = False
+) -> dict[str, Any]:
     """The figures of the module doc. Raises RuntimeError where no browser can run."""
-    why = missing()
+    why = None if pollers else missing()
     if why is not None:
         raise RuntimeError(why)
     spec: Any = None
@@ -160,15 +268,22 @@ async def main(rounds: int, agents: int, tokens: int, quick: bool) -> dict[str, 
         async with kvactor.open(spec, cache_dir=Path(tmp)) as kv:
             app = Counted(create_app(kv))
             async with served(app) as base, httpx.AsyncClient(timeout=60) as http:
-                with browsers(PAGES) as pages:
+                opened: contextlib.AbstractContextManager[list[Any]] = (
+                    contextlib.nullcontext([]) if pollers else browsers(PAGES)
+                )
+                with (
+                    opened as pages,
+                    contextlib.closing(Clients(pages, base, nice=nice, pollers=pollers)) as clients,
+                ):
+                    if nice:
+                        renice_browsers(pages, nice)
                     await decode_round(kv, agents, tokens, "warmup")  # untimed
                     for r in range(rounds):
                         # ABBA: each pair in both orders, so a drift within a pair cancels.
                         order = ("none", "three") if r % 2 == 0 else ("three", "none")
                         for kind in order:
-                            url = f"{base}/dashboard" if kind == "three" else None
                             before, t0 = app.status, time.perf_counter()  # from the page's load
-                            await anyio.to_thread.run_sync(show, pages, url)
+                            await anyio.to_thread.run_sync(clients.open, kind)
                             span = CpuShare()
                             rate = await decode_round(kv, agents, tokens, f"{kind}{r}")
                             shares[kind].append(span.shares())
@@ -176,7 +291,7 @@ async def main(rounds: int, agents: int, tokens: int, quick: bool) -> dict[str, 
                             if kind == "three":
                                 polled += app.status - before
                                 polled_s += time.perf_counter() - t0
-                    await anyio.to_thread.run_sync(show, pages, None)
+                    await anyio.to_thread.run_sync(clients.open, "none")
                 idle = await status_ms(http, base, 5 if quick else 15)
                 busy: list[float] = []
                 async with anyio.create_task_group() as tg:
@@ -199,6 +314,8 @@ async def main(rounds: int, agents: int, tokens: int, quick: bool) -> dict[str, 
         "tokens": tokens,
         "rounds": rounds,
         "pages": PAGES,
+        "browsers_nice": nice,
+        "clients": "pollers" if pollers else "chromium",
         "decode_tok_s_no_dashboard": none,
         "decode_tok_s_three_dashboards": three,
         "dashboard_cost": statistics.median(pairs),
@@ -261,10 +378,24 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="a tiny random model, one round")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--browsers-nice",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the Chromium processes at this niceness (19: the server's own part)",
+    )
+    parser.add_argument(
+        "--pollers",
+        action="store_true",
+        help="plain HTTP clients polling /v1/status as the pages do, instead of Chromium",
+    )
     args = parser.parse_args()
     if args.quick:
         args.rounds = 1
-    results = anyio.run(main, args.rounds, args.agents, args.tokens, args.quick)
+    results = anyio.run(
+        main, args.rounds, args.agents, args.tokens, args.quick, args.browsers_nice, args.pollers
+    )
     print(_table(results))
     if args.json:
         write_json(args.json, results)

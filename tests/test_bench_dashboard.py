@@ -5,6 +5,7 @@ open. Skips without Chromium, chromedriver or selenium."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -50,3 +51,26 @@ async def test_the_quick_bench_reports_the_dashboards_cost() -> None:
     # [0, 1], seen in whole-suite runs).
     # That the pages polled is checked above; here, that the figure is there.
     assert all(math.isfinite(c["browsers"]) for c in cpu.values())
+
+
+@pytest.mark.slow  # a real Chromium
+def test_the_bench_renices_its_own_browsers_alone() -> None:
+    why = dashboard.missing()
+    if why is not None:
+        pytest.skip(why)
+    with dashboard.browsers(1) as pages:
+        pages[0].get("data:text/html,<p>a page</p>")  # a renderer of the visit
+        dashboard.renice_browsers(pages, 19)
+        tree = dashboard.descendants(pages[0].service.process.pid)
+        nices = [os.getpriority(os.PRIO_PROCESS, pid) for pid in tree]
+        mine = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    assert len(tree) > 2 and set(nices) == {19}  # chromedriver, Chromium and its helpers
+    assert mine != 19  # this process is not one of them
+
+
+@pytest.mark.slow  # a bench's run, seconds
+async def test_the_pollers_ask_for_the_status_as_the_pages_do() -> None:
+    # No browser: the server's part alone, its clients a process of plain HTTP pollers.
+    out = await dashboard.main(1, 2, 32, True, pollers=True)
+    assert out["clients"] == "pollers" and out["status_requests_per_s"] > 0
+    assert len(out["rounds_cost"]) == out["rounds"]
