@@ -599,6 +599,50 @@ def test_the_least_recently_used_alone_give_the_policy_s_answer_for_all(
     assert asked["shortlist"] > 5 and asked["all"] > 5, asked
 
 
+def test_a_prefetch_spares_whom_asking_every_hot_agent_would(lm: LoadedModel) -> None:
+    # A prefetch of a hinted agent never displaces one hinted to run no later or of a
+    # higher priority (Demotion._sooner). It reads the agents the hints name (every hot one
+    # only below priority 0): the same set as asking every hot agent, under random hints
+    # that name agents not hot too.
+    now = [100.0]
+    pool = new_pool(lm, None, policy=WorkflowPolicy(clock=lambda: now[0]), clock=lambda: now[0])
+    rng = random.Random(5)
+    for i in range(40):
+        turn(pool, lm, f"a{i:02d}", rng.randrange(2, 6), persist=True)
+    book, names = pool.hints, [*pool.residents, "gone1", "gone2", "gone3"]
+
+    def every(agent: str) -> set[str]:
+        at = book.next_use(agent, now[0])
+        if at is None:
+            return set()
+        mine = book.priority(agent)
+        return {
+            other
+            for other in pool.residents
+            if ((t := book.next_use(other, now[0])) is not None and t <= at)
+            or book.priority(other) > mine
+        }
+
+    seen = Counter[str]()
+    for _ in range(30):
+        pick = rng.sample(names, 12)
+        pool.hint(
+            make_hint(
+                expect_in_s={a: rng.uniform(0, 60) for a in pick[:5]},
+                priority={a: rng.randint(-2, 2) for a in pick[5:9]},
+                done=pick[9:],
+            ),
+            ahead=0,
+        )
+        for agent in names:
+            kept = pool.demotion._sooner(agent)
+            assert kept == every(agent), agent
+            if kept:
+                seen["below 0" if book.priority(agent) < 0 else "0 or more"] += 1
+        now[0] += 5.0
+    assert seen["below 0"] > 5 and seen["0 or more"] > 5, seen
+
+
 def test_what_each_cache_alone_holds_is_kept_as_caches_share_and_go(lm: LoadedModel) -> None:
     # StoredCounts.own keeps a shared cache's own bytes until some array's sole holder
     # changes: after every fork, turn and drop it equals a count from scratch, by ids.
