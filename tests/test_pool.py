@@ -549,6 +549,22 @@ def test_ready_copies_go_in_one_order_read_a_page_at_a_time(lm: LoadedModel) -> 
     assert deep > 64  # past the first page
 
 
+def hint_at_random(
+    pool: CachePool, rng: random.Random, pick: list[str], *, expected: int, ranked: int
+) -> None:
+    """Hints about ``pick``: its first ``expected`` agents expected within a minute, the next
+    ``ranked`` of a priority from -2 to 2, the rest done."""
+    ranks = expected + ranked
+    pool.hint(
+        make_hint(
+            expect_in_s={a: rng.uniform(0, 60) for a in pick[:expected]},
+            priority={a: rng.randint(-2, 2) for a in pick[expected:ranks]},
+            done=pick[ranks:],
+        ),
+        ahead=0,
+    )
+
+
 @pytest.mark.parametrize("workflow", [False, True], ids=["lru", "workflow"])
 def test_the_least_recently_used_alone_give_the_policy_s_answer_for_all(
     lm: LoadedModel, workflow: bool
@@ -574,15 +590,7 @@ def test_the_least_recently_used_alone_give_the_policy_s_answer_for_all(
     for round_ in range(60):
         names = list(pool.residents)
         if workflow:
-            pick = rng.sample(names, 6)
-            pool.hint(
-                make_hint(
-                    expect_in_s={a: rng.uniform(0, 60) for a in pick[:2]},
-                    priority={a: rng.randint(-2, 2) for a in pick[2:4]},
-                    done=pick[4:],
-                ),
-                ahead=0,
-            )
+            hint_at_random(pool, rng, rng.sample(names, 6), expected=2, ranked=2)
         for name in rng.sample(names, 3):
             pool.tool_wait(name, rng.choice((0.0, 30.0)))
         pool.limit = pool.committed()
@@ -625,15 +633,7 @@ def test_a_prefetch_spares_whom_asking_every_hot_agent_would(lm: LoadedModel) ->
 
     seen = Counter[str]()
     for _ in range(30):
-        pick = rng.sample(names, 12)
-        pool.hint(
-            make_hint(
-                expect_in_s={a: rng.uniform(0, 60) for a in pick[:5]},
-                priority={a: rng.randint(-2, 2) for a in pick[5:9]},
-                done=pick[9:],
-            ),
-            ahead=0,
-        )
+        hint_at_random(pool, rng, rng.sample(names, 12), expected=5, ranked=4)
         for agent in names:
             kept = pool.demotion._sooner(agent)
             assert kept == every(agent), agent
