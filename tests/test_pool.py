@@ -643,6 +643,50 @@ def test_a_prefetch_spares_whom_asking_every_hot_agent_would(lm: LoadedModel) ->
     assert seen["below 0"] > 5 and seen["0 or more"] > 5, seen
 
 
+def test_the_stats_kept_by_change_equal_a_count_of_every_hot_agent(lm: LoadedModel) -> None:
+    # The stats' ready copies' bytes and tool waits, and the idle bytes a second model's
+    # turn weighs, are kept by change or read a page at a time: after random turns, drops,
+    # demotions, tool waits that end by their time or by a turn, each equals a count over
+    # every hot agent (``idle_bytes(enough)`` may stop early, never short of ``enough``).
+    now = [100.0]
+    pool = new_pool(lm, None, clock=lambda: now[0], ready_copies=True)
+    rng = random.Random(23)
+    names = [f"a{i:03d}" for i in range(150)]
+    for agent in names:
+        turn(pool, lm, agent, rng.randrange(1, 6), persist=True)
+    seen = Counter[str]()
+    for step in range(120):
+        op = rng.randrange(5)
+        if op <= 1 or not pool.residents:
+            agent = rng.choice(names)
+            if rng.random() < 0.5:
+                now[0] += 1.0  # a turn ends later than the last one
+            turn(pool, lm, agent, rng.randrange(1, 6), persist=True)
+        elif op == 2:
+            for agent in rng.sample(list(pool.residents), min(5, len(pool.residents))):
+                pool.tool_wait(agent, rng.choice((0.0, 2.0, 30.0)))
+        elif op == 3:
+            pool.demotion.drop_ready(rng.randrange(1, 200_000))
+        else:
+            pool.limit = pool.committed()
+            pool.make_room(rng.randrange(1, 20_000))
+            pool.limit = None
+        now[0] += rng.choice((0.0, 0.5, 3.0))
+        residents = list(pool.residents.values())
+        ready = sum(e.kv.ready_bytes_now() for e in residents) + pool.ready.shared.nbytes
+        assert pool.ready_bytes == ready, step
+        waits = sum(e.tool_waiting(now[0]) for e in residents)
+        assert pool.tool_waits == waits, step
+        seen["waiting"] += waits > 0
+        every = pool.idle_bytes()
+        assert every == sum(c.nbytes for c in pool.demotion.candidates() if not c.waiting), step
+        enough = rng.randrange(1, every + 2)
+        got = pool.idle_bytes(enough)
+        assert got >= enough or got == every, step
+        seen["early"] += got < every
+    assert seen["waiting"] > 10 and seen["early"] > 10 and len(pool.residents) > 64, seen
+
+
 def test_what_each_cache_alone_holds_is_kept_as_caches_share_and_go(lm: LoadedModel) -> None:
     # StoredCounts.own keeps a shared cache's own bytes until some array's sole holder
     # changes: after every fork, turn and drop it equals a count from scratch, by ids.

@@ -331,7 +331,8 @@ class EngineActor(ThreadActor):
         if not others:
             return  # no model to unload: its turn's start demotes its own idle caches
         # Its own idle caches go before any model does (its turn's start demotes them).
-        own = slot.runner.pool.idle_bytes() if slot.loaded else 0
+        enough = self.count() + need - self.limit
+        own = slot.runner.pool.idle_bytes(enough) if slot.loaded else 0
         for other in others:
             if self.count() + need - own <= self.limit:
                 return

@@ -23,7 +23,7 @@ from ._write_back import WriteBack
 __all__ = ("Demotion", "cold_candidates", "early_victims", "unloaded_victims")
 
 # What orders ready copies for room (``Demotion._ready_order``), and how many of the
-# residents' ready order ``Demotion._ready_copies`` reads at a time.
+# residents' orders by use ``Demotion`` reads at a time.
 _ReadyKey = tuple[bool, int, bool, float]
 _PAGE = 64
 #: The least recently used hot caches a policy is asked about first to demote.
@@ -238,12 +238,21 @@ class Demotion:
             )
         return out
 
-    def idle_bytes(self) -> int:
-        """What demoting every idle cache (no turn queued, staged or awaited) frees now:
-        the candidates' bytes, counted without making them."""
-        return sum(
-            nbytes for agent, e, nbytes in self._demotable(None) if not self.waiting(agent, e)
-        )
+    def idle_bytes(self, enough: int | None = None) -> int:
+        """What demoting idle caches (no turn queued, staged or awaited) frees now: the
+        candidates' bytes, counted without making them, least recently used first a page
+        at a time; with ``enough``, the count stops at the first page that reaches it (all
+        of them only when they are not enough)."""
+        total = start = 0
+        while page := self._residents.by_use(start, _PAGE):
+            start += len(page)
+            agents = (agent for _, agent in page)
+            total += sum(
+                n for agent, e, n in self._demotable(None, agents) if not self.waiting(agent, e)
+            )
+            if enough is not None and total >= enough:
+                break
+        return total
 
     def _sooner(self, agent: str) -> set[str]:
         """Hot agents a prefetch of ``agent`` must not displace: those hinted to run no

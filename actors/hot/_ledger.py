@@ -46,6 +46,12 @@ class Ledger:
         self._quiet: dict[str, int] = {}
         self._quiet_sum = 0
         self._live: dict[str, HotEntry] = {}
+        # The residents' ready copies' bytes, each kept until its entry or cache changes
+        # (a feed of its own, read at :meth:`ready_bytes`: the stats ask it, a step does
+        # not), and their sum.
+        self._ready_changed = residents.feed()
+        self._ready_of: dict[str, int] = {}
+        self._ready_sum = 0
 
     # -- the bound --------------------------------------------------------------------
     @property
@@ -165,6 +171,22 @@ class Ledger:
         ``own``)."""
         self._catch_up()
         return self._stored
+
+    def ready_bytes(self) -> int:
+        """The residents' ready copies' bytes (not the shared prefixes' copies), read again
+        only for the residents that changed since the last call: a ready copy is never
+        changed in place (``AgentKV.ready``)."""
+        residents, of = self._residents, self._ready_of
+        for agent in self._ready_changed.drain():
+            self._ready_sum -= of.pop(agent, 0)
+            e = residents.get(agent)
+            if e is not None and (nbytes := e.kv.ready_bytes):
+                of[agent] = nbytes
+                self._ready_sum += nbytes
+        assert not DEBUG or self._ready_sum == (
+            scratch := sum(e.kv.ready_bytes_now() for e in residents.values())
+        ), f"the ready copies' count {self._ready_sum} is not {scratch}, counted from scratch"
+        return self._ready_sum
 
     def freeing(self) -> int:
         """Bytes that writes under way free when they end: the pins of exports whose entry

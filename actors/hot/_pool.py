@@ -102,6 +102,10 @@ class CachePool:
             wall=wall,
         )
         self.warm = WarmTraffic(self.residents, self.ledger, self.demotion, self.write_back)
+        # Agents told to wait on their tool calls' results, and the entry told: a count of
+        # those waiting reads these, not every resident (a wait ends by itself, at its
+        # agent's next turn, or with its entry).
+        self._tool_waits: dict[str, HotEntry] = {}
         self.shared_turns = 0  # turns based on another cache's stored ranges
         self.shared_tokens = 0  # the tokens they reused so
 
@@ -149,8 +153,8 @@ class CachePool:
     def cold_victims(self, asked: WarmVictims) -> list[str] | AskWith | None:
         return self.demotion.cold_victims(asked)
 
-    def idle_bytes(self) -> int:
-        return self.demotion.idle_bytes()
+    def idle_bytes(self, enough: int | None = None) -> int:
+        return self.demotion.idle_bytes(enough)
 
     def candidates(self) -> list[Candidate]:
         return self.demotion.candidates()
@@ -274,7 +278,7 @@ class CachePool:
     @property
     def ready_bytes(self) -> int:
         """Ready copies' bytes, shared prefixes' copies included."""
-        return sum(e.kv.ready_bytes for e in self.residents.values()) + self.ready.shared.nbytes
+        return self.ledger.ready_bytes() + self.ready.shared.nbytes
 
     # -- turns ------------------------------------------------------------------------
     def base(
@@ -456,12 +460,20 @@ class CachePool:
         entry = self.residents.get(agent)
         if entry is not None:
             entry.wait_for_tools(self.clock() + max(ttl_s, 0.0))
+            self._tool_waits[agent] = entry
 
     @property
     def tool_waits(self) -> int:
-        """Hot agents waiting on tool results now."""
-        now = self.clock()
-        return sum(e.tool_waiting(now) for e in self.residents.values())
+        """Hot agents waiting on tool results now (those told to wait, the waits that ended
+        forgotten)."""
+        now, get = self.clock(), self.residents.get
+        waits = self._tool_waits
+        for agent in [a for a, e in waits.items() if get(a) is not e or not e.tool_waiting(now)]:
+            del waits[agent]
+        assert not DEBUG or len(waits) == (
+            scratch := sum(e.tool_waiting(now) for e in self.residents.values())
+        ), f"{len(waits)} agents counted waiting on tools, not {scratch}"
+        return len(waits)
 
     def ready_ahead(self, agent: str) -> None:
         """Build an idle hot agent's ready copy between engine steps, in room that is free
