@@ -24,7 +24,7 @@ from multimodels import hot_pool
 import kvactor
 from kvactor.actors.enums import Tier
 from kvactor.actors.models import make_tiny_model
-from kvactor.actors.warm import collect, list_agents
+from kvactor.actors.warm import collect, demote_cold, list_agents
 
 pytestmark = pytest.mark.one_backend  # shared prefixes on disk and hot, not the event loop
 
@@ -210,6 +210,44 @@ async def test_on_disk_shared_segments_are_one_file_and_load_in_another_process(
             third = await agent.generate("One more?", max_tokens=5)
             assert reloaded[i] == [third.token_ids, Tier.WARM.value]
     assert hot  # the first session's answers were produced
+
+
+async def test_a_cold_agent_s_next_write_links_the_prefix_it_shared(tmp_path: Path) -> None:
+    # An agent made cold keeps its manifest (no tokens). Its next turn re-prefills over the
+    # hot context's ranges, and its write links the context's segment file as a new
+    # agent's does, instead of writing those tokens again (one copy on disk); in a new
+    # session it resumes warm and answers as an agent kept hot throughout.
+    asks = ("Which clause is about record 3?", "And the next one?", "One more?")
+    root = tmp_path / "cache"
+    async with kvactor.open(tiny, cache_dir=root, ready_copies=False) as kv:
+        await kv.context("doc", DOC)
+        agent = await kv.spawn_agent("a0", context="doc")
+        await agent.generate(asks[0], max_tokens=5)
+        identity = kv.identity
+    assert identity is not None and demote_cold(root, identity, "a0")
+    agents = root / "agents"
+    assert not list(agents.glob("a0/seg-*.safetensors"))
+    async with kvactor.open(tiny, cache_dir=root, ready_copies=False) as kv:
+        await kv.context("doc", DOC)
+        agent = await kv.spawn_agent("a0", context="doc")
+        again = await agent.generate(asks[1], max_tokens=5)
+        assert again.path != Tier.WARM and again.saved  # re-prefilled over the context
+        assert (await kv.stats()).shared_turns == 1
+    manifest = json.loads((agents / "a0" / "manifest.json").read_bytes())["manifest"]
+    first = manifest["segments"][0]
+    assert first["owner"] == "doc"
+    doc_seg = agents / "doc" / first["file"]
+    assert os.stat(agents / "a0" / first["file"]).st_ino == os.stat(doc_seg).st_ino
+    async with kvactor.open(tiny, cache_dir=root, ready_copies=False) as kv:
+        await kv.context("doc", DOC)
+        warm = await (await kv.spawn_agent("a0", context="doc")).generate(asks[2], max_tokens=5)
+        assert warm.path == Tier.WARM
+    async with kvactor.open(tiny, cache_dir=tmp_path / "hot", ready_copies=False) as kv:
+        await kv.context("doc", DOC)
+        agent = await kv.spawn_agent("a0", context="doc")
+        for ask in asks:
+            kept = await agent.generate(ask, max_tokens=5)
+    assert warm.token_ids == kept.token_ids
 
 
 async def test_forget_reports_what_stays_for_others_and_the_last_user_frees_it(

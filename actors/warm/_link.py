@@ -76,7 +76,9 @@ def share_cache(
     """Give agent ``new``, which has no warm cache, one holding ``tokens``: a prefix of
     ``source``'s cache that ends where one of its segments ends, its segment files linked
     as ``fork_cache`` links them (one copy of the bytes). ``text`` and ``messages`` are
-    ``new``'s. None, touching nothing, when that cannot be done: ``source`` has no such
+    ``new``'s. A cold agent (its manifest kept, no tokens) has no warm cache either: its
+    first write after a re-prefill links too, its manifest replaced as a whole write's
+    would be. None, touching nothing, when that cannot be done: ``source`` has no such
     segments (or a refused cache), ``new`` has a warm cache (even a refused one), or the
     model has sliding-window layers (whose window files belong to the last segments);
     the caller then writes the tokens itself.
@@ -88,7 +90,7 @@ def share_cache(
     upto = len(tokens)
     try:
         loaded = load_manifest(src, identity, source)
-        if load_manifest(dst, identity, new) is not None:
+        if (mine := load_manifest(dst, identity, new)) is not None and mine[0].n_tokens:
             return None
     except CacheRejected:
         return None
