@@ -46,10 +46,14 @@ from kvactor.kernels.qcodec import KVCodec
 
 __all__ = ("Clock", "Costs", "Observed", "Replay", "Step")
 
-#: A manifest's bytes per token (its token ids, text and messages as JSON: ~5 + 4.5 +
-#: 4.5 on the default model), per segment entry, per layer (the geometry) and per file;
-#: a segment file's header is built as the store builds it (``build_header``).
-MANIFEST_PER_TOKEN, MANIFEST_PER_SEGMENT = 14, 125
+#: A manifest's bytes per token, per segment entry, per layer (the geometry) and per
+#: file; a segment file's header is built as the store builds it (``build_header``). A
+#: cold agent's manifest stays (its conversation and the token ids its cache held, for
+#: the re-prefill: ``demote_cold``), at ``COLD_PER_TOKEN``. Both per-token figures are
+#: fitted to a real pressure run's directory after each step on the default model (its
+#: token ids, text and messages as JSON): the warm one was 14 and cold manifests were
+#: not counted, 34-276 KB short of the real directory; now 0-48 KB (rms 16 KB).
+MANIFEST_PER_TOKEN, MANIFEST_PER_SEGMENT, COLD_PER_TOKEN = 22, 125, 14
 MANIFEST_PER_LAYER, MANIFEST_FIXED = 16, 1024
 
 
@@ -211,6 +215,7 @@ class Replay:
         self._segments: dict[int, int] = {}  # id -> bytes
         self._refs: dict[int, int] = {}  # id -> agents holding it
         self._used = 0  # bytes of the segments held and the manifests
+        self._cold: dict[str, int] = {}  # a cold agent -> its kept manifest's bytes
         self._ids = itertools.count(1)
         self._fresh = itertools.count(1_000_000)  # token ids never seen before
         self._seen = 0  # the hot tier's move log, read up to here
@@ -290,7 +295,8 @@ class Replay:
     def recount(self) -> int:
         """:meth:`disk_used` counted from scratch (a check)."""
         held = {s for w in self.warm.values() for s, _ in w.segments}
-        return sum(self._segments[s] for s in held) + sum(w.manifest for w in self.warm.values())
+        manifests = sum(w.manifest for w in self.warm.values()) + sum(self._cold.values())
+        return sum(self._segments[s] for s in held) + manifests
 
     def _ref(self, segment: int, by: int) -> None:
         """``segment`` held by ``by`` more agents (fewer, negative): counted while held."""
@@ -299,9 +305,10 @@ class Replay:
         if before == 0 or self._refs[segment] == 0:
             self._used += self._segments[segment] if before == 0 else -self._segments[segment]
 
-    def _manifest_bytes(self, tokens: int, segments: int) -> int:
+    def _manifest_bytes(self, tokens: int, segments: int, *, cold: bool = False) -> int:
         fixed = MANIFEST_FIXED + MANIFEST_PER_LAYER * len(self.geometry.layers)
-        return fixed + MANIFEST_PER_TOKEN * tokens + MANIFEST_PER_SEGMENT * segments
+        per = COLD_PER_TOKEN if cold else MANIFEST_PER_TOKEN
+        return fixed + per * tokens + MANIFEST_PER_SEGMENT * segments
 
     def _manifest(self, w: _Warm, tokens: list[int] | None) -> None:
         """``w``'s manifest now lists ``tokens`` and its segments (None: removed)."""
@@ -335,8 +342,15 @@ class Replay:
 
     # -- the warm store ----------------------------------------------------------------
     def _went_cold(self, agent: str) -> None:
+        held = len(self.warm[agent].tokens)
         self._drop_warm(agent)
+        self._cold[agent] = nbytes = self._manifest_bytes(held, 0, cold=True)
+        self._used += nbytes
         self.moves.append(["demoted", agent, "cold", "warm"])
+
+    def _warm_again(self, agent: str) -> None:
+        """``agent``'s cold manifest (if any) replaced by a warm one (written next)."""
+        self._used -= self._cold.pop(agent, 0)
 
     def _make_room(self, agent: str, more: int) -> bool:
         """Agents cold (never ``agent``) in the policy's order until ``more`` bytes fit
@@ -396,7 +410,9 @@ class Replay:
                 early = self.pool.cold_victims(again)
             if isinstance(early, list):
                 return early
-        victims = self.pool.cold_victims(WarmVictims(sized(mine(self.warm)), need))
+        # All of them, in the store's order of its warm list: each write puts its agent
+        # last (``WarmList.remember``), and a policy's ties go to the first.
+        victims = self.pool.cold_victims(WarmVictims(sized(mine(self._written)), need))
         assert isinstance(victims, list)
         return victims
 
@@ -414,6 +430,7 @@ class Replay:
         bound = nbytes + 8 * stop + 4096
         if not self._make_room(agent, bound):
             return False
+        self._warm_again(agent)
         w = self.warm.setdefault(agent, _Warm())
         self._written.pop(agent, None)  # written now: last in write order, as the store
         self._written[agent] = None
@@ -437,6 +454,7 @@ class Replay:
             return False
         for s, _ in linked:
             self._ref(s, 1)
+        self._warm_again(agent)
         w = self.warm[agent] = _Warm(list(linked), [], self.clock.wall())
         self._written[agent] = None
         self._manifest(w, src.tokens[:upto])
