@@ -14,7 +14,7 @@ from ..enums import Room, StageOutcome
 from ..errors import CacheRejected, UnknownAgent
 from ..messages import EngineMessage, Install, Release, Reserve
 from ._manifest import CacheManifest, Loaded
-from ._store import Load, Manifest, StoreMessage
+from ._protocol import Load, Manifest, StoreMessage
 
 __all__ = ("Prefetch", "PrefetchActor", "PrefetchMessage", "Stage", "StageResult")
 

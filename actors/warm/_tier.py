@@ -13,7 +13,7 @@ from ..errors import CacheRejected
 from ..records import AgentSnapshot
 from ._manifest import ANSWERS_KEY, held_answers, held_state
 from ._prefetch import Prefetch, PrefetchMessage, Stage, StageResult
-from ._store import Append, Manifest, Note, ShareCache, StoreMessage
+from ._protocol import Append, Manifest, Note, ShareCache, StoreMessage
 
 __all__ = ("ActorWarmTier", "WarmTier")
 
