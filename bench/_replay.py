@@ -193,6 +193,7 @@ class Replay:
         prefetch: int = 2,
         max_tokens: int = 4,
         clock: Clock | None = None,
+        settled: bool = False,
     ) -> None:
         self.clock = clock or Clock()
         self.pool = CachePool(
@@ -209,6 +210,7 @@ class Replay:
         self.costs = costs
         self.prefetch = prefetch
         self.max_tokens = max_tokens
+        self.settled = settled  # a hint's stagings done before its step (``--settle``)
         self.agents: dict[str, _Agent] = {}
         self.warm: dict[str, _Warm] = {}
         self._written: dict[str, None] = {}  # the same agents, least recently written first
@@ -518,15 +520,19 @@ class Replay:
         prefetch actor is told to stage; an import the application awaits next runs beside
         those stagings, which reserve first (they ask before the import's write is done); a
         turn whose cache is hot starts before they reserve, and they find room once it
-        ended (a race: in two real runs of this commit they did, in one of an earlier
-        commit they reserved first); a turn that misses its cache stages it behind them
-        (one prefetch actor)."""
+        ended (a race: in most real runs they did, in some they reserved first); a turn
+        that misses its cache stages it behind them (one prefetch actor). ``settled``
+        (the real run awaited them: ``bench/agentic.py --settle``): they are staged
+        before anything else of the step."""
         began, arrays = time.perf_counter(), self.array_s
         self.moves = []
         pool = self.pool
         if hint is not None:
             pool.hint(hint)
         stagings = hint  # the hint whose prefetches are still to be staged
+        if stagings is not None and self.settled:
+            self._prefetch(stagings)
+            stagings = None
         if step.imported:
             if stagings is not None:
                 self._prefetch(stagings)

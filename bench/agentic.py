@@ -63,8 +63,13 @@ prompt cache, and sized to the agents), restarted two thirds of the way through:
 ``vs_mlx_lm_server``, ``vs_mlx_lm_server_sized``, ``after_restart_vs_mlx_lm_server`` on
 summed TTFT (before the restart for the first two, after it for the third).
 
+With ``--settle``, a pressure step awaits the stagings its hint asks for before its
+import and turn: without it, a staging and the step's turn may reach the engine in either
+order (both are the runtime's), and two runs can differ at that step. It is the run
+``bench/replay.py`` checks its decisions against (``settled`` in the JSON).
+
     python bench/agentic.py [--quick] [--model default|tiny] [--shapes ...] [--no-http]
-        [--json PATH]
+        [--settle] [--json PATH]
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.hot._shared_ready import SharedPrefixes
 from kvactor.actors.messages import ToolWait
 from kvactor.actors.models import make_tiny_model
+from kvactor.actors.warm import Prefetch
 from kvactor.kernels.float_turn import FloatPrefix
 from kvactor.kernels.geometry import CacheGeometry
 
@@ -120,6 +126,7 @@ TOP_KEYS = (
     "dequantized_vs_unshared",
 )
 WRONG_P = 0.3
+PREFETCH = 2  # the agents of a hint staged (``Session.hint``'s default)
 BRIEF = "brief"  # the shared context's name
 
 
@@ -149,12 +156,14 @@ async def replay(
     brief: Path,
     seeds: dict[str, Path] | None = None,
     disk_limit: int | None = None,
+    settle: bool = False,
 ) -> dict[str, Any]:
     """One replay of ``trace`` in a new cache directory ``root`` that starts with a copy
     of ``brief`` (the shared context's warm cache): per-turn records and the run's
     counters. An agent of ``seeds`` (its private context, prefilled once: a portable
     file) is imported just before its first step, under ``disk_limit`` as any write is
-    (room made by the policy); the others are spawned at the start."""
+    (room made by the policy); the others are spawned at the start. ``settle``: the
+    stagings a step's hint asks for are awaited before its turn (see ``--settle``)."""
     rng = random.Random(seed)
     chosen = _policy(policy, trace)
     hinting = policy != "lru"
@@ -182,7 +191,7 @@ async def replay(
                 upcoming = lookahead(order, at, len(trace.agents))
                 if policy == "workflow_wrong":
                     upcoming = wrong(upcoming, trace.agents, rng, WRONG_P)
-                await kv.hint(next=upcoming)
+                await _hint(kv, upcoming, settle=settle)
             if step.agent not in agents:  # its private context arrives (outside its TTFT)
                 agents[step.agent] = await kv.import_agent(seeds[step.agent], name=step.agent)
                 imported[step.agent] = next(
@@ -224,6 +233,18 @@ async def replay(
         "start_hot": start_hot,
         "imported_tokens": imported,
     }
+
+
+async def _hint(kv: Any, upcoming: list[str], *, settle: bool) -> None:
+    """The step's hint: its first ``PREFETCH`` agents staged, as ``Session.hint`` stages
+    them; with ``settle``, each staging awaited (the prefetch actor's answer) before the
+    step goes on, so that no staging races the step's import or turn to the engine."""
+    if not settle:
+        await kv.hint(next=upcoming, prefetch=PREFETCH)
+        return
+    await kv.hint(next=upcoming, prefetch=0)
+    for agent in upcoming[:PREFETCH]:
+        await kv.prefetcher.ask(Prefetch(agent), timeout=None)
 
 
 async def _timed_turn(
@@ -434,7 +455,14 @@ async def pressure_results(args: argparse.Namespace, model: Any, tmp: Path) -> d
     brief = await seeded_brief(model, trace.system, tmp)
     seeds = await seeded_agents(model, trace, brief, tmp, args.max_tokens)
     run = functools.partial(
-        replay, trace, model, max_tokens=args.max_tokens, seed=args.seed, brief=brief, seeds=seeds
+        replay,
+        trace,
+        model,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        brief=brief,
+        seeds=seeds,
+        settle=args.settle,
     )
     reference = await run(tmp / "pressure-ref", policy="lru", budget=None)
     budget, working = budget_for(reference, HOT_SHARE, args.max_tokens)
@@ -483,6 +511,7 @@ async def pressure_results(args: argparse.Namespace, model: Any, tmp: Path) -> d
         "start_hot": reference["start_hot"],
         "imported_tokens": reference["imported_tokens"],
         "brief_tokens": reference["brief_tokens"],
+        "settled": args.settle,
     }
 
 
@@ -680,6 +709,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-http", action="store_true", help="skip the part over HTTP")
+    p.add_argument(
+        "--settle",
+        action="store_true",
+        help="pressure: await each hint's stagings before the step (no race with its turn:"
+        " the run bench/replay.py checks its decisions against)",
+    )
     p.add_argument("--http-only", action="store_true", help="only the part over HTTP")
     p.add_argument("--http-agents", type=int, default=16)
     p.add_argument("--http-rounds", type=int, default=2)

@@ -9,9 +9,10 @@ shape: ``--real PATH``, the JSON that bench wrote).
 
 1. **Against the real run**, the same trace (its steps, each turn's reused and new tokens
    as the unbounded run had them, the imports, the budget and disk limit, the default
-   model's cache geometry), each policy and the unbounded reference, replayed twice. On
-   the real turns' own times where the replay takes their path (what the engine's rates
-   and the hints' clock learned there): ``decisions_equal`` (every turn's path and every
+   model's cache geometry; a run made with ``--settle``, whose stagings do not race its
+   turns, is replayed with them first), each policy and the unbounded reference,
+   replayed twice. On the real turns' own times where the replay takes their path (what
+   the engine's rates and the hints' clock learned there): ``decisions_equal`` (every turn's path and every
    step's moves, hot-tier demotions and installs and warm agents made cold, the same as
    the real run's), ``paths_equal`` and ``moves_equal`` (shares of steps). On the fitted
    costs alone, as at scale: ``cost_error``, the largest |replayed / real - 1| of summed
@@ -100,6 +101,7 @@ def replay(
     brief: int,
     brief_hot: bool,
     seed: int = 0,
+    settled: bool = False,
 ) -> Replay:
     """One replay of ``steps`` under ``policy``, hinted as ``bench/agentic.py`` hints (the
     soonest distinct agents before each step, ``done`` after an agent's last step)."""
@@ -115,6 +117,7 @@ def replay(
         disk_limit=disk_limit,
         costs=costs,
         clock=clock,
+        settled=settled,
     )
     run.seed("brief", list(range(brief)), hot=brief_hot)
     last = {agent: i for i, agent in enumerate(order)}
@@ -250,6 +253,7 @@ def against_real(pressure: dict[str, Any], geometry: CacheGeometry) -> dict[str,
             "costs": costs,
             "brief": pressure["brief_tokens"],
             "brief_hot": "brief" in pressure["start_hot"],
+            "settled": pressure.get("settled", False),
         }
         fitted = replay(real_steps(pressure), agents, **common)
         seen = replay(real_steps(pressure, real), agents, **common)
