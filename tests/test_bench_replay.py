@@ -174,3 +174,47 @@ def test_a_replay_under_pressure_is_deterministic_and_within_its_limits() -> Non
     for t in free.turns:
         assert t["path"] == ("hot" if t["agent"] in seen else "warm")
         seen.add(t["agent"])
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["raced", "settled"])
+def test_a_settled_replay_stages_a_hint_s_agents_before_the_step(
+    settled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``bench/agentic.py --settle`` awaits a hint's stagings before the step: its replay
+    # stages them first at every hinted step. Without it a hot turn starts first and the
+    # stagings find room once it ended (as most real runs have it).
+    steps, agents = replay.scale_trace(27, seed=3)
+    order: list[tuple[int, str]] = []
+    staged, started = Replay._prefetch, CachePool.start_turn
+
+    def stage(self: Replay, hint: object) -> None:
+        order.append((len(self.turns), "stage"))
+        staged(self, hint)  # type: ignore[arg-type]
+
+    def start(self: CachePool, *args: object, **kwargs: object) -> bool:
+        order.append((-1, "turn"))
+        return started(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Replay, "_prefetch", stage)
+    monkeypatch.setattr(CachePool, "start_turn", start)
+    run = replay.replay(
+        steps,
+        agents,
+        policy="workflow",
+        geometry=CacheGeometry.uniform(1, 1, 64),
+        budget=None,
+        disk_limit=None,
+        costs=COSTS,
+        brief=168,
+        brief_hot=True,
+        settled=settled,
+    )
+    kinds = [kind for _, kind in order]
+    assert kinds.count("stage") == kinds.count("turn") == len(steps)  # one hint a step
+    pairs = list(zip(kinds[::2], kinds[1::2], strict=True))
+    if settled:
+        assert set(pairs) == {("stage", "turn")}
+    else:  # the first turn is warm (an import): its stagings go first, then hot turns
+        hot = [t["path"] == "hot" for t in run.turns]
+        assert any(hot) and pairs[0] == ("stage", "turn")
+        assert ("turn", "stage") in pairs
