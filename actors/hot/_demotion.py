@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
@@ -578,10 +579,7 @@ class Demotion:
         # A warm agent left out is used no earlier than its write, or than its last turn
         # if it is hot (each hot one counted, whether warm or not).
         given = {a.agent for a in agents}.union(asked.checked)
-        first = _used_at(beyond, now, at)
-        for agent, entry in self._residents.items():
-            if agent not in given:
-                first = min(first, entry.last_used)
+        first = min(_used_at(beyond, now, at), self._first_use(given))
         lowest = self._hints.lowest_rank(given)
         if asked.held_back:  # the answer must stop short of them too: the lower bound
             held = self._held_bound(asked.held_back, asked.held_beyond, now, at)
@@ -594,6 +592,17 @@ class Demotion:
             if named:  # none: those held back stood in the way, ask all
                 return AskWith(tuple(named))
         return early
+
+    def _first_use(self, skip: Collection[str]) -> float:
+        """The earliest last use of a hot agent not in ``skip`` (inf: none), read from the
+        residents' order by use: a page or two past those skipped, not every resident."""
+        start = 0
+        while page := self._residents.by_use(start, _PAGE):
+            for used, agent in page:
+                if agent not in skip:
+                    return used
+            start += len(page)
+        return math.inf
 
     def _held_bound(
         self, agents: Collection[str], written: float, now: float, at: float
