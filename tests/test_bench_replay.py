@@ -120,7 +120,12 @@ def test_the_workflow_policy_weighs_hints_on_the_replays_clock() -> None:
 
 
 def run(
-    policy: str, steps: list[replay.Step], agents: list[str], limits: tuple[int, int]
+    policy: str,
+    steps: list[replay.Step],
+    agents: list[str],
+    limits: tuple[int | None, int | None],
+    *,
+    settled: bool = False,
 ) -> Replay:
     return replay.replay(
         steps,
@@ -132,6 +137,7 @@ def run(
         costs=COSTS,
         brief=168,
         brief_hot=True,
+        settled=settled,
     )
 
 
@@ -158,17 +164,7 @@ def test_a_replay_under_pressure_is_deterministic_and_within_its_limits() -> Non
     assert first.disk_used() == first.recount() > 0
     # Unbounded, nothing is demoted: an agent's first turn reads its import, the rest
     # find it hot.
-    free = replay.replay(
-        steps,
-        agents,
-        policy="lru",
-        geometry=CacheGeometry.uniform(1, 1, 64),
-        budget=None,
-        disk_limit=None,
-        costs=COSTS,
-        brief=168,
-        brief_hot=True,
-    )
+    free = run("lru", steps, agents, (None, None))
     assert [m for t in free.turns for m in t["moves"] if m[0] == "demoted"] == []
     seen: set[str] = set()
     for t in free.turns:
@@ -197,24 +193,13 @@ def test_a_settled_replay_stages_a_hint_s_agents_before_the_step(
 
     monkeypatch.setattr(Replay, "_prefetch", stage)
     monkeypatch.setattr(CachePool, "start_turn", start)
-    run = replay.replay(
-        steps,
-        agents,
-        policy="workflow",
-        geometry=CacheGeometry.uniform(1, 1, 64),
-        budget=None,
-        disk_limit=None,
-        costs=COSTS,
-        brief=168,
-        brief_hot=True,
-        settled=settled,
-    )
+    played = run("workflow", steps, agents, (None, None), settled=settled)
     kinds = [kind for _, kind in order]
     assert kinds.count("stage") == kinds.count("turn") == len(steps)  # one hint a step
     pairs = list(zip(kinds[::2], kinds[1::2], strict=True))
     if settled:
         assert set(pairs) == {("stage", "turn")}
     else:  # the first turn is warm (an import): its stagings go first, then hot turns
-        hot = [t["path"] == "hot" for t in run.turns]
+        hot = [t["path"] == "hot" for t in played.turns]
         assert any(hot) and pairs[0] == ("stage", "turn")
         assert ("turn", "stage") in pairs
