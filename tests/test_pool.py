@@ -3,8 +3,10 @@ sees (real AgentKV caches of a tiny model, real MLX arrays)."""
 
 from __future__ import annotations
 
+import gc
 import random
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -685,6 +687,21 @@ def test_the_stats_kept_by_change_equal_a_count_of_every_hot_agent(lm: LoadedMod
         assert got >= enough or got == every, step
         seen["early"] += got < every
     assert seen["waiting"] > 10 and seen["early"] > 10 and len(pool.residents) > 64, seen
+
+
+def test_a_tool_wait_does_not_keep_a_cache_that_left_alive(lm: LoadedModel) -> None:
+    # The pool counts tool waits from the agents it told to wait: by name, so that a cache
+    # that leaves the hot tier while it waits (dropped here, as a forget does) is freed,
+    # its arrays with it, not held by the count until the stats next ask.
+    pool = new_pool(lm, None)
+    turn(pool, lm, "tools", 6, persist=True)
+    pool.tool_wait("tools", 60.0)
+    assert pool.tool_waits == 1
+    kv = weakref.ref(pool.residents["tools"].kv)
+    assert pool.drop("tools")
+    gc.collect()
+    assert kv() is None
+    assert pool.tool_waits == 0
 
 
 def test_what_each_cache_alone_holds_is_kept_as_caches_share_and_go(lm: LoadedModel) -> None:

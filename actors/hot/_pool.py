@@ -102,10 +102,10 @@ class CachePool:
             wall=wall,
         )
         self.warm = WarmTraffic(self.residents, self.ledger, self.demotion, self.write_back)
-        # Agents told to wait on their tool calls' results, and the entry told: a count of
-        # those waiting reads these, not every resident (a wait ends by itself, at its
-        # agent's next turn, or with its entry).
-        self._tool_waits: dict[str, HotEntry] = {}
+        # Agents told to wait on their tool calls' results: a count of those waiting reads
+        # these, not every resident (a wait ends by itself, at its agent's next turn, or
+        # with its entry). Names only: an entry that left must not be kept alive here.
+        self._tool_waits: set[str] = set()
         self.shared_turns = 0  # turns based on another cache's stored ranges
         self.shared_tokens = 0  # the tokens they reused so
 
@@ -460,7 +460,7 @@ class CachePool:
         entry = self.residents.get(agent)
         if entry is not None:
             entry.wait_for_tools(self.clock() + max(ttl_s, 0.0))
-            self._tool_waits[agent] = entry
+            self._tool_waits.add(agent)
 
     @property
     def tool_waits(self) -> int:
@@ -468,8 +468,9 @@ class CachePool:
         forgotten)."""
         now, get = self.clock(), self.residents.get
         waits = self._tool_waits
-        for agent in [a for a, e in waits.items() if get(a) is not e or not e.tool_waiting(now)]:
-            del waits[agent]
+        waits.difference_update(
+            [a for a in waits if (e := get(a)) is None or not e.tool_waiting(now)]
+        )
         assert not DEBUG or len(waits) == (
             scratch := sum(e.tool_waiting(now) for e in self.residents.values())
         ), f"{len(waits)} agents counted waiting on tools, not {scratch}"
