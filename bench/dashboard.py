@@ -27,8 +27,9 @@ three, none, none, three...: each round's pair in both orders) after one untimed
   process (``kvactor``: the engine, the server, the board), medians over rounds.
 
 The three browsers run on this machine's CPUs beside the engine: their rendering is part of
-what is measured. ``--browsers-nice N`` (Linux) runs every Chromium process at niceness
-``N`` (19: they get the CPU only where the engine leaves it), the bound of the server's own
+what is measured. ``--browsers-nice N`` (Linux) runs the bench's own Chromium processes
+(the tree under each chromedriver) at niceness ``N`` (19: they get the CPU only where
+the engine leaves it), the bound of the server's own
 part on a machine with no core to spare for a browser (``browsers_nice`` in the JSON).
 ``--pollers`` opens no browser: a ``three`` round runs a process of three plain HTTP
 clients asking ``/v1/status`` and parsing it a second apart, as the pages do (``clients``:
@@ -120,16 +121,22 @@ def browser_pids() -> Iterator[int]:
             continue
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """``/proc/<pid>/stat``'s fields after the command's name (the state first), or None
+    when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:  # gone meanwhile
+        return None
+
+
 def browsers_cpu_s() -> float:
     """The CPU seconds every Chromium process alive now has used (0 without ``/proc``)."""
     total = 0
     for pid in browser_pids():
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime: clock ticks
+        if (fields := stat_fields(pid)) is not None:
+            total += int(fields[11]) + int(fields[12])  # utime, stime: clock ticks
     return total / os.sysconf("SC_CLK_TCK")
 
 
@@ -137,13 +144,8 @@ def descendants(root: int) -> list[int]:
     """``root`` and every process below it alive now (``[root]`` without ``/proc``)."""
     children: dict[int, list[int]] = {}
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:  # gone meanwhile
-                continue
-            children.setdefault(parent, []).append(int(pid))
+        if pid.isdigit() and (fields := stat_fields(pid)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(pid))  # by its parent
     out: list[int] = []
     todo = [root]
     while todo:

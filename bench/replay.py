@@ -15,10 +15,9 @@ shape: ``--real PATH``, the JSON that bench wrote).
    the engine's rates and the hints' clock learned there): ``decisions_equal`` (every
    turn's path and every step's moves, hot-tier demotions and installs and warm agents
    made cold, the same as the real run's), ``paths_equal`` and ``moves_equal`` (shares
-   of steps). On the fitted
-   costs alone, as at scale: ``cost_error``, the largest |replayed / real - 1| of summed
-   TTFT over the runs (``policies_cost_error``: over the policies' runs alone), and
-   ``fitted_paths_equal`` / ``fitted_moves_equal``.
+   of steps). On the fitted costs alone, as at scale: ``cost_error``, the largest
+   |replayed / real - 1| of summed TTFT over the runs (``policies_cost_error``: over the
+   policies' runs alone), and ``fitted_paths_equal`` / ``fitted_moves_equal``.
 2. **At scale**: seeded pressure traces of ``--sizes`` agents (5 team agents to 4
    subagents, documents and steps of the real shape's token counts, 2 rounds), the hot
    budget one turn's room plus 25% of the agents' stored caches and the disk limit 50%
@@ -427,9 +426,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"real": args.real, "model": real.get("model")}
     check = against_real(pressure, default_geometry(real.get("model", "default")))
     out["against_real"] = check
-    for key in ("decisions_equal", "paths_equal", "moves_equal", "cost_error"):
+    for key in (
+        "decisions_equal",
+        "paths_equal",
+        "moves_equal",
+        "cost_error",
+        "policies_cost_error",
+    ):
         out[key] = check[key]
-    out["policies_cost_error"] = check["policies_cost_error"]
     costs = Costs(**check["costs"])
     out["sizes"] = {}
     for size in args.sizes:

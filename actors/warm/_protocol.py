@@ -1,6 +1,6 @@
 """What the store actor answers: its messages (each says what it answers) and its I/O
-counts. The senders are the agent's warm tier (``_tier``), the prefetch actor, the
-session and the CLI; ``StoreActor`` (``_store``) handles them."""
+counts. The senders are the agent's warm tier (``_tier``), the prefetch actor and the
+session; ``StoreActor`` (``_store``) handles them."""
 
 from __future__ import annotations
 
