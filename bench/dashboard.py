@@ -1,12 +1,13 @@
 """What the live dashboard costs: decode tok/s of agents decoding together while three
-headless Chromium pages have ``/dashboard`` open and polling, against none, in one run.
+headless Chromium pages have ``/dashboard`` open and live, against none, in one run.
 
 A session on the default model (with a warm tier in a scratch folder) is served in this
 process on 127.0.0.1 (a free port). Three Chromium pages (the distribution's, driven by
 Selenium, the flags of the dashboard's tests) are started once, before anything is timed;
 for a ``three`` round they open ``/dashboard`` and wait until it is live, for a ``none``
-round they go to ``about:blank``, so that only the pages' polling (one ``/v1/status`` a
-second each, the session sampled at most every 0.25 s) differs. Each round, ``--agents``
+round they go to ``about:blank``, so that only the pages' reading differs (each reads
+``/v1/status`` as a stream: a status a second while it changes, the session sampled at
+most every 0.25 s). Each round, ``--agents``
 new agents (4) each decode ``--tokens`` greedy tokens (64) together through the Python API;
 what counts is the window in which all of them decode (from the last one's first token to
 the first one's last, as ``bench/decode_batch.py`` counts). Rounds alternate (none, three,
@@ -19,8 +20,9 @@ three, none, none, three...: each round's pair in both orders) after one untimed
 - ``status_ms``: the median ``GET /v1/status`` as a client times it, each asked when the
   last sample is stale (a fresh sample: the session asked), the agents idle; and
   ``status_ms_decoding``, the same while the agents decode (an extra, untimed round);
-- ``status_requests_per_s``: the pages' requests from their load to the end of each
-  ``three`` round (proof they polled);
+- ``status_requests_per_s``: the statuses sent to the pages per second (a stream's
+  events, or answers to single requests) from their load to the end of each ``three``
+  round (proof they read);
 - the bound, where the CPU goes during each round's decode window (Linux): ``cpu_share``
   by kind of round, the share of the machine's cores (CPU seconds over the window's wall
   seconds times the cores) used by the Chromium processes (``browsers``) and by this
@@ -32,9 +34,9 @@ what is measured. ``--browsers-nice N`` (Linux) runs the bench's own Chromium pr
 the engine leaves it), the bound of the server's own
 part on a machine with no core to spare for a browser (``browsers_nice`` in the JSON).
 ``--pollers`` opens no browser: a ``three`` round runs a process of three plain HTTP
-clients asking ``/v1/status`` and parsing it a second apart, as the pages do (``clients``:
-``pollers``): the server's part alone. The bench stops its server, browsers and pollers
-itself.
+clients reading ``/v1/status`` streams and parsing each status, as the pages do
+(``clients``: ``pollers``): the server's part alone. The bench stops its server,
+browsers and pollers itself.
 
     python bench/dashboard.py [--rounds 3] [--agents 4] [--tokens 64] [--json PATH] [--quick]
         [--browsers-nice N] [--pollers]
@@ -96,16 +98,23 @@ def show(drivers: list[Any], url: str | None) -> None:
 
 
 class Counted:
-    """An ASGI app that counts the ``GET /v1/status`` requests it passes on."""
+    """An ASGI app that counts the statuses ``/v1/status`` sends (answers and a stream's
+    events)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.status = 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] == "/v1/status":
-            self.status += 1
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["path"] != "/v1/status":
+            return await self.app(scope, receive, send)
+
+        async def counted(message: Any) -> None:  # a status sent: an answer or an event
+            if message["type"] == "http.response.body" and message.get("body"):
+                self.status += 1
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 def browser_pids() -> Iterator[int]:
@@ -165,8 +174,8 @@ def renice_browsers(drivers: list[Any], nice: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, pid, nice)
 
 
-# A page's polling without a browser: ``n`` threads each asking ``/v1/status`` and
-# parsing it, a second apart, as the page does (stdlib only: nothing to import for long).
+# A page's reading without a browser: ``n`` threads each reading ``/v1/status`` as a
+# stream and parsing each status, as the page does (stdlib only: nothing to import for long).
 POLLER = """
 import json, sys, threading, time, urllib.request
 base, n = sys.argv[1], int(sys.argv[2])
@@ -174,10 +183,11 @@ def ask():
     with urllib.request.urlopen(base + "/v1/status", timeout=60) as r:
         json.loads(r.read())
 def poll():
-    while True:
-        t = time.monotonic()
-        ask()
-        time.sleep(max(0.0, 1.0 - (time.monotonic() - t)))
+    while True:  # a stream ends after its life: the next one at once, as the page does
+        with urllib.request.urlopen(base + "/v1/status?stream=true", timeout=60) as r:
+            for line in r:
+                if line.startswith(b"data: "):
+                    json.loads(line[6:])
 ask()
 print("ready", flush=True)
 for _ in range(n):

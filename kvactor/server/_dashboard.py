@@ -1,6 +1,7 @@
 """The dashboard: ``GET /dashboard`` (one page, its script and style shipped in the wheel
 under ``kvactor/server/dashboard/``; nothing fetched from elsewhere) and ``GET
-/v1/status``, the JSON the page polls every second.
+/v1/status``, the JSON the page reads: once per request, or with ``stream=true`` as a
+stream of server-sent events as it changes.
 
 ``/v1/status`` says, for the key that asks: the memory limit split (weights, hot caches,
 ready copies, working copies, the rest, free), the disk limit (used, free, written
@@ -16,6 +17,17 @@ whoever asks (``_board``), at most ``limit`` agents are sent (default 300, the m
 recently used first; ``agents_total`` says how many there are; ``q`` keeps the ids
 holding a text), and the events after ``since`` (an event's ``seq``), 500 at most.
 
+The page reads the stream: a request a second cost each open browser more CPU than its
+drawing (a fetch is a new request through the browser's network service; a stream's
+event is a few bytes more on an open one), on the cores the engine decodes on
+(docs/benchmarks.md, "The dashboard's cost"). A stream looks every ``STREAM_EVERY_S``
+and sends a status at once when an agent came, went or changed tier or an event came;
+when only figures changed (tokens, bytes, counts: each second while agents decode), at
+most every ``STREAM_FIGURES_S``; and at least every ``STREAM_QUIET_S``. It ends after
+``STREAM_LIFE_S`` (the page opens the next one where it left off) or within a second
+of :meth:`Dashboard.close` (the server stops: uvicorn waits for open responses). At
+most ``MAX_STREAMS`` are open at once (a 429 past them).
+
 The page works on ``kvactor serve`` (``create_app``) and on ``kvactor run --dashboard``
 (:func:`create_dashboard_app`: these routes alone, over a board that outlives the run's
 session)."""
@@ -23,15 +35,17 @@ session)."""
 from __future__ import annotations
 
 import functools
+import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ._activity import Activity
@@ -44,6 +58,13 @@ __all__ = ("Dashboard", "asset", "create_dashboard_app", "new_board", "page", "s
 DEFAULT_ROWS = 300
 MAX_ROWS = 5000
 MAX_EVENTS = 500
+STREAM_EVERY_S = 1.0  # a stream looks for a change this often...
+STREAM_FIGURES_S = 2.0  # ... sends a change of figures alone at most this often...
+STREAM_QUIET_S = 5.0  # ... and sends at least this often (the page's timeline moves on)
+STREAM_LIFE_S = 30.0  # then the stream ends (the page opens the next at once): an
+# app served by someone else's uvicorn, which waits for open responses, stops within it
+MAX_STREAMS = 32  # open streams per app
+_CLOCKS = ("time", "uptime_s", "sampled_at")  # a status that changed in these alone is not sent
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 _NO_KEY = "a valid API key is needed: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
 
@@ -58,6 +79,13 @@ class Dashboard:
     scope_of: Callable[[str], str] = lambda _: ""
     last_used: Mapping[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    # Invariant: only _stream changes streams; only close() sets closing.
+    streams: int = 0  # status streams open now
+    closing: bool = False  # the server stops: every stream ends within STREAM_EVERY_S
+
+    def close(self) -> None:
+        """End every status stream (within ``STREAM_EVERY_S``) and refuse new ones."""
+        self.closing = True
 
 
 def _dashboard(request: Request) -> Dashboard:
@@ -103,9 +131,57 @@ async def status(request: Request) -> Response:
     limit = _int_param(request, "limit", DEFAULT_ROWS, MAX_ROWS)
     since = _int_param(request, "since", 0, 1 << 62)
     query = request.query_params.get("q", "")[:64]
+    if _flag(request, "stream"):
+        if dash.streams >= MAX_STREAMS or dash.closing:
+            raise ApiError(
+                429,
+                f"{dash.streams} status streams are open: poll /v1/status without 'stream'",
+                kind="rate_limit_error",
+                code="rate_limit_exceeded",
+                retry_after=5,
+            )
+        stream = _stream(dash, tenant, limit=limit, since=since, query=query)
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
     sample = await dash.board.sample()
     body = _body(dash, sample, tenant, limit=limit, since=since, query=query)
     return JSONResponse(body, headers={"Cache-Control": "no-store"})
+
+
+def _flag(request: Request, name: str) -> bool:
+    raw = request.query_params.get(name, "false").lower()
+    if raw not in ("true", "false", "1", "0"):
+        raise ApiError(400, f"'{name}' is true or false", param=name)
+    return raw in ("true", "1")
+
+
+async def _stream(
+    dash: Dashboard, tenant: Tenant, *, limit: int, since: int, query: str
+) -> AsyncIterator[str]:
+    """The status as ``tenant`` sees it, as server-sent events (see the module doc)."""
+    dash.streams += 1
+    try:
+        end = time.monotonic() + STREAM_LIFE_S
+        sent: tuple[Any, str] = (None, "")
+        sent_at = float("-inf")
+        while not dash.closing and time.monotonic() < end:
+            sample = await dash.board.sample()
+            body = _body(dash, sample, tenant, limit=limit, since=since, query=query)
+            since = body["events_next"]
+            shape = (body["ready"], body["final"], [(a["id"], a["tier"]) for a in body["agents"]])
+            plain = json.dumps({k: v for k, v in body.items() if k not in _CLOCKS}, sort_keys=True)
+            age = time.monotonic() - sent_at
+            if (
+                body["events"]
+                or shape != sent[0]
+                or (plain != sent[1] and age >= STREAM_FIGURES_S)
+                or age >= STREAM_QUIET_S
+            ):
+                sent, sent_at = (shape, plain), time.monotonic()
+                yield "data: " + json.dumps(body, separators=(",", ":"), allow_nan=False) + "\n\n"
+            await anyio.sleep(STREAM_EVERY_S)
+    finally:
+        dash.streams -= 1
 
 
 def _body(

@@ -171,6 +171,7 @@ async def _stop_on_signals(
                     server.force_exit = True
                 else:
                     tg.start_soon(end_turns)
+                state.dashboard.close()  # the pages' streams end: uvicorn waits for them
                 server.should_exit = True
 
 
@@ -278,7 +279,8 @@ async def serve_dashboard(
     ``host:port`` (0: a free port) until ``stop`` is set; ``ready(port)`` once it
     listens. Raises OSError when the address cannot be bound."""
     sock = _bound(host, port)
-    server = _uvicorn_server(create_dashboard_app(board), drain_s=0.0)
+    app = create_dashboard_app(board)
+    server = _uvicorn_server(app, drain_s=0.0)
 
     async def watch() -> None:
         while not server.started:  # uvicorn offers no event for it
@@ -286,6 +288,7 @@ async def serve_dashboard(
         if ready is not None:
             ready(sock.getsockname()[1])
         await stop.wait()
+        app.state.dashboard.close()  # the pages' streams end: uvicorn waits for them
         server.should_exit = True
 
     async with anyio.create_task_group() as tg:

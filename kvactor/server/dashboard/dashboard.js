@@ -1,9 +1,11 @@
-// kvactor's dashboard: polls /v1/status every second and draws it. Plain JavaScript, no
+// kvactor's dashboard: reads /v1/status as a stream (a status as it changes: how often, the
+// server's kvactor/server/_dashboard.py says) and draws what changed. Plain JavaScript, no
 // build step, nothing fetched from elsewhere; data goes in as text, never as markup.
 "use strict";
 
-const POLL_MS = 1000;
+const RETRY_MS = 1000; // a lost stream is opened again after this, longer after each failure
 const RETRY_MAX_MS = 2000;
+const TIMELINE_EVERY_S = 5; // with no new event, the timeline's axis moves this often
 const WINDOW_S = 600; // the timeline shows the last ten minutes
 const MAX_EVENTS = 3000;
 const COLORS = {
@@ -14,6 +16,20 @@ const COLORS = {
 };
 
 const view = { instance: null, since: 0, events: [], status: null, sortKey: "last_used", up: false };
+
+// What each part of the page last drew, as JSON: a part is drawn again only when what it
+// shows changed. A redraw is style, layout and paint in every open browser, on the cores
+// the engine decodes on (docs/benchmarks.md, "The dashboard's cost").
+const drawn = { memory: null, agents: null, models: null, timelineAt: -Infinity, width: 0 };
+function fresh(part, value) {
+  const text = JSON.stringify(value);
+  if (drawn[part] === text) return false;
+  drawn[part] = text;
+  return true;
+}
+function forget() {
+  Object.assign(drawn, { memory: null, agents: null, models: null, timelineAt: -Infinity });
+}
 
 // -- numbers as people read them ------------------------------------------------------
 function bytes(n) {
@@ -30,7 +46,8 @@ function seconds(s) {
   return (s / 60).toFixed(1) + " min";
 }
 function rate(r) { return r ? r.toFixed(1) + " tok/s" : "–"; }
-function ago(t, now) { return t ? seconds(Math.max(now - t, 0)) + " ago" : "–"; }
+// A clock time, not "… ago": a row then changes only when its agent does.
+function clock(t) { return t ? new Date(t * 1000).toLocaleTimeString([], { hour12: false }) : "–"; }
 
 function el(tag, text, attrs) {
   const node = document.createElement(tag);
@@ -61,46 +78,74 @@ document.getElementById("key-form").addEventListener("submit", (e) => {
   e.preventDefault();
   sessionStorage.setItem("kvactor-key", document.getElementById("key-input").value.trim());
   document.getElementById("key-form").hidden = true;
-  poll();
+  listen();
 });
 
 // -- drawing ----------------------------------------------------------------------------
-function bar(parent, label, parts, limit, note) {
-  const head = el("div", null, { class: "bar-label" });
-  head.append(el("strong", label), el("span", note));
-  const row = el("div", null, { class: "bar" });
-  const legend = el("div", null, { class: "legend" });
-  const total = limit || parts.reduce((a, p) => a + p.bytes, 0) || 1;
-  for (const p of parts) {
-    const span = el("span", null, { title: p.name + ": " + bytes(p.bytes) });
-    span.style.width = (100 * p.bytes / total).toFixed(2) + "%";
-    span.style.background = COLORS[p.name] || "var(--other)";
-    row.append(span);
-    const item = el("span");
-    const dot = el("i");
-    dot.style.background = COLORS[p.name] || "var(--other)";
-    item.append(dot, p.name + " " + bytes(p.bytes));
-    legend.append(item);
+// Parts are changed in place (a text, a width), not built again: the browser then lays
+// out and paints what changed, not the whole page.
+function setText(node, text) {
+  text = String(text ?? "");
+  if (node.textContent !== text) node.textContent = text;
+}
+function setData(node, key, value) {
+  if (node.dataset[key] !== value) node.dataset[key] = value;
+}
+
+// One bar per limit, with its label and legend: [{label, note, limit, parts: [{name, bytes}]}].
+function drawBars(box, bars) {
+  const shape = JSON.stringify(bars.map((b) => [b.label, b.parts.map((p) => p.name)]));
+  if (box.dataset.shape !== shape) {
+    box.replaceChildren();
+    for (const b of bars) {
+      const head = el("div", null, { class: "bar-label" });
+      head.append(el("strong", b.label), el("span"));
+      const row = el("div", null, { class: "bar" });
+      const legend = el("div", null, { class: "legend" });
+      for (const p of b.parts) {
+        const span = el("span");
+        span.style.background = COLORS[p.name] || "var(--other)";
+        row.append(span);
+        const item = el("span");
+        const dot = el("i");
+        dot.style.background = COLORS[p.name] || "var(--other)";
+        item.append(dot, document.createTextNode(""));
+        legend.append(item);
+      }
+      box.append(head, row, legend);
+    }
+    box.dataset.shape = shape;
   }
-  parent.append(head, row, legend);
+  bars.forEach((b, i) => {
+    const [head, row, legend] = [...box.children].slice(3 * i, 3 * i + 3);
+    setText(head.lastChild, b.note);
+    const total = b.limit || b.parts.reduce((a, p) => a + p.bytes, 0) || 1;
+    b.parts.forEach((p, j) => {
+      const span = row.children[j];
+      const width = (100 * p.bytes / total).toFixed(2) + "%";
+      if (span.style.width !== width) span.style.width = width;
+      const title = p.name + ": " + bytes(p.bytes);
+      if (span.title !== title) span.title = title;
+      setText(legend.children[j].lastChild, p.name + " " + bytes(p.bytes));
+    });
+  });
 }
 
 function drawMemory(s) {
-  const box = document.getElementById("memory");
-  box.replaceChildren();
-  for (const m of s.memory) {
+  drawBars(document.getElementById("memory"), s.memory.map((m) => {
     let note = "of " + bytes(m.limit_bytes);
     if (m.free_bytes !== null) note = bytes(m.free_bytes) + " free " + note;
-    bar(box, m.kind, m.parts, m.limit_bytes, note);
-  }
-  const disk = document.getElementById("disk");
-  disk.replaceChildren();
+    return { label: m.kind, note, limit: m.limit_bytes, parts: m.parts };
+  }));
+  const disk = [];
   if (s.disk) {
     const d = s.disk;
-    let dnote = "of " + bytes(d.limit_bytes);
-    if (d.written_today_bytes !== null) dnote += " · written today " + bytes(d.written_today_bytes);
-    bar(disk, "disk limit", [{ name: "used", bytes: d.used_bytes }], d.limit_bytes, dnote);
+    let note = "of " + bytes(d.limit_bytes);
+    if (d.written_today_bytes !== null) note += " · written today " + bytes(d.written_today_bytes);
+    disk.push({ label: "disk limit", note, limit: d.limit_bytes,
+      parts: [{ name: "used", bytes: d.used_bytes }] });
   }
+  drawBars(document.getElementById("disk"), disk);
   const t = s.totals;
   let line = `${t.agents} agents: ${t.hot} hot (${bytes(t.hot_bytes)}), ${t.warm} warm ` +
     `(${bytes(t.warm_bytes)} on disk), ${t.cold} cold · ${t.tokens} tokens cached`;
@@ -109,10 +154,30 @@ function drawMemory(s) {
     line += ` · ${c.turns} turns, ${c.demoted_warm} demoted to warm, ${c.demoted_cold} to cold, ` +
       `${c.reloads} reloads · ${c.decoding} decoding, ${c.waiting} waiting`;
   }
-  document.getElementById("totals").textContent = line;
+  setText(document.getElementById("totals"), line);
 }
 
-function cell(text, cls) { return el("td", text, cls ? { class: cls } : {}); }
+// A table's rows by key, kept from one draw to the next: each item's cells ([text, class,
+// tier]) written where they changed, the rows put in the items' order, the others removed.
+function drawRows(body, items, key, cells) {
+  const had = new Map([...body.children].map((tr) => [tr.dataset.key, tr]));
+  items.forEach((item, i) => {
+    const k = String(key(item));
+    const values = cells(item);
+    let tr = had.get(k);
+    if (tr === undefined) {
+      tr = el("tr", null, { "data-key": k });
+      for (const [, cls] of values) tr.append(el("td", null, cls ? { class: cls } : {}));
+    }
+    had.delete(k);
+    values.forEach(([text, , tier], j) => {
+      setText(tr.children[j], text);
+      if (tier !== undefined) setData(tr.children[j], "tier", tier);
+    });
+    if (body.children[i] !== tr) body.insertBefore(tr, body.children[i] || null);
+  });
+  for (const tr of had.values()) tr.remove();
+}
 
 function drawAgents(s) {
   const filter = document.getElementById("filter").value.trim().toLowerCase();
@@ -127,24 +192,22 @@ function drawAgents(s) {
     return (x < y ? -1 : x > y ? 1 : 0) * sign || (a.id < b.id ? -1 : 1);
   });
   const body = document.querySelector("#agents tbody");
-  const out = [];
-  for (const r of rows) {
-    const tr = el("tr", null, { "data-agent": r.id, "data-tier": r.tier });
-    const tier = cell(r.tier + (r.busy ? " ·" : ""), "tier");
-    tier.dataset.tier = r.tier;
-    const stored = r.tier === "hot" ? r.bytes : r.warm_bytes;
+  drawRows(body, rows, (r) => r.id, (r) => {
     let hint = r.hint || "";
     if (r.tool_wait_s > 0) hint = (hint ? hint + " · " : "") + "tool wait " + seconds(r.tool_wait_s);
     if (r.rejected) hint = "refused: " + r.rejected;
-    tr.append(cell(r.id), cell(r.tenant || ""), cell(r.model), tier,
-      cell(r.tokens, "num"), cell(bytes(stored), "num"), cell(r.last_path || "–"),
-      cell(seconds(r.last_ttft_s), "num"), cell(rate(r.last_decode_tok_s), "num"),
-      cell(hint), cell(ago(r.last_used, s.time)));
-    out.push(tr);
+    return [[r.id], [r.tenant || ""], [r.model], [r.tier + (r.busy ? " ·" : ""), "tier", r.tier],
+      [r.tokens, "num"], [bytes(r.tier === "hot" ? r.bytes : r.warm_bytes), "num"],
+      [r.last_path || "–"], [seconds(r.last_ttft_s), "num"], [rate(r.last_decode_tok_s), "num"],
+      [hint], [clock(r.last_used)]];
+  });
+  for (const tr of body.children) {
+    const r = tr.children[3];
+    setData(tr, "agent", tr.dataset.key);
+    setData(tr, "tier", r.dataset.tier);
   }
-  body.replaceChildren(...out);
   const more = s.agents_total > s.agents.length ? ` (the ${s.agents.length} most recent)` : "";
-  document.getElementById("agents-count").textContent = `${s.agents_total}${more}`;
+  setText(document.getElementById("agents-count"), `${s.agents_total}${more}`);
   for (const th of document.querySelectorAll("#agents th")) {
     th.classList.toggle("sorted", th.dataset.key === k);
     th.classList.toggle("up", th.dataset.key === k && view.up);
@@ -152,15 +215,11 @@ function drawAgents(s) {
 }
 
 function drawModels(s) {
-  const out = s.models.map((m) => {
-    const tr = el("tr");
-    tr.append(cell(m.name), cell(m.loaded ? (m.pinned ? "loaded, pinned" : "loaded") : "unloaded"),
-      cell(bytes(m.weights_bytes), "num"), cell(m.context_length ?? "–", "num"),
-      cell(m.loads ?? "–", "num"), cell(m.idle_s === undefined ? "–" : seconds(m.idle_s), "num"));
-    return tr;
-  });
-  document.querySelector("#models tbody").replaceChildren(...out);
-  document.getElementById("models-line").textContent = s.models.map((m) => m.name).join(", ");
+  drawRows(document.querySelector("#models tbody"), s.models, (m) => m.name, (m) => [
+    [m.name], [m.loaded ? (m.pinned ? "loaded, pinned" : "loaded") : "unloaded"],
+    [bytes(m.weights_bytes), "num"], [m.context_length ?? "–", "num"], [m.loads ?? "–", "num"],
+    [m.idle_s === undefined ? "–" : seconds(m.idle_s), "num"]]);
+  setText(document.getElementById("models-line"), s.models.map((m) => m.name).join(", "));
 }
 
 function drawLegend() {
@@ -181,6 +240,8 @@ function drawLegend() {
 function drawTimeline(s) {
   drawLegend();
   const box = document.getElementById("timeline");
+  drawn.timelineAt = s.time;
+  drawn.width = box.clientWidth;
   const W = box.clientWidth || 800, H = 220, L = 44, R = 44, T = 8, B = 30;
   box.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const events = view.events;
@@ -237,50 +298,95 @@ function draw(s) {
   state.dataset.state = s.final ? "final" : "live";
   state.textContent = s.final ? "run over: final state" : "live";
   if (!s.ready) return;
-  drawMemory(s);
-  drawAgents(s);
-  drawModels(s);
-  drawTimeline(s);
+  if (fresh("memory", [s.memory, s.disk, s.totals, s.counters])) drawMemory(s);
+  if (fresh("agents", [s.agents, s.agents_total])) drawAgents(s);
+  if (fresh("models", s.models)) drawModels(s);
+  if (s.events.length || s.final || s.time - drawn.timelineAt >= TIMELINE_EVERY_S) drawTimeline(s);
 }
 
-// -- polling ------------------------------------------------------------------------------
+// -- the stream ---------------------------------------------------------------------------
+// One request every half minute or so, not one a second: the server's module doc
+// (kvactor/server/_dashboard.py) says why. Each stream opens where the last one left off;
+// a hidden page closes it and opens the next when it is shown again.
 let failures = 0;
 let timer = null;
+let reading = null; // the open stream's AbortController
 
-async function poll() {
+function stop() {
   clearTimeout(timer);
-  let wait = POLL_MS;
+  if (reading) reading.abort();
+  reading = null;
+}
+
+// A status read: drawn; false when a restarted server sent it (its events are numbered
+// anew, so the page asks again from the first).
+function take(s) {
+  if (view.instance !== null && s.instance !== view.instance) {
+    Object.assign(view, { instance: s.instance, events: [], since: 0 });
+    forget();
+    return false;
+  }
+  view.instance = s.instance;
+  view.events = view.events.concat(s.events).slice(-MAX_EVENTS);
+  view.since = s.events_next;
+  view.status = s;
+  failures = 0;
+  draw(s);
+  return true;
+}
+
+async function follow(response, mine) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return true;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const frame = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      if (frame.startsWith("data: ") && !take(JSON.parse(frame.slice(6)))) {
+        mine.abort();
+        return true;
+      }
+    }
+  }
+}
+
+async function listen() {
+  stop();
+  if (document.hidden) return; // opened again when the page is shown
+  const mine = (reading = new AbortController());
+  let wait = 0; // a stream that ended: the next one at once
   try {
-    const url = `/v1/status?since=${view.since}`;
-    const response = await fetch(url, { headers: headers(), cache: "no-store" });
+    const url = `/v1/status?stream=true&since=${view.since}`;
+    const response = await fetch(url, { headers: headers(), cache: "no-store", signal: mine.signal });
     if (response.status === 401) {
       document.getElementById("key-form").hidden = false;
       document.getElementById("key-error").textContent = "this page needs a valid API key";
-      return; // the form's submit polls again
+      reading = null;
+      return; // the form's submit listens again
     }
-    const s = await response.json();
-    if (!response.ok) throw new Error(s.error ? s.error.message : response.statusText);
-    if (view.instance !== null && s.instance !== view.instance) {
-      // A restarted server: its events are numbered anew, so ask again from the first.
-      view.instance = s.instance; view.events = []; view.since = 0;
-      timer = setTimeout(poll, 0);
-      return;
+    if (!response.ok) {
+      const s = await response.json();
+      throw new Error(s.error ? s.error.message : response.statusText);
     }
-    view.instance = s.instance;
-    view.events = view.events.concat(s.events).slice(-MAX_EVENTS);
-    view.since = s.events_next;
-    view.status = s;
-    failures = 0;
-    draw(s);
-    if (s.final) wait = 5 * POLL_MS;
+    await follow(response, mine);
   } catch (err) {
-    failures++;
-    const state = document.getElementById("state");
-    state.dataset.state = "reconnecting";
-    state.textContent = "reconnecting…";
-    wait = Math.min(POLL_MS * failures, RETRY_MAX_MS);
+    if (reading !== mine) return; // stopped: whoever stopped it goes on
+    if (!mine.signal.aborted) {
+      failures++;
+      const state = document.getElementById("state");
+      state.dataset.state = "reconnecting";
+      state.textContent = "reconnecting…";
+      wait = Math.min(RETRY_MS * failures, RETRY_MAX_MS);
+    }
   }
-  timer = setTimeout(poll, wait);
+  if (reading === mine) {
+    reading = null;
+    timer = setTimeout(listen, wait);
+  }
 }
 
 for (const th of document.querySelectorAll("#agents th")) {
@@ -298,8 +404,17 @@ window.addEventListener("hashchange", () => {
   // Another key given in the address: start over with what it may see.
   takeKeyFromUrl();
   Object.assign(view, { instance: null, since: 0, events: [], status: null });
-  poll();
+  forget();
+  listen();
+});
+window.addEventListener("resize", () => {
+  const box = document.getElementById("timeline");
+  if (view.status && view.status.ready && box.clientWidth !== drawn.width) drawTimeline(view.status);
+});
+document.addEventListener("visibilitychange", () => {
+  if (document.hidden) stop(); // a page no one sees costs nothing
+  else listen(); // back in front: the present at once
 });
 
 takeKeyFromUrl();
-poll();
+listen();
