@@ -63,6 +63,10 @@ async def test_the_page_follows_every_tier_change(tmp_path: Path) -> None:
             assert changes >= 4  # demotions and reloads happened, and the page showed each
             texts = await in_browser(driver, lambda d: d.find_element("tag name", "body").text)
             assert "memory limit" in texts and "hot budget" in texts and "tok/s" in texts
+            disk = await in_browser(
+                driver, lambda d: d.find_element("css selector", "#disk .bar-label").text
+            )
+            assert fresh["disk"] is not None and " free of " in disk, disk  # as the memory bars
             assert "zebra" not in texts  # no prompt text on the page
             assert console_errors(driver) == []
 

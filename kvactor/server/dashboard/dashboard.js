@@ -141,6 +141,7 @@ function drawMemory(s) {
   if (s.disk) {
     const d = s.disk;
     let note = "of " + bytes(d.limit_bytes);
+    if (d.free_bytes !== null) note = bytes(d.free_bytes) + " free " + note;
     if (d.written_today_bytes !== null) note += " · written today " + bytes(d.written_today_bytes);
     disk.push({ label: "disk limit", note, limit: d.limit_bytes,
       parts: [{ name: "used", bytes: d.used_bytes }] });
