@@ -6,12 +6,12 @@ process on 127.0.0.1 (a free port). Three Chromium pages (the distribution's, dr
 Selenium, the flags of the dashboard's tests) are started once, before anything is timed;
 for a ``three`` round they open ``/dashboard`` and wait until it is live, for a ``none``
 round they go to ``about:blank``, so that only the pages' reading differs (each reads
-``/v1/status`` as a stream: a status a second while it changes, the session sampled at
-most every 0.25 s). Each round, ``--agents``
-new agents (4) each decode ``--tokens`` greedy tokens (64) together through the Python API;
-what counts is the window in which all of them decode (from the last one's first token to
-the first one's last, as ``bench/decode_batch.py`` counts). Rounds alternate (none, three,
-three, none, none, three...: each round's pair in both orders) after one untimed round,
+``/v1/status`` as a stream: a status as it changes, at most one a second, the session
+sampled at most every 0.25 s). Each round, ``--agents`` new agents (4) each decode
+``--tokens`` greedy tokens (64) together through the Python API; what counts is the
+window in which all of them decode (from the last one's first token to the first one's
+last, as ``bench/decode_batch.py`` counts). Rounds alternate (none, three, three, none,
+none, three...: each round's pair in both orders) after one untimed round,
 ``--rounds`` of each (3); figures are medians:
 
 - ``decode_tok_s_no_dashboard``, ``decode_tok_s_three_dashboards``, ``dashboard_cost``

@@ -96,6 +96,36 @@ async def test_streams_are_bounded_and_end_when_the_server_stops(
             assert dash.streams == 0
             r2 = await http.get(url, params={"stream": "true"})
             assert r2.status_code == 429  # closing: no new stream
+            assert "the server is stopping" in r2.json()["error"]["message"]
+
+
+async def test_streams_asked_for_together_are_bounded_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A stream is counted from its request, not from its first event: two asked for at
+    # the same moment under a bound of one get one stream and one 429.
+    monkeypatch.setattr(_dashboard, "MAX_STREAMS", 1)
+    async with kvactor.open(tiny) as kv:
+        app = create_app(kv, model_id="tiny")
+        async with served(app) as base, httpx.AsyncClient(timeout=60) as http:
+            codes: list[int] = []
+            both = anyio.Event()
+
+            async def ask() -> None:
+                async with http.stream("GET", f"{base}/v1/status?stream=true") as r:
+                    codes.append(r.status_code)
+                    if len(codes) == 2:
+                        both.set()
+                    with anyio.fail_after(30):
+                        await both.wait()  # held open until both answered
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask)
+                tg.start_soon(ask)
+            assert sorted(codes) == [200, 429]
+            with anyio.fail_after(10):
+                while app.state.dashboard.streams:  # released as the responses end
+                    await anyio.sleep(0.01)
 
 
 async def test_a_stream_ends_after_its_life(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,7 +79,7 @@ class Dashboard:
     scope_of: Callable[[str], str] = lambda _: ""
     last_used: Mapping[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
-    # Invariant: only _stream changes streams; only close() sets closing.
+    # Invariant: only _StatusStream changes streams; only close() sets closing.
     streams: int = 0  # status streams open now
     closing: bool = False  # the server stops: every stream ends within STREAM_EVERY_S
 
@@ -132,17 +132,16 @@ async def status(request: Request) -> Response:
     since = _int_param(request, "since", 0, 1 << 62)
     query = request.query_params.get("q", "")[:64]
     if _flag(request, "stream"):
-        if dash.streams >= MAX_STREAMS or dash.closing:
+        if dash.closing or dash.streams >= MAX_STREAMS:
+            why = "the server is stopping" if dash.closing else f"{dash.streams} are open"
             raise ApiError(
                 429,
-                f"{dash.streams} status streams are open: poll /v1/status without 'stream'",
+                f"no new status stream ({why}): poll /v1/status without 'stream'",
                 kind="rate_limit_error",
                 code="rate_limit_exceeded",
                 retry_after=5,
             )
-        stream = _stream(dash, tenant, limit=limit, since=since, query=query)
-        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return _StatusStream(dash, _stream(dash, tenant, limit=limit, since=since, query=query))
     sample = await dash.board.sample()
     body = _body(dash, sample, tenant, limit=limit, since=since, query=query)
     return JSONResponse(body, headers={"Cache-Control": "no-store"})
@@ -155,33 +154,48 @@ def _flag(request: Request, name: str) -> bool:
     return raw in ("true", "1")
 
 
+class _StatusStream(StreamingResponse):
+    """A status stream, counted in ``Dashboard.streams`` from its request until its
+    response ends, however it ends (a client gone before the first event included: the
+    generator's own ``finally`` would not run then, and a count taken at its first event
+    would let a burst of requests past ``MAX_STREAMS``)."""
+
+    def __init__(self, dash: Dashboard, events: AsyncIterator[str]) -> None:
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.dash = dash
+        dash.streams += 1
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.dash.streams -= 1
+
+
 async def _stream(
     dash: Dashboard, tenant: Tenant, *, limit: int, since: int, query: str
 ) -> AsyncIterator[str]:
     """The status as ``tenant`` sees it, as server-sent events (see the module doc)."""
-    dash.streams += 1
-    try:
-        end = time.monotonic() + STREAM_LIFE_S
-        sent: tuple[Any, str] = (None, "")
-        sent_at = float("-inf")
-        while not dash.closing and time.monotonic() < end:
-            sample = await dash.board.sample()
-            body = _body(dash, sample, tenant, limit=limit, since=since, query=query)
-            since = body["events_next"]
-            shape = (body["ready"], body["final"], [(a["id"], a["tier"]) for a in body["agents"]])
-            plain = json.dumps({k: v for k, v in body.items() if k not in _CLOCKS}, sort_keys=True)
-            age = time.monotonic() - sent_at
-            if (
-                body["events"]
-                or shape != sent[0]
-                or (plain != sent[1] and age >= STREAM_FIGURES_S)
-                or age >= STREAM_QUIET_S
-            ):
-                sent, sent_at = (shape, plain), time.monotonic()
-                yield "data: " + json.dumps(body, separators=(",", ":"), allow_nan=False) + "\n\n"
-            await anyio.sleep(STREAM_EVERY_S)
-    finally:
-        dash.streams -= 1
+    end = time.monotonic() + STREAM_LIFE_S
+    sent: tuple[Any, str] = (None, "")
+    sent_at = float("-inf")
+    while not dash.closing and time.monotonic() < end:
+        sample = await dash.board.sample()
+        body = _body(dash, sample, tenant, limit=limit, since=since, query=query)
+        since = body["events_next"]
+        shape = (body["ready"], body["final"], [(a["id"], a["tier"]) for a in body["agents"]])
+        plain = json.dumps({k: v for k, v in body.items() if k not in _CLOCKS}, sort_keys=True)
+        age = time.monotonic() - sent_at
+        if (
+            body["events"]
+            or shape != sent[0]
+            or (plain != sent[1] and age >= STREAM_FIGURES_S)
+            or age >= STREAM_QUIET_S
+        ):
+            sent, sent_at = (shape, plain), time.monotonic()
+            yield "data: " + json.dumps(body, separators=(",", ":"), allow_nan=False) + "\n\n"
+        await anyio.sleep(STREAM_EVERY_S)
 
 
 def _body(

@@ -158,16 +158,17 @@ function drawMemory(s) {
   setText(document.getElementById("totals"), line);
 }
 
-// A table's rows by key, kept from one draw to the next: each item's cells ([text, class,
-// tier]) written where they changed, the rows put in the items' order, the others removed.
-function drawRows(body, items, key, cells) {
-  const had = new Map([...body.children].map((tr) => [tr.dataset.key, tr]));
+// A table's rows by key (each row's data-NAME), kept from one draw to the next: each item's
+// cells ([text, class, tier]) written where they changed, the rows put in the items' order,
+// the others removed.
+function drawRows(body, items, name, key, cells) {
+  const had = new Map([...body.children].map((tr) => [tr.dataset[name], tr]));
   items.forEach((item, i) => {
     const k = String(key(item));
     const values = cells(item);
     let tr = had.get(k);
     if (tr === undefined) {
-      tr = el("tr", null, { "data-key": k });
+      tr = el("tr", null, { ["data-" + name]: k });
       for (const [, cls] of values) tr.append(el("td", null, cls ? { class: cls } : {}));
     }
     had.delete(k);
@@ -193,7 +194,7 @@ function drawAgents(s) {
     return (x < y ? -1 : x > y ? 1 : 0) * sign || (a.id < b.id ? -1 : 1);
   });
   const body = document.querySelector("#agents tbody");
-  drawRows(body, rows, (r) => r.id, (r) => {
+  drawRows(body, rows, "agent", (r) => r.id, (r) => {
     let hint = r.hint || "";
     if (r.tool_wait_s > 0) hint = (hint ? hint + " · " : "") + "tool wait " + seconds(r.tool_wait_s);
     if (r.rejected) hint = "refused: " + r.rejected;
@@ -202,11 +203,7 @@ function drawAgents(s) {
       [r.last_path || "–"], [seconds(r.last_ttft_s), "num"], [rate(r.last_decode_tok_s), "num"],
       [hint], [clock(r.last_used)]];
   });
-  for (const tr of body.children) {
-    const r = tr.children[3];
-    setData(tr, "agent", tr.dataset.key);
-    setData(tr, "tier", r.dataset.tier);
-  }
+  for (const tr of body.children) setData(tr, "tier", tr.children[3].dataset.tier);
   const more = s.agents_total > s.agents.length ? ` (the ${s.agents.length} most recent)` : "";
   setText(document.getElementById("agents-count"), `${s.agents_total}${more}`);
   for (const th of document.querySelectorAll("#agents th")) {
@@ -216,7 +213,7 @@ function drawAgents(s) {
 }
 
 function drawModels(s) {
-  drawRows(document.querySelector("#models tbody"), s.models, (m) => m.name, (m) => [
+  drawRows(document.querySelector("#models tbody"), s.models, "model", (m) => m.name, (m) => [
     [m.name], [m.loaded ? (m.pinned ? "loaded, pinned" : "loaded") : "unloaded"],
     [bytes(m.weights_bytes), "num"], [m.context_length ?? "–", "num"], [m.loads ?? "–", "num"],
     [m.idle_s === undefined ? "–" : seconds(m.idle_s), "num"]]);
@@ -341,7 +338,7 @@ async function follow(response, mine) {
   let buffer = "";
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) return true;
+    if (done) return;
     buffer += value;
     let end;
     while ((end = buffer.indexOf("\n\n")) >= 0) {
@@ -349,7 +346,7 @@ async function follow(response, mine) {
       buffer = buffer.slice(end + 2);
       if (frame.startsWith("data: ") && !take(JSON.parse(frame.slice(6)))) {
         mine.abort();
-        return true;
+        return;
       }
     }
   }
