@@ -3,12 +3,11 @@ and the tool-wait state), making room, and whether anything is on its way to fre
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 from ..enums import Tier
 from ..messages import AskWith, WarmAgent, WarmVictims
@@ -45,27 +44,31 @@ def cold_candidates(
     *,
     clock: Callable[[], float] = time.monotonic,
     wall: Callable[[], float] = time.time,
+    hot: Mapping[str, float] | None = None,
 ) -> list[Candidate]:
-    """``agents`` (warm, not hot) as candidates to go cold: their last use is when their
-    warm cache was written (``updated``, on the ``wall`` clock), bringing one back is a
-    re-prefill, and the hints in force (None: none) say when each runs next (on
-    ``clock``), its priority and whether it is done."""
+    """``agents`` (warm) as candidates to go cold: their last use is when their warm
+    cache was written (``updated``, on the ``wall`` clock), or for those ``hot`` names
+    their last turn there (on ``clock``); bringing one back is a re-prefill, and the hints
+    in force (None: none) say when each runs next (on ``clock``), its priority and
+    whether it is done."""
     now, at = clock(), wall()
+    hot = hot or {}
     out = []
     for a in agents:
         hinted = None if hints is None else hints.next_use(a.agent, now)
+        used = hot.get(a.agent)
         out.append(
             Candidate(
                 agent=a.agent,
                 nbytes=a.nbytes,
                 tokens=a.tokens,
-                last_used=_used_at(a.updated, now, at),
+                last_used=_used_at(a.updated, now, at) if used is None else used,
                 hits=0,
                 clean=True,
                 demote_to=Tier.COLD,
                 reload_s=a.tokens / rates.prefill_tokens_s,
                 next_use=hinted,
-                tier=Tier.WARM,
+                tier=Tier.WARM if used is None else Tier.HOT,
                 priority=0 if hints is None else hints.priority(a.agent),
                 done=hints is not None and hints.done(a.agent),
                 hinted=hinted is not None,
@@ -559,21 +562,20 @@ class Demotion:
         agents, need, beyond = asked.agents, asked.need, asked.beyond
         writing = self._ledger.writing()
         idle = []
+        hot: dict[str, float] = {}  # a hot one's last use is its last turn, not its write
         for a in agents:
             entry = self._residents.get(a.agent)
             if self._residents.busy(a.agent) or self._ledger.staged(a.agent):
                 continue
-            if entry is not None and (entry.staged or entry.write_due or a.agent in writing):
-                continue
+            if entry is not None:
+                if entry.staged or entry.write_due or a.agent in writing:
+                    continue
+                hot[a.agent] = entry.last_used
             idle.append(a)
         now, at = self.clock(), self._wall()
         candidates = cold_candidates(
-            idle, self._hints, self._rates, clock=lambda: now, wall=lambda: at
+            idle, self._hints, self._rates, clock=lambda: now, wall=lambda: at, hot=hot
         )
-        for i, c in enumerate(candidates):
-            entry = self._residents.get(c.agent)
-            if entry is not None:  # its last use is its last turn, not its last write
-                candidates[i] = dataclasses.replace(c, last_used=entry.last_used, tier=Tier.HOT)
         if beyond is None:
             return self.policy.victims(candidates, need)
         # A warm agent left out is used no earlier than its write, or than its last turn
