@@ -84,10 +84,17 @@ def test_furthest_first_then_done_priority_and_overdue_hints(lm: LoadedModel) ->
     # A tool-waiting cache stays ahead of idle ones until its TTL, whatever the hints.
     pool.tool_wait("soon", 60.0)
     assert [c.agent for c in WorkflowPolicy().order(pool.candidates())][-1] == "soon"
-    # A hint long overdue is forgotten: the agent ranks as unhinted again.
+    # A hint long overdue is forgotten: the agent ranks as unhinted again. A place in an
+    # order is overdue by turns (twice the turns to it, and 4 more), a time by seconds.
     book = HintBook()
-    book.apply(Hint(next=("x",)), now=0.0)
-    assert book.next_use("x", 5.0) == 0.0 and book.next_use("x", 60.0) is None
+    book.apply(Hint(next=("x",), expect_in_s=(("y", 0.0),)), now=0.0)
+    assert book.next_use("y", 5.0) == 0.0 and book.next_use("y", 60.0) is None
+    assert book.next_use("x", 600.0) == 600.0 + book.turn_s  # the turn after the next
+    for other in "abcdef":
+        book.queued(other)
+    assert book.next_use("x", 600.0) == 600.0  # no more turns than its grace: awaited
+    book.queued("g")
+    assert book.next_use("x", 600.0) is None
     assert sizes["soon"] > 0
 
 
@@ -174,10 +181,30 @@ def test_the_hint_book_turns_an_order_into_times() -> None:
     book.turn_s = 2.0
     now = time.monotonic()
     book.apply(Hint(next=("a", "b", "c")), now)
-    assert [book.next_use(a, now) for a in "abc"] == [now, now + 2.0, now + 4.0]
+    # A hint comes before a turn of its own, which counts: the first agent's comes after it.
+    assert [book.next_use(a, now) for a in "abc"] == [now + 2.0, now + 4.0, now + 6.0]
     assert book.soonest(now, 2) == ["a", "b"]
     book.queued("a")
     assert book.next_use("a", now) is None and book.soonest(now, 5) == ["b", "c"]
+
+
+def test_an_order_given_once_ranks_by_the_turns_still_to_come() -> None:
+    # An application that says the whole order once, then runs it: each place comes a turn
+    # nearer as turns are queued, however long they take. As a time (place x the average
+    # turn), the order expired within a few turns slower than the average.
+    book = HintBook()
+    book.turn_s = 0.5
+    order = [f"a{i}" for i in range(40)]
+    book.apply(Hint(next=tuple(order)), 0.0)
+    now = 0.0
+    for i, agent in enumerate(order[:30]):
+        now += 60.0  # each turn far slower than the average the order was given at
+        book.queued(agent)
+        ahead = [book.next_use(a, now) for a in order[i + 1 :]]
+        times = [t for t in ahead if t is not None]
+        assert times == ahead and times == sorted(times), i
+        assert book.soonest(now, 2) == order[i + 1 : i + 3]
+    assert book.next_use("a35", now) == now + 6 * book.turn_s
 
 
 def test_a_clusters_hint_is_split_by_the_host_of_each_agent() -> None:
