@@ -188,7 +188,8 @@ def lookahead(order: Sequence[str], at: int, count: int) -> list[str]:
     """The next ``count`` distinct agents after step ``at``, soonest first (the agent of
     step ``at`` itself only once it comes again after others)."""
     out: dict[str, None] = {}  # an ordered set: a list's ``in`` made this O(agents²) a step
-    for agent in order[at + 1 :]:
+    for i in range(at + 1, len(order)):  # not a slice: a copy of the rest, each step
+        agent = order[i]
         if agent not in out:
             out[agent] = None
             if len(out) == count:

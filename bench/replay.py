@@ -26,10 +26,14 @@ shape: ``--real PATH``, the JSON that bench wrote).
    policy ``summed_ttft_s`` and ``summed_excess_s`` (replayed), ``cold_turns``,
    ``warm_reloads``, ``made_cold``, ``book_s`` (wall seconds in the tier's code and the
    replay's bookkeeping, the zeros' arrays left out) and ``book_ms_per_step``; per size
-   ``oracle_vs_lru``, ``captured``, ``wrong_vs_lru``.
+   ``oracle_vs_lru``, ``captured``, ``wrong_vs_lru``. Each hinted step names every
+   agent still to come, as the real run's do; ``--lookahead K`` names the next K alone
+   (what an application that sees a few steps ahead can say), and ``--hint-every E``
+   before every E-th step alone (a whole order sent once in a while); the real check is
+   hinted as the real run was.
 
     python bench/replay.py --real agentic.json [--sizes 100 1000 10000] [--json PATH]
-        [--policies lru workflow ...]   # a share, one process per core; then:
+        [--lookahead K] [--policies lru workflow ...]   # a share, one process per core:
     python bench/replay.py --merge A.json B.json [--json PATH]
 """
 
@@ -50,7 +54,8 @@ from typing import Any
 import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
 
 # isort: split
-from _agentic_trace import OraclePolicy, lookahead, pressure_schedule, wrong
+from _agentic_trace import OraclePolicy, pressure_schedule, wrong
+from _agentic_trace import lookahead as _lookahead
 from _replay import Clock, Costs, Observed, Replay, Step
 from _results import write_json  # bench/ is the script's folder: on sys.path
 from agentic import captured
@@ -103,9 +108,12 @@ def replay(
     brief_hot: bool,
     seed: int = 0,
     settled: bool = False,
+    lookahead: int | None = None,
+    hint_every: int = 1,
 ) -> Replay:
     """One replay of ``steps`` under ``policy``, hinted as ``bench/agentic.py`` hints (the
-    soonest distinct agents before each step, ``done`` after an agent's last step)."""
+    soonest distinct agents before each step, ``done`` after an agent's last step): all of
+    them, or the first ``lookahead``; before every ``hint_every``-th step alone."""
     order = [s.agent for s in steps]
     clock = Clock()
     chosen = _policy(policy, order, clock)
@@ -127,10 +135,11 @@ def replay(
             chosen.position = at
         hint = done = None
         if policy != "lru":
-            upcoming = lookahead(order, at, len(agents))
-            if policy == "workflow_wrong":
-                upcoming = wrong(upcoming, agents, rng, WRONG_P)
-            hint = make_hint(next=upcoming)
+            if at % hint_every == 0:
+                upcoming = _lookahead(order, at, lookahead or len(agents))
+                if policy == "workflow_wrong":
+                    upcoming = wrong(upcoming, agents, rng, WRONG_P)
+                hint = make_hint(next=upcoming)
             if last[step.agent] == at:
                 done = make_hint(done=[step.agent])
         run.run(step, hint, done)
@@ -330,9 +339,15 @@ def scale_trace(agents: int, seed: int) -> tuple[list[Step], list[str]]:
 
 
 def at_scale(
-    size: int, costs: Costs, seed: int, policies: Sequence[str] = POLICIES
+    size: int,
+    costs: Costs,
+    seed: int,
+    policies: Sequence[str] = POLICIES,
+    lookahead: int | None = None,
+    hint_every: int = 1,
 ) -> dict[str, Any]:
-    """Each of ``policies`` on a seeded trace of ``size`` agents; the ratios when all
+    """Each of ``policies`` on a seeded trace of ``size`` agents, hinted with every agent
+    to come or the first ``lookahead``, every ``hint_every`` steps; the ratios when all
     four ran (a run split over processes is merged by :func:`merged`)."""
     steps, agents = scale_trace(size, seed)
     geometry = CacheGeometry.uniform(1, 1, 64)
@@ -368,6 +383,8 @@ def at_scale(
             brief=brief,
             brief_hot=True,
             seed=seed,
+            lookahead=lookahead,
+            hint_every=hint_every,
         )
         runs[policy] = figures(run, bounds) | {"wall_s": time.perf_counter() - began}
         r = runs[policy]
@@ -424,6 +441,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     real = json.loads(Path(args.real).read_text())
     pressure = real["pressure"]
     out: dict[str, Any] = {"real": args.real, "model": real.get("model")}
+    out["lookahead"] = args.lookahead  # None: every agent to come, as the real run
+    out["hint_every"] = args.hint_every
     check = against_real(pressure, default_geometry(real.get("model", "default")))
     out["against_real"] = check
     for key in (
@@ -437,7 +456,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     costs = Costs(**check["costs"])
     out["sizes"] = {}
     for size in args.sizes:
-        out["sizes"][str(size)] = at_scale(size, costs, args.seed, args.policies)
+        out["sizes"][str(size)] = at_scale(
+            size, costs, args.seed, args.policies, args.lookahead, args.hint_every
+        )
     return out
 
 
@@ -446,6 +467,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real", help="bench/agentic.py's JSON (its pressure shape)")
     p.add_argument("--sizes", type=int, nargs="*", default=[100, 1000, 10000])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--lookahead",
+        type=int,
+        metavar="K",
+        help="at scale, hint only the next K distinct agents (default: every agent to come)",
+    )
+    p.add_argument(
+        "--hint-every",
+        type=int,
+        default=1,
+        metavar="E",
+        help="at scale, hint before every E-th step alone (default: every step, as the real run)",
+    )
     p.add_argument(
         "--policies",
         nargs="+",
@@ -458,6 +492,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.merge and not args.real:
         p.error("--real is needed (or --merge)")
+    if args.hint_every < 1 or (args.lookahead is not None and args.lookahead < 1):
+        p.error("--hint-every and --lookahead take a count of 1 or more")
     return args
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.hot import CachePool, LRUPolicy
+from kvactor.actors.messages import Hint
 from kvactor.actors.models import make_tiny_model
 from kvactor.kernels.float_turn import FloatTurnCache
 from kvactor.kernels.geometry import CacheGeometry
@@ -126,6 +127,8 @@ def run(
     limits: tuple[int | None, int | None],
     *,
     settled: bool = False,
+    lookahead: int | None = None,
+    hint_every: int = 1,
 ) -> Replay:
     return replay.replay(
         steps,
@@ -138,7 +141,36 @@ def run(
         brief=168,
         brief_hot=True,
         settled=settled,
+        lookahead=lookahead,
+        hint_every=hint_every,
     )
+
+
+def test_a_replay_hints_the_next_few_agents_or_every_few_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # --lookahead K names the next K agents alone; --hint-every E hints before every E-th
+    # step alone (the done hints after an agent's last step still come).
+    steps, agents = replay.scale_trace(27, seed=3)
+    orders: list[int] = []  # the length of each order the pool was given
+    hint = CachePool.hint
+
+    def told(pool: CachePool, given: Hint, **kw: int) -> None:
+        if given.next:
+            orders.append(len(given.next))
+        hint(pool, given, **kw)
+
+    monkeypatch.setattr(CachePool, "hint", told)
+    seen = {}
+    ways = {"all": (None, 1), "window": (3, 1), "sparse": (None, 5)}
+    for name, (window, every) in ways.items():
+        orders.clear()
+        run("workflow", steps, agents, (None, None), lookahead=window, hint_every=every)
+        seen[name] = list(orders)
+    assert len(seen["all"]) == len(steps) - 1  # the last step has no agent after it
+    assert max(seen["all"]) == len(agents)
+    assert seen["window"] == [min(n, 3) for n in seen["all"]]
+    assert seen["sparse"] == seen["all"][::5]
 
 
 @pytest.mark.slow  # a bench's run, seconds: the whole suite's
