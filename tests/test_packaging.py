@@ -109,8 +109,11 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ignore = shutil.ignore_patterns(".*", "__pycache__", "build", "dist", "*.egg-info", "results")
     shutil.copytree(REPO, source, ignore=ignore)
     pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index"]
-    done = _run([*pip, "-w", str(tmp / "out"), str(source)], cwd=tmp)
+    done = _run([*pip, "-v", "-w", str(tmp / "out"), str(source)], cwd=tmp)
     assert done.returncode == 0, done.stdout + done.stderr
+    # Every folder the wheel ships is a package it names (setuptools warns of one it
+    # finds only by its files, as the dashboard's folder was).
+    assert "absent from the `packages` configuration" not in done.stdout + done.stderr
     (built,) = (tmp / "out").glob("kvactor-*.whl")
     return built
 
@@ -127,6 +130,8 @@ def test_wheel_holds_each_file_once(wheel: Path) -> None:
     documents = {p.name for p in (REPO / "kvactor/scenarios").glob("*.md")}  # they read
     assert scenarios and documents
     assert {f"kvactor/scenarios/{s}" for s in scenarios | documents} <= set(entries)
+    page = {p.name for p in (REPO / "kvactor/server/dashboard").iterdir()}
+    assert {f"kvactor/server/dashboard/{name}" for name in page} <= set(entries)
     assert not [e for e in entries if e.partition("/")[0] in MAPPED]
 
 
