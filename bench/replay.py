@@ -33,7 +33,8 @@ shape: ``--real PATH``, the JSON that bench wrote).
    hinted as the real run was.
 
     python bench/replay.py --real agentic.json [--sizes 100 1000 10000] [--json PATH]
-        [--lookahead K] [--policies lru workflow ...]   # a share, one process per core:
+        [--lookahead K] [--hint-every E]
+        [--policies lru workflow ...]   # a share, one process per core; then:
     python bench/replay.py --merge A.json B.json [--json PATH]
 """
 

@@ -265,6 +265,11 @@ class HintBook:
         """How long past its expected time a turn is still awaited."""
         return max(10.0, 4 * self.turn_s)
 
+    def _place_time(self, expected: int, now: float) -> float:
+        """A place expected at the ``expected``-th turn queued, as a time: ``now`` plus the
+        turns still to come before it at the average turn's time (a place passed: now)."""
+        return now + max(expected - self._turns, 0) * self.turn_s
+
     def next_use(self, agent: str, now: float) -> float | None:
         """When ``agent``'s next turn is expected (None: no hint, or one long overdue): for
         a place in a ``next`` order, ``now`` plus the turns still to come before it at the
@@ -275,7 +280,7 @@ class HintBook:
             if self._turns > late:
                 del self._placed[agent]  # overdue: the hint was wrong, rank it as unhinted
                 return None
-            return now + max(expected - self._turns, 0) * self.turn_s
+            return self._place_time(expected, now)
         at = self._at.get(agent)
         if at is not None and now > at + self._grace():
             del self._at[agent]  # overdue: the hint was wrong, rank it as unhinted
@@ -296,7 +301,7 @@ class HintBook:
     def soonest(self, now: float, count: int) -> list[str]:
         """Up to ``count`` hinted agents, soonest expected first (overdue ones dropped).
         One pass over the book, not a sort of it: it is asked at every hint."""
-        grace, turns, turn_s = self._grace(), self._turns, self.turn_s
+        grace, turns = self._grace(), self._turns
         for agent in [a for a, at in self._at.items() if now > at + grace]:
             del self._at[agent]
         for agent in [a for a, (_, late) in self._placed.items() if turns > late]:
@@ -305,6 +310,6 @@ class HintBook:
         # faster than a time made for each of 10,000 places), then as times among the
         # expected times (a place already passed counts as now).
         soon = heapq.nsmallest(count, self._placed.items(), key=operator.itemgetter(1))
-        placed = ((now + max(e - turns, 0) * turn_s, a) for a, (e, _) in soon)
+        placed = ((self._place_time(e, now), a) for a, (e, _) in soon)
         timed = ((at, a) for a, at in self._at.items())
         return [a for _, a in heapq.nsmallest(count, itertools.chain(timed, placed))]
