@@ -499,6 +499,72 @@ def test_a_hint_book_counts_its_ranks_as_hints_come_and_go(
         assert book.lowest_rank(left_out) == min([(0, 1), *ranks]), step
 
 
+def test_the_hot_agents_a_hint_names_are_kept_by_change(
+    lm: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Demotion asks about the hot agents a hint names apart; it keeps them by change (the
+    # residents' and the book's feeds), not by a pass over every agent named. After every
+    # change below (hints of each kind, turns queued, agents made cold, forgotten, dropped,
+    # demoted, hints long overdue, the book's limit) the set must be exactly the residents
+    # the book names. It fails when any of the book's writers forgets to say so.
+    monkeypatch.setattr(_hints, "BOOK_LIMIT", 12)
+    now = [0.0]
+    pool = new_pool(lm, None, clock=lambda: now[0], policy=WorkflowPolicy(lambda: now[0]))
+    rng = random.Random(11)
+    names = [f"a{i:02d}" for i in range(30)]
+    book, named_hot = pool.hints, pool.demotion._named
+    seen = 0
+    for step in range(2000):
+        pick = rng.sample(names, 3)
+        match rng.randrange(12):
+            case 0:
+                pool.hint(make_hint(done=pick), ahead=0)
+            case 1:
+                pool.hint(make_hint(priority={a: rng.randint(-2, 2) for a in pick}), ahead=0)
+            case 2:
+                pool.hint(make_hint(next=pick), ahead=0)
+            case 3:
+                pool.hint(make_hint(expect_in_s={a: rng.uniform(0, 5) for a in pick}), ahead=0)
+            case 4:
+                turn(pool, lm, pick[0], 2, persist=rng.random() < 0.8)  # queued, then hot
+            case 5:
+                book.went_cold(pick[0])
+            case 6:
+                book.forget(pick[0])
+                if rng.random() < 0.5:
+                    pool.drop(pick[0])
+            case 7:
+                now[0] += rng.choice((1.0, 30.0))  # some expected turns long overdue now
+                for agent in names:
+                    book.next_use(agent, now[0])
+            case 8:
+                now[0] += rng.choice((1.0, 30.0))
+                book.soonest(now[0], 4)
+            case 9:
+                book.queued(pick[0])  # a turn queued (the hot entry unchanged yet)
+            case 10:
+                book.turn_took(rng.uniform(0.1, 10.0))
+            case _:
+                pool.limit = max(pool.used - rng.randrange(1, 4_000), 0)
+                pool.make_room(0)
+                pool.limit = None
+        want = {a for a in names if a in pool.residents and book.is_named(a)}
+        assert want == {a for a in book.named() if a in pool.residents}, step
+        assert named_hot.agents() == want, step
+        seen += len(want)
+    assert seen > 2000  # the set was not empty all along
+    # A place long overdue, found by next_use alone (no hint between to sweep the book).
+    hot = next(a for a in names if a in pool.residents)
+    book.forget(hot)
+    book.apply(make_hint(next=[hot]), now[0])
+    assert named_hot.agents() == {a for a in book.named() if a in pool.residents}
+    assert hot in named_hot.agents()
+    for _ in range(7):  # place 0 is awaited for 2 + GRACE_TURNS turns after its own
+        book.queued("other")
+    assert book.next_use(hot, now[0]) is None
+    assert hot not in named_hot.agents()
+
+
 def test_ready_copies_go_in_one_order_read_a_page_at_a_time(lm: LoadedModel) -> None:
     # Room takes ready copies idle before waiting, a lower priority first, then agents
     # without an expected turn least recently used first, then those expected, furthest

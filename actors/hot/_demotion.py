@@ -15,6 +15,7 @@ from ._entry import HotEntry
 from ._hints import PLAIN_RANK, HintBook
 from ._ledger import Ledger
 from ._moves import MoveLog
+from ._named_hot import NamedHot
 from ._policy import Candidate, EvictionPolicy, LRUPolicy, Rates, WorkflowPolicy
 from ._ready import ReadyCopies
 from ._residents import Residents
@@ -163,6 +164,7 @@ class Demotion:
         self._ledger = ledger
         self._ready = ready
         self._hints = hints
+        self._named = NamedHot(residents, hints)  # the hot agents a hint names
         self._rates = rates
         self.policy = policy
         self.persistent = persistent
@@ -269,7 +271,7 @@ class Demotion:
         residents = self._residents
         # An agent no hint names has no expected turn and priority 0: of a priority of 0 or
         # more, ``agent`` keeps named ones alone (a few, not every hot agent).
-        others = hints.named() if mine >= 0 else residents
+        others = self._named.agents() if mine >= 0 else residents
         return {
             other
             for other in others
@@ -385,7 +387,7 @@ class Demotion:
         and ``part``: the shortlist and its candidates, when made already). Unless
         ``candidates`` (all of them) are made already, :class:`LRUPolicy` and
         :class:`WorkflowPolicy` are asked first about the :data:`SHORTLIST` least recently used
-        caches and those a hint names (``HintBook.named``), whose answer is theirs for all
+        caches and the hot ones a hint names (``NamedHot``), whose answer is theirs for all
         when every cache left out would come after the last one picked (``early_victims``:
         each is of the plain rank, used no earlier than the first one left out); else they
         are asked about all."""
@@ -412,7 +414,7 @@ class Demotion:
             return None
         if type(self.policy) not in (LRUPolicy, WorkflowPolicy):
             return None
-        named = self._hints.named()
+        named = self._named.agents()
         plain: list[str] = []
         start = 0
         while page := residents.by_use(start, _PAGE):
@@ -445,10 +447,10 @@ class Demotion:
         hold ``upto`` bytes (all of them when they hold less).
 
         Agents no hint names come from the residents' ready order (least recently used
-        first), a page at a time; those named (``HintBook.named``) are ordered apart and
-        merged in. So the work grows with the copies taken and the agents named, not with
-        the agents hot."""
-        residents, named = self._residents, self._hints.named()
+        first), a page at a time; the hot ones a hint names (``NamedHot``) are ordered
+        apart and merged in. So the work grows with the copies taken and the hot agents
+        named, not with the agents hot or the agents the hints name in other tiers."""
+        residents, named = self._residents, self._named.agents()
 
         def may(agent: str, e: HotEntry) -> bool:
             return e is not exclude and not e.running and agent not in keep
@@ -618,6 +620,10 @@ class Demotion:
             if entry is not None:
                 first = min(first, entry.last_used)
         return min(self._hints.rank(a) for a in agents), first
+
+    def check(self) -> None:
+        """Debug check: the hot agents it asks about apart are those the hints name."""
+        self._named.check()
 
     def stuck(self, exclude: HotEntry | None = None) -> bool:
         """Nothing is on its way to free room: no running turn (but ``exclude``'s), no write,

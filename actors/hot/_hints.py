@@ -22,12 +22,13 @@ import heapq
 import itertools
 import math
 import operator
-from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from ..ids import check_agent_id
 from ..messages import Hint
+from ._change_feed import ChangeFeed, ChangeFeeds
 
 __all__ = ("PLAIN_RANK", "PRIORITY_LIMIT", "HintBook", "make_hint", "split_hint")
 
@@ -121,15 +122,18 @@ class HintBook:
         self._turns = 0  # turns queued (``queued``)
         self._priority: dict[str, int] = {}
         self._done: dict[str, None] = {}  # an ordered set: the oldest go first past the limit
-        # The agents whose ``rank`` is below the plain one, and how many hold each such
+        # The agents whose ``rank`` is below the plain one, and those holding each such
         # rank, but those in ``_away``: agents that went cold, in no tier to rank in (an
         # ordered set: past the limit the oldest count again, which only errs towards
         # asking all).
         self._low: dict[str, None] = {}
-        self._ranks: Counter[tuple[int, int]] = Counter()
+        self._ranks: dict[tuple[int, int], set[str]] = {}
         self._away: dict[str, None] = {}
         self.turn_s = 1.0  # moving average of a turn's time, queued to ended
         self.given = 0  # hints applied
+        # Each reader's agents whose being named (``is_named``) may have changed since it
+        # last looked (see ChangeFeed).
+        self._feeds = ChangeFeeds()
 
     def apply(self, hint: Hint, now: float) -> None:
         """Take ``hint`` at ``now`` (later hints about an agent replace earlier ones)."""
@@ -139,26 +143,30 @@ class HintBook:
         # again (641 agents a step did that in bench/replay.py at 1,000 agents).
         at, placed, turns = self._at, self._placed, self._turns
         for place, agent in enumerate(hint.next):
-            at.pop(agent, None)
-            placed.pop(agent, None)  # re-inserted: the newest last
+            was = at.pop(agent, None) is not None
+            if placed.pop(agent, None) is None and not was:  # re-inserted: the newest last
+                self._note(agent)  # named now (an agent named already is not noted again)
             placed[agent] = (turns + place + 1, turns + 2 * (place + 1) + GRACE_TURNS)
             if agent in done:
                 self._set_done(agent, False)
         for agent, seconds in hint.expect_in_s:
-            placed.pop(agent, None)
-            at.pop(agent, None)
+            was = placed.pop(agent, None) is not None
+            if at.pop(agent, None) is None and not was:
+                self._note(agent)
             at[agent] = now + seconds
             if agent in done:
                 self._set_done(agent, False)
         for agent, value in hint.priority:
             self._set_priority(agent, value)
-        for agent in hint.done:
+        for agent in hint.done:  # named still: by its done mark
             at.pop(agent, None)
             placed.pop(agent, None)
             self._set_done(agent, True)
         for book in (at, placed):
             while len(book) > BOOK_LIMIT:
-                del book[next(iter(book))]
+                agent = next(iter(book))
+                del book[agent]
+                self._note(agent)
         while len(self._priority) > BOOK_LIMIT:
             self._set_priority(next(iter(self._priority)), 0)
         while len(self._done) > BOOK_LIMIT:
@@ -167,18 +175,42 @@ class HintBook:
     def _set_priority(self, agent: str, value: int) -> None:
         before = self._counted(agent)
         if value:
+            if agent not in self._priority:
+                self._note(agent)
             self._priority[agent] = value
-        else:
-            self._priority.pop(agent, None)
+        elif self._priority.pop(agent, None) is not None:
+            self._note(agent)
         self._reranked(agent, before)
 
     def _set_done(self, agent: str, done: bool) -> None:
         before = self._counted(agent)
         if done:
-            self._done[agent] = None  # one already done keeps its place
-        else:
-            self._done.pop(agent, None)
+            if agent not in self._done:
+                self._done[agent] = None  # one already done keeps its place
+                self._note(agent)
+        elif agent in self._done:
+            del self._done[agent]
+            self._note(agent)
         self._reranked(agent, before)
+
+    # -- who is named, for readers that index it ----------------------------------------
+    def feed(self) -> ChangeFeed:
+        """A new reader's feed of the agents whose being named (:meth:`is_named`) may
+        have changed, every agent named now noted in it."""
+        return self._feeds.open(self.named())
+
+    def _note(self, agent: str) -> None:
+        self._feeds.note(agent)
+
+    def is_named(self, agent: str) -> bool:
+        """``agent`` has an expected turn (an overdue one too), a priority other than 0
+        or a done mark: :meth:`named` holds it."""
+        return (
+            agent in self._placed
+            or agent in self._at
+            or agent in self._priority
+            or agent in self._done
+        )
 
     def _counted(self, agent: str) -> tuple[int, int]:
         return PLAIN_RANK if agent in self._away else self.rank(agent)
@@ -188,11 +220,12 @@ class HintBook:
         if after == before:
             return
         if before < PLAIN_RANK:
-            self._ranks[before] -= 1
-            if not self._ranks[before]:
+            holders = self._ranks[before]
+            holders.discard(agent)
+            if not holders:
                 del self._ranks[before]
         if after < PLAIN_RANK:
-            self._ranks[after] += 1
+            self._ranks.setdefault(after, set()).add(agent)
             self._low[agent] = None
         else:
             self._low.pop(agent, None)
@@ -210,23 +243,24 @@ class HintBook:
         every agent no hint names."""
         return [a for a in self._low if a not in excluding]
 
-    def lowest_rank(self, excluding: Collection[str] = ()) -> tuple[int, int]:
+    def lowest_rank(self, excluding: AbstractSet[str] = frozenset()) -> tuple[int, int]:
         """The lowest ``rank`` any agent but those in ``excluding`` may have in a tier,
         agents no hint names counted (``PLAIN_RANK``), agents that went cold not
-        (``went_cold``): as many steps as there are ranks in use, not agents."""
-        left = Counter(self._ranks)
-        for agent in excluding:
-            rank = self._counted(agent)
-            if rank < PLAIN_RANK:
-                left[rank] -= 1
-        return min([PLAIN_RANK, *(rank for rank, n in left.items() if n > 0)])
+        (``went_cold``): a subset test per rank in use, lowest first, each stopping at the
+        first holder not excluded (the store's re-ask excludes every done agent it checked:
+        thousands, tested in C, not read one by one in Python)."""
+        for rank in sorted(self._ranks):
+            if not self._ranks[rank].issubset(excluding):
+                return rank
+        return PLAIN_RANK
 
     def queued(self, agent: str) -> None:
         """A turn of ``agent`` was queued: what was expected of it came (or came early),
         and every place in a ``next`` order is a turn nearer."""
         self._turns += 1
-        self._at.pop(agent, None)
-        self._placed.pop(agent, None)
+        was = self._at.pop(agent, None) is not None
+        if self._placed.pop(agent, None) is not None or was:
+            self._note(agent)
         self._set_done(agent, False)
         self._set_away(agent, False)  # back in a tier: its priority counts again
 
@@ -257,6 +291,7 @@ class HintBook:
         """``agent`` is gone: every hint about it goes too."""
         self._at.pop(agent, None)
         self._placed.pop(agent, None)
+        self._note(agent)
         self._set_priority(agent, 0)
         self._set_done(agent, False)
         self._set_away(agent, False)
@@ -279,11 +314,13 @@ class HintBook:
             expected, late = placed
             if self._turns > late:
                 del self._placed[agent]  # overdue: the hint was wrong, rank it as unhinted
+                self._note(agent)
                 return None
             return self._place_time(expected, now)
         at = self._at.get(agent)
         if at is not None and now > at + self._grace():
             del self._at[agent]  # overdue: the hint was wrong, rank it as unhinted
+            self._note(agent)
             return None
         return at
 
@@ -304,8 +341,10 @@ class HintBook:
         grace, turns = self._grace(), self._turns
         for agent in [a for a, at in self._at.items() if now > at + grace]:
             del self._at[agent]
+            self._note(agent)
         for agent in [a for a, (_, late) in self._placed.items() if turns > late]:
             del self._placed[agent]
+            self._note(agent)
         # The soonest places first, by the turn each was expected at (a C-level key: 3.8x
         # faster than a time made for each of 10,000 places), then as times among the
         # expected times (a place already passed counts as now).

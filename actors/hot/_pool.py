@@ -261,6 +261,7 @@ class CachePool:
         ``kvactor.runtime.DEBUG``): the index and the count against a recount."""
         self.residents.check()
         self.ledger.check()
+        self.demotion.check()
 
     # -- accounting -------------------------------------------------------------------
     def batch_bytes(self, nbytes: int) -> None:

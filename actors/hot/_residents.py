@@ -7,33 +7,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator
 
+from ._change_feed import ChangeFeed, ChangeFeeds
 from ._entry import HotEntry
 from ._prefix_index import PrefixIndex
 from ._use_order import UseOrder
 
-__all__ = ("ChangeFeed", "Residents")
-
-
-class ChangeFeed:
-    """The agents whose hot entry or cache changed, or who came or left, since its reader
-    last drained it (:meth:`Residents.feed`): a count kept by change reads those again,
-    not every resident.
-
-    Invariant: its set is written only by :meth:`note` (the residents' watch) and
-    :meth:`drain` (its one reader)."""
-
-    __slots__ = ("_agents",)
-
-    def __init__(self) -> None:
-        self._agents: set[str] = set()
-
-    def note(self, agent: str) -> None:
-        self._agents.add(agent)
-
-    def drain(self) -> set[str]:
-        """The agents noted since the last drain (and forget them)."""
-        agents, self._agents = self._agents, set()
-        return agents
+__all__ = ("Residents",)
 
 
 class Residents:
@@ -57,7 +36,7 @@ class Residents:
         self._added: dict[str, int] = {}
         self._adds = 0
         # Each reader's agents changed since it last looked (see ChangeFeed).
-        self._feeds: list[ChangeFeed] = []
+        self._feeds = ChangeFeeds()
         # The residents by last use, and those keeping a ready copy (placed again at each
         # change of an entry: _changed).
         self._by_use = UseOrder()
@@ -102,15 +81,10 @@ class Residents:
     # -- who changed ------------------------------------------------------------------
     def feed(self) -> ChangeFeed:
         """A new reader's feed of changed agents, every resident noted in it now."""
-        feed = ChangeFeed()
-        for agent in self._entries:
-            feed.note(agent)
-        self._feeds.append(feed)
-        return feed
+        return self._feeds.open(self._entries)
 
     def _changed(self, agent: str) -> None:
-        for feed in self._feeds:
-            feed.note(agent)
+        self._feeds.note(agent)
         entry = self._entries.get(agent)
         at = None if entry is None else entry.last_used
         self._by_use.place(agent, at)
