@@ -44,7 +44,7 @@ from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.geometry import CacheGeometry
 from kvactor.kernels.qcodec import KVCodec
 
-__all__ = ("Clock", "Costs", "Observed", "Replay", "Step")
+__all__ = ("Clock", "Costs", "ManifestBytes", "Observed", "Replay", "Step")
 
 #: A manifest's bytes per token, per segment entry, per layer (the geometry) and per
 #: file; a segment file's header is built as the store builds it (``build_header``). A
@@ -52,9 +52,38 @@ __all__ = ("Clock", "Costs", "Observed", "Replay", "Step")
 #: the re-prefill: ``demote_cold``), at ``COLD_PER_TOKEN``. Both per-token figures are
 #: fitted to a real pressure run's directory after each step on the default model (its
 #: token ids, text and messages as JSON): the warm one was 14 and cold manifests were
-#: not counted, 34-276 KB short of the real directory; now 0-48 KB (rms 16 KB).
+#: not counted, 34-276 KB short of the real directory; now 0-48 KB (rms 16 KB). A real
+#: run that lists its manifests' sizes gives its own (``ManifestBytes.fit``).
 MANIFEST_PER_TOKEN, MANIFEST_PER_SEGMENT, COLD_PER_TOKEN = 22, 125, 14
 MANIFEST_PER_LAYER, MANIFEST_FIXED = 16, 1024
+
+
+@dataclass(frozen=True)
+class ManifestBytes:
+    """A manifest's bytes per token, warm and cold, and its fixed part: what its token
+    ids, text and messages take as JSON, which depends on the tokenizer (the tiny model's
+    byte tokens: ~6 bytes a token; the default model's: 22). ``fixed`` None: 1 KB and
+    16 bytes a layer (the default model's figure)."""
+
+    per_token: float = MANIFEST_PER_TOKEN
+    cold_per_token: float = COLD_PER_TOKEN
+    fixed: float | None = None
+
+    @classmethod
+    def fit(cls, samples: Sequence[Sequence[int]]) -> ManifestBytes:
+        """From a real run's manifests, ``[tokens, files, cold, bytes]`` each
+        (``bench/agentic.py``): a least-squares fit of the bytes beyond its files' entries
+        to a fixed part and a part per token, warm and cold apart (the default for a kind
+        with no manifest); all the defaults from too few manifests to fit."""
+        rows = [s for s in samples if s[0] > 0]
+        kinds = sorted({s[2] for s in rows})
+        x = np.array([[1.0] + [float(s[0]) * (s[2] == k) for k in kinds] for s in rows])
+        if not rows or np.linalg.matrix_rank(x) < x.shape[1]:  # too few to tell apart
+            return cls()  # the default model's figures
+        y = np.array([float(s[3] - MANIFEST_PER_SEGMENT * s[1]) for s in rows])
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        got = dict(zip(kinds, coef[1:].tolist(), strict=True))
+        return cls(got.get(0, MANIFEST_PER_TOKEN), got.get(1, COLD_PER_TOKEN), float(coef[0]))
 
 
 @dataclass(frozen=True)
@@ -194,8 +223,10 @@ class Replay:
         max_tokens: int = 4,
         clock: Clock | None = None,
         settled: bool = False,
+        manifests: ManifestBytes | None = None,
     ) -> None:
         self.clock = clock or Clock()
+        self.manifests = manifests or ManifestBytes()
         self.pool = CachePool(
             budget,
             policy,
@@ -308,9 +339,11 @@ class Replay:
             self._used += self._segments[segment] if before == 0 else -self._segments[segment]
 
     def _manifest_bytes(self, tokens: int, segments: int, *, cold: bool = False) -> int:
+        m = self.manifests
         fixed = MANIFEST_FIXED + MANIFEST_PER_LAYER * len(self.geometry.layers)
-        per = COLD_PER_TOKEN if cold else MANIFEST_PER_TOKEN
-        return fixed + per * tokens + MANIFEST_PER_SEGMENT * segments
+        per = m.cold_per_token if cold else m.per_token
+        base = fixed if m.fixed is None else round(m.fixed)
+        return base + round(per * tokens) + MANIFEST_PER_SEGMENT * segments
 
     def _manifest(self, w: _Warm, tokens: list[int] | None) -> None:
         """``w``'s manifest now lists ``tokens`` and its segments (None: removed)."""

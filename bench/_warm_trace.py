@@ -25,7 +25,9 @@ import mlx.core as mx
 from mlx.utils import tree_map_with_path
 
 from kvactor.actors.enums import Tier
+from kvactor.actors.errors import CacheRejected, InvalidAgentId
 from kvactor.actors.models import LoadedModel, make_tiny_model
+from kvactor.actors.warm._manifest import held_state, load_manifest
 
 _WORD_TEXT = (
     "the a of to and in that it for on with as at by from this be are was or an not but "
@@ -106,6 +108,27 @@ def agents_bytes(root: Path) -> int:
                 seen.add((info.st_dev, info.st_ino))
                 total += info.st_size
     return total
+
+
+def manifest_sizes(root: Path) -> list[list[int]]:
+    """Each manifest under ``root/agents`` as ``[tokens, files, cold, bytes]``: the tokens
+    it lists (a cold one's, those its cache held), its segment files, 1 when cold, and its
+    size. ``bench/replay.py`` fits a manifest's bytes per token to them: the token ids and
+    text a manifest spells out take more bytes a token on one tokenizer than another."""
+    out = []
+    for folder in sorted((root / "agents").iterdir()):
+        try:
+            loaded = load_manifest(folder, None, folder.name)
+        except (CacheRejected, InvalidAgentId):  # a write's staging folder, say
+            continue
+        if loaded is None:
+            continue
+        m, nbytes = loaded
+        held = held_state(m)[0]
+        cold = not m.n_tokens and bool(held)
+        tokens = len(held) if cold else m.n_tokens
+        out.append([tokens, len(m.all_segments), int(cold), nbytes])
+    return out
 
 
 #: The sampling loop of the sampler's own process (``agents_bytes`` is prepended): a

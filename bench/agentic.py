@@ -66,7 +66,10 @@ summed TTFT (before the restart for the first two, after it for the third).
 With ``--settle``, a pressure step awaits the stagings its hint asks for before its
 import and turn: without it, a staging and the step's turn may reach the engine in either
 order (both are the runtime's), and two runs can differ at that step. It is the run
-``bench/replay.py`` checks its decisions against (``settled`` in the JSON).
+``bench/replay.py`` checks its decisions against (``settled`` in the JSON, with the
+``seed`` its wrong hints were drawn with, and per policy ``manifests``: each manifest's
+tokens, files, cold or not, and bytes at the run's end, which the replay fits its count
+of a manifest's bytes to).
 
     python bench/agentic.py [--quick] [--model default|tiny] [--shapes ...] [--no-http]
         [--settle] [--json PATH]
@@ -102,7 +105,7 @@ from _agentic_trace import (
     wrong,
 )
 from _results import write_json  # bench/ is the script's folder: on sys.path
-from _warm_trace import agents_bytes
+from _warm_trace import agents_bytes, manifest_sizes
 
 from kvactor.actors.engine import turn_reserve_bytes
 from kvactor.actors.hot._shared_ready import SharedPrefixes
@@ -211,6 +214,8 @@ async def replay(
                 turns[-1]["disk_bytes"] = agents_bytes(root)
                 disk_peak = max(disk_peak, turns[-1]["disk_bytes"])
         wall = time.perf_counter() - began
+        # Its manifests' sizes, for bench/replay.py to count a manifest's bytes a token.
+        manifests = manifest_sizes(root) if disk_limit is not None else []
         stats = await kv.stats()
         warm = await kv.warm_stats()
         stored = {w.agent: (w.nbytes, w.tokens) for w in await kv.warm_agents() if w.agent != BRIEF}
@@ -232,6 +237,7 @@ async def replay(
         "brief_tokens": brief_tokens,
         "start_hot": start_hot,
         "imported_tokens": imported,
+        "manifests": manifests,
     }
 
 
@@ -355,6 +361,7 @@ def summary(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
         "hot_hits": sum(t["path"] == "hot" for t in per_turn),
         "cold_turns": sum(t["path"] == "cold" for t in per_turn),
         "warm_reloads": run["reloads"],
+        "manifests": run["manifests"],  # [tokens, files, cold, bytes] at its end
         "made_cold": run["made_cold"],
         "dequantized_tokens": run["dequantized_tokens"],
         "ready_turns": run["ready_turns"],
@@ -512,6 +519,7 @@ async def pressure_results(args: argparse.Namespace, model: Any, tmp: Path) -> d
         "imported_tokens": reference["imported_tokens"],
         "brief_tokens": reference["brief_tokens"],
         "settled": args.settle,
+        "seed": args.seed,  # the trace's, and the wrong hints' picks
     }
 
 

@@ -17,7 +17,10 @@ shape: ``--real PATH``, the JSON that bench wrote).
    made cold, the same as the real run's), ``paths_equal`` and ``moves_equal`` (shares
    of steps). On the fitted costs alone, as at scale: ``cost_error``, the largest
    |replayed / real - 1| of summed TTFT over the runs (``policies_cost_error``: over the
-   policies' runs alone), and ``fitted_paths_equal`` / ``fitted_moves_equal``.
+   policies' runs alone), and ``fitted_paths_equal`` / ``fitted_moves_equal``. A
+   manifest's bytes a token (``manifest_bytes``) are fitted to the real run's own
+   manifests where it lists them (``manifests``: a tokenizer's ids and text take more
+   or fewer bytes a token), else the default model's figures.
 2. **At scale**: seeded pressure traces of ``--sizes`` agents (5 team agents to 4
    subagents, documents and steps of the real shape's token counts, 2 rounds), the hot
    budget one turn's room plus 25% of the agents' stored caches and the disk limit 50%
@@ -57,7 +60,7 @@ import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
 # isort: split
 from _agentic_trace import OraclePolicy, pressure_schedule, wrong
 from _agentic_trace import lookahead as _lookahead
-from _replay import Clock, Costs, Observed, Replay, Step
+from _replay import Clock, Costs, ManifestBytes, Observed, Replay, Step
 from _results import write_json  # bench/ is the script's folder: on sys.path
 from agentic import captured
 
@@ -111,6 +114,7 @@ def replay(
     settled: bool = False,
     lookahead: int | None = None,
     hint_every: int = 1,
+    manifests: ManifestBytes | None = None,
 ) -> Replay:
     """One replay of ``steps`` under ``policy``, hinted as ``bench/agentic.py`` hints (the
     soonest distinct agents before each step, ``done`` after an agent's last step): all of
@@ -128,6 +132,7 @@ def replay(
         costs=costs,
         clock=clock,
         settled=settled,
+        manifests=manifests,
     )
     run.seed("brief", list(range(brief)), hot=brief_hot)
     last = {agent: i for i, agent in enumerate(order)}
@@ -248,6 +253,10 @@ def against_real(pressure: dict[str, Any], geometry: CacheGeometry) -> dict[str,
     )
     real_turns = [t for r in pressure["policies"].values() for t in r["turns"]]
     costs = Costs.fit(real_turns)
+    # A manifest's bytes a token, from the real run's own (runs before they were listed:
+    # the default model's figures).
+    samples = [m for r in pressure["policies"].values() for m in r.get("manifests", [])]
+    manifests = ManifestBytes.fit(samples)
     bounds = [
         costs.prefill(t["prefilled_tokens"], t["reused_tokens"])
         for t in pressure["reference"]["turns"]
@@ -265,6 +274,8 @@ def against_real(pressure: dict[str, Any], geometry: CacheGeometry) -> dict[str,
             "brief": pressure["brief_tokens"],
             "brief_hot": "brief" in pressure["start_hot"],
             "settled": pressure.get("settled", False),
+            "manifests": manifests,
+            "seed": pressure.get("seed", 0),  # the wrong hints' picks, as the real run's
         }
         fitted = replay(real_steps(pressure), agents, **common)
         seen = replay(real_steps(pressure, real), agents, **common)
@@ -304,6 +315,7 @@ def against_real(pressure: dict[str, Any], geometry: CacheGeometry) -> dict[str,
         # warm: a drift of the machine's speed during it shows there first).
         "policies_cost_error": max(abs(r["cost_error"]) for n, r in runs.items() if n in POLICIES),
         "costs": dataclasses.asdict(costs),
+        "manifest_bytes": dataclasses.asdict(manifests),
         "runs": runs,
     }
 

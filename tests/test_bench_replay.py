@@ -3,6 +3,9 @@ compute (real MLX caches of zeros, the warm store as a count of segments)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,8 +20,9 @@ from kvactor.kernels.geometry import CacheGeometry
 from kvactor.kernels.qcodec import DEFAULT_CODEC
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import _replay
 import replay  # bench/ is not a package: its folder on sys.path
-from _replay import Costs, Replay
+from _replay import Costs, ManifestBytes, Replay
 
 COSTS = Costs(fixed_s=0.05, load_s=1e-4, dequantize_s=5e-5, prefill_s=1e-2)
 
@@ -235,3 +239,47 @@ def test_a_settled_replay_stages_a_hint_s_agents_before_the_step(
         hot = [t["path"] == "hot" for t in played.turns]
         assert any(hot) and pairs[0] == ("stage", "turn")
         assert ("turn", "stage") in pairs
+
+
+def test_a_manifest_s_bytes_a_token_are_fitted_apart_for_warm_and_cold() -> None:
+    seg = _replay.MANIFEST_PER_SEGMENT
+    samples = [
+        [100, 2, 0, 900 + 2 * seg + 700],  # warm: 7 bytes a token, 900 fixed
+        [300, 1, 0, 900 + seg + 2100],
+        [50, 0, 1, 900 + 200],  # cold: 4 bytes a token
+        [0, 0, 1, 900],  # nothing held: left out
+    ]
+    got = ManifestBytes.fit(samples)
+    assert (got.per_token, got.cold_per_token, got.fixed) == pytest.approx((7.0, 4.0, 900.0))
+    # Too few to fit: the default model's figures (runs before manifests were listed).
+    assert ManifestBytes.fit([]) == ManifestBytes() == ManifestBytes.fit(samples[:1])
+    warm = ManifestBytes.fit(samples[:2])
+    assert warm.per_token == pytest.approx(7.0) and warm.cold_per_token == _replay.COLD_PER_TOKEN
+
+
+def test_a_tiny_real_run_replays_with_its_own_manifests(tmp_path: Path) -> None:
+    # The replay counted every manifest at the default model's 22 bytes a token; the tiny
+    # model's byte tokens spell out in ~6, so its directory was counted full too early
+    # and warm agents went cold a step before the real run's (moves equal at 7 of 15
+    # steps on seed 0). A real run lists its manifests' sizes now, and the replay fits
+    # them: the fit must give each real manifest's size closely, and the replay take
+    # every turn's path as the real run did.
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    out = tmp_path / "agentic.json"
+    command = [sys.executable, str(bench / "agentic.py"), "--quick", "--settle", "--no-http"]
+    command += ["--shapes", "pressure", "--json", str(out)]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    pressure = json.loads(out.read_text())["pressure"]
+    samples = [m for r in pressure["policies"].values() for m in r["manifests"]]
+    assert {m[2] for m in samples} == {0, 1}  # warm and cold manifests both
+    fit = ManifestBytes.fit(samples)
+    assert fit.fixed is not None
+    assert 2 < fit.per_token < 12 and 2 < fit.cold_per_token < 12
+    for tokens, files, cold, nbytes in samples:
+        per = fit.cold_per_token if cold else fit.per_token
+        guess = fit.fixed + per * tokens + _replay.MANIFEST_PER_SEGMENT * files
+        assert abs(guess / nbytes - 1) < 0.1, (tokens, files, cold, nbytes)
+    check = replay.against_real(pressure, replay.default_geometry("tiny"))
+    assert check["manifest_bytes"] == dataclasses.asdict(fit)
+    assert check["paths_equal"] == 1.0
+    assert check["moves_equal"] >= 0.75  # a cold demotion may fall a step apart
