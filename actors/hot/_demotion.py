@@ -268,18 +268,15 @@ class Demotion:
         if at is None:
             return set()
         mine = hints.priority(agent)
-        residents = self._residents
         # An agent no hint names has no expected turn and priority 0: of a priority of 0 or
-        # more, ``agent`` keeps named ones alone (a few, not every hot agent).
-        others = self._named.agents() if mine >= 0 else residents
+        # more, ``agent`` keeps named ones alone (a few, not every hot agent). Both sets
+        # hold hot agents alone.
+        others = self._named.agents() if mine >= 0 else self._residents
         return {
             other
             for other in others
-            if other in residents
-            and (
-                ((t := hints.next_use(other, now)) is not None and t <= at)
-                or hints.priority(other) > mine
-            )
+            if ((t := hints.next_use(other, now)) is not None and t <= at)
+            or hints.priority(other) > mine
         }
 
     def _ready_order(self, agent: str, entry: HotEntry) -> _ReadyKey:
