@@ -524,7 +524,9 @@ class Replay:
         if w is None or not w.tokens:
             return False, 0
         nbytes = self.stored_bytes(len(w.tokens))
-        room = self.pool.reserve(agent, nbytes, prefetch=prefetch)
+        # The prefetch actor reserves its segment files' bytes (headers too) while it reads.
+        files = sum(self._segments[s] for s, _ in w.segments)
+        room = self.pool.reserve(agent, files, prefetch=prefetch)
         if room is not Room.RESERVED:
             return False, 0
         kv = self._filled(list(w.tokens), [stop for _, stop in w.segments])

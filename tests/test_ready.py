@@ -73,7 +73,10 @@ def test_a_turn_finishes_a_half_built_ready_copy_instead_of_starting_again() -> 
     kv.tokens.extend(ids)
     kv.deactivate()  # stored only, as a cache staged from disk is
     copies = ReadyCopies(FloatTurnCache, enabled=True)
-    assert copies.want("a", kv, None) > 0
+    assert (nbytes := copies.want("a", kv, None)) > 0
+    # Asked again while it is being built (each hint asks for the soonest agents' copies):
+    # one build, its bytes reserved once (twice, a prefetch found no room that was free).
+    assert copies.want("a", kv, None) == 0 and copies.reserved == nbytes
     assert copies.step(lambda agent, cache: True)  # a layer per worker stream, of four
     assert kv.ready is None and copies.building
     assert copies.finish(kv)  # the turn came: the layers left, not all four again

@@ -82,8 +82,11 @@ class ReadyCopies:
 
     def want(self, agent: str, kv: AgentKV, free: int | None) -> int:
         """Queue building ``kv``'s ready copy if it has none and it fits in ``free`` bytes
-        (None: no budget); returns the bytes reserved for it (0: none)."""
+        (None: no budget); returns the bytes reserved for it (0: none, or one is being
+        built already: its bytes are reserved once)."""
         if not self.enabled or kv.ready is not None or kv.work is not None:
+            return 0
+        if any(b.kv is kv and b.current for b in self._builds):
             return 0
         nbytes = self._turn_cache.ready_nbytes(kv)
         if free is not None and nbytes > free:
