@@ -33,6 +33,16 @@ At each size N, in one process:
   per agent; ``idle_agent_traced_bytes``: Python's allocations (tracemalloc) over the
   last K, per agent, with the largest sites in the JSON.
 
+Then the smallest and the largest size side by side, the turn ratios' target measure
+(``hot_turn_10000_vs_10_paired``, ``warm_turn_10000_vs_10_paired``): each size's session
+in a process of its own (its own heap and threads: what 10,000 idle agents cost a turn is
+in its process alone), both open at once over their own directories, the same turns as
+above run one at a time, a turn of one size then the same turn of the other (which one
+goes first swapped each time), and the median over pairs of the larger's time over the
+smaller's. The sizes measured minutes apart (``hot_turn_10000_vs_10``, each one's best)
+swung from 0.85 to 1.36 between runs on a shared 2-core machine; a pair's two turns are
+milliseconds apart, so whatever else runs falls on both alike.
+
 Then with ``--hot-sizes`` agents hot at once (10 / 1,000 / 3,000; a turn each, ready
 copies kept, a cache directory of their own): ``hot_step_s``, a decode step of one of
 them, and ``hot_room_turn_s``, a new agent's turn under a hot budget that holds 95% of
@@ -51,9 +61,12 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import os
+import select
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +89,7 @@ from kvactor.actors.warm import (
     ExpectFn,
     agent_names,
     collect,
+    forget_cache,
     fork_cache,
     list_agents,
     lock_cache_dir,
@@ -95,6 +109,8 @@ IDLE_TARGET_BYTES = 64 << 10
 HOT_PER_WARM = 3  # hot turns per round, with one warm turn
 HOT_AGENTS, WARM_AGENTS = 6, 3  # whose turns are timed, in turn
 STEP_TOKENS = 24  # a hot decode's length, timed per step after its first token
+START_S, TURN_S = 600.0, 120.0  # a pair worker's start and turn, at most
+PAIR_ROUNDS = 4  # side by side, rounds per --rounds (a pair's turns vary +-20%: fsyncs)
 
 
 @dataclass(frozen=True)
@@ -252,36 +268,61 @@ async def spawn_all(kv: kvactor.Session, n: int, traced: int) -> dict[str, Any]:
     }
 
 
+class Turns:
+    """The timed turns of a session with every agent spawned: hot turns of ``HOT_AGENTS``
+    agents in turn (each hot since an untimed first turn) and warm turns of
+    ``WARM_AGENTS`` in turn (each released before its next, so its cache is on disk
+    only). The same agents' conversations grow the same way at every size, and stay
+    short (a turn's time grows with its context)."""
+
+    def __init__(self, kv: kvactor.Session, n: int, max_tokens: int) -> None:
+        assert n > TEMPLATE + HOT_AGENTS + WARM_AGENTS, f"{n} agents are too few"
+        self.kv, self.max_tokens = kv, max_tokens
+        self.hot_agents = [agent_name(i) for i in turn_agents(n)[:HOT_AGENTS]]
+        self.warm_agents = [agent_name(i) for i in turn_agents(n)[HOT_AGENTS:]]
+
+    async def start(self) -> None:
+        """The hot agents' first turns (from disk, untimed)."""
+        for name in self.hot_agents:
+            first = await self.kv.agent(name).generate(FIRST, max_tokens=self.max_tokens)
+            assert first.path == Tier.WARM, (name, first.path)
+
+    async def hot(self, k: int) -> Timed:
+        """The ``k``-th hot turn (of the hot agents in turn)."""
+        turn = self.kv.agent(self.hot_agents[k % HOT_AGENTS]).generate
+        return await timed(functools.partial(turn, ASK, max_tokens=self.max_tokens))
+
+    async def warm(self, r: int) -> Timed:
+        """The ``r``-th warm turn (of the warm agents in turn)."""
+        name = self.warm_agents[r % WARM_AGENTS]
+        if r >= WARM_AGENTS:  # it was hot since its last turn: on disk only again
+            await self.kv.release(name)
+            await self.kv.spawn_agent(name, system=SYSTEM)
+        turn = self.kv.agent(name).generate
+        return await timed(functools.partial(turn, FIRST, max_tokens=self.max_tokens))
+
+
+def turn_agents(n: int) -> list[int]:
+    """The agents whose turns are timed with ``n`` spawned: the last ones, which no
+    smaller size touched (hot ones first)."""
+    return [n - 1 - i for i in range(HOT_AGENTS + WARM_AGENTS)]
+
+
 async def turn_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
-    """With all ``n`` agents spawned: ``HOT_PER_WARM`` hot turns a round (``HOT_AGENTS``
-    agents in turn, each hot since its first turn) and a warm turn (one of
-    ``WARM_AGENTS`` in turn, each released before its next, so its cache is on disk
-    only), and what spawning cost. The same agents' conversations grow the same way at
-    every size, and stay short (a turn's time grows with its context)."""
-    assert n > TEMPLATE + HOT_AGENTS + WARM_AGENTS, f"{n} agents are too few"
+    """With all ``n`` agents spawned: ``HOT_PER_WARM`` hot turns a round and a warm turn
+    (:class:`Turns`), and what spawning cost."""
     traced = min(cfg.traced, n // 2)
-    hot_agents = [agent_name(n - 1 - i) for i in range(HOT_AGENTS)]
-    warm_agents = [agent_name(n - 1 - HOT_AGENTS - i) for i in range(WARM_AGENTS)]
     hot: list[Timed] = []
     warm: list[Timed] = []
     async with kvactor.open(MODEL, cache_dir=root) as kv:
         memory = await spawn_all(kv, n, traced)
-        for name in hot_agents:
-            first = await kv.agent(name).generate(FIRST, max_tokens=cfg.max_tokens)
-            assert first.path == Tier.WARM, (name, first.path)
+        turns = Turns(kv, n, cfg.max_tokens)
+        await turns.start()
         for r in range(cfg.rounds):
             for i in range(HOT_PER_WARM):
-                turn = kv.agent(hot_agents[(r * HOT_PER_WARM + i) % HOT_AGENTS]).generate
-                hot.append(await timed(functools.partial(turn, ASK, max_tokens=cfg.max_tokens)))
-            name = warm_agents[r % len(warm_agents)]
-            if r >= len(warm_agents):  # it was hot since its last turn: on disk only again
-                await kv.release(name)
-                await kv.spawn_agent(name, system=SYSTEM)
-            turn = kv.agent(name).generate
-            warm.append(await timed(functools.partial(turn, FIRST, max_tokens=cfg.max_tokens)))
+                hot.append(await turns.hot(r * HOT_PER_WARM + i))
+            warm.append(await turns.warm(r))
         stats = await kv.stats()
-    wrong = [f"hot turn {i}: {t.path}" for i, t in enumerate(hot) if t.path != Tier.HOT]
-    wrong += [f"warm turn {i}: {t.path}" for i, t in enumerate(warm) if t.path != Tier.WARM]
     return {
         **memory,
         **figures("hot_turn", hot),
@@ -292,9 +333,14 @@ async def turn_times(root: Path, n: int, cfg: Config) -> dict[str, Any]:
             "hot_write": [round(t.write_s, 5) for t in hot],
             "warm_write": [round(t.write_s, 5) for t in warm],
         },
-        "wrong_paths": wrong,
+        "wrong_paths": wrong_paths(hot, warm),
         "warm_bytes": stats.warm_bytes,
     }
+
+
+def wrong_paths(hot: list[Timed], warm: list[Timed]) -> list[str]:
+    wrong = [f"hot turn {i}: {t.path}" for i, t in enumerate(hot) if t.path != Tier.HOT]
+    return wrong + [f"warm turn {i}: {t.path}" for i, t in enumerate(warm) if t.path != Tier.WARM]
 
 
 async def fill_hot(kv: kvactor.Session, n: int, prefix: str, cfg: Config) -> list[Any]:
@@ -387,6 +433,145 @@ async def floor(root: Path, cfg: Config) -> dict[str, Any]:
     return {"open_empty_s": round(min(opened), 4), **figures("hot_turn_1", hot)}
 
 
+# ------------------------------------------------------------------ paired sizes
+async def pair_worker(root: str, n: str, max_tokens: str) -> None:
+    """One side of :func:`alternate` (``scale.py --pair-worker ROOT N MAX_TOKENS``): a
+    session over ``root`` with its ``n`` agents spawned, running the turn each line of
+    stdin names (``hot K`` or ``warm R``, :class:`Turns`) and answering each with one
+    line of JSON on stdout (wall and write seconds, tier); it stops at the end of stdin."""
+    count = int(n)
+    async with kvactor.open(MODEL, cache_dir=Path(root)) as kv:
+        for i in range(count):
+            await kv.spawn_agent(agent_name(i), system=SYSTEM)
+        turns = Turns(kv, count, int(max_tokens))
+        await turns.start()
+        print("ready", flush=True)
+        while line := await anyio.to_thread.run_sync(sys.stdin.readline):
+            kind, k = line.split()
+            t = await (turns.hot if kind == "hot" else turns.warm)(int(k))
+            print(json.dumps([t.wall_s, t.write_s, str(t.path)]), flush=True)
+
+
+def refresh(root: Path, identity: CacheIdentity, n: int) -> None:
+    """The agents whose turns are timed at ``n`` made fresh forks of the template again
+    (their conversations grew in that size's own turns), under the directory's lock."""
+    lock = lock_cache_dir(root)
+    try:
+        for i in turn_agents(n):
+            forget_cache(root, agent_name(i))
+            assert fork_cache(root, identity, agent_name(TEMPLATE), agent_name(i)) is not None
+    finally:
+        lock.release()
+
+
+async def paired_times(
+    work: Path, root: Path, identity: CacheIdentity, cfg: Config
+) -> dict[str, Any]:
+    """The smallest and the largest size side by side (:func:`alternate`): a directory
+    of the smallest size built afresh, the largest one's (``root``) with its turn
+    agents fresh again."""
+    a, b = min(cfg.sizes), max(cfg.sizes)
+    small = work / "pair-small"
+    shutil.rmtree(small, ignore_errors=True)
+    small_identity, _ = await seed(small)
+    await anyio.to_thread.run_sync(grow, small, small_identity, 1, a)
+    await anyio.to_thread.run_sync(refresh, root, identity, b)
+    return await anyio.to_thread.run_sync(alternate, [(small, a), (root, b)], cfg)
+
+
+def alternate(sides: list[tuple[Path, int]], cfg: Config) -> dict[str, Any]:
+    """Both sizes' sessions open at once, each in its own process (its own heap and
+    threads), taking turns one at a time: each hot or warm turn of one size, then the
+    same turn of the other, which goes first swapped every time, so that whatever else
+    the machine does at a moment falls on both alike. Per kind, the median over pairs of
+    the larger size's turn over the smaller's (``{kind}_paired``), and the runs."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--pair-worker"]
+    procs = [
+        subprocess.Popen(
+            [*command, str(root), str(n), str(cfg.max_tokens)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for root, n in sides
+    ]
+    runs: dict[str, tuple[list[Timed], list[Timed]]] = {"hot": ([], []), "warm": ([], [])}
+    try:
+        for p in procs:  # spawning 10,000 agents takes ~15 s
+            if (ready := _line(p, START_S)).strip() != "ready":
+                raise RuntimeError(f"a pair worker did not start (said {ready!r})")
+        plan = [  # each round: its hot turns, then its warm turn (as turn_times)
+            (kind, k)
+            for r in range(cfg.rounds * PAIR_ROUNDS)
+            for kind, k in [
+                *(("hot", r * HOT_PER_WARM + i) for i in range(HOT_PER_WARM)),
+                ("warm", r),
+            ]
+        ]
+        for at, (kind, k) in enumerate(plan):
+            for side in (0, 1) if at % 2 == 0 else (1, 0):
+                runs[kind][side].append(_ask(procs[side], f"{kind} {k}"))
+    finally:
+        for p in procs:
+            if p.stdin is not None:
+                p.stdin.close()
+        for p in procs:
+            try:
+                p.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+    out: dict[str, Any] = {"pair_agents": [n for _, n in sides]}
+    for kind, (small, large) in runs.items():
+        out[f"{kind}_paired"] = round(
+            statistics.median(y.wall_s / x.wall_s for x, y in zip(small, large, strict=True)), 3
+        )
+        out[f"{kind}_paired_nowrite"] = round(
+            statistics.median(
+                (y.wall_s - y.write_s) / (x.wall_s - x.write_s)
+                for x, y in zip(small, large, strict=True)
+            ),
+            3,
+        )
+        out[f"{kind}_paired_best"] = round(
+            min(t.wall_s for t in large) / min(t.wall_s for t in small), 3
+        )
+        out[f"{kind}_paired_runs"] = [[round(t.wall_s, 5) for t in side] for side in (small, large)]
+        out[f"{kind}_paired_writes"] = [
+            [round(t.write_s, 5) for t in side] for side in (small, large)
+        ]
+    out["pair_wrong_paths"] = [
+        f"{n} agents: {w}"
+        for (_, n), side in zip(sides, (0, 1), strict=True)
+        for w in wrong_paths(runs["hot"][side], runs["warm"][side])
+    ]
+    return out
+
+
+def _ask(proc: subprocess.Popen[str], command: str) -> Timed:
+    """One turn of a pair worker: the command sent, its answer read."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+    answer = _line(proc, TURN_S)
+    if not answer:
+        raise RuntimeError(f"a pair worker stopped before answering {command!r}")
+    wall, write, path = json.loads(answer)
+    return Timed(wall, write, Tier(path))
+
+
+def _line(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The worker's next line ("" once it stopped); TimeoutError after ``timeout``
+    seconds without one (it writes whole lines, each flushed)."""
+    assert proc.stdout is not None
+    readable, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not readable:
+        raise TimeoutError(f"a pair worker said nothing for {timeout:.0f} s")
+    return proc.stdout.readline()
+
+
 # ------------------------------------------------------------------------------- run
 async def measure_size(
     root: Path, identity: CacheIdentity, layout: ExpectFn, n: int, cfg: Config
@@ -422,13 +607,17 @@ async def run(cfg: Config) -> dict[str, Any]:
             row["build_s"] = round(build_s, 2)
             rows.append(row)
             print(f"[{n} agents] {short(row)}", file=sys.stderr, flush=True)
+        pair = await paired_times(work, root, identity, cfg) if len(rows) > 1 else {}
+        print(
+            f"[paired] hot {pair.get('hot_paired')} warm {pair.get('warm_paired')}", file=sys.stderr
+        )
         for n in sorted(cfg.hot_sizes):
             hot_rows.append(await hot_times(work / "hot-cache", n, cfg))
             print(f"[{n} hot] {hot_rows[-1]}", file=sys.stderr, flush=True)
     finally:
         if not cfg.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    return summary(cfg, base, rows, hot_rows, time.perf_counter() - began)
+    return summary(cfg, base, rows, hot_rows, pair, time.perf_counter() - began)
 
 
 def short(row: dict[str, Any]) -> str:
@@ -441,6 +630,7 @@ def summary(
     base: dict[str, Any],
     rows: list[dict[str, Any]],
     hot_rows: list[dict[str, Any]],
+    pair: dict[str, Any],
     wall: float,
 ) -> dict[str, Any]:
     """The figures the issue names, by size (keys: the sizes, as str), and the ratios."""
@@ -467,6 +657,13 @@ def summary(
         **by,
         "idle_agent_bytes": large["idle_agent_bytes"],
         "idle_agent_traced_bytes": large["idle_agent_traced_bytes"],
+        # The target's measure: the two sizes side by side, turn for turn (paired_times).
+        f"hot_turn_{b}_vs_{a}_paired": pair.get("hot_paired"),
+        f"warm_turn_{b}_vs_{a}_paired": pair.get("warm_paired"),
+        f"hot_turn_nowrite_{b}_vs_{a}_paired": pair.get("hot_paired_nowrite"),
+        f"warm_turn_nowrite_{b}_vs_{a}_paired": pair.get("warm_paired_nowrite"),
+        "paired": pair,
+        # Each size's best, measured minutes apart.
         f"hot_turn_{b}_vs_{a}": round(large["hot_turn_s"] / small["hot_turn_s"], 3),
         f"warm_turn_{b}_vs_{a}": round(large["warm_turn_s"] / small["warm_turn_s"], 3),
         # Round by round (the same agents at the same point of their conversations).
@@ -525,7 +722,9 @@ def table(r: dict[str, Any]) -> str:
 
     at = str(b)
     open_ok = ok[r["open_s"][at] <= OPEN_TARGET_S] if full else "(full mode)"
-    hot_ratio, warm_ratio = r[f"hot_turn_{b}_vs_{a}"], r[f"warm_turn_{b}_vs_{a}"]
+    # One size alone has no pair: its own ratios (1.0).
+    hot_ratio = r[f"hot_turn_{b}_vs_{a}_paired"] or r[f"hot_turn_{b}_vs_{a}"]
+    warm_ratio = r[f"warm_turn_{b}_vs_{a}_paired"] or r[f"warm_turn_{b}_vs_{a}"]
     tail = "" if full else " (full mode: 10,000)"
     rows = [
         ("agents", " / ".join(f"{n:,}" for n in sizes), "", ""),
@@ -536,22 +735,36 @@ def table(r: dict[str, Any]) -> str:
         ("hot_turn_s", per("hot_turn_s", 1.0, "{:.4f}"), "", ""),
         ("hot_turn_1_s (floor: one agent)", f"{r['hot_turn_1_s']:.4f}", "", ""),
         (
-            f"hot_turn_{b}_vs_{a}",
+            f"hot_turn_{b}_vs_{a}_paired (side by side, median of pairs)",
             hot_ratio,
             f"<= {TURN_TARGET}{tail}",
             ok[hot_ratio <= TURN_TARGET],
         ),
+        (
+            f"hot_turn_{b}_vs_{a} (each size's best, minutes apart)",
+            r[f"hot_turn_{b}_vs_{a}"],
+            "",
+            "",
+        ),
         (f"hot_turn_{b}_vs_{a}_by_round (median)", r[f"hot_turn_{b}_vs_{a}_by_round"], "", ""),
+        (f"hot_turn_nowrite_{b}_vs_{a}_paired", r[f"hot_turn_nowrite_{b}_vs_{a}_paired"], "", ""),
         ("hot turn without its write to disk", per("hot_turn_nowrite_s", 1.0, "{:.4f}"), "", ""),
         (f"hot_turn_nowrite_{b}_vs_{a}", r[f"hot_turn_nowrite_{b}_vs_{a}"], "", ""),
         ("warm_turn_s", per("warm_turn_s", 1.0, "{:.4f}"), "", ""),
         (
-            f"warm_turn_{b}_vs_{a}",
+            f"warm_turn_{b}_vs_{a}_paired (side by side, median of pairs)",
             warm_ratio,
             f"<= {TURN_TARGET}{tail}",
             ok[warm_ratio <= TURN_TARGET],
         ),
+        (
+            f"warm_turn_{b}_vs_{a} (each size's best, minutes apart)",
+            r[f"warm_turn_{b}_vs_{a}"],
+            "",
+            "",
+        ),
         (f"warm_turn_{b}_vs_{a}_by_round (median)", r[f"warm_turn_{b}_vs_{a}_by_round"], "", ""),
+        (f"warm_turn_nowrite_{b}_vs_{a}_paired", r[f"warm_turn_nowrite_{b}_vs_{a}_paired"], "", ""),
         ("warm turn without its write", per("warm_turn_nowrite_s", 1.0, "{:.4f}"), "", ""),
         (f"warm_turn_nowrite_{b}_vs_{a}", r[f"warm_turn_nowrite_{b}_vs_{a}"], "", ""),
         (
@@ -574,7 +787,9 @@ def table(r: dict[str, Any]) -> str:
                 "",
             )
         )
-    wrong = [w for row in r["rows"] for w in row["wrong_paths"]]
+    wrong = [w for row in r["rows"] for w in row["wrong_paths"]] + r["paired"].get(
+        "pair_wrong_paths", []
+    )
     rows.append(("turns not on their expected tier", len(wrong), "0", ok[not wrong]))
     rows += hot_rows(r)
     return figure_table(rows)
@@ -631,6 +846,9 @@ def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--pair-worker"]:  # one side of alternate(), not for people
+        anyio.run(pair_worker, *sys.argv[2:5])
+        sys.exit(0)
     config, json_path = parse()
     result = anyio.run(run, config)
     print(table(result))

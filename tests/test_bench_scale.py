@@ -29,6 +29,8 @@ KEYS = (
     "idle_agent_traced_bytes",
     "hot_turn_14_vs_10",
     "warm_turn_14_vs_10",
+    "hot_turn_14_vs_10_paired",
+    "warm_turn_14_vs_10_paired",
     "rows",
     "hot_step_s",
     "hot_room_turn_s",
@@ -54,8 +56,14 @@ async def test_the_bench_measures_real_warm_agents(tmp_path: Path) -> None:
     assert [k for k in KEYS if k not in result] == []
     assert sorted(result["open_s"]) == ["10", "14"]
     assert [w for row in result["rows"] for w in row["wrong_paths"]] == []
+    # Side by side: both sizes' turns, each pair's on the tiers meant.
+    pair = result["paired"]
+    assert pair["pair_agents"] == [10, 14] and pair["pair_wrong_paths"] == []
+    rounds = 2 * scale.PAIR_ROUNDS
+    assert [len(side) for side in pair["hot_paired_runs"]] == [rounds * scale.HOT_PER_WARM] * 2
+    assert [len(side) for side in pair["warm_paired_runs"]] == [rounds, rounds]
     assert all(row["verified"] > 0 for row in result["rows"])
-    assert "| hot_turn_14_vs_10 |" in scale.table(result)
+    assert "| hot_turn_14_vs_10_paired (side by side, median of pairs) |" in scale.table(result)
     assert "| hot_step_14_vs_10 |" in scale.table(result)
     # Each timed turn under the full hot budget made room (a ready copy or a demotion).
     assert all(result["hot_room_moves"][n] >= 2 for n in ("10", "14"))
