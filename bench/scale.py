@@ -847,7 +847,8 @@ def parse(argv: list[str] | None = None) -> tuple[Config, str | None]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--pair-worker"]:  # one side of alternate(), not for people
-        anyio.run(pair_worker, *sys.argv[2:5])
+        root_arg, n_arg, tokens_arg = sys.argv[2:5]
+        anyio.run(pair_worker, root_arg, n_arg, tokens_arg)
         sys.exit(0)
     config, json_path = parse()
     result = anyio.run(run, config)
