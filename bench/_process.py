@@ -1,5 +1,6 @@
-"""A server of a bench as its own process on 127.0.0.1: a free port, waiting until it
-answers, and stopping it by itself at the end of the block."""
+"""A bench's own processes: a server on 127.0.0.1 (a free port, waiting until it
+answers, and stopping it by itself at the end of the block), and stopping any process
+within a bound."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
@@ -41,8 +43,14 @@ def server_process(kind: str, command: list[str], port: int, ready: str) -> Iter
         yield base
     finally:
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        wait_or_kill(proc, 60)
+
+
+def wait_or_kill(proc: subprocess.Popen[Any], timeout: float) -> None:
+    """Wait for ``proc`` to exit; killed (and waited for) if it has not within ``timeout``
+    seconds."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -80,6 +80,7 @@ import kvactor  # first: it loads an optimized BLAS, which must precede mlx.core
 
 # isort: split
 import anyio
+from _process import wait_or_kill
 from _results import figure_table, write_json  # bench/ is the script's folder: on sys.path
 
 from kvactor.actors.enums import Tier
@@ -516,11 +517,7 @@ def alternate(sides: list[tuple[Path, int]], cfg: Config) -> dict[str, Any]:
             if p.stdin is not None:
                 p.stdin.close()
         for p in procs:
-            try:
-                p.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            wait_or_kill(p, 120)
             if p.stdout is not None:
                 p.stdout.close()
     out: dict[str, Any] = {"pair_agents": [n for _, n in sides]}
