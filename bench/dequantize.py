@@ -10,6 +10,12 @@ values 3-bit, group 64, Hadamard rotation, 4 sinks at 8 bits), 4096 tokens in on
 - ``rotated_basis_mlx_default_cache``: the same with MLX's own limit on the freed buffers
   its allocator keeps (32 MiB on CPU) instead of the engine's (``kernels.memory``): every
   array then lands on fresh pages.
+- ``rotated_basis_spread``: left rotated, a layer at a time over one MLX stream per core;
+- ``rotated_basis_fused``: the fused kernel (``kernels.fused``, numba: one pass over the
+  codes), what a turn's working copy takes on the CPU now; ``..._fused_mlx_default_cache``
+  the same into fresh pages. ``fused_equal``: its values are the plain ops', bit for bit.
+
+The plain variants run with ``KVACTOR_FUSED=0``.
 
 Medians of ``--rounds`` rounds that alternate the three, every array evaluated.
 
@@ -19,6 +25,7 @@ Medians of ``--rounds`` rounds that alternate the three, every array evaluated.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -29,6 +36,7 @@ import kvactor  # noqa: F401 - first: it loads an optimized BLAS before mlx.core
 import mlx.core as mx
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
+from kvactor.kernels import fused
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.geometry import CacheGeometry
 from kvactor.kernels.memory import keep_freed_buffers
@@ -82,23 +90,28 @@ def main(n: int, rounds: int) -> dict[str, Any]:
     mx.set_cache_limit(mlx_limit)
     engine_limit = keep_freed_buffers()
     limits = {"engine": engine_limit, "mlx_default_cache": mlx_limit}
-    variants: list[tuple[str, bool | None, str]] = [
-        ("model_basis", False, "engine"),
-        ("rotated_basis", True, "engine"),
-        ("rotated_basis_mlx_default_cache", True, "mlx_default_cache"),
-        ("rotated_basis_spread", None, "engine"),  # None: over the worker streams
+    if not fused.wait(300):
+        raise SystemExit(f"the fused dequantize cannot run here: {fused.unavailable()}")
+    variants: list[tuple[str, bool | None, str, bool]] = [
+        ("model_basis", False, "engine", False),
+        ("rotated_basis", True, "engine", False),
+        ("rotated_basis_mlx_default_cache", True, "mlx_default_cache", False),
+        ("rotated_basis_spread", None, "engine", False),  # None: over the worker streams
+        ("rotated_basis_fused", None, "engine", True),
+        ("rotated_basis_fused_mlx_default_cache", None, "mlx_default_cache", True),
     ]
-    times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    times: dict[str, list[float]] = {name: [] for name, *_ in variants}
 
-    def once(rotated: bool | None) -> float:
+    def once(rotated: bool | None, fast: bool) -> float:
+        os.environ["KVACTOR_FUSED"] = "1" if fast else "0"
         return dequantize_spread(kv) if rotated is None else dequantize_all(kv, rotated)
 
-    for _, rotated, _ in variants:  # warm up every path
-        once(rotated)
+    for _, rotated, _, fast in variants:  # warm up every path
+        once(rotated, fast)
     for r in range(rounds):
-        for name, rotated, limit in variants if r % 2 == 0 else variants[::-1]:
+        for name, rotated, limit, fast in variants if r % 2 == 0 else variants[::-1]:
             mx.set_cache_limit(limits[limit])
-            times[name].append(once(rotated))
+            times[name].append(once(rotated, fast))
     mx.set_cache_limit(engine_limit)
     out: dict[str, Any] = {
         "tokens": n,
@@ -115,7 +128,22 @@ def main(n: int, rounds: int) -> dict[str, Any]:
     out["freed_buffers_speedup"] = out["rotated_basis_mlx_default_cache_s"] / out["rotated_basis_s"]
     out["worker_streams"] = len(worker_streams())
     out["spread_speedup"] = out["rotated_basis_s"] / out["rotated_basis_spread_s"]
+    out["fused_speedup"] = out["rotated_basis_spread_s"] / out["rotated_basis_fused_s"]
+    out["fused_equal"] = fused_equal(kv)
     return out
+
+
+def fused_equal(kv: AgentKV) -> bool:
+    """Whether every layer's fused values are the plain ops' values, bit for bit."""
+    same = True
+    for i in range(LAYERS):
+        for role in ("key", "value"):
+            os.environ["KVACTOR_FUSED"] = "0"
+            plain = kv.dequantize(i, role, rotated=True)
+            mx.eval(plain)
+            os.environ["KVACTOR_FUSED"] = "1"
+            same = same and bool(mx.array_equal(plain, kv.dequantize(i, role, rotated=True)))
+    return same
 
 
 if __name__ == "__main__":
@@ -137,7 +165,11 @@ if __name__ == "__main__":
         f"the engine keeps {result['engine_cache_limit_bytes'] >> 20} MiB: "
         f"{result['freed_buffers_speedup']:.2f}x)\n"
         f"  left rotated, over {result['worker_streams']} streams     "
-        f"{result['rotated_basis_spread_s'] * 1e3:7.1f} ms ({result['spread_speedup']:.2f}x)"
+        f"{result['rotated_basis_spread_s'] * 1e3:7.1f} ms ({result['spread_speedup']:.2f}x)\n"
+        f"  left rotated, fused (numba)        {result['rotated_basis_fused_s'] * 1e3:7.1f} ms "
+        f"({result['fused_speedup']:.2f}x the streams; same bits: {result['fused_equal']})\n"
+        f"  fused, MLX's default cache         "
+        f"{result['rotated_basis_fused_mlx_default_cache_s'] * 1e3:7.1f} ms"
     )
     if args.json:
         write_json(args.json, result)

@@ -12,8 +12,13 @@ at that context; ``seed_path_s`` is mlx-lm's own reload of the same prompt's cac
 (from its ready float copy); ``hot_stored_s`` the same turn with ``ready_copies=False``
 (dequantizing the stored cache); ``prefetched_ready_s`` a turn after a prefetch hint that
 had the engine build the ready copy; ``warm_load_gbps`` the warm read alone.
-``warm_one_stream_s``: the warm turn with its working copy made on one MLX stream
-(``KVACTOR_ARRAY_STREAMS=1``) instead of one per core (``kernels.workers``). The warm turn's
+``warm_plain_s``: the warm turn with its working copy made by MLX's plain array ops
+(``KVACTOR_FUSED=0``, spread over one MLX stream per core: ``kernels.workers``) instead of
+the fused kernel (``kernels.fused``); ``warm_one_stream_s`` the plain ops on one MLX stream
+(``KVACTOR_ARRAY_STREAMS=1`` too: the first way); ``warm_spread_vs_one_stream`` compares
+the plain ops' two ways, and
+``warm_fused_vs_plain`` the ratio; ``fused_dequantize`` says whether the fused kernel ran
+(numba present and compiled before the measured turns). The warm turn's
 parts: ``warm_read_verify_s``, ``warm_dequantize_s``, ``warm_forward_s``, ``warm_other_s``
 (actor hops, the copy into MLX, queueing); they run one after another
 (``warm_overlap_s``). Ratios of the medians: ``warm_vs_seed_path``, ``warm_vs_floor``,
@@ -46,6 +51,7 @@ import anyio
 from _results import write_json  # bench/ is the script's folder: on sys.path
 
 from kvactor.actors.warm._prefetch import Stage
+from kvactor.kernels import fused
 
 COLD, WARM, HOT = kvactor.Tier.COLD, kvactor.Tier.WARM, kvactor.Tier.HOT
 TEXT = Path(__file__).with_name("data") / "fidelity.txt"
@@ -116,7 +122,26 @@ async def decode_rate(agent: kvactor.Agent, prompt: str, tokens: int = 17) -> fl
     return (done.timings.generated_tokens - 1) / done.timings.decode_s
 
 
-async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
+async def warm_turn(
+    root: Path, name: str, prompt: str, env: dict[str, str]
+) -> tuple[float, kvactor.Completion]:
+    """A warm turn in a new session, the page cache dropped, with ``env`` set meanwhile
+    (its engine thread reads the settings)."""
+    drop_page_cache(root / "agents" / name)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        async with kvactor.open(cache_dir=root) as kv:
+            return await timed(await kv.spawn_agent(name), prompt)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+
+
+async def measure(n: int, text: str, root: Path, run: int = 0) -> dict[str, Any]:
     async with kvactor.open(cache_dir=root) as kv:
         # At the model's whole length: room kept for the tokens the turns decode.
         n = min(n, kv.model.context_length - 64)
@@ -131,20 +156,21 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
     folder = root / "agents" / f"ttft-{n}"
     file_bytes = sum(p.stat().st_size for p in folder.glob("seg-*"))
     same_size_gbps = disk_read_gbps(root, file_bytes, repeats=3)
+    # Warm turns, each in a new session (nothing hot), page cache dropped: as it runs, with
+    # the plain array ops (KVACTOR_FUSED=0), and those on one MLX stream (the first way);
+    # in turn order on even runs, reversed on odd ones (a process's first new session
+    # faults its memory in fresh).
+    ways = {
+        "warm": {},
+        "plain": {"KVACTOR_FUSED": "0"},
+        "one": {"KVACTOR_FUSED": "0", "KVACTOR_ARRAY_STREAMS": "1"},
+    }
+    turns = {}
+    for way in list(ways) if run % 2 == 0 else list(ways)[::-1]:
+        turns[way] = await warm_turn(root, f"ttft-{n}", prompt, ways[way])
+    (warm_s, warm), (warm_plain_s, warm_plain) = turns["warm"], turns["plain"]
+    warm_one_s, warm_one = turns["one"]
     dropped = drop_page_cache(folder)
-    async with kvactor.open(cache_dir=root) as kv:  # a new session: nothing is hot
-        agent = await kv.spawn_agent(f"ttft-{n}")
-        warm_s, warm = await timed(agent, prompt)
-    drop_page_cache(folder)
-    # The same, its working copy made on one MLX stream (kernels.workers), as before.
-    os.environ["KVACTOR_ARRAY_STREAMS"] = "1"
-    try:
-        async with kvactor.open(cache_dir=root) as kv:  # its engine thread reads the setting
-            agent = await kv.spawn_agent(f"ttft-{n}")
-            warm_one_s, warm_one = await timed(agent, prompt)
-    finally:
-        del os.environ["KVACTOR_ARRAY_STREAMS"]
-    drop_page_cache(folder)
     async with kvactor.open(cache_dir=root) as kv:
         agent = await kv.spawn_agent(f"ttft-{n}")
         staged = await kv.prefetcher.ask(Stage(agent.name), timeout=None)  # type: ignore[union-attr]
@@ -175,8 +201,11 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
         decode_q = await decode_rate(agent, prompt)
     async with kvactor.open(cache_dir=root, attention="dequantized") as kv:
         decode_d = await decode_rate(await kv.spawn_agent(f"ttft-{n}"), prompt)
-    paths = (cold, warm, hot, hot_stored, prefetched, prefetched_ready, warm_q, hot_q, warm_one)
-    want = (COLD, WARM, HOT, HOT, HOT, HOT, WARM, HOT, WARM)
+    paths = (
+        cold, warm, hot, hot_stored, prefetched, prefetched_ready, warm_q, hot_q, warm_one,
+        warm_plain,
+    )  # fmt: skip
+    want = (COLD, WARM, HOT, HOT, HOT, HOT, WARM, HOT, WARM, WARM)
     assert tuple(d.path for d in paths) == want, [d.path for d in paths]
     answers = {d.token_ids[0] for d in paths}
     assert len(answers) == 1, answers  # every path gives the same greedy token
@@ -192,6 +221,8 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
         "warm_overlap_s": 0.0,  # nothing of them runs side by side (docs/benchmarks.md)
         "warm_one_stream_s": warm_one_s,
         "warm_one_stream_dequantize_s": warm_one.timings.dequantize_s,
+        "warm_plain_s": warm_plain_s,
+        "warm_plain_dequantize_s": warm_plain.timings.dequantize_s,
         "tokens": cold.timings.prompt_tokens,
         "cold_s": cold_s,
         "warm_s": warm_s,
@@ -256,13 +287,14 @@ async def main(contexts: list[int], runs: int) -> dict[str, Any]:
         text += "\n\n" + text
     trials: dict[str, list[dict[str, Any]]] = {str(n): [] for n in contexts}
     rates = []
-    for _ in range(runs):
+    fused.wait(300)  # the kernel compiles on a thread of its own: ready before any turn
+    for run in range(runs):
         with tempfile.TemporaryDirectory(dir=os.environ.get("KVACTOR_BENCH_DIR")) as tmp:
             root = Path(tmp)
             gbps = disk_read_gbps(root)
             rates.append(gbps)
             for n in contexts:
-                r = await measure(n, text, root)
+                r = await measure(n, text, root, run)
                 r["disk_read_gbps"] = gbps
                 r["floor_s"] = r["file_bytes"] / (gbps * 1e9) + r["decode_step_s"]
                 trials[str(n)].append(r)
@@ -278,8 +310,10 @@ async def main(contexts: list[int], runs: int) -> dict[str, Any]:
         r["hot_stored_vs_warm"] = r["hot_stored_s"] / r["warm_s"]
         r["prefetched_ready_vs_step"] = r["prefetched_ready_s"] / r["decode_step_s"]
         r["hot_vs_step"] = r["hot_s"] / r["decode_step_s"]
-        r["warm_spread_vs_one_stream"] = r["warm_s"] / r["warm_one_stream_s"]
+        r["warm_spread_vs_one_stream"] = r["warm_plain_s"] / r["warm_one_stream_s"]
+        r["warm_fused_vs_plain"] = r["warm_s"] / r["warm_plain_s"]
     return {
+        "fused_dequantize": fused.ready(),
         "contexts": results,
         "disk_read_gbps": statistics.median(rates),
         "runs": runs,
@@ -323,14 +357,17 @@ if __name__ == "__main__":
     table(
         ["context", "warm vs seed path", "warm vs floor", "hot from stored vs warm",
          "prefetched to ready vs step", "hot vs step", "warm, one stream", "spread vs one",
-         "read + verify", "dequantize", "forward", "other"],
+         "warm, plain ops", "fused vs plain", "read + verify", "dequantize",
+         "dequantize, plain", "forward", "other"],
         [
             [n, *(f"{r[k]:.2f}x" for k in (
                 "warm_vs_seed_path", "warm_vs_floor", "hot_stored_vs_warm",
                 "prefetched_ready_vs_step", "hot_vs_step")),
              ms[n]["warm_one_stream_s"], f"{r['warm_spread_vs_one_stream']:.2f}x",
+             ms[n]["warm_plain_s"], f"{r['warm_fused_vs_plain']:.2f}x",
              *(ms[n][k] for k in (
-                "warm_read_verify_s", "warm_dequantize_s", "warm_forward_s", "warm_other_s"))]
+                "warm_read_verify_s", "warm_dequantize_s", "warm_plain_dequantize_s",
+                "warm_forward_s", "warm_other_s"))]
             for n, r in rows
         ],
     )  # fmt: skip

@@ -33,6 +33,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from . import fused
 from ._qmath import affine
 from ._turn_base import TurnCache
 from .float_turn import FloatPrefix, FloatTurnCache
@@ -406,6 +407,11 @@ class AgentKV:
         if not spans:
             raise ValueError("no stored range to dequantize")
         if bits != 16 and mx.default_device() == mx.cpu and (rotated or not codec.rotate):
+            for parts, start, n in spans:
+                codec.check_parts(parts, start, n, role=role)
+            done = fused.dequantize([parts for parts, _, _ in spans], bits, room)
+            if done is not None:  # one pass over the codes (numba); else the plain ops
+                return done
             triples = [codec.codes(parts, start, n, role=role) for parts, start, n in spans]
             if room:
                 codes, scales, _ = triples[-1]

@@ -293,6 +293,13 @@ class KVCodec:
             raise ValueError("a 16-bit role has no codes")
         return joined_codes(parts, bits)
 
+    def check_parts(
+        self, parts: Mapping[str, mx.array], start: int, n: int, *, role: Role | None = None
+    ) -> tuple[int, int]:
+        """(bits, group) of a role's parts for tokens ``start .. start + n - 1``. Raises
+        ValueError like :meth:`dequantize` when they do not fit that range."""
+        return self._check_parts(parts, start, n, role)
+
     def _check_parts(
         self, parts: Mapping[str, mx.array], start: int, n: int, role: Role | None
     ) -> tuple[int, int]:

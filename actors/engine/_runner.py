@@ -12,6 +12,7 @@ from typing import Any, cast
 import mlx.core as mx
 import msgspec
 
+from ...kernels import fused
 from ...kernels.agent_cache import AgentKV
 from ...kernels.memory import keep_freed_buffers
 from ...kernels.qcodec import DEFAULT_CODEC
@@ -133,6 +134,7 @@ class ModelRunner:
         assert not self._loaded, "load() of a loaded runner"
         spec = self._spec
         keep_freed_buffers()  # turns reuse freed pages instead of faulting in fresh ones
+        fused.warm()  # the fused dequantize compiles beside the model's load (CPU only)
         self.lm = spec() if callable(spec) else load_model(spec, weights=self.config.weights)
         settle_random_state()
         config = self.config

@@ -1,0 +1,136 @@
+"""A fused dequantize on the CPU: a layer's stored codes to its fp32 working copy in one
+pass, with numba, where MLX's CPU array ops take about nine (unpack, pad, shift, mask,
+join, widen, scale, offset, join again).
+
+Measured on a 4K-token cache of the default model's shape (``bench/dequantize.py``, 2
+cores): every layer's keys and values in 40 ms against 87 ms for the plain ops spread over
+both cores (``kernels.workers``), bit for bit the same values (``tests/test_fused.py``
+compares them for every width and group). Why numba: it is the maintained way to write a
+loop that compiles to native code from Python, with wheels for Linux and macOS; MLX has no
+custom CPU kernels (``mx.compile`` fuses the element-wise tail only: 1.07x here, and needs
+a C++ compiler at run time), and NumPy's whole-array ops make the same passes as MLX's
+(1.34x on one core). On a GPU the device's fused ``mx.dequantize`` is the path instead.
+
+The kernel is compiled (or loaded from numba's cache) on a thread of its own the first time
+an engine loads a model (:func:`warm`); until it is ready, and wherever numba is missing or
+``KVACTOR_FUSED=0`` is set, :func:`dequantize` answers None and the caller takes the plain
+path. The engine's thread is still the only caller of MLX: it makes the output array,
+evaluates it and lets the kernel write into that array's memory before anything reads it.
+numba's default thread pool takes one caller at a time, so calls are serialized by a lock.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ._qparts import SINK, SINK_BITS
+
+__all__ = ("dequantize", "ready", "unavailable", "wait", "warm")
+
+_lock = threading.Lock()  # one caller at a time in numba's thread pool
+_ready = threading.Event()
+_state: dict[str, Any] = {"started": False, "kernel": None, "error": None}
+
+
+def _enabled() -> bool:
+    return os.environ.get("KVACTOR_FUSED", "1") != "0" and mx.default_device() == mx.cpu
+
+
+def warm() -> None:
+    """Compile the kernel on a thread of its own, once per process (no-op after the first
+    call, on a GPU, or with ``KVACTOR_FUSED=0``)."""
+    if not _enabled():
+        return
+    with _lock:
+        if _state["started"]:
+            return
+        _state["started"] = True
+    # Not a daemon: an interpreter that exits mid-compile waits for it (a second or two)
+    # rather than tearing LLVM down under it.
+    threading.Thread(target=_build, name="kvactor-fused-compile").start()
+
+
+def _build() -> None:
+    try:
+        from ._fused_kernel import unpack_scale
+
+        codes = np.zeros((1, 1, 8), np.uint8)  # compile for the one signature used
+        side = np.ones((1, 1, 1), np.float32)
+        unpack_scale(codes, side, side, 8, 8, np.empty((1, 1, 8), np.float32), 0)
+        _state["kernel"] = unpack_scale
+    except Exception as exc:  # numba missing or unable to compile here: the plain path
+        _state["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        _ready.set()
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Start the compile if need be and wait for it; True when the kernel is ready."""
+    warm()
+    _ready.wait(timeout)
+    return ready()
+
+
+def ready() -> bool:
+    """Whether :func:`dequantize` will take the fused path now."""
+    return _enabled() and _ready.is_set() and _state["kernel"] is not None
+
+
+def unavailable() -> str | None:
+    """Why the fused path cannot run in this process (None: it can, or is compiling)."""
+    if not _enabled():
+        return "KVACTOR_FUSED=0 or not on the CPU"
+    error: str | None = _state["error"]
+    return error
+
+
+def _host(array: mx.array, dtype: Any = None) -> np.ndarray[Any, Any]:
+    """A C-contiguous NumPy array of an MLX one (evaluated; no copy when it can be)."""
+    out = np.asarray(array)
+    return np.ascontiguousarray(out if dtype is None else out.astype(dtype))
+
+
+def dequantize(
+    ranges: Sequence[Mapping[str, mx.array]], bits: int, room: int = 0
+) -> mx.array | None:
+    """Float32 ``(1, H, T + room, D)``: the quantized parts of consecutive stored ranges
+    (sinks at :data:`SINK_BITS`, the body at ``bits``; in their stored basis) joined along
+    the tokens, then ``room`` zero tokens; the values of ``affine`` of their joined codes,
+    bit for bit. None when the fused path cannot take it (not ready, or a width it does
+    not cover): the caller then runs the plain ops."""
+    kernel: Callable[..., None] | None = _state["kernel"]
+    if kernel is None or not ready():
+        return None
+    pieces = []
+    for parts in ranges:
+        for prefix, width in ((SINK, SINK_BITS), ("", bits)):
+            if prefix + "q" in parts:
+                pieces.append(
+                    (parts[prefix + "q"], parts[prefix + "s"], parts[prefix + "b"], width)
+                )
+    if not pieces:
+        return None
+    _, heads, _, words = pieces[0][0].shape
+    dim = words * 32 // pieces[0][3]
+    tokens = sum(q.shape[2] for q, *_ in pieces)
+    if dim % 8:
+        return None
+    out = mx.zeros((1, heads, tokens + room, dim), mx.float32)
+    mx.eval(out)
+    target = np.asarray(out)
+    if not (target.flags.c_contiguous and target.flags.writeable and target.base is not None):
+        return None
+    start = 0
+    with _lock:
+        for q, scales, biases, width in pieces:
+            codes = _host(q).view(np.uint8).reshape(heads, q.shape[2], -1)
+            s32, b32 = _host(scales, np.float32)[0], _host(biases, np.float32)[0]
+            kernel(codes, s32, b32, width, dim // s32.shape[-1], target[0], start)
+            start += q.shape[2]
+    return out
