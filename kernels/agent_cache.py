@@ -435,6 +435,40 @@ class AgentKV:
             pieces.append(mx.zeros((*last.shape[:2], room, last.shape[3]), mx.float32))
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
+    def dequantize_layers(
+        self,
+        layers: Sequence[int],
+        *,
+        rotated: bool = False,
+        room: int = 0,
+        ranges: slice = slice(None),
+    ) -> list[tuple[mx.array, mx.array]] | None:
+        """:meth:`dequantize` of the keys and values of each of ``layers`` (attention
+        layers), made at once by the fused kernel (``kernels.fused.dequantize_many``: all
+        their arrays allocated side by side first, then filled), evaluated; None where the
+        fused path cannot take them: the caller asks :meth:`dequantize` layer by layer.
+        Raises ValueError like :meth:`dequantize`."""
+        codec = self.codec
+        roles: tuple[Role, Role] = ("key", "value")
+        widths = [codec.role_spec(role)[0] for role in roles]
+        if not fused.ready() or 16 in widths or (codec.rotate and not rotated):
+            return None
+        jobs: list[fused.Job] = []
+        for i in layers:
+            for role, bits in zip(roles, widths, strict=True):
+                spans = list(
+                    zip(self.layer_parts(i, role)[ranges], self.ranges[ranges], strict=True)
+                )
+                if not spans:
+                    raise ValueError("no stored range to dequantize")
+                for parts, r in spans:
+                    codec.check_parts(parts, r.start, r.stop - r.start, role=role)
+                jobs.append(([parts for parts, _ in spans], bits, room))
+        made = fused.dequantize_many(jobs)
+        if made is None:
+            return None
+        return [(made[2 * k], made[2 * k + 1]) for k in range(len(layers))]
+
     def deactivate(self, *, keep_ready: bool = False) -> StoredRange | None:
         """Quantize the tokens added since the last range, drop the working copy, or with
         ``keep_ready`` keep it as the ready copy when its class can (``TurnCache.settle``).

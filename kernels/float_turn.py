@@ -43,8 +43,9 @@ class FloatPrefix:
         self.tokens = kv.ranges[count - 1].stop
         self.rotated = rotated
         part = slice(0, count)
-        self.layers = spread(
-            kv.geometry.n_layers,
+        every = range(kv.geometry.n_layers)
+        self.layers = kv.dequantize_layers(every, rotated=rotated, ranges=part) or spread(
+            len(every),
             lambda i: (
                 kv.dequantize(i, "key", rotated=rotated, ranges=part),
                 kv.dequantize(i, "value", rotated=rotated, ranges=part),
@@ -98,9 +99,35 @@ class FloatTurnCache(Entries):
     def start(cls, kv: AgentKV, prefix: FloatPrefix | None = None) -> FloatTurnCache:
         # With room for the turn's first tokens: the first step writes in place instead of
         # growing (copying) every layer, as KVCache would by the same 256 tokens.
-        # Layer by layer, spread over the CPU's cores (``kernels.workers``).
-        layers = spread(kv.geometry.n_layers, lambda i: cls.row_layer(kv, i, ROOM, prefix), _arrays)
+        # At once by the fused kernel, else layer by layer spread over the CPU's cores.
+        if prefix is None:
+            layers = cls.rows(kv, 0, kv.geometry.n_layers, ROOM)
+        else:
+            every = kv.geometry.n_layers
+            layers = spread(every, lambda i: cls.row_layer(kv, i, ROOM, prefix), _arrays)
         return cls(layers, geometry_slots(kv.geometry))
+
+    @classmethod
+    def rows(cls, kv: AgentKV, first: int, count: int, slack: int) -> list[Any]:
+        """Entries ``first .. first + count - 1`` of a one-row float cache over ``kv``'s
+        stored ranges, as :meth:`row_layer` makes them, evaluated: the attention layers'
+        copies made at once by the fused kernel where it can (``AgentKV.dequantize_layers``),
+        else a layer per worker stream (``kernels.workers``)."""
+        wanted = range(first, first + count)
+        geometry, rotated = kv.geometry, works_rotated(kv.codec)
+        attending = [i for i in wanted if geometry.state(i) is None]
+        copies = None
+        if kv.ranges and attending:
+            copies = kv.dequantize_layers(attending, rotated=rotated, room=slack)
+        if copies is None:
+            return spread(count, lambda j: cls.row_layer(kv, first + j, slack), _arrays)
+        made = dict(zip(attending, copies, strict=True))
+        out = [
+            _kv_row(rotated, *made[i], kv.stored_tokens) if i in made else state_layer(kv, i)
+            for i in wanted
+        ]
+        mx.eval([a for layer in out for a in _arrays(layer)])
+        return out
 
     @staticmethod
     def row_layer(kv: AgentKV, i: int, slack: int = 0, prefix: FloatPrefix | None = None) -> Any:
@@ -111,15 +138,14 @@ class FloatTurnCache(Entries):
             return state_layer(kv, i)
         kv.geometry.layer(i)
         rotated = works_rotated(kv.codec)
-        cache = RotatedKVCache() if rotated else PlainKVCache()
-        if kv.ranges:
-            if prefix is None:
-                keys = kv.dequantize(i, "key", rotated=rotated, room=slack)
-                values = kv.dequantize(i, "value", rotated=rotated, room=slack)
-            else:
-                keys, values = prefix.joined(kv, i, slack)
-            cache.state = (keys, values, kv.stored_tokens)
-        return cache
+        if not kv.ranges:
+            return RotatedKVCache() if rotated else PlainKVCache()
+        if prefix is None:
+            keys = kv.dequantize(i, "key", rotated=rotated, room=slack)
+            values = kv.dequantize(i, "value", rotated=rotated, room=slack)
+        else:
+            keys, values = prefix.joined(kv, i, slack)
+        return _kv_row(rotated, keys, values, kv.stored_tokens)
 
     @classmethod
     def prepare(cls, model: nn.Module, geometry: CacheGeometry | None = None) -> None:
@@ -140,11 +166,7 @@ class FloatTurnCache(Entries):
         total = kv.geometry.n_layers
         per_step = len(worker_streams())
         for at in range(0, total, per_step):
-
-            def layer(j: int, at: int = at) -> Any:
-                return cls.row_layer(kv, at + j, ROOM)
-
-            built = spread(min(per_step, total - at), layer, _arrays)
+            built = cls.rows(kv, at, min(per_step, total - at), ROOM)
             layers += built
             done = len(layers) == total
             yield len(built), cls(layers, geometry_slots(kv.geometry)) if done else None
@@ -266,6 +288,14 @@ class FloatTurnCache(Entries):
 
     def arrays(self) -> list[mx.array]:
         return [a for layer in self._layers for a in _arrays(layer)]
+
+
+def _kv_row(rotated: bool, keys: mx.array, values: mx.array, offset: int) -> Any:
+    """An attention layer's one-row float cache holding ``keys`` and ``values`` (their
+    first ``offset`` tokens stored, room after them), in the stored basis when ``rotated``."""
+    cache = RotatedKVCache() if rotated else PlainKVCache()
+    cache.state = (keys, values, offset)
+    return cache
 
 
 def _arrays(layer: Any) -> list[mx.array]:

@@ -30,8 +30,9 @@ import mlx.core as mx
 import numpy as np
 
 from ._qparts import SINK, SINK_BITS
+from .workers import worker_streams
 
-__all__ = ("dequantize", "ready", "unavailable", "wait", "warm")
+__all__ = ("Job", "dequantize", "dequantize_many", "ready", "unavailable", "wait", "warm")
 
 _lock = threading.Lock()  # one caller at a time in numba's thread pool
 _ready = threading.Event()
@@ -96,6 +97,32 @@ def _host(array: mx.array, dtype: Any = None) -> np.ndarray[Any, Any]:
     return np.ascontiguousarray(out if dtype is None else out.astype(dtype))
 
 
+Job = tuple[Sequence[Mapping[str, mx.array]], int, int]
+"""One copy to make: a layer-role's consecutive stored ranges (their parts), the body's
+bits, and the zero tokens of room after them."""
+
+
+def _pieces(ranges: Sequence[Mapping[str, mx.array]], bits: int) -> list[tuple[Any, ...]]:
+    """(codes, scales, biases, bits) of each quantized piece (sinks, body) in token order."""
+    out = []
+    for parts in ranges:
+        for prefix, width in ((SINK, SINK_BITS), ("", bits)):
+            if prefix + "q" in parts:
+                out.append((parts[prefix + "q"], parts[prefix + "s"], parts[prefix + "b"], width))
+    return out
+
+
+def _shape(pieces: list[tuple[Any, ...]], room: int) -> tuple[int, ...] | None:
+    """The copy's shape (None where the kernel does not cover it)."""
+    if not pieces:
+        return None
+    _, heads, _, words = pieces[0][0].shape
+    dim = words * 32 // pieces[0][3]
+    if dim % 8:
+        return None
+    return (1, heads, sum(q.shape[2] for q, *_ in pieces) + room, dim)
+
+
 def dequantize(
     ranges: Sequence[Mapping[str, mx.array]], bits: int, room: int = 0
 ) -> mx.array | None:
@@ -104,33 +131,44 @@ def dequantize(
     the tokens, then ``room`` zero tokens; the values of ``affine`` of their joined codes,
     bit for bit. None when the fused path cannot take it (not ready, or a width it does
     not cover): the caller then runs the plain ops."""
+    made = dequantize_many([(ranges, bits, room)])
+    return None if made is None else made[0]
+
+
+def dequantize_many(jobs: Sequence[Job]) -> list[mx.array] | None:
+    """:func:`dequantize` of each job (None if any is not covered). The copies' arrays are
+    made first, side by side over the worker streams (``kernels.workers``): in fresh memory
+    most of a copy's time is the first touch of its pages, which one zero-fill per array on
+    one stream would leave to one core. Then the kernel fills them, one after another, each
+    over every core."""
     kernel: Callable[..., None] | None = _state["kernel"]
     if kernel is None or not ready():
         return None
-    pieces = []
-    for parts in ranges:
-        for prefix, width in ((SINK, SINK_BITS), ("", bits)):
-            if prefix + "q" in parts:
-                pieces.append(
-                    (parts[prefix + "q"], parts[prefix + "s"], parts[prefix + "b"], width)
-                )
-    if not pieces:
+    plans = [(_pieces(ranges, bits), room) for ranges, bits, room in jobs]
+    shapes = [_shape(pieces, room) for pieces, room in plans]
+    if any(shape is None for shape in shapes):
         return None
-    _, heads, _, words = pieces[0][0].shape
-    dim = words * 32 // pieces[0][3]
-    tokens = sum(q.shape[2] for q, *_ in pieces)
-    if dim % 8:
+    streams = worker_streams()
+    outs = []
+    for k, shape in enumerate(shapes):
+        with mx.stream(streams[k % len(streams)]):
+            outs.append(mx.zeros(shape, mx.float32))  # type: ignore[arg-type]
+        if len(streams) > 1:
+            mx.async_eval(outs[-1])
+    mx.eval(outs)
+    targets = [np.asarray(out) for out in outs]
+    if not all(t.flags.c_contiguous and t.flags.writeable and t.base is not None for t in targets):
         return None
-    out = mx.zeros((1, heads, tokens + room, dim), mx.float32)
-    mx.eval(out)
-    target = np.asarray(out)
-    if not (target.flags.c_contiguous and target.flags.writeable and target.base is not None):
-        return None
-    start = 0
     with _lock:
-        for q, scales, biases, width in pieces:
-            codes = _host(q).view(np.uint8).reshape(heads, q.shape[2], -1)
-            s32, b32 = _host(scales, np.float32)[0], _host(biases, np.float32)[0]
-            kernel(codes, s32, b32, width, dim // s32.shape[-1], target[0], start)
-            start += q.shape[2]
-    return out
+        for target, (pieces, _) in zip(targets, plans, strict=True):
+            _fill(kernel, target[0], pieces)
+    return outs
+
+
+def _fill(kernel: Callable[..., None], target: Any, pieces: list[tuple[Any, ...]]) -> None:
+    heads, start = target.shape[0], 0
+    for q, scales, biases, width in pieces:
+        codes = _host(q).view(np.uint8).reshape(heads, q.shape[2], -1)
+        s32, b32 = _host(scales, np.float32)[0], _host(biases, np.float32)[0]
+        kernel(codes, s32, b32, width, target.shape[2] // s32.shape[-1], target, start)
+        start += q.shape[2]

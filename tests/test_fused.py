@@ -11,7 +11,7 @@ import pytest
 from kvactor.kernels import fused
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.geometry import CacheGeometry
-from kvactor.kernels.qcodec import DEFAULT_CODEC, KVCodec
+from kvactor.kernels.qcodec import DEFAULT_CODEC, KVCodec, Role
 from kvactor.kernels.stored import StoredRange
 
 
@@ -104,3 +104,21 @@ def test_refuses_parts_that_do_not_fit_their_range() -> None:
     kv.ranges[1] = StoredRange(4, 90, kv.ranges[1].layers)  # 96 tokens named 86
     with pytest.raises(ValueError, match="hold 96 tokens, not 86"):
         kv.dequantize(0, "key", rotated=True)
+
+
+def test_layers_at_once_hold_the_plain_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``AgentKV.dequantize_layers`` (the arrays made side by side, then filled): each
+    layer's keys and values are what ``dequantize`` gives with the plain ops."""
+    kv = _kv(DEFAULT_CODEC, 64, (4, 200, 333, 600), seed=2)
+    for ranges, room in ((slice(None), 256), (slice(0, 2), 0), (slice(2, None), 5)):
+        made = kv.dequantize_layers([1, 0], rotated=True, room=room, ranges=ranges)
+        assert made is not None and len(made) == 2
+        monkeypatch.setenv("KVACTOR_FUSED", "0")
+        assert kv.dequantize_layers([0], rotated=True) is None  # the caller's plain path
+        for layer, pair in zip([1, 0], made, strict=True):
+            roles: tuple[Role, Role] = ("key", "value")
+            for role, got in zip(roles, pair, strict=True):
+                plain = kv.dequantize(layer, role, rotated=True, room=room, ranges=ranges)
+                assert np.array_equal(np.array(got), np.array(plain))
+        monkeypatch.delenv("KVACTOR_FUSED")
+    assert kv.dequantize_layers([0], rotated=False) is None  # only in the stored basis

@@ -1,5 +1,6 @@
 """Array work spread over the CPU's cores (``kernels.workers``): a float working copy made
-on one MLX stream per core holds the same bits as one made on a single stream, layer by
+on one MLX stream per core holds the same bits as one made on a single stream (and as one
+made by the fused kernel, ``kernels.fused``), layer by
 layer on alternating streams; a thread's streams go with ``release_thread`` (real MLX,
 tiny model)."""
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvactor.actors.models import make_tiny_model
+from kvactor.kernels import fused
 from kvactor.kernels._turn_base import ROOM
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.float_turn import FloatPrefix, FloatTurnCache
@@ -80,15 +82,21 @@ def test_a_working_copy_spread_over_streams_holds_the_bits_of_one_made_on_one(
             _values(ready),
         )
 
+    assert fused.wait(300), fused.unavailable()  # the fused kernel (numba) makes them
     spread_n, *spread_values = _in_thread(made, {"KVACTOR_ARRAY_STREAMS": "3"}, monkeypatch)
     one_n, *one_values = _in_thread(made, {"KVACTOR_ARRAY_STREAMS": "1"}, monkeypatch)
-    assert (spread_n, one_n) == (3, 1)
+    # and MLX's plain ops, over streams and on one
+    plain = {"KVACTOR_FUSED": "0", "KVACTOR_ARRAY_STREAMS": "3"}
+    plain_n, *plain_values = _in_thread(made, plain, monkeypatch)
+    _, *plain_one_values = _in_thread(made, {"KVACTOR_ARRAY_STREAMS": "1"}, monkeypatch)
+    assert (spread_n, one_n, plain_n) == (3, 1, 3)
     # Each way, from the stored ranges, with a shared prefix's copy, as a ready copy.
-    for spread_arrays, one_arrays in zip(spread_values, one_values, strict=True):
-        assert len(spread_arrays) == 2 * kv.geometry.n_layers
-        for a, b in zip(spread_arrays, one_arrays, strict=True):
-            assert a.shape == (1, b.shape[1], len(kv.tokens) + ROOM, b.shape[3])
-            np.testing.assert_array_equal(a, b)
+    for ways in zip(spread_values, one_values, plain_values, plain_one_values, strict=True):
+        assert len(ways[0]) == 2 * kv.geometry.n_layers
+        for a, *others in zip(*ways, strict=True):
+            assert a.shape == (1, a.shape[1], len(kv.tokens) + ROOM, a.shape[3])
+            for b in others:
+                np.testing.assert_array_equal(a, b)
 
 
 def test_layers_go_to_the_streams_in_turn_and_each_thread_has_its_own(
