@@ -41,6 +41,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +142,7 @@ async def warm_turn(
                 os.environ[key] = value
 
 
-async def measure(n: int, text: str, root: Path, run: int = 0) -> dict[str, Any]:
+async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
     async with kvactor.open(cache_dir=root) as kv:
         # At the model's whole length: room kept for the tokens the turns decode.
         n = min(n, kv.model.context_length - 64)
@@ -157,19 +158,22 @@ async def measure(n: int, text: str, root: Path, run: int = 0) -> dict[str, Any]
     file_bytes = sum(p.stat().st_size for p in folder.glob("seg-*"))
     same_size_gbps = disk_read_gbps(root, file_bytes, repeats=3)
     # Warm turns, each in a new session (nothing hot), page cache dropped: as it runs, with
-    # the plain array ops (KVACTOR_FUSED=0), and those on one MLX stream (the first way);
-    # in turn order on even runs, reversed on odd ones (a process's first new session
-    # faults its memory in fresh).
+    # the plain array ops (KVACTOR_FUSED=0), and those on one MLX stream (the first way).
+    # Each way twice, in turn order then reversed (a process's sessions differ with what
+    # ran before them: its first new session faults its memory in fresh); the means.
     ways = {
         "warm": {},
         "plain": {"KVACTOR_FUSED": "0"},
         "one": {"KVACTOR_FUSED": "0", "KVACTOR_ARRAY_STREAMS": "1"},
     }
-    turns = {}
-    for way in list(ways) if run % 2 == 0 else list(ways)[::-1]:
-        turns[way] = await warm_turn(root, f"ttft-{n}", prompt, ways[way])
-    (warm_s, warm), (warm_plain_s, warm_plain) = turns["warm"], turns["plain"]
-    warm_one_s, warm_one = turns["one"]
+    turns: dict[str, list[tuple[float, kvactor.Completion]]] = {way: [] for way in ways}
+    for way in [*ways, *reversed(ways)]:
+        turns[way].append(await warm_turn(root, f"ttft-{n}", prompt, ways[way]))
+    warm_s, warm_plain_s, warm_one_s = (statistics.fmean(s for s, _ in turns[w]) for w in ways)
+
+    def mean(way: str, part: Callable[[Any], float]) -> float:
+        return statistics.fmean(part(c.timings) for _, c in turns[way])
+
     dropped = drop_page_cache(folder)
     async with kvactor.open(cache_dir=root) as kv:
         agent = await kv.spawn_agent(f"ttft-{n}")
@@ -201,28 +205,25 @@ async def measure(n: int, text: str, root: Path, run: int = 0) -> dict[str, Any]
         decode_q = await decode_rate(agent, prompt)
     async with kvactor.open(cache_dir=root, attention="dequantized") as kv:
         decode_d = await decode_rate(await kv.spawn_agent(f"ttft-{n}"), prompt)
-    paths = (
-        cold, warm, hot, hot_stored, prefetched, prefetched_ready, warm_q, hot_q, warm_one,
-        warm_plain,
-    )  # fmt: skip
-    want = (COLD, WARM, HOT, HOT, HOT, HOT, WARM, HOT, WARM, WARM)
+    warms = [c for way in ways for _, c in turns[way]]
+    paths = (cold, hot, hot_stored, prefetched, prefetched_ready, warm_q, hot_q, *warms)
+    want = (COLD, HOT, HOT, HOT, HOT, WARM, HOT, *(WARM for _ in warms))
     assert tuple(d.path for d in paths) == want, [d.path for d in paths]
     answers = {d.token_ids[0] for d in paths}
     assert len(answers) == 1, answers  # every path gives the same greedy token
     seed_s, mlx_step_s = seed_path_s(prompt, root)
-    parts = warm.timings
     return {
         # A warm turn's parts, one after another: the store's read and verify (in its
         # queue time), the working copy, the forward of the new tokens and the first step.
-        "warm_read_verify_s": parts.load_s,
-        "warm_dequantize_s": parts.dequantize_s,
-        "warm_forward_s": parts.prefill_s - parts.dequantize_s,
-        "warm_other_s": warm_s - parts.load_s - parts.prefill_s,
+        "warm_read_verify_s": mean("warm", lambda t: t.load_s),
+        "warm_dequantize_s": mean("warm", lambda t: t.dequantize_s),
+        "warm_forward_s": mean("warm", lambda t: t.prefill_s - t.dequantize_s),
+        "warm_other_s": warm_s - mean("warm", lambda t: t.load_s + t.prefill_s),
         "warm_overlap_s": 0.0,  # nothing of them runs side by side (docs/benchmarks.md)
         "warm_one_stream_s": warm_one_s,
-        "warm_one_stream_dequantize_s": warm_one.timings.dequantize_s,
+        "warm_one_stream_dequantize_s": mean("one", lambda t: t.dequantize_s),
         "warm_plain_s": warm_plain_s,
-        "warm_plain_dequantize_s": warm_plain.timings.dequantize_s,
+        "warm_plain_dequantize_s": mean("plain", lambda t: t.dequantize_s),
         "tokens": cold.timings.prompt_tokens,
         "cold_s": cold_s,
         "warm_s": warm_s,
@@ -288,13 +289,13 @@ async def main(contexts: list[int], runs: int) -> dict[str, Any]:
     trials: dict[str, list[dict[str, Any]]] = {str(n): [] for n in contexts}
     rates = []
     fused.wait(300)  # the kernel compiles on a thread of its own: ready before any turn
-    for run in range(runs):
+    for _ in range(runs):
         with tempfile.TemporaryDirectory(dir=os.environ.get("KVACTOR_BENCH_DIR")) as tmp:
             root = Path(tmp)
             gbps = disk_read_gbps(root)
             rates.append(gbps)
             for n in contexts:
-                r = await measure(n, text, root, run)
+                r = await measure(n, text, root)
                 r["disk_read_gbps"] = gbps
                 r["floor_s"] = r["file_bytes"] / (gbps * 1e9) + r["decode_step_s"]
                 trials[str(n)].append(r)
