@@ -398,20 +398,12 @@ class AgentKV:
         scaled in one pass: no float copy is joined."""
         codec = self.codec
         bits = codec.role_spec(role)[0]
-        spans = [
-            (parts, r.start, r.stop - r.start)
-            for parts, r in zip(
-                self.layer_parts(layer, role)[ranges], self.ranges[ranges], strict=True
-            )
-        ]
-        if not spans:
-            raise ValueError("no stored range to dequantize")
+        spans = self._spans(layer, role, ranges)
         if bits != 16 and mx.default_device() == mx.cpu and (rotated or not codec.rotate):
-            for parts, start, n in spans:
-                codec.check_parts(parts, start, n, role=role)
-            done = fused.dequantize([parts for parts, _, _ in spans], bits, room)
-            if done is not None:  # one pass over the codes (numba); else the plain ops
-                return done
+            if fused.ready():  # one pass over the codes (numba); else the plain ops
+                done = fused.dequantize(*self._fused_job(spans, role, room))
+                if done is not None:
+                    return done
             triples = [codec.codes(parts, start, n, role=role) for parts, start, n in spans]
             if room:
                 codes, scales, _ = triples[-1]
@@ -453,21 +445,36 @@ class AgentKV:
         widths = [codec.role_spec(role)[0] for role in roles]
         if not fused.ready() or 16 in widths or (codec.rotate and not rotated):
             return None
-        jobs: list[fused.Job] = []
-        for i in layers:
-            for role, bits in zip(roles, widths, strict=True):
-                spans = list(
-                    zip(self.layer_parts(i, role)[ranges], self.ranges[ranges], strict=True)
-                )
-                if not spans:
-                    raise ValueError("no stored range to dequantize")
-                for parts, r in spans:
-                    codec.check_parts(parts, r.start, r.stop - r.start, role=role)
-                jobs.append(([parts for parts, _ in spans], bits, room))
+        jobs = [
+            self._fused_job(self._spans(i, role, ranges), role, room)
+            for i in layers
+            for role in roles
+        ]
         made = fused.dequantize_many(jobs)
         if made is None:
             return None
         return [(made[2 * k], made[2 * k + 1]) for k in range(len(layers))]
+
+    def _spans(self, layer: int, role: Role, ranges: slice) -> list[tuple[Parts, int, int]]:
+        """(parts, start, tokens) of each stored range ``ranges`` selects, for one layer's
+        role. Raises ValueError when it selects none."""
+        spans = [
+            (parts, r.start, r.stop - r.start)
+            for parts, r in zip(
+                self.layer_parts(layer, role)[ranges], self.ranges[ranges], strict=True
+            )
+        ]
+        if not spans:
+            raise ValueError("no stored range to dequantize")
+        return spans
+
+    def _fused_job(self, spans: list[tuple[Parts, int, int]], role: Role, room: int) -> fused.Job:
+        """What ``kernels.fused`` takes for one layer's role (its :meth:`_spans`): their
+        parts, checked against their token counts (raises ValueError like
+        :meth:`dequantize`)."""
+        for parts, start, n in spans:
+            self.codec.check_parts(parts, start, n, role=role)
+        return [parts for parts, _, _ in spans], self.codec.role_spec(role)[0], room
 
     def deactivate(self, *, keep_ready: bool = False) -> StoredRange | None:
         """Quantize the tokens added since the last range, drop the working copy, or with

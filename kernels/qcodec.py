@@ -270,7 +270,7 @@ class KVCodec:
         Raises ValueError if the part names or token counts do not fit that range (the shapes
         of untrusted parts are checked against :meth:`expected_parts` by their reader).
         """
-        bits, group = self._check_parts(parts, start, n, role)
+        bits, group = self.check_parts(parts, start, n, role=role)
         if bits == 16:
             return parts["x"].astype(dtype)
         x = dequantize_parts(parts, bits, group)
@@ -288,20 +288,13 @@ class KVCodec:
         ranges before one ``affine`` copies a quarter of the bytes of joining floats (on CPU,
         where the codes are unpacked by plain ops anyway). Raises ValueError like
         :meth:`dequantize`, and for a 16-bit role."""
-        bits, _ = self._check_parts(parts, start, n, role)
+        bits, _ = self.check_parts(parts, start, n, role=role)
         if bits == 16:
             raise ValueError("a 16-bit role has no codes")
         return joined_codes(parts, bits)
 
     def check_parts(
         self, parts: Mapping[str, mx.array], start: int, n: int, *, role: Role | None = None
-    ) -> tuple[int, int]:
-        """(bits, group) of a role's parts for tokens ``start .. start + n - 1``. Raises
-        ValueError like :meth:`dequantize` when they do not fit that range."""
-        return self._check_parts(parts, start, n, role)
-
-    def _check_parts(
-        self, parts: Mapping[str, mx.array], start: int, n: int, role: Role | None
     ) -> tuple[int, int]:
         """(bits, group) of parts that fit tokens ``start .. start + n - 1``; the group from
         their shapes (width over scales per token)."""
