@@ -18,6 +18,8 @@ an engine loads a model (:func:`warm`); until it is ready, and wherever numba is
 path. The engine's thread is still the only caller of MLX: it makes the output array,
 evaluates it and lets the kernel write into that array's memory before anything reads it.
 numba's default thread pool takes one caller at a time, so calls are serialized by a lock.
+The same thread compiles the kernel of the stored-form attention (``kernels.stored_attend``),
+under the same switch and lock.
 """
 
 from __future__ import annotations
@@ -33,11 +35,21 @@ import numpy as np
 from ._qparts import SINK, SINK_BITS
 from .workers import worker_streams
 
-__all__ = ("Job", "dequantize", "dequantize_many", "ready", "unavailable", "wait", "warm")
+__all__ = (
+    "Job",
+    "calling",
+    "compiled",
+    "dequantize",
+    "dequantize_many",
+    "ready",
+    "unavailable",
+    "wait",
+    "warm",
+)
 
 _lock = threading.Lock()  # one caller at a time in numba's thread pool
 _ready = threading.Event()
-_state: dict[str, Any] = {"started": False, "kernel": None, "error": None}
+_state: dict[str, Any] = {"started": False, "kernel": None, "attend": None, "error": None}
 
 
 def _enabled() -> bool:
@@ -53,6 +65,11 @@ def warm() -> None:
         if _state["started"]:
             return
         _state["started"] = True
+    # numba's OpenMP threads sleep as soon as a call ends, unless the user chose otherwise
+    # (read once, when the OpenMP runtime loads at the first call). Spinning, as they do by
+    # default, they held both cores while MLX's threads ran the rest of the step: a decode
+    # step over stored codes took 300 ms instead of 110 at 4K (kernels.stored_attend).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Not a daemon: an interpreter that exits mid-compile waits for it (a second or two)
     # rather than tearing LLVM down under it.
     threading.Thread(target=_build, name="kvactor-fused-compile").start()
@@ -61,11 +78,20 @@ def warm() -> None:
 def _build() -> None:
     try:
         from ._fused_kernel import unpack_scale
+        from ._stored_attend_kernel import attend_quantized
 
         codes = np.zeros((1, 1, 8), np.uint8)  # compile for the one signature used
         side = np.ones((1, 1, 1), np.float32)
         unpack_scale(codes, side, side, 8, 8, np.empty((1, 1, 8), np.float32), 0)
         _state["kernel"] = unpack_scale
+        # The stored-form attention (``kernels.stored_attend``), its one signature too.
+        words = np.zeros((1, 1, 1, 1), np.uint32)
+        side4, out = np.ones((1, 1, 1, 1), np.float32), np.empty((1, 1, 1), np.float32)
+        query = np.zeros((1, 1, 1, 8), np.float32)
+        mask = np.zeros((0, 0, 0, 0), np.uint8)
+        coded = (words, side4, side4, 4, 8)
+        attend_quantized(query, *coded, *coded, mask, 1, out, out.copy(), query.copy())
+        _state["attend"] = attend_quantized
     except Exception as exc:  # numba missing or unable to compile here: the plain path
         _state["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -82,6 +108,18 @@ def wait(timeout: float | None = None) -> bool:
 def ready() -> bool:
     """Whether :func:`dequantize` will take the fused path now."""
     return _enabled() and _ready.is_set() and _state["kernel"] is not None
+
+
+def compiled(name: str) -> Callable[..., None] | None:
+    """A kernel compiled on this module's thread (``"attend"``: the stored-form attention
+    of ``kernels.stored_attend``), or None where :func:`ready` is False."""
+    kernel: Callable[..., None] | None = _state[name]
+    return kernel if ready() else None
+
+
+def calling() -> threading.Lock:
+    """The lock every call into numba's thread pool holds (it takes one caller at a time)."""
+    return _lock
 
 
 def unavailable() -> str | None:

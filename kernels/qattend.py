@@ -10,11 +10,12 @@ from typing import Literal
 
 import mlx.core as mx
 
+from . import stored_attend
 from ._qmath import dequantize_reference, rotate
 
 __all__ = ("Coded", "Kernel", "attend_parts", "row_parts")
 
-Kernel = Literal["auto", "quantized_matmul", "reference"]
+Kernel = Literal["auto", "quantized_matmul", "reference", "stored"]
 Regions = list[tuple["Coded", "Coded"]]  # per region: keys, values (width 0: none)
 Tail = tuple[mx.array, mx.array]  # the float K, V of the turn, (B, H, T, D)
 
@@ -77,6 +78,13 @@ def attend_parts(
     q_rot: mx.array | None = None
     scores = []
     used = [(k, v) for k, v in regions if k.width]
+    if kernel == "stored":  # numba over the packed codes (CPU), where it covers them
+        if stored_attend.covers(used, n_heads // h * n):
+            if any(k.rotated for k, _ in used):
+                q_rot = rotate(q)
+            out = stored_attend.attend(q, q_rot, used, (tail_k, tail_v), mask, sinks)
+            return out.reshape(b, n_heads, n, out.shape[-1]).astype(out_dtype)
+        kernel = "quantized_matmul" if n <= 2 or mx.default_device() != mx.cpu else "reference"
     for coded, _ in used:
         if coded.rotated and q_rot is None:
             q_rot = rotate(q)

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from . import stored_attend
 from ._qparts import SINK as _SINK
 from ._qparts import SINK_BITS as _SINK_BITS
 from ._shared_kv import note_fetched
@@ -99,8 +100,9 @@ class QuantizedBatchCache:
     Build one row with :meth:`from_parts`; combine rows with :meth:`merge` / :meth:`extend`;
     drop rows with :meth:`filter`; take one out with :meth:`extract`. ``kernel`` picks how
     attention reads the quantized past: ``"quantized_matmul"`` (MLX's fused kernel, on
-    every backend MLX has), ``"reference"`` (dequantize, then plain matmuls) or
-    ``"auto"`` (per step, the faster of the two for the device and query count).
+    every backend MLX has), ``"reference"`` (dequantize, then plain matmuls), ``"stored"``
+    (numba over the packed codes, on the CPU: ``kernels.stored_attend``) or ``"auto"``
+    (per step, the fastest for the device, the query count and the regions).
     """
 
     step = 256
@@ -114,9 +116,10 @@ class QuantizedBatchCache:
         region_lengths: list[list[int]],
         kernel: Kernel = "auto",
     ) -> None:
-        if kernel not in ("auto", "quantized_matmul", "reference"):
+        if kernel not in ("auto", "quantized_matmul", "reference", "stored"):
             raise ValueError(
-                f"kernel must be 'auto', 'quantized_matmul' or 'reference', not {kernel!r}"
+                "kernel must be 'auto', 'quantized_matmul', 'reference' or 'stored', "
+                f"not {kernel!r}"
             )
         self.codec = codec
         self.dims = dims  # key and value widths
@@ -279,7 +282,7 @@ class QuantizedBatchCache:
         self._unattended = False
         if not isinstance(mask, mx.array):
             mask = None  # make_mask always gives an array: anything else is no mask
-        kernel = self._kernel_for(queries.shape[2])
+        kernel = self._kernel_for(queries)
         regions = [(r["key"], r["value"]) for r in self._regions]
         tail = (self.keys[:, :, : self._idx], self.values[:, :, : self._idx])
         if self.rows == 1 or not self.rowwise:
@@ -294,15 +297,22 @@ class QuantizedBatchCache:
             )
         return mx.concatenate(outs, axis=0)
 
-    def _kernel_for(self, n_queries: int) -> Kernel:
-        """``"auto"``: the fused kernel on a GPU; on the CPU only for one or two queries a
-        row (MLX's CPU quantized matmul costs in proportion to the queries, so a prefill
-        chunk is faster dequantizing the past once: bench/ttft.py)."""
+    def _kernel_for(self, queries: mx.array) -> Kernel:
+        """``"auto"``: the fused kernel on a GPU. On the CPU the stored-form kernel
+        (``kernels.stored_attend``) for a few queries a row where it covers the regions;
+        else MLX's quantized matmul for one or two queries a row (it costs in proportion
+        to the queries, so a prefill chunk is faster dequantizing the past once:
+        bench/ttft.py)."""
         if self.kernel != "auto":
             return self.kernel
-        if mx.default_device() != mx.cpu or n_queries <= _CPU_FUSED_MAX_QUERIES:
+        if mx.default_device() != mx.cpu:
             return "quantized_matmul"
-        return "reference"
+        assert self.keys is not None
+        per_row = queries.shape[1] // self.keys.shape[1] * queries.shape[2]
+        used = [(r["key"], r["value"]) for r in self._regions if r["key"].width]
+        if stored_attend.covers(used, per_row):
+            return "stored"
+        return "quantized_matmul" if queries.shape[2] <= _CPU_FUSED_MAX_QUERIES else "reference"
 
     # -- batch edits ----------------------------------------------------------------
     @classmethod

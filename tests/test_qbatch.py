@@ -11,6 +11,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvactor.actors.engine import EngineConfig
 from kvactor.actors.models import LoadedModel, make_tiny_model
+from kvactor.kernels import fused
 from kvactor.kernels.agent_cache import AgentKV
 from kvactor.kernels.attention import bind_attention
 from kvactor.kernels.float_turn import FloatTurnCache
@@ -30,6 +31,7 @@ CODECS = [
 
 @pytest.fixture(scope="module")
 def lm() -> LoadedModel:
+    assert fused.wait(300), fused.unavailable()  # the "stored" kernel compiles with it
     loaded = make_tiny_model(0, head_dim=64)
     QuantizedTurnCache.prepare(loaded.model)
     FloatTurnCache.prepare(loaded.model)  # one model, both modes
@@ -85,7 +87,7 @@ def test_attention_over_stored_parts_equals_attention_over_their_float_copy(
     kv = stored(lm, codec, tokens(50, 1), [3, 30, 17])
     new = tokens(6, 2)
     expected = logits_of(lm, new, float_copy(kv))  # dequantized float copy, plain attention
-    for kernel in ("reference", "quantized_matmul", "auto"):
+    for kernel in ("reference", "quantized_matmul", "stored", "auto"):
         got = logits_of(lm, new, quantized(kv, kernel))
         assert close(got - expected), kernel
 
@@ -98,9 +100,13 @@ def test_an_empty_cache_attends_to_its_tail_only(lm: LoadedModel) -> None:
     assert close(got - plain)
 
 
-def test_a_batch_decodes_every_row_as_it_would_alone(lm: LoadedModel) -> None:
+@pytest.mark.parametrize("kernel", ["quantized_matmul", "stored"])
+def test_a_batch_decodes_every_row_as_it_would_alone(lm: LoadedModel, kernel: str) -> None:
     lengths, prefills = (2, 40, 70), (5, 1, 9)  # row 0 holds fewer tokens than the sinks
-    rows = [quantized(stored(lm, DEFAULT_CODEC, tokens(n, i), [n])) for i, n in enumerate(lengths)]
+    rows = [
+        quantized(stored(lm, DEFAULT_CODEC, tokens(n, i), [n]), kernel)
+        for i, n in enumerate(lengths)
+    ]
     for i, (caches, n) in enumerate(zip(rows, prefills, strict=True)):
         logits_of(lm, tokens(n, 10 + i), caches)
     batch = [QuantizedBatchCache.merge([r[layer] for r in rows]) for layer in range(lm.n_layers)]
@@ -190,7 +196,7 @@ def test_bad_use_gets_clear_errors(lm: LoadedModel) -> None:
         QuantizedBatchCache.from_parts(DEFAULT_CODEC, lm.n_kv_heads, (64, 64), *parts, 21)
 
 
-@pytest.mark.parametrize("kernel", ["reference", "quantized_matmul"])
+@pytest.mark.parametrize("kernel", ["reference", "quantized_matmul", "stored"])
 def test_learned_sinks_join_attention_over_stored_parts_as_mlx_does(kernel: str) -> None:
     # gpt-oss's per-head sink logits: one more softmax column with no value, as mlx's own
     # attention takes them (the tiny gpt_oss runs the whole quantized path: test_families).

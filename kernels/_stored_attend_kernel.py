@@ -1,0 +1,245 @@
+"""The numba kernel of ``kernels.stored_attend`` (compiled on the thread of
+``kernels.fused``): attention of a few queries over one region of quantized keys and
+values, read straight from their packed codes, as softmax partials.
+
+A row's values are unpacked in a permuted order: with ``per`` values to a unit (a uint32
+word's 32 / bits for 2, 4 and 8 bits, else 8 values in ``bits`` bytes) and ``U`` units a
+row, value ``per * u + k`` goes to ``k * U + u``. Each ``k`` is then one run over the units
+(which LLVM vectorizes), a group's scale and bias are per unit, and the queries (for the
+keys) and the sums (for the values) are permuted the same way, once per chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = ("attend_quantized",)
+
+_NEG = np.float32(-np.inf)
+# Sums may be reordered and multiply-adds fused (LLVM vectorizes the dots); infinities and
+# NaNs keep their meaning (a masked column is -inf).
+_FAST = {"reassoc", "contract", "nsz", "arcp"}
+
+
+@njit(inline="always")
+def _unpack(
+    codes: Any, b: int, h: int, t: int, bits: int, units: int, mask: Any, out: Any
+) -> None:  # pragma: no cover
+    """Row ``codes[b, h, t]`` (uint32 words, as MLX packs them) as floats, in the permuted
+    order (module docstring): for 2, 4 and 8 bits a unit is a word, else ``bits`` bytes.
+    (Indices, not a view of the row: a view per token costs its reference counting.)"""
+    if 32 % bits == 0:
+        per = 32 // bits
+        m32 = np.uint32(mask)
+        for k in range(per):
+            shift = np.uint32(k * bits)
+            for u in range(units):
+                out[k * units + u] = np.float32((codes[b, h, t, u] >> shift) & m32)
+    else:  # 8 values in ``bits`` bytes: the two words that hold them, shifted down
+        last = codes.shape[3] - 1
+        for u in range(units):
+            bit = u * 8 * bits
+            w = bit >> 5
+            low = np.uint64(codes[b, h, t, w])
+            high = np.uint64(codes[b, h, t, min(w + 1, last)]) if w < last else np.uint64(0)
+            word = ((high << np.uint64(32)) | low) >> np.uint64(bit & 31)
+            for k in range(8):
+                out[k * units + u] = np.float32((word >> np.uint64(k * bits)) & mask)
+
+
+@njit(inline="always")
+def _per(bits: int) -> int:  # pragma: no cover
+    """Values per unit of :func:`_unpack`: a uint32 word's, or 8 (``bits`` bytes)."""
+    return 32 // bits if 32 % bits == 0 else 8
+
+
+@njit(inline="always")
+def _affine(
+    row: Any,
+    scales: Any,
+    biases: Any,
+    b: int,
+    h: int,
+    t: int,
+    per: int,
+    units: int,
+    gu: int,
+    su: Any,
+    bu: Any,
+) -> None:  # pragma: no cover
+    """The unpacked row's codes to ``code * scale + bias``, each group's (in place): the
+    scale and bias of each unit first (``su``, ``bu``: scratch), then a run per ``k``."""
+    for u in range(units):
+        su[u] = scales[b, h, t, u // gu]
+        bu[u] = biases[b, h, t, u // gu]
+    for k in range(per):
+        base = k * units
+        for u in range(units):
+            row[base + u] = row[base + u] * su[u] + bu[u]
+
+
+# exp(x) for x <= 0 in fp32, vectorizable (libm's expf, called per value, took two thirds of
+# the kernel): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 minimax polynomial
+# (Cephes' coefficients, ~1 ulp), times 2^n from a table.
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_P0, _P1, _P2 = (
+    np.float32(1.9875691500e-4),
+    np.float32(1.3981999507e-3),
+    np.float32(8.3334519073e-3),
+)
+_P3, _P4, _P5 = (
+    np.float32(4.1665795894e-2),
+    np.float32(1.6666665459e-1),
+    np.float32(5.0000001201e-1),
+)
+_POW2 = np.ldexp(np.float32(1), np.arange(-127, 1)).astype(np.float32)  # 2^n, n = -127 .. 0
+
+
+@njit(inline="always")
+def _exp(x: Any) -> Any:  # pragma: no cover
+    if x < np.float32(-87.0):
+        return np.float32(0)
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HI - n * _LN2_LO
+    p = _P0 * r + _P1
+    p = p * r + _P2
+    p = p * r + _P3
+    p = p * r + _P4
+    p = p * r + _P5
+    return (p * r * r + r + np.float32(1)) * _POW2[np.int32(n) + 127]
+
+
+@njit(inline="always")
+def _finish(scores: Any, n: int, m_out: Any, l_out: Any) -> None:  # pragma: no cover
+    """Each query's max over its ``n`` scores into ``m_out``, the scores replaced by their
+    exponentials less it, their sum into ``l_out``."""
+    for i in range(scores.shape[0]):
+        top = _NEG
+        for t in range(n):
+            if scores[i, t] > top:
+                top = scores[i, t]
+        total = np.float32(0)
+        if top != _NEG:
+            for t in range(n):
+                e = _exp(scores[i, t] - top)
+                scores[i, t] = e
+                total += e
+        else:
+            for t in range(n):
+                scores[i, t] = np.float32(0)
+        m_out[i] = top
+        l_out[i] = total
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FAST)
+def attend_quantized(
+    q: Any,
+    k_codes: Any,
+    k_scales: Any,
+    k_biases: Any,
+    k_bits: int,
+    k_group: int,
+    v_codes: Any,
+    v_scales: Any,
+    v_biases: Any,
+    v_bits: int,
+    v_group: int,
+    mask: Any,
+    chunk: int,
+    m_out: Any,
+    l_out: Any,
+    o_out: Any,
+) -> None:  # pragma: no cover - compiled by numba, which coverage does not see
+    """Softmax partials of queries ``q`` fp32 ``(B, H, Q, D)`` (scaled, in the region's
+    basis; ``Q`` = query-head repeats x queries, repeat-major) over a region's keys and
+    values: codes uint32 ``(B, H, W, D * bits / 32)``, scales and biases fp32
+    ``(B, H, W, D / group)``; ``mask`` uint8 ``(B or 1, H or 1, N or 1, W)`` for ``N``
+    queries a row (query ``i`` reads row ``i % N``; 0: the column is not attended), or
+    ``(0, 0, 0, 0)`` for none. Out: ``m_out`` and
+    ``l_out`` ``(B, H, Q)``, each query's largest score and the sum of its scores'
+    exponentials less that; ``o_out`` ``(B, H, Q, D)``, the values weighted by those
+    exponentials. Work splits over (row, head, chunk of ``chunk`` tokens)."""
+    rows, heads, width, _ = k_codes.shape
+    n_q = q.shape[2]
+    dim = q.shape[3]
+    chunks = (width + chunk - 1) // chunk
+    masked = mask.shape[0] > 0
+    mb, mh, mn = max(mask.shape[0], 1), max(mask.shape[1], 1), max(mask.shape[2], 1)
+    k_per, v_per = _per(k_bits), _per(v_bits)
+    k_units, v_units = dim // k_per, dim // v_per
+    k_mask = np.uint64((1 << k_bits) - 1)
+    v_mask = np.uint64((1 << v_bits) - 1)
+    k_gu, v_gu = k_group // k_per, v_group // v_per
+    pm = np.empty((rows, heads, chunks, n_q), np.float32)
+    pl = np.empty((rows, heads, chunks, n_q), np.float32)
+    po = np.zeros((rows, heads, chunks, n_q, dim), np.float32)
+    for job in prange(rows * heads * chunks):
+        b = job // (heads * chunks)
+        h = (job // chunks) % heads
+        c = job % chunks
+        lo = c * chunk
+        n = min(width, lo + chunk) - lo
+        xp = np.empty((n_q, dim), np.float32)
+        for i in range(n_q):
+            for v in range(dim):
+                xp[i, (v % k_per) * k_units + v // k_per] = q[b, h, i, v]
+        cv = np.empty(dim, np.float32)
+        su = np.empty(dim, np.float32)
+        bu = np.empty(dim, np.float32)
+        scores = np.empty((n_q, n), np.float32)
+        for t in range(n):
+            _unpack(k_codes, b, h, lo + t, k_bits, k_units, k_mask, cv)
+            _affine(cv, k_scales, k_biases, b, h, lo + t, k_per, k_units, k_gu, su, bu)
+            for i in range(n_q):
+                total = np.float32(0)
+                for j in range(dim):
+                    total += xp[i, j] * cv[j]
+                if masked and mask[b % mb, h % mh, i % mn, lo + t] == 0:
+                    total = _NEG
+                scores[i, t] = total
+        _finish(scores, n, pm[b, h, c], pl[b, h, c])
+        acc = np.zeros((n_q, dim), np.float32)
+        for t in range(n):
+            _unpack(v_codes, b, h, lo + t, v_bits, v_units, v_mask, cv)
+            _affine(cv, v_scales, v_biases, b, h, lo + t, v_per, v_units, v_gu, su, bu)
+            for i in range(n_q):
+                w = scores[i, t]
+                for j in range(dim):
+                    acc[i, j] += w * cv[j]
+        for i in range(n_q):
+            for v in range(dim):
+                po[b, h, c, i, v] = acc[i, (v % v_per) * v_units + v // v_per]
+    _combine(pm, pl, po, m_out, l_out, o_out)
+
+
+@njit(inline="always")
+def _combine(
+    pm: Any, pl: Any, po: Any, m_out: Any, l_out: Any, o_out: Any
+) -> None:  # pragma: no cover
+    """The chunks' partials joined: each query's max over all, sums and values rescaled."""
+    rows, heads, chunks, n_q, dim = po.shape
+    for b in range(rows):
+        for h in range(heads):
+            for i in range(n_q):
+                top = _NEG
+                for c in range(chunks):
+                    if pm[b, h, c, i] > top:
+                        top = pm[b, h, c, i]
+                total = np.float32(0)
+                for j in range(dim):
+                    o_out[b, h, i, j] = np.float32(0)
+                if top != _NEG:
+                    for c in range(chunks):
+                        if pm[b, h, c, i] == _NEG:
+                            continue
+                        f = _exp(pm[b, h, c, i] - top)
+                        total += f * pl[b, h, c, i]
+                        for j in range(dim):
+                            o_out[b, h, i, j] += f * po[b, h, c, i, j]
+                m_out[b, h, i] = top
+                l_out[b, h, i] = total
