@@ -187,6 +187,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     working_bytes: int = 0  # running turns' working caches now (part of cache_bytes)
     dropped_ready: int = 0  # ready copies dropped for room (float -> quantized)
     ready_turns: int = 0  # turns that started from a ready copy (nothing dequantized)
+    # Float turns whose first forward attended over the stored form (their float copy made
+    # after their first token, or never for a turn of one token: kernels.stored_attend)
+    stored_first_turns: int = 0
     # Stored tokens made into float copies: at a turn's start, and ready copies built ahead
     # (a layer built counts its share; a build given up counts what it did)
     dequantized_tokens: int = 0

@@ -16,9 +16,13 @@ had the engine build the ready copy; ``warm_load_gbps`` the warm read alone.
 (``KVACTOR_FUSED=0``, spread over one MLX stream per core: ``kernels.workers``) instead of
 the fused kernel (``kernels.fused``); ``warm_one_stream_s`` the plain ops on one MLX stream
 (``KVACTOR_ARRAY_STREAMS=1`` too: the first way); ``warm_spread_vs_one_stream`` compares
-the plain ops' two ways, and
-``warm_fused_vs_plain`` the ratio; ``fused_dequantize`` says whether the fused kernel ran
-(numba present and compiled before the measured turns). The warm turn's
+the plain ops' two ways, and ``warm_fused_vs_plain`` the ratio (of the fused copy's
+turn); ``fused_dequantize`` says whether the numba kernels ran (numba present and
+compiled before the measured turns). ``warm_s`` attends over the
+stored form in its first forward (``kernels.stored_attend``: no float copy before its
+first token, none at all for this one-token turn); ``warm_copy_s`` is the same turn with
+that off (``KVACTOR_STORED_FIRST=0``: the fused copy first), ``warm_stored_vs_copy`` the
+ratio. The warm turn's
 parts: ``warm_read_verify_s``, ``warm_dequantize_s``, ``warm_forward_s``, ``warm_other_s``
 (actor hops, the copy into MLX, queueing); they run one after another
 (``warm_overlap_s``). Ratios of the medians: ``warm_vs_seed_path``, ``warm_vs_floor``,
@@ -163,13 +167,16 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
     # ran before them: its first new session faults its memory in fresh); the means.
     ways = {
         "warm": {},
+        "copy": {"KVACTOR_STORED_FIRST": "0"},
         "plain": {"KVACTOR_FUSED": "0"},
         "one": {"KVACTOR_FUSED": "0", "KVACTOR_ARRAY_STREAMS": "1"},
     }
     turns: dict[str, list[tuple[float, kvactor.Completion]]] = {way: [] for way in ways}
     for way in [*ways, *reversed(ways)]:
         turns[way].append(await warm_turn(root, f"ttft-{n}", prompt, ways[way]))
-    warm_s, warm_plain_s, warm_one_s = (statistics.fmean(s for s, _ in turns[w]) for w in ways)
+    warm_s, warm_copy_s, warm_plain_s, warm_one_s = (
+        statistics.fmean(s for s, _ in turns[w]) for w in ways
+    )
 
     def mean(way: str, part: Callable[[Any], float]) -> float:
         return statistics.fmean(part(c.timings) for _, c in turns[way])
@@ -220,6 +227,8 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
         "warm_forward_s": mean("warm", lambda t: t.prefill_s - t.dequantize_s),
         "warm_other_s": warm_s - mean("warm", lambda t: t.load_s + t.prefill_s),
         "warm_overlap_s": 0.0,  # nothing of them runs side by side (docs/benchmarks.md)
+        "warm_copy_s": warm_copy_s,
+        "warm_copy_dequantize_s": mean("copy", lambda t: t.dequantize_s),
         "warm_one_stream_s": warm_one_s,
         "warm_one_stream_dequantize_s": mean("one", lambda t: t.dequantize_s),
         "warm_plain_s": warm_plain_s,
@@ -312,7 +321,8 @@ async def main(contexts: list[int], runs: int) -> dict[str, Any]:
         r["prefetched_ready_vs_step"] = r["prefetched_ready_s"] / r["decode_step_s"]
         r["hot_vs_step"] = r["hot_s"] / r["decode_step_s"]
         r["warm_spread_vs_one_stream"] = r["warm_plain_s"] / r["warm_one_stream_s"]
-        r["warm_fused_vs_plain"] = r["warm_s"] / r["warm_plain_s"]
+        r["warm_fused_vs_plain"] = r["warm_copy_s"] / r["warm_plain_s"]
+        r["warm_stored_vs_copy"] = r["warm_s"] / r["warm_copy_s"]
     return {
         "fused_dequantize": fused.ready(),
         "contexts": results,
@@ -357,17 +367,20 @@ if __name__ == "__main__":
     print()
     table(
         ["context", "warm vs seed path", "warm vs floor", "hot from stored vs warm",
-         "prefetched to ready vs step", "hot vs step", "warm, one stream", "spread vs one",
-         "warm, plain ops", "fused vs plain", "read + verify", "dequantize",
+         "prefetched to ready vs step", "hot vs step", "warm, fused copy first",
+         "stored vs copy", "warm, one stream", "spread vs one", "warm, plain ops",
+         "fused vs plain", "read + verify", "dequantize", "dequantize, fused copy",
          "dequantize, plain", "forward", "other"],
         [
             [n, *(f"{r[k]:.2f}x" for k in (
                 "warm_vs_seed_path", "warm_vs_floor", "hot_stored_vs_warm",
                 "prefetched_ready_vs_step", "hot_vs_step")),
+             ms[n]["warm_copy_s"], f"{r['warm_stored_vs_copy']:.2f}x",
              ms[n]["warm_one_stream_s"], f"{r['warm_spread_vs_one_stream']:.2f}x",
              ms[n]["warm_plain_s"], f"{r['warm_fused_vs_plain']:.2f}x",
              *(ms[n][k] for k in (
-                "warm_read_verify_s", "warm_dequantize_s", "warm_plain_dequantize_s",
+                "warm_read_verify_s", "warm_dequantize_s", "warm_copy_dequantize_s",
+                "warm_plain_dequantize_s",
                 "warm_forward_s", "warm_other_s"))]
             for n, r in rows
         ],

@@ -39,6 +39,7 @@ from ._turn_base import TurnCache
 from .float_turn import FloatPrefix, FloatTurnCache
 from .geometry import CacheGeometry
 from .qcodec import KVCodec, Role
+from .quantized_turn import QuantizedTurnCache
 from .stored import Parts, StoredRange, cache_nbytes, segment_layout
 
 __all__ = ("DEFAULT_CHECKPOINTS", "AgentKV", "StoredRange", "cache_nbytes", "segment_layout")
@@ -73,6 +74,8 @@ class AgentKV:
         self.tokens: list[int] = []
         self.ranges: list[StoredRange] = []
         self._work: TurnCache | None = None
+        # The running turn's first forward attends over the stored form (activate_stored).
+        self.stored_first = False
         # Between turns: the float copy of every stored token (see the module doc).
         self._ready: TurnCache | None = None
         # Its bytes as last counted, and at which change of the stored ranges: a count of
@@ -248,6 +251,31 @@ class AgentKV:
                 self.work = self.turn_cache.start(self)
         return self.work
 
+    def activate_stored(self) -> TurnCache:
+        """The working cache of a turn whose first forward attends over the stored form (a
+        quantized working cache: ``FloatTurnCache.defers``) though this cache's turns are
+        float; :meth:`finish_stored` makes the float copy after that forward. Raises
+        ValueError for a quantized turn class or during a turn."""
+        if not issubclass(self.turn_cache, FloatTurnCache):
+            raise ValueError("a first forward over the stored form serves float turns only")
+        if self.work is not None or self.ready is not None:
+            raise ValueError("a turn is running or a ready copy waits: nothing to defer")
+        self.work = QuantizedTurnCache.start(self)
+        self.stored_first = True
+        return self.work
+
+    def finish_stored(self, prefix: FloatPrefix | None = None) -> TurnCache:
+        """After :meth:`activate_stored`'s forward: the turn's float working copy, holding
+        that forward's tokens (``FloatTurnCache.after_stored``). Raises ValueError when the
+        turn did not start so."""
+        if not self.stored_first or self.work is None:
+            raise ValueError("this turn's working cache is float already")
+        self.work = cast(type[FloatTurnCache], self.turn_cache).after_stored(
+            self, self.work, prefix
+        )
+        self.stored_first = False
+        return self.work
+
     def fork(self, into: AgentKV) -> AgentKV:
         """``into`` (a new, empty cache of the same codec and geometry) holding this one's
         tokens and stored ranges, their arrays shared, not copied: nothing writes stored
@@ -368,6 +396,7 @@ class AgentKV:
         """Drop the working and ready copies (their MLX arrays must not outlive the engine
         thread that made them); the stored ranges stay."""
         self.work = self.ready = None
+        self.stored_first = False
 
     def lend_work(self) -> TurnCache:
         """The working cache, handed to a batch that holds it until :meth:`take_work`.
@@ -483,9 +512,10 @@ class AgentKV:
         Returns the new range (None when nothing was added).
         """
         new = self._quantize_tail()
-        if keep_ready and self.work is not None:
+        if keep_ready and self.work is not None and not self.stored_first:
             self.ready = self.work.settle(self, new)
         self.work = None
+        self.stored_first = False
         return new
 
     def store_so_far(self) -> StoredRange | None:

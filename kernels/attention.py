@@ -25,7 +25,7 @@ import mlx.nn as nn
 from ._shared_kv import fetched_by
 from .mlx_lm_compat import SDPA_NAME, SDPA_PARAMETERS
 
-__all__ = ("Attends", "bind_attention")
+__all__ = ("Attends", "bind_attention", "query_repeats")
 
 _NAME = SDPA_NAME
 _BOUND = "_kvactor_attends"  # on a bound subclass: the list of cache classes it routes
@@ -126,3 +126,15 @@ def _router(original: Callable[..., mx.array], routes: list[type]) -> Callable[.
         )
 
     return scaled_dot_product_attention
+
+
+def query_repeats(model: nn.Module) -> int | None:
+    """Query heads a KV head in ``model``'s attention layers (``n_heads`` over
+    ``n_kv_heads``, as mlx-lm's attention modules name them), None when its layers do not
+    say or differ."""
+    found = set()
+    for _, module in model.named_modules():
+        heads, kv_heads = getattr(module, "n_heads", None), getattr(module, "n_kv_heads", None)
+        if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0:
+            found.add(heads // kv_heads)
+    return found.pop() if len(found) == 1 else None

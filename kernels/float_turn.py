@@ -3,6 +3,7 @@ row's stored tokens, made once per turn, and each recurrent layer's state."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -10,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from . import fused, stored_attend
+from ._qmath import rotate_rows
 from ._turn_base import ROOM, Entries, TurnCache, geometry_slots, new_values, state_layer, with_room
 from .attention import bind_attention
 from .geometry import CacheGeometry
@@ -106,6 +109,59 @@ class FloatTurnCache(Entries):
             every = kv.geometry.n_layers
             layers = spread(every, lambda i: cls.row_layer(kv, i, ROOM, prefix), _arrays)
         return cls(layers, geometry_slots(kv.geometry))
+
+    @classmethod
+    def defers(cls, kv: AgentKV, queries: int) -> bool:
+        """Whether a turn's first forward, ``queries`` queries a row, may attend over the
+        stored form (``kernels.stored_attend``: no float copy before its first token) and
+        make this copy after it (:meth:`after_stored`): attention layers only, something
+        stored, the kernel ready and covering the codec's widths; ``KVACTOR_STORED_FIRST=0``
+        turns it off (read at each turn)."""
+        if os.environ.get("KVACTOR_STORED_FIRST", "1") == "0":
+            return False
+        if not kv.ranges or not FloatPrefix.serves(kv.geometry) or not kv.geometry.kv_layers:
+            return False
+        widths = set()
+        for i in kv.geometry.kv_layers:
+            layer = kv.geometry.layer(i)
+            widths |= {layer.key_dim, layer.value_dim}
+        bits = [kv.codec.role_spec(role)[0] for role in ("key", "value")]
+        return (
+            len(widths) == 1
+            and widths.pop() % 8 == 0
+            and all(2 <= b <= 8 for b in bits)
+            and queries <= stored_attend.MAX_QUERIES
+            and fused.compiled("attend") is not None
+        )
+
+    @classmethod
+    def after_stored(
+        cls, kv: AgentKV, first: TurnCache, prefix: FloatPrefix | None = None
+    ) -> FloatTurnCache:
+        """This turn's float working copy after a first forward over the stored form
+        (``first``, a quantized working cache over ``kv``): the stored ranges made float as
+        :meth:`start` makes them, then the tokens that forward added, as its layers hold
+        them (in the stored basis where the codec rotates, as a float layer takes them)."""
+        out = cls.start(kv, prefix)
+        start, stop = kv.stored_tokens, len(kv.tokens)
+        for i, layer in enumerate(out._layers):
+            keys, values, _ = first.added(i, start, stop)
+            if isinstance(layer, RotatedBasis):
+                keys, values = rotate_rows(keys), rotate_rows(values)
+            at = layer.offset
+            room = layer.keys.shape[2] - at if layer.keys is not None else 0
+            if room >= stop - start:
+                layer.keys[:, :, at : at + stop - start, :] = keys.astype(layer.keys.dtype)
+                layer.values[:, :, at : at + stop - start, :] = values.astype(layer.values.dtype)
+                layer.offset = at + stop - start
+            else:
+                layer.state = (
+                    with_room([layer.keys[:, :, :at], keys], ROOM),
+                    with_room([layer.values[:, :, :at], values], ROOM),
+                    at + stop - start,
+                )
+        mx.eval(out.arrays())
+        return out
 
     @classmethod
     def rows(cls, kv: AgentKV, first: int, count: int, slack: int) -> list[Any]:

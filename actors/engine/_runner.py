@@ -14,8 +14,11 @@ import msgspec
 
 from ...kernels import fused
 from ...kernels.agent_cache import AgentKV
+from ...kernels.attention import query_repeats
+from ...kernels.float_turn import FloatPrefix
 from ...kernels.memory import keep_freed_buffers
 from ...kernels.qcodec import DEFAULT_CODEC
+from ...kernels.quantized_turn import QuantizedTurnCache
 from ...kernels.rowwise import bind_rows
 from ...kernels.stored import segment_layout
 from ...kernels.turn_cache import TurnCache
@@ -113,8 +116,11 @@ class ModelRunner:
         self._ready: deque[Generation] = deque()  # prefilled, waiting for a batch slot
         self._generated = 0  # first tokens, sampled at the end of a prefill
         self._grammars: GrammarCompiler  # compiles Generate.constraint (set at load)
-        self._ready_turns = 0
+        self._ready_turns = self._stored_first_turns = 0
         self._dequantized = 0  # stored tokens made float at a turn's start
+        # Query heads a KV head where a float turn's first forward may attend over the
+        # stored form (set at load; None: it may not): FloatTurnCache.defers.
+        self._stored_first: int | None = None
         self._ending = False  # EndTurns came: turns end, new ones are refused
         self.moves = MoveLog()  # its hot tier's moves, kept across loads (each pool's log)
         # Under a write budget (write-back): its window (the engine's, one for every model),
@@ -165,6 +171,7 @@ class ModelRunner:
         if self.config.deterministic:
             # A decode step's projections of few rows round as a batch's (kernels.rowwise).
             bind_rows(self.lm.model, self.config.max_batch)
+        self._stored_first = self._first_over_stored()
         # A codec or geometry this engine cannot store fails here, not mid-turn; and so
         # does a model whose layers cannot run over this attention mode's caches.
         try:
@@ -174,6 +181,21 @@ class ModelRunner:
             raise ValueError(f"model family {family!r}: {exc}") from None
         check_turns(self.lm, self.codec, self.turn_cache)
         self._loaded = True
+
+    def _first_over_stored(self) -> int | None:
+        """Whether a float turn's first forward may attend over the stored form (the
+        model's attention bound to the quantized working cache too): its query heads a KV
+        head, or None (quantized turns, bit-exact turns, a model that cannot)."""
+        if self.turn_cache.quantized or self.config.deterministic:
+            return None
+        repeats = query_repeats(self.lm.model)
+        if repeats is None or not FloatPrefix.serves(self.lm.geometry):
+            return None
+        try:
+            QuantizedTurnCache.prepare(self.lm.model, self.lm.geometry)
+        except TypeError:
+            return None
+        return repeats
 
     def unload(self) -> None:
         """Fail the turns still here and drop the model, its hot caches and its batch (an
@@ -192,6 +214,7 @@ class ModelRunner:
         self.__dict__.pop("batch", None)
         self.__dict__.pop("lm", None)
         self._generated = self._ready_turns = self._dequantized = 0  # anew after a load
+        self._stored_first_turns = 0
 
     def queued_need(self) -> int | None:
         """None when no turn is queued; else the bytes the oldest queued turn's working
@@ -310,6 +333,7 @@ class ModelRunner:
             working_bytes=pool.ledger.working(),
             dropped_ready=pool.ready.drops,
             ready_turns=self._ready_turns,
+            stored_first_turns=self._stored_first_turns,
             dequantized_tokens=self._dequantized + round(pool.ready.dequantized),
             shared_turns=pool.shared_turns,
             shared_tokens=pool.shared_tokens,
@@ -540,7 +564,9 @@ class ModelRunner:
             kv = request.entry.kv
             request.prefill_start = time.perf_counter()
             self._ready_turns += kv.ready is not None
-            made = self.pool.working_copy(request.agent, request.entry)
+            first = self._first_queries(request)
+            made = self.pool.working_copy(request.agent, request.entry, first=first)
+            self._stored_first_turns += kv.stored_first
             self._dequantized += made
             request.dequantize_s = time.perf_counter() - request.prefill_start
             if made:  # a ready copy or a shared prefix's taken as it is: nothing measured
@@ -578,7 +604,33 @@ class ModelRunner:
         )
         self._generated += 1
         if request.emit(token):
+            if request.entry.kv.stored_first:  # its float copy, now the first token is out
+                self._float_after_stored(request)
             self._ready.append(request)
         else:
             self._park(request, finished=True)
         return True
+
+    def _first_queries(self, request: Generation) -> int:
+        """The queries a row of ``request``'s first forward where it may attend over the
+        stored form (``CachePool.working_copy``): the whole prompt left in one forward,
+        no cut or answer inside; else 0."""
+        repeats = self._stored_first
+        at = len(request.entry.kv.tokens)
+        todo = len(request.todo)
+        if repeats is None or not 0 < todo <= self.config.prefill_chunk:
+            return 0
+        if any(c > at for c in (*request.cuts, *request.answers)):
+            return 0
+        return todo * repeats
+
+    def _float_after_stored(self, request: Generation) -> None:
+        """The float working copy of a turn whose first forward attended over the stored
+        form, made after its first token (in its decode time); measured as any copy."""
+        kv = request.entry.kv
+        t0 = time.perf_counter()
+        made = self.pool.float_after_stored(request.agent, request.entry)
+        self._dequantized += made
+        if made:
+            per_token = kv.stored_bytes / max(kv.stored_tokens, 1)
+            self.pool.rates.dequantize(round(made * per_token), time.perf_counter() - t0)

@@ -345,11 +345,14 @@ class CachePool:
         self.ledger.turn_room = reserve
         return True
 
-    def working_copy(self, agent: str, entry: HotEntry) -> int:
+    def working_copy(self, agent: str, entry: HotEntry, *, first: int = 0) -> int:
         """Make the working copy of ``entry``'s turn (started: :meth:`start_turn`): its
         ready copy, else its stored ranges made float, a shared prefix's copy taken as it
         is (made now if there is room for it, idle agents' ready copies dropped for it:
-        ``SharedPrefixes``). Returns the stored tokens dequantized for it."""
+        ``SharedPrefixes``). ``first``: the queries a row of the turn's first forward,
+        which attends over the stored form where it can (``FloatTurnCache.defers``: the
+        float copy is made after it, :meth:`float_after_stored`). Returns the stored tokens
+        dequantized for it."""
         kv = entry.kv
         if kv.work is not None or kv.ready is not None or not kv.ranges:
             kv.activate()
@@ -357,19 +360,32 @@ class CachePool:
         if kv.turn_cache.quantized:  # attention over the stored form: nothing made float
             kv.activate()
             return 0
-
-        def room(nbytes: int) -> bool:
-            free = self.ledger.free()
-            if free is not None and free < nbytes:
-                self.demotion.drop_ready(nbytes - free, exclude=entry)
-                free = self.ledger.free()
-            return free is None or free >= nbytes
-
-        prefix, made = self.ready.shared.copy_for(agent, kv, room)
+        if first and issubclass(kv.turn_cache, FloatTurnCache) and kv.turn_cache.defers(kv, first):
+            kv.activate_stored()
+            return 0
+        prefix, made = self.ready.shared.copy_for(agent, kv, lambda n: self._room(entry, n))
         kv.activate(prefix)
         if made:
             self.ledger.measure()
         return len(kv.tokens) - (prefix.tokens if prefix is not None else 0) + made
+
+    def float_after_stored(self, agent: str, entry: HotEntry) -> int:
+        """The float working copy of a turn whose first forward attended over the stored
+        form (:meth:`working_copy` with ``first``), a shared prefix's copy taken as there.
+        Returns the stored tokens dequantized for it."""
+        kv = entry.kv
+        prefix, made = self.ready.shared.copy_for(agent, kv, lambda n: self._room(entry, n))
+        kv.finish_stored(prefix)
+        self.ledger.measure()
+        return kv.stored_tokens - (prefix.tokens if prefix is not None else 0) + made
+
+    def _room(self, entry: HotEntry, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit, idle agents' ready copies dropped for them."""
+        free = self.ledger.free()
+        if free is not None and free < nbytes:
+            self.demotion.drop_ready(nbytes - free, exclude=entry)
+            free = self.ledger.free()
+        return free is None or free >= nbytes
 
     def store_so_far(self, agent: str, entry: HotEntry) -> None:
         """During ``entry``'s turn: store its tokens so far as a range of their own (a cut:
