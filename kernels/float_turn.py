@@ -110,16 +110,24 @@ class FloatTurnCache(Entries):
             layers = spread(every, lambda i: cls.row_layer(kv, i, ROOM, prefix), _arrays)
         return cls(layers, geometry_slots(kv.geometry))
 
+    stored_first_tokens: ClassVar[int] = 1536
+    """Stored tokens from which a first forward over the stored form beats making the copy
+    first: bench/ttft.py had the copy first 97 against 113 ms at 1K, and 0.45-0.73x the
+    time over the stored form at 2K-8K (a copy's cost grows with the tokens; the stored
+    form's is a fixed ~1 ms a layer more)."""
+
     @classmethod
     def defers(cls, kv: AgentKV, queries: int) -> bool:
         """Whether a turn's first forward, ``queries`` queries a row, may attend over the
         stored form (``kernels.stored_attend``: no float copy before its first token) and
-        make this copy after it (:meth:`after_stored`): attention layers only, something
-        stored, the kernel ready and covering the codec's widths; ``KVACTOR_STORED_FIRST=0``
-        turns it off (read at each turn)."""
+        make this copy after it (:meth:`after_stored`): attention layers only, at least
+        :attr:`stored_first_tokens` stored, the kernel ready and covering the codec's
+        widths; ``KVACTOR_STORED_FIRST=0`` turns it off (read at each turn)."""
         if os.environ.get("KVACTOR_STORED_FIRST", "1") == "0":
             return False
-        if not kv.ranges or not FloatPrefix.serves(kv.geometry) or not kv.geometry.kv_layers:
+        if kv.stored_tokens < max(cls.stored_first_tokens, 1) or not kv.geometry.kv_layers:
+            return False
+        if not FloatPrefix.serves(kv.geometry):
             return False
         widths = set()
         for i in kv.geometry.kv_layers:

@@ -36,6 +36,12 @@ def kernel() -> None:
     assert fused.wait(300), fused.unavailable()
 
 
+@pytest.fixture(autouse=True)
+def short_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tiny model's caches hold a few hundred tokens: below the default threshold.
+    monkeypatch.setattr(FloatTurnCache, "stored_first_tokens", 1)
+
+
 def tiny() -> Any:
     return functools.partial(make_tiny_model, 0, head_dim=64)
 
@@ -94,6 +100,8 @@ def test_what_cannot_defer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVACTOR_STORED_FIRST", "0")
     assert not FloatTurnCache.defers(kv, 2)  # this path switched off alone
     monkeypatch.delenv("KVACTOR_STORED_FIRST")
+    monkeypatch.setattr(FloatTurnCache, "stored_first_tokens", kv.stored_tokens + 1)
+    assert not FloatTurnCache.defers(kv, 2)  # too short: the copy first is faster
     with pytest.raises(ValueError, match="float already"):
         kv.finish_stored()
     kv.activate()
