@@ -81,7 +81,7 @@ def _affine(
             row[base + u] = row[base + u] * su[u] + bu[u]
 
 
-# exp(x) for x <= 0 in fp32, vectorizable (libm's expf, called per value, took two thirds of
+# exp(x) for x <= 0 in fp32, vectorizable (libm's expf, called per value, took about half of
 # the kernel): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 minimax polynomial
 # (Cephes' coefficients, ~1 ulp), times 2^n from a table.
 _LOG2E = np.float32(1.44269504088896341)
