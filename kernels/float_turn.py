@@ -137,7 +137,7 @@ class FloatTurnCache(Entries):
         return (
             len(widths) == 1
             and widths.pop() % 8 == 0
-            and all(2 <= b <= 8 for b in bits)
+            and all(b in (2, 3, 4, 5, 6, 8) for b in bits)
             and queries <= stored_attend.MAX_QUERIES
             and fused.compiled("attend") is not None
         )

@@ -43,20 +43,21 @@ took 119 ms where the reference took 277 (``bench/stored_attend.py``, 4K); its c
 with the queries, and a prefill chunk is faster dequantizing the past once for BLAS."""
 _CHUNK = 256  # tokens a job: 16 jobs a head at 4K, work enough for every core
 _NO_MASK = np.zeros((0, 0, 0, 0), np.uint8)
+_WIDTHS = (2, 3, 4, 5, 6, 8)  # a unit of 8 values fits one 64-bit word at any shift
 
 Partial = tuple[mx.array, mx.array, mx.array]  # max (B,H,R,N), sum (B,H,R,N), values (...,D)
 
 
 def covers(regions: Sequence[tuple[Coded, Coded]], queries: int) -> bool:
     """Whether :func:`attend` takes these regions (keys, values; empty ones skipped) for
-    ``queries`` queries a row now: the kernel compiled, every region quantized at 2-8 bits
-    and a head width of whole 8-value units."""
+    ``queries`` queries a row now: the kernel compiled, every region quantized at 2-6 or
+    8 bits and a head width of whole 8-value units."""
     if queries > MAX_QUERIES or fused.compiled("attend") is None:
         return False
     for pair in regions:
         widths = set()
         for coded in pair:
-            if not 2 <= coded.bits <= 8:
+            if coded.bits not in _WIDTHS:
                 return False
             widths.add(coded.arrays[0].shape[-1] * 32 // coded.bits)
         if len(widths) != 1 or widths.pop() % 8:  # keys and values of one width, 8k wide
