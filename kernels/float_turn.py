@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from . import fused, stored_attend
+from . import stored_attend
 from ._qmath import rotate_rows
 from ._turn_base import ROOM, Entries, TurnCache, geometry_slots, new_values, state_layer, with_room
 from .attention import bind_attention
@@ -129,18 +129,10 @@ class FloatTurnCache(Entries):
             return False
         if not FloatPrefix.serves(kv.geometry):
             return False
-        widths = set()
-        for i in kv.geometry.kv_layers:
-            layer = kv.geometry.layer(i)
-            widths |= {layer.key_dim, layer.value_dim}
+        layers = [kv.geometry.layer(i) for i in kv.geometry.kv_layers]
+        widths = [w for layer in layers for w in (layer.key_dim, layer.value_dim)]
         bits = [kv.codec.role_spec(role)[0] for role in ("key", "value")]
-        return (
-            len(widths) == 1
-            and widths.pop() % 8 == 0
-            and all(b in (2, 3, 4, 5, 6, 8) for b in bits)
-            and queries <= stored_attend.MAX_QUERIES
-            and fused.compiled("attend") is not None
-        )
+        return stored_attend.takes(bits, widths, queries)
 
     @classmethod
     def after_stored(

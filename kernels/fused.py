@@ -41,6 +41,7 @@ __all__ = (
     "compiled",
     "dequantize",
     "dequantize_many",
+    "host",
     "ready",
     "unavailable",
     "wait",
@@ -130,8 +131,9 @@ def unavailable() -> str | None:
     return error
 
 
-def _host(array: mx.array, dtype: Any = None) -> np.ndarray[Any, Any]:
-    """A C-contiguous NumPy array of an MLX one (evaluated; no copy when it can be)."""
+def host(array: mx.array, dtype: Any = None) -> np.ndarray[Any, Any]:
+    """A C-contiguous NumPy array of an MLX one (evaluated; no copy when it can be): what
+    the numba kernels read."""
     out = np.asarray(array)
     return np.ascontiguousarray(out if dtype is None else out.astype(dtype))
 
@@ -207,7 +209,7 @@ def dequantize_many(jobs: Sequence[Job]) -> list[mx.array] | None:
 def _fill(kernel: Callable[..., None], target: Any, pieces: list[tuple[Any, ...]]) -> None:
     heads, start = target.shape[0], 0
     for q, scales, biases, width in pieces:
-        codes = _host(q).view(np.uint8).reshape(heads, q.shape[2], -1)
-        s32, b32 = _host(scales, np.float32)[0], _host(biases, np.float32)[0]
+        codes = host(q).view(np.uint8).reshape(heads, q.shape[2], -1)
+        s32, b32 = host(scales, np.float32)[0], host(biases, np.float32)[0]
         kernel(codes, s32, b32, width, target.shape[2] // s32.shape[-1], target, start)
         start += q.shape[2]

@@ -13,11 +13,22 @@ import mlx.core as mx
 from . import stored_attend
 from ._qmath import dequantize_reference, rotate
 
-__all__ = ("Coded", "Kernel", "attend_parts", "row_parts")
+__all__ = ("Coded", "Kernel", "attend_parts", "mlx_kernel", "row_parts")
 
 Kernel = Literal["auto", "quantized_matmul", "reference", "stored"]
 Regions = list[tuple["Coded", "Coded"]]  # per region: keys, values (width 0: none)
 Tail = tuple[mx.array, mx.array]  # the float K, V of the turn, (B, H, T, D)
+_CPU_FUSED_MAX_QUERIES = 2
+
+
+def mlx_kernel(n_queries: int) -> Kernel:
+    """Of MLX's own kernels, the faster for ``n_queries`` queries a row on this device:
+    the fused one on a GPU; on the CPU only for one or two (MLX's CPU quantized matmul
+    costs in proportion to the queries, so a prefill chunk is faster dequantizing the past
+    once: bench/ttft.py)."""
+    if mx.default_device() != mx.cpu or n_queries <= _CPU_FUSED_MAX_QUERIES:
+        return "quantized_matmul"
+    return "reference"
 
 
 class Coded:
@@ -84,7 +95,7 @@ def attend_parts(
                 q_rot = rotate(q)
             out = stored_attend.attend(q, q_rot, used, (tail_k, tail_v), mask, sinks)
             return out.reshape(b, n_heads, n, out.shape[-1]).astype(out_dtype)
-        kernel = "quantized_matmul" if n <= 2 or mx.default_device() != mx.cpu else "reference"
+        kernel = mlx_kernel(n)
     for coded, _ in used:
         if coded.rotated and q_rot is None:
             q_rot = rotate(q)

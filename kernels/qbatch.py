@@ -36,13 +36,12 @@ from . import stored_attend
 from ._qparts import SINK as _SINK
 from ._qparts import SINK_BITS as _SINK_BITS
 from ._shared_kv import note_fetched
-from .qattend import Coded, Kernel, attend_parts, row_parts
+from .qattend import Coded, Kernel, attend_parts, mlx_kernel, row_parts
 from .qcodec import KVCodec, Role
 
 __all__ = ("Kernel", "QuantizedBatchCache")
 
 _ROLES: tuple[Role, Role] = ("key", "value")
-_CPU_FUSED_MAX_QUERIES = 2
 
 
 def _pad_left(a: mx.array, n: int) -> mx.array:
@@ -298,21 +297,18 @@ class QuantizedBatchCache:
         return mx.concatenate(outs, axis=0)
 
     def _kernel_for(self, queries: mx.array) -> Kernel:
-        """``"auto"``: the fused kernel on a GPU. On the CPU the stored-form kernel
-        (``kernels.stored_attend``) for a few queries a row where it covers the regions;
-        else MLX's quantized matmul for one or two queries a row (it costs in proportion
-        to the queries, so a prefill chunk is faster dequantizing the past once:
-        bench/ttft.py)."""
+        """``"auto"``: on the CPU the stored-form kernel (``kernels.stored_attend``) for a
+        few queries a row where it covers the regions; else the faster of MLX's own
+        (``kernels.qattend.mlx_kernel``)."""
         if self.kernel != "auto":
             return self.kernel
-        if mx.default_device() != mx.cpu:
-            return "quantized_matmul"
-        assert self.keys is not None
-        per_row = queries.shape[1] // self.keys.shape[1] * queries.shape[2]
-        used = [(r["key"], r["value"]) for r in self._regions if r["key"].width]
-        if stored_attend.covers(used, per_row):
-            return "stored"
-        return "quantized_matmul" if queries.shape[2] <= _CPU_FUSED_MAX_QUERIES else "reference"
+        if mx.default_device() == mx.cpu:
+            assert self.keys is not None
+            per_row = queries.shape[1] // self.keys.shape[1] * queries.shape[2]
+            used = [(r["key"], r["value"]) for r in self._regions if r["key"].width]
+            if stored_attend.covers(used, per_row):
+                return "stored"
+        return mlx_kernel(queries.shape[2])
 
     # -- batch edits ----------------------------------------------------------------
     @classmethod

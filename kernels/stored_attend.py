@@ -23,7 +23,7 @@ stored arrays', and its outputs become new MLX arrays on that thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -35,7 +35,7 @@ from ._qmath import rotate
 if TYPE_CHECKING:
     from .qattend import Coded
 
-__all__ = ("MAX_QUERIES", "attend", "covers")
+__all__ = ("MAX_QUERIES", "attend", "covers", "takes")
 
 MAX_QUERIES = 16
 """Queries a row (query-head repeats x new tokens) up to which the kernel runs: at 15 it
@@ -48,26 +48,22 @@ _WIDTHS = (2, 3, 4, 5, 6, 8)  # a unit of 8 values fits one 64-bit word at any s
 Partial = tuple[mx.array, mx.array, mx.array]  # max (B,H,R,N), sum (B,H,R,N), values (...,D)
 
 
-def covers(regions: Sequence[tuple[Coded, Coded]], queries: int) -> bool:
-    """Whether :func:`attend` takes these regions (keys, values; empty ones skipped) for
-    ``queries`` queries a row now: the kernel compiled, every region quantized at 2-6 or
-    8 bits and a head width of whole 8-value units."""
+def takes(bits: Iterable[int], widths: Iterable[int], queries: int) -> bool:
+    """Whether the kernel runs now for ``queries`` queries a row over keys and values of
+    these widths (``bits``) and head widths: compiled, 2-6 or 8 bits, one head width of
+    whole 8-value units (none: a tail alone)."""
     if queries > MAX_QUERIES or fused.compiled("attend") is None:
         return False
-    for pair in regions:
-        widths = set()
-        for coded in pair:
-            if coded.bits not in _WIDTHS:
-                return False
-            widths.add(coded.arrays[0].shape[-1] * 32 // coded.bits)
-        if len(widths) != 1 or widths.pop() % 8:  # keys and values of one width, 8k wide
-            return False
-    return True
+    heads = set(widths)
+    return all(b in _WIDTHS for b in bits) and len(heads) <= 1 and all(w % 8 == 0 for w in heads)
 
 
-def _host(array: mx.array, dtype: Any = None) -> np.ndarray[Any, Any]:
-    out = np.asarray(array)
-    return np.ascontiguousarray(out if dtype is None else out.astype(dtype))
+def covers(regions: Sequence[tuple[Coded, Coded]], queries: int) -> bool:
+    """Whether :func:`attend` takes these regions (keys, values; empty ones skipped) for
+    ``queries`` queries a row now (:func:`takes`)."""
+    coded = [c for pair in regions for c in pair]
+    widths = [c.arrays[0].shape[-1] * 32 // c.bits for c in coded if c.bits != 16]
+    return takes([c.bits for c in coded], widths, queries)
 
 
 def _region(kernel: Any, q: np.ndarray[Any, Any], keys: Coded, values: Coded, mask: Any) -> Partial:
@@ -75,8 +71,8 @@ def _region(kernel: Any, q: np.ndarray[Any, Any], keys: Coded, values: Coded, ma
     b, h, n_q, d = q.shape
     m, total = np.empty((b, h, n_q), np.float32), np.empty((b, h, n_q), np.float32)
     o = np.empty((b, h, n_q, d), np.float32)
-    k_q, k_s, k_b = (_host(a) for a in keys.arrays)
-    v_q, v_s, v_b = (_host(a) for a in values.arrays)
+    k_q, k_s, k_b = (fused.host(a) for a in keys.arrays)
+    v_q, v_s, v_b = (fused.host(a) for a in values.arrays)
     coded_k = (k_q, k_s, k_b, keys.bits, keys.group)
     coded_v = (v_q, v_s, v_b, values.bits, values.group)
     with fused.calling():
@@ -113,9 +109,13 @@ def attend(
     flat = q.reshape(b, h, r * n, d)
     flat_rot = None if q_rot is None else q_rot.reshape(b, h, r * n, d)
     keep = None if mask is None else mask.astype(mx.uint8)
-    mx.eval(flat, *([] if flat_rot is None else [flat_rot]), *([] if keep is None else [keep]))
-    mx.eval([a for pair in regions for c in pair for a in c.arrays])
-    queries = {False: _host(flat), True: None if flat_rot is None else _host(flat_rot)}
+    mx.eval(  # one wait: this layer's queries, and the stored arrays the kernel reads
+        flat,
+        *([] if flat_rot is None else [flat_rot]),
+        *([] if keep is None else [keep]),
+        *(a for pair in regions for c in pair for a in c.arrays),
+    )
+    queries = {False: fused.host(flat), True: None if flat_rot is None else fused.host(flat_rot)}
     host_mask = None if keep is None else np.asarray(keep)
     plain: list[Partial] = []
     turned: list[Partial] = []
