@@ -1,6 +1,7 @@
 """The numba kernel of ``kernels.stored_attend`` (compiled on the thread of
-``kernels.fused``): attention of a few queries over one region of quantized keys and
-values, read straight from their packed codes, as softmax partials.
+``kernels.fused``): a layer's attention of a few queries over two regions of quantized
+keys and values (a cache's sinks and body), read straight from their packed codes, and
+the turn's float tail: softmax partials per chunk of tokens, joined at the end.
 
 A row's values are unpacked in a permuted order: with 8 values to a unit (``bits`` bytes)
 and ``U`` units a row, value ``8 * u + k`` goes to ``k * U + u``. Each ``k`` is then one
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-__all__ = ("attend_quantized",)
+__all__ = ("attend_layer",)
 
 _NEG = np.float32(-np.inf)
 # Sums may be reordered and multiply-adds fused (LLVM vectorizes the dots); infinities and
@@ -128,94 +129,204 @@ def _finish(scores: Any, n: int, m_out: Any, l_out: Any) -> None:  # pragma: no 
         l_out[i] = total
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FAST)
-def attend_quantized(
-    q: Any,
-    k_codes: Any,
-    k_scales: Any,
-    k_biases: Any,
-    k_bits: int,
-    k_group: int,
-    v_codes: Any,
-    v_scales: Any,
-    v_biases: Any,
-    v_bits: int,
-    v_group: int,
+@njit(inline="always")
+def _coded_chunk(
+    xq: Any,
+    keys: Any,
+    values: Any,
     mask: Any,
-    chunk: int,
+    col: int,
+    b: int,
+    h: int,
+    lo: int,
+    n: int,
     m_out: Any,
     l_out: Any,
     o_out: Any,
-) -> None:  # pragma: no cover - compiled by numba, which coverage does not see
-    """Softmax partials of queries ``q`` fp32 ``(B, H, Q, D)`` (scaled, in the region's
-    basis; ``Q`` = query-head repeats x queries, repeat-major) over a region's keys and
-    values: codes uint32 ``(B, H, W, D * bits / 32)``, scales and biases fp32
-    ``(B, H, W, D / group)``; ``mask`` uint8 ``(B or 1, H or 1, N or 1, W)`` for ``N``
-    queries a row (query ``i`` reads row ``i % N``; 0: the column is not attended), or
-    ``(0, 0, 0, 0)`` for none. Out: ``m_out`` and
-    ``l_out`` ``(B, H, Q)``, each query's largest score and the sum of its scores'
-    exponentials less that; ``o_out`` ``(B, H, Q, D)``, the values weighted by those
-    exponentials. Work splits over (row, head, chunk of ``chunk`` tokens)."""
-    rows, heads, width, _ = k_codes.shape
-    n_q = q.shape[2]
-    dim = q.shape[3]
-    chunks = (width + chunk - 1) // chunk
+) -> None:  # pragma: no cover
+    """One chunk of a quantized region, tokens ``[lo, lo + n)`` of row ``b``, head ``h``
+    (its first column ``col`` of the mask): each query's partials into ``m_out``,
+    ``l_out`` ``(Q,)`` and ``o_out`` ``(Q, D)``, for queries ``xq`` ``(Q, D)``. ``keys``,
+    ``values``: (codes, scales, biases, bits, group)."""
+    codes, scales, biases, bits, group = keys
+    v_codes, v_scales, v_biases, v_bits, v_group = values
+    n_q, dim = xq.shape
+    per = 8  # values a unit, whatever the width
+    k_units, v_units = dim // per, dim // per
+    k_mask = np.uint64((1 << bits) - 1)
+    v_mask = np.uint64((1 << v_bits) - 1)
+    k_gu, v_gu = group // per, v_group // per
     masked = mask.shape[0] > 0
     mb, mh, mn = max(mask.shape[0], 1), max(mask.shape[1], 1), max(mask.shape[2], 1)
-    k_per = v_per = 8  # values a unit, whatever the width
-    k_units, v_units = dim // k_per, dim // v_per
-    k_mask = np.uint64((1 << k_bits) - 1)
-    v_mask = np.uint64((1 << v_bits) - 1)
-    k_gu, v_gu = k_group // k_per, v_group // v_per
+    xp = np.empty((n_q, dim), np.float32)
+    for i in range(n_q):
+        for v in range(dim):
+            xp[i, (v % per) * k_units + v // per] = xq[i, v]
+    cv = np.empty(dim, np.float32)
+    wide = np.empty(dim, np.uint64)
+    su = np.empty(dim, np.float32)
+    bu = np.empty(dim, np.float32)
+    scores = np.empty((n_q, n), np.float32)
+    for t in range(n):
+        _unpack(codes, b, h, lo + t, bits, k_units, k_mask, cv, wide)
+        _affine(cv, scales, biases, b, h, lo + t, per, k_units, k_gu, su, bu)
+        for i in range(n_q):
+            total = np.float32(0)
+            for j in range(dim):
+                total += xp[i, j] * cv[j]
+            if masked and mask[b % mb, h % mh, i % mn, col + t] == 0:
+                total = _NEG
+            scores[i, t] = total
+    _finish(scores, n, m_out, l_out)
+    acc = np.zeros((n_q, dim), np.float32)
+    for t in range(n):
+        _unpack(v_codes, b, h, lo + t, v_bits, v_units, v_mask, cv, wide)
+        _affine(cv, v_scales, v_biases, b, h, lo + t, per, v_units, v_gu, su, bu)
+        for i in range(n_q):
+            w = scores[i, t]
+            for j in range(dim):
+                acc[i, j] += w * cv[j]
+    for i in range(n_q):
+        for v in range(dim):
+            o_out[i, v] = acc[i, (v % per) * v_units + v // per]
+
+
+@njit(inline="always")
+def _float_chunk(
+    xq: Any,
+    keys: Any,
+    values: Any,
+    mask: Any,
+    col: int,
+    b: int,
+    h: int,
+    lo: int,
+    n: int,
+    m_out: Any,
+    l_out: Any,
+    o_out: Any,
+) -> None:  # pragma: no cover
+    """``_coded_chunk`` of float keys and values ``(B, H, T, D)`` (the turn's tail)."""
+    n_q, dim = xq.shape
+    masked = mask.shape[0] > 0
+    mb, mh, mn = max(mask.shape[0], 1), max(mask.shape[1], 1), max(mask.shape[2], 1)
+    scores = np.empty((n_q, n), np.float32)
+    for t in range(n):
+        for i in range(n_q):
+            total = np.float32(0)
+            for j in range(dim):
+                total += xq[i, j] * keys[b, h, lo + t, j]
+            if masked and mask[b % mb, h % mh, i % mn, col + t] == 0:
+                total = _NEG
+            scores[i, t] = total
+    _finish(scores, n, m_out, l_out)
+    for i in range(n_q):
+        for j in range(dim):
+            o_out[i, j] = np.float32(0)
+    for t in range(n):
+        for i in range(n_q):
+            w = scores[i, t]
+            for j in range(dim):
+                o_out[i, j] += w * values[b, h, lo + t, j]
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FAST)
+def attend_layer(
+    q: Any,
+    hadamard: Any,
+    a_rot: bool,
+    a_keys: Any,
+    a_values: Any,
+    b_rot: bool,
+    b_keys: Any,
+    b_values: Any,
+    tail_k: Any,
+    tail_v: Any,
+    mask: Any,
+    sinks: Any,
+    repeats: int,
+    chunk: int,
+    out: Any,
+) -> None:  # pragma: no cover - compiled by numba, which coverage does not see
+    """A layer's attention of queries ``q`` fp32 ``(B, H, Q, D)`` (scaled; ``Q`` =
+    query-head ``repeats`` x queries, repeat-major) over two quantized regions, A then B
+    (keys and values each (codes uint32 ``(B, H, W, D * bits / 32)``, scales and biases
+    fp32 ``(B, H, W, D / group)``, bits, group); either may be 0 tokens wide; ``*_rot``:
+    stored in the Hadamard basis, whose matrix ``hadamard`` fp32 ``(D, D)`` turns the
+    queries in and the values back), then the float tail ``tail_k``, ``tail_v`` fp32
+    ``(B, H, T, D)``: columns in that order, as ``mask`` uint8 ``(B or 1, H or 1, N or 1,
+    C)`` has them (query ``i`` reads row ``i % N``; 0: not attended), or ``(0, 0, 0, 0)``
+    for none. ``sinks`` fp32 ``(H * repeats,)``: learned logits that join each softmax as
+    a column with no value (``(0,)``: none). Out: ``out`` ``(B, H, Q, D)``. Work splits
+    over (row, head, chunk of ``chunk`` tokens) of the three parts; the chunks' softmax
+    partials are joined at the end."""
+    rows, heads, n_q, dim = q.shape
+    wa, wb, wt = a_keys[0].shape[2], b_keys[0].shape[2], tail_k.shape[2]
+    ca, cb, ct = (wa + chunk - 1) // chunk, (wb + chunk - 1) // chunk, (wt + chunk - 1) // chunk
+    chunks = ca + cb + ct
+    q_rot = _turned(q, hadamard) if a_rot or b_rot else q
     pm = np.empty((rows, heads, chunks, n_q), np.float32)
     pl = np.empty((rows, heads, chunks, n_q), np.float32)
-    po = np.zeros((rows, heads, chunks, n_q, dim), np.float32)
+    po = np.empty((rows, heads, chunks, n_q, dim), np.float32)
     for job in prange(rows * heads * chunks):
         b = job // (heads * chunks)
         h = (job // chunks) % heads
         c = job % chunks
-        lo = c * chunk
-        n = min(width, lo + chunk) - lo
-        xp = np.empty((n_q, dim), np.float32)
-        for i in range(n_q):
-            for v in range(dim):
-                xp[i, (v % k_per) * k_units + v // k_per] = q[b, h, i, v]
-        cv = np.empty(dim, np.float32)
-        wide = np.empty(dim, np.uint64)
-        su = np.empty(dim, np.float32)
-        bu = np.empty(dim, np.float32)
-        scores = np.empty((n_q, n), np.float32)
-        for t in range(n):
-            _unpack(k_codes, b, h, lo + t, k_bits, k_units, k_mask, cv, wide)
-            _affine(cv, k_scales, k_biases, b, h, lo + t, k_per, k_units, k_gu, su, bu)
-            for i in range(n_q):
-                total = np.float32(0)
-                for j in range(dim):
-                    total += xp[i, j] * cv[j]
-                if masked and mask[b % mb, h % mh, i % mn, lo + t] == 0:
-                    total = _NEG
-                scores[i, t] = total
-        _finish(scores, n, pm[b, h, c], pl[b, h, c])
-        acc = np.zeros((n_q, dim), np.float32)
-        for t in range(n):
-            _unpack(v_codes, b, h, lo + t, v_bits, v_units, v_mask, cv, wide)
-            _affine(cv, v_scales, v_biases, b, h, lo + t, v_per, v_units, v_gu, su, bu)
-            for i in range(n_q):
-                w = scores[i, t]
-                for j in range(dim):
-                    acc[i, j] += w * cv[j]
-        for i in range(n_q):
-            for v in range(dim):
-                po[b, h, c, i, v] = acc[i, (v % v_per) * v_units + v // v_per]
-    _combine(pm, pl, po, m_out, l_out, o_out)
+        m_out, l_out, o_out = pm[b, h, c], pl[b, h, c], po[b, h, c]
+        if c < ca + cb:
+            first = c < ca
+            lo = (c if first else c - ca) * chunk
+            n = min(wa if first else wb, lo + chunk) - lo
+            xq = q_rot[b, h] if (a_rot if first else b_rot) else q[b, h]
+            keys, values = (a_keys, a_values) if first else (b_keys, b_values)
+            col = lo if first else wa + lo
+            _coded_chunk(xq, keys, values, mask, col, b, h, lo, n, m_out, l_out, o_out)
+        else:
+            lo = (c - ca - cb) * chunk
+            n = min(wt, lo + chunk) - lo
+            col = wa + wb + lo
+            _float_chunk(q[b, h], tail_k, tail_v, mask, col, b, h, lo, n, m_out, l_out, o_out)
+    kinds = np.zeros(chunks, np.bool_)  # a chunk whose values are in the Hadamard basis
+    kinds[:ca] = a_rot
+    kinds[ca : ca + cb] = b_rot
+    _join(pm, pl, po, kinds, a_rot or b_rot, hadamard, sinks, repeats, out)
 
 
 @njit(inline="always")
-def _combine(
-    pm: Any, pl: Any, po: Any, m_out: Any, l_out: Any, o_out: Any
+def _turned(q: Any, hadamard: Any) -> Any:  # pragma: no cover
+    """``q`` ``(B, H, Q, D)`` times ``hadamard`` ``(D, D)``: the queries in the stored basis."""
+    rows, heads, n_q, dim = q.shape
+    out = np.empty((rows, heads, n_q, dim), np.float32)
+    for b in range(rows):
+        for h in range(heads):
+            for i in range(n_q):
+                for j in range(dim):
+                    total = np.float32(0)
+                    for k in range(dim):
+                        total += q[b, h, i, k] * hadamard[k, j]
+                    out[b, h, i, j] = total
+    return out
+
+
+@njit(inline="always")
+def _join(
+    pm: Any,
+    pl: Any,
+    po: Any,
+    kinds: Any,
+    turned: bool,
+    hadamard: Any,
+    sinks: Any,
+    repeats: int,
+    out: Any,
 ) -> None:  # pragma: no cover
-    """The chunks' partials joined: each query's max over all, sums and values rescaled."""
+    """The chunks' partials joined per query: each rescaled to the largest score of all
+    (a learned sink's logit among them), the Hadamard-basis values turned back after
+    their sum, the whole divided by the sum of the exponentials."""
     rows, heads, chunks, n_q, dim = po.shape
+    per_repeat = n_q // repeats
+    plain = np.empty(dim, np.float32)
+    rot = np.empty(dim, np.float32)
     for b in range(rows):
         for h in range(heads):
             for i in range(n_q):
@@ -223,16 +334,36 @@ def _combine(
                 for c in range(chunks):
                     if pm[b, h, c, i] > top:
                         top = pm[b, h, c, i]
+                sink = _NEG
+                if sinks.shape[0] > 0:
+                    sink = sinks[h * repeats + i // per_repeat]
+                    if sink > top:
+                        top = sink
                 total = np.float32(0)
                 for j in range(dim):
-                    o_out[b, h, i, j] = np.float32(0)
+                    plain[j] = np.float32(0)
+                    rot[j] = np.float32(0)
                 if top != _NEG:
+                    if sink != _NEG:
+                        total += _exp(sink - top)
                     for c in range(chunks):
                         if pm[b, h, c, i] == _NEG:
                             continue
                         f = _exp(pm[b, h, c, i] - top)
                         total += f * pl[b, h, c, i]
-                        for j in range(dim):
-                            o_out[b, h, i, j] += f * po[b, h, c, i, j]
-                m_out[b, h, i] = top
-                l_out[b, h, i] = total
+                        if kinds[c]:
+                            for j in range(dim):
+                                rot[j] += f * po[b, h, c, i, j]
+                        else:
+                            for j in range(dim):
+                                plain[j] += f * po[b, h, c, i, j]
+                if top == _NEG:  # nothing attended (no row of ours): zeros, not NaNs
+                    total = np.float32(1)
+                if turned:
+                    for j in range(dim):
+                        s = np.float32(0)
+                        for k in range(dim):
+                            s += rot[k] * hadamard[k, j]
+                        plain[j] += s
+                for j in range(dim):
+                    out[b, h, i, j] = plain[j] / total

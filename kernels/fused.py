@@ -79,7 +79,7 @@ def warm() -> None:
 def _build() -> None:
     try:
         from ._fused_kernel import unpack_scale
-        from ._stored_attend_kernel import attend_quantized
+        from ._stored_attend_kernel import attend_layer
 
         codes = np.zeros((1, 1, 8), np.uint8)  # compile for the one signature used
         side = np.ones((1, 1, 1), np.float32)
@@ -87,12 +87,13 @@ def _build() -> None:
         _state["kernel"] = unpack_scale
         # The stored-form attention (``kernels.stored_attend``), its one signature too.
         words = np.zeros((1, 1, 1, 1), np.uint32)
-        side4, out = np.ones((1, 1, 1, 1), np.float32), np.empty((1, 1, 1), np.float32)
+        side4 = np.ones((1, 1, 1, 1), np.float32)
         query = np.zeros((1, 1, 1, 8), np.float32)
         mask = np.zeros((0, 0, 0, 0), np.uint8)
-        coded = (words, side4, side4, 4, 8)
-        attend_quantized(query, *coded, *coded, mask, 1, out, out.copy(), query.copy())
-        _state["attend"] = attend_quantized
+        region = (True, (words, side4, side4, 4, 8), (words, side4, side4, 4, 8))
+        turn, sinks = np.eye(8, dtype=np.float32), np.zeros((0,), np.float32)
+        attend_layer(query, turn, *region, *region, query, query, mask, sinks, 1, 1, query.copy())
+        _state["attend"] = attend_layer
     except Exception as exc:  # numba missing or unable to compile here: the plain path
         _state["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -135,7 +136,7 @@ def host(array: mx.array, dtype: Any = None) -> np.ndarray[Any, Any]:
     """A C-contiguous NumPy array of an MLX one (evaluated; no copy when it can be): what
     the numba kernels read."""
     out = np.asarray(array)
-    return np.ascontiguousarray(out if dtype is None else out.astype(dtype))
+    return np.ascontiguousarray(out if dtype is None else out.astype(dtype, copy=False))
 
 
 Job = tuple[Sequence[Mapping[str, mx.array]], int, int]

@@ -91,9 +91,7 @@ def attend_parts(
     used = [(k, v) for k, v in regions if k.width]
     if kernel == "stored":  # numba over the packed codes (CPU), where it covers them
         if stored_attend.covers(used, n_heads // h * n):
-            if any(k.rotated for k, _ in used):
-                q_rot = rotate(q)
-            out = stored_attend.attend(q, q_rot, used, (tail_k, tail_v), mask, sinks)
+            out = stored_attend.attend(q, used, (tail_k, tail_v), mask, sinks)
             return out.reshape(b, n_heads, n, out.shape[-1]).astype(out_dtype)
         kernel = mlx_kernel(n)
     for coded, _ in used:

@@ -135,6 +135,23 @@ def test_masked_columns_and_rows_of_a_batch(taken: list[int]) -> None:
     assert not np.allclose(unmasked, got, atol=1e-3)  # the mask does change it
 
 
+def test_a_tail_longer_than_a_chunk(taken: list[int]) -> None:
+    # A quantized turn that decodes long grows its float tail past the kernel's chunk of
+    # 256 tokens: the tail's partials come in several chunks, masked as a batch has them.
+    rows, heads, n, tail = 2, 3, 2, 600
+    regions = [
+        _region(rows, heads, 4, 64, (8, 8), 64, 21),
+        _region(rows, heads, 70, 64, (5, 3), 64, 22),
+    ]
+    q, tail_kv = _inputs(rows, heads, 3, n, 64, tail=tail, seed=23)
+    keep = np.ones((rows, 1, n, 4 + 70 + tail), bool)
+    keep[1, :, :, : 4 + 70 + 300] = False  # row 1: left padding into the tail's second chunk
+    keep[:, :, 0, -1] = False  # causal: the first query does not see the last column
+    got, want = _both(q, regions, tail_kv, mx.array(keep))
+    assert taken
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+
+
 def test_regions_in_the_hadamard_basis(taken: list[int]) -> None:
     k1, k2, k3, k4 = mx.random.split(mx.random.key(7), 4)
     shape = (1, 3, 200, 64)
