@@ -4,9 +4,9 @@ keys and values read straight from their packed codes, with numba, instead of ML
 
 Measured by ``bench/stored_attend.py`` (a 4K-token cache of the default model's shape
 and codec, keys 5-bit and values 3-bit, every layer, 2 cores): one new token attends in
-63 ms against 196 for ``quantized_matmul`` and 125 for the reference; MLX's fused
-attention over a float copy takes 40 ms, or 127 with the copy made first (a warm turn's
-first step). The kernel alone, 4-bit: 24 ms (8K: 47). It reads each token's codes once
+56 ms against 226 for ``quantized_matmul`` and 143 for the reference; MLX's fused
+attention over a float copy takes 43 ms, or 140 with the copy made first (a warm turn's
+first step). The kernel alone: 790 us a layer. It reads each token's codes once
 for its keys and once for its values, gives each chunk of tokens its softmax partials
 (each query's largest score, the sum of its exponentials less that, the values weighted
 by them), the float tail's (the turn's own tokens) too, and joins them with learned
