@@ -200,6 +200,19 @@ def test_what_it_does_not_cover_takes_mlx_kernels(
     assert not taken
 
 
+def test_a_tail_alone_of_another_value_width_takes_mlx_kernels(taken: list[int]) -> None:
+    # MLA (deepseek_v2): keys 192 wide, values 128. With nothing stored, only the tail.
+    q = mx.random.normal((1, 4, 1, 192), key=mx.random.key(31))
+    tail = (
+        mx.random.normal((1, 2, 3, 192), key=mx.random.key(32)),
+        mx.random.normal((1, 2, 3, 128), key=mx.random.key(33)),
+    )
+    got, want = _both(q, [], tail)
+    assert got.shape == (1, 4, 1, 128)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+    assert not taken
+
+
 def test_auto_picks_it_on_the_cpu_for_a_few_queries_a_row() -> None:
     kv = mx.random.normal((1, 2, 40, 64), key=mx.random.key(13))
     parts = DEFAULT_CODEC.quantize(kv, 0, role="key"), DEFAULT_CODEC.quantize(kv, 0, role="value")
