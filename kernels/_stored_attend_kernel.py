@@ -316,12 +316,18 @@ def _turned(q: Any, hadamard: Any) -> Any:  # pragma: no cover
     for b in range(rows):
         for h in range(heads):
             for i in range(n_q):
-                for j in range(dim):
-                    total = np.float32(0)
-                    for k in range(dim):
-                        total += q[b, h, i, k] * hadamard[k, j]
-                    out[b, h, i, j] = total
+                _times(q[b, h, i], hadamard, out[b, h, i])
     return out
+
+
+@njit(inline="always")
+def _times(x: Any, hadamard: Any, out: Any) -> None:  # pragma: no cover
+    """``out = x @ hadamard`` for a row ``x`` ``(D,)``: into or out of the stored basis."""
+    for j in range(x.shape[0]):
+        total = np.float32(0)
+        for k in range(x.shape[0]):
+            total += x[k] * hadamard[k, j]
+        out[j] = total
 
 
 @njit(inline="always")
@@ -343,6 +349,7 @@ def _join(
     per_repeat = n_q // repeats
     plain = np.empty(dim, np.float32)
     rot = np.empty(dim, np.float32)
+    back = np.empty(dim, np.float32)
     for b in range(rows):
         for h in range(heads):
             for i in range(n_q):
@@ -376,10 +383,8 @@ def _join(
                 if top == _NEG:  # nothing attended (no row of ours): zeros, not NaNs
                     total = np.float32(1)
                 if turned:
+                    _times(rot, hadamard, back)
                     for j in range(dim):
-                        s = np.float32(0)
-                        for k in range(dim):
-                            s += rot[k] * hadamard[k, j]
-                        plain[j] += s
+                        plain[j] += back[j]
                 for j in range(dim):
                     out[b, h, i, j] = plain[j] / total

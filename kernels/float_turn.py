@@ -113,8 +113,9 @@ class FloatTurnCache(Entries):
     stored_first_tokens: ClassVar[int] = 1536
     """Stored tokens from which a first forward over the stored form beats making the copy
     first: bench/ttft.py had the copy first 97 against 113 ms at 1K, and 0.45-0.73x the
-    time over the stored form at 2K-8K (a copy's cost grows with the tokens; the stored
-    form's is a fixed ~1 ms a layer more)."""
+    time over the stored form at 2K-8K (a copy's cost grows with the tokens). Since the
+    kernel runs in one call a layer (553fab8) the two are about even at 1K (a 19 ms copy
+    against a forward 16.7 ms slower, 81.5 against 64.8), so the bound stayed."""
 
     @classmethod
     def defers(cls, kv: AgentKV, queries: int) -> bool:

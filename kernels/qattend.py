@@ -90,8 +90,8 @@ def attend_parts(
     scores = []
     used = [(k, v) for k, v in regions if k.width]
     if kernel == "stored":  # numba over the packed codes (CPU), where it covers them
-        same = tail_k.shape[-1] == tail_v.shape[-1]  # its one head width (MLA's differ)
-        if same and stored_attend.covers(used, n_heads // h * n):
+        widths = (tail_k.shape[-1], tail_v.shape[-1])
+        if stored_attend.covers(used, n_heads // h * n, widths):
             out = stored_attend.attend(q, used, (tail_k, tail_v), mask, sinks)
             return out.reshape(b, n_heads, n, out.shape[-1]).astype(out_dtype)
         kernel = mlx_kernel(n)

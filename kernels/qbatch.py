@@ -306,7 +306,7 @@ class QuantizedBatchCache:
             assert self.keys is not None
             per_row = queries.shape[1] // self.keys.shape[1] * queries.shape[2]
             used = [(r["key"], r["value"]) for r in self._regions if r["key"].width]
-            if stored_attend.covers(used, per_row):
+            if stored_attend.covers(used, per_row, self.dims):
                 return "stored"
         return mlx_kernel(queries.shape[2])
 

@@ -54,19 +54,21 @@ _WIDTHS = (2, 3, 4, 5, 6, 8)  # a unit of 8 values fits one 64-bit word at any s
 def takes(bits: Iterable[int], widths: Iterable[int], queries: int) -> bool:
     """Whether the kernel runs now for ``queries`` queries a row over keys and values of
     these widths (``bits``) and head widths: compiled, 2-6 or 8 bits, one head width of
-    whole 8-value units (none: a tail alone)."""
+    whole 8-value units (its outputs are as wide as its queries: MLA's keys and values
+    differ)."""
     if queries > MAX_QUERIES or fused.compiled("attend") is None:
         return False
     heads = set(widths)
     return all(b in _WIDTHS for b in bits) and len(heads) <= 1 and all(w % 8 == 0 for w in heads)
 
 
-def covers(regions: Sequence[tuple[Coded, Coded]], queries: int) -> bool:
+def covers(regions: Sequence[tuple[Coded, Coded]], queries: int, tail: tuple[int, int]) -> bool:
     """Whether :func:`attend` takes these regions (keys, values; none empty, at most two:
-    a quantized cache's sinks and body) for ``queries`` queries a row now (:func:`takes`)."""
+    a quantized cache's sinks and body) and a float tail of these key and value widths
+    for ``queries`` queries a row now (:func:`takes`)."""
     coded = [c for pair in regions for c in pair]
     widths = [c.arrays[0].shape[-1] * 32 // c.bits for c in coded if c.bits != 16]
-    return len(regions) <= 2 and takes([c.bits for c in coded], widths, queries)
+    return len(regions) <= 2 and takes([c.bits for c in coded], [*widths, *tail], queries)
 
 
 def attend(
@@ -83,7 +85,7 @@ def attend(
     ``(H * R,)`` that join each softmax as a column with no value. Out: ``(B, H, R, N,
     D)`` fp32. Only where :func:`covers`. One kernel call: the regions, the tail, the
     sinks and the join of their softmax partials (each a call and MLX ops of their own
-    took ~1 ms a layer more, ``bench/stored_attend.py``)."""
+    took ~0.7 ms a layer more, ``bench/stored_attend.py``)."""
     kernel = fused.compiled("attend")
     assert kernel is not None, "attend runs where covers() said it can"
     b, h, r, n, d = q.shape

@@ -187,14 +187,14 @@ def test_what_it_does_not_cover_takes_mlx_kernels(
     fp = mx.random.normal((1, 2, 30, 64), key=mx.random.key(11))
     float_region = (Coded(16, 64, False, (fp,)), Coded(16, 64, False, (fp,)))
     quantized = _region(1, 2, 30, 64, (4, 4), 64, seed=12)
-    assert not stored_attend.covers([float_region], 2)  # a plain float region
-    assert not stored_attend.covers([quantized], stored_attend.MAX_QUERIES + 1)
-    assert stored_attend.covers([quantized], stored_attend.MAX_QUERIES)
+    assert not stored_attend.covers([float_region], 2, (64, 64))  # a plain float region
+    assert not stored_attend.covers([quantized], stored_attend.MAX_QUERIES + 1, (64, 64))
+    assert stored_attend.covers([quantized], stored_attend.MAX_QUERIES, (64, 64))
     got, want = _both(q, [float_region], tail)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
     assert not taken
     monkeypatch.setenv("KVACTOR_FUSED", "0")  # the switch turns it off with the dequantize
-    assert not stored_attend.covers([quantized], 2)
+    assert not stored_attend.covers([quantized], 2, (64, 64))
     got, want = _both(q, [quantized], tail)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
     assert not taken
