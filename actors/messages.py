@@ -31,6 +31,7 @@ __all__ = (
     "GetState",
     "Hint",
     "Install",
+    "InstallStreamed",
     "ModelsQuery",
     "Release",
     "Reserve",
@@ -118,6 +119,18 @@ class Install(msgspec.Struct, frozen=True, tag=True):
     ranges: list[tuple[int, int, dict[str, Any]]]
     pin: bool = False
     read_s: float = 0.0
+
+
+class InstallStreamed(msgspec.Struct, frozen=True, tag=True):
+    """A warm cache to make hot while it streams in (a layer-streamed load): ``read``, the
+    store's StreamedRead, writes its bytes into the arrays the engine allocates for it, and
+    the agent's first forward runs as they land (``kernels.agent_cache.Landing``). ``pin``
+    as Install. Answers whether it was installed (then the read has started)."""
+
+    agent: str
+    tokens: list[int]
+    read: Any
+    pin: bool = False
 
 
 class Release(msgspec.Struct, frozen=True, tag=True):
@@ -255,6 +268,7 @@ EngineMessage = (
     | Written
     | Reserve
     | Install
+    | InstallStreamed
     | Release
     | DropCache
     | CacheQuery

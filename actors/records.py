@@ -63,6 +63,11 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     # making the working copy from the stored cache (in prefill_s).
     load_s: float = 0.0
     dequantize_s: float = 0.0
+    # A cache streamed in (a layer-streamed warm load: ``load_s`` then only opened its
+    # files): the read's seconds, run beside the turn's first forward (in prefill_s), and
+    # how long that forward waited for bytes; 0 for a cache read whole first.
+    stream_s: float = 0.0
+    stream_wait_s: float = 0.0
     # Before all of the above (not in ttft_s): rendering the conversation, tokenizing it
     # and matching it against the agent's cache, on the agent's side.
     prompt_s: float = 0.0

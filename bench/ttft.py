@@ -22,10 +22,14 @@ compiled before the measured turns). ``warm_s`` attends over the
 stored form in its first forward (``kernels.stored_attend``: no float copy before its
 first token, none at all for this one-token turn); ``warm_copy_s`` is the same turn with
 that off (``KVACTOR_STORED_FIRST=0``: the fused copy first), ``warm_stored_vs_copy`` the
-ratio. The warm turn's
-parts: ``warm_read_verify_s``, ``warm_dequantize_s``, ``warm_forward_s``, ``warm_other_s``
-(actor hops, the copy into MLX, queueing); they run one after another
-(``warm_overlap_s``). Ratios of the medians: ``warm_vs_seed_path``, ``warm_vs_floor``,
+ratio. ``warm_s`` streams its cache in (a layer-streamed load: the files read into the
+engine's arrays as its first forward runs); ``warm_whole_s`` reads it whole first
+(``KVACTOR_STREAM=0``), ``warm_streamed_vs_whole`` the ratio. The warm turn's parts:
+``warm_stage_s`` (before the turn: the files opened and checked, the arrays allocated),
+``warm_read_verify_s`` (the read and its checksums, beside the forward), of it
+``warm_overlap_s`` beside the compute and ``warm_wait_s`` waited for, ``warm_dequantize_s``,
+``warm_forward_s``, ``warm_other_s`` (actor hops, queueing); ``warm_whole_read_verify_s``
+the whole read's staging. Ratios of the medians: ``warm_vs_seed_path``, ``warm_vs_floor``,
 ``hot_stored_vs_warm``, ``prefetched_ready_vs_step``, ``hot_vs_step``.
 
     python bench/ttft.py [--contexts 1024 2048 4096] [--json PATH]
@@ -167,6 +171,7 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
     # ran before them: its first new session faults its memory in fresh); the means.
     ways = {
         "warm": {},
+        "whole": {"KVACTOR_STREAM": "0"},
         "copy": {"KVACTOR_STORED_FIRST": "0"},
         "plain": {"KVACTOR_FUSED": "0"},
         "one": {"KVACTOR_FUSED": "0", "KVACTOR_ARRAY_STREAMS": "1"},
@@ -174,7 +179,7 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
     turns: dict[str, list[tuple[float, kvactor.Completion]]] = {way: [] for way in ways}
     for way in [*ways, *reversed(ways)]:
         turns[way].append(await warm_turn(root, f"ttft-{n}", prompt, ways[way]))
-    warm_s, warm_copy_s, warm_plain_s, warm_one_s = (
+    warm_s, warm_whole_s, warm_copy_s, warm_plain_s, warm_one_s = (
         statistics.fmean(s for s, _ in turns[w]) for w in ways
     )
 
@@ -182,10 +187,14 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
         return statistics.fmean(part(c.timings) for _, c in turns[way])
 
     dropped = drop_page_cache(folder)
-    async with kvactor.open(cache_dir=root) as kv:
-        agent = await kv.spawn_agent(f"ttft-{n}")
-        staged = await kv.prefetcher.ask(Stage(agent.name), timeout=None)  # type: ignore[union-attr]
-        warm_load_gbps = staged.nbytes / staged.read_s / 1e9
+    os.environ["KVACTOR_STREAM"] = "0"  # the read alone, whole (a stage's read_s)
+    try:
+        async with kvactor.open(cache_dir=root) as kv:
+            agent = await kv.spawn_agent(f"ttft-{n}")
+            staged = await kv.prefetcher.ask(Stage(agent.name), timeout=None)  # type: ignore[union-attr]
+            warm_load_gbps = staged.nbytes / staged.read_s / 1e9
+    finally:
+        del os.environ["KVACTOR_STREAM"]
     drop_page_cache(folder)
     async with kvactor.open(cache_dir=root, ready_copies=False) as kv:
         agent = await kv.spawn_agent(f"ttft-{n}")
@@ -220,13 +229,21 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
     assert len(answers) == 1, answers  # every path gives the same greedy token
     seed_s, mlx_step_s = seed_path_s(prompt, root)
     return {
-        # A warm turn's parts, one after another: the store's read and verify (in its
-        # queue time), the working copy, the forward of the new tokens and the first step.
-        "warm_read_verify_s": mean("warm", lambda t: t.load_s),
+        # A warm turn's parts: its staging (streamed: the files opened, their headers
+        # checked, the arrays allocated; read whole: the read too), the read and its
+        # checksums (streamed: beside the working copy and the forward, which wait for
+        # each layer's bytes: ``warm_wait_s``), the working copy, the forward of the new
+        # tokens and the first step; ``warm_overlap_s`` the read's seconds that ran
+        # beside them.
+        "warm_stage_s": mean("warm", lambda t: t.load_s),
+        "warm_read_verify_s": mean("warm", lambda t: t.stream_s or t.load_s),
+        "warm_wait_s": mean("warm", lambda t: t.stream_wait_s),
         "warm_dequantize_s": mean("warm", lambda t: t.dequantize_s),
         "warm_forward_s": mean("warm", lambda t: t.prefill_s - t.dequantize_s),
         "warm_other_s": warm_s - mean("warm", lambda t: t.load_s + t.prefill_s),
-        "warm_overlap_s": 0.0,  # nothing of them runs side by side (docs/benchmarks.md)
+        "warm_overlap_s": mean("warm", lambda t: t.stream_s - t.stream_wait_s),
+        "warm_whole_s": warm_whole_s,
+        "warm_whole_read_verify_s": mean("whole", lambda t: t.load_s),
         "warm_copy_s": warm_copy_s,
         "warm_copy_dequantize_s": mean("copy", lambda t: t.dequantize_s),
         "warm_one_stream_s": warm_one_s,
@@ -323,6 +340,7 @@ async def main(contexts: list[int], runs: int) -> dict[str, Any]:
         r["warm_spread_vs_one_stream"] = r["warm_plain_s"] / r["warm_one_stream_s"]
         r["warm_fused_vs_plain"] = r["warm_copy_s"] / r["warm_plain_s"]
         r["warm_stored_vs_copy"] = r["warm_s"] / r["warm_copy_s"]
+        r["warm_streamed_vs_whole"] = r["warm_s"] / r["warm_whole_s"]
     return {
         "fused_dequantize": fused.ready(),
         "contexts": results,
@@ -367,19 +385,23 @@ if __name__ == "__main__":
     print()
     table(
         ["context", "warm vs seed path", "warm vs floor", "hot from stored vs warm",
-         "prefetched to ready vs step", "hot vs step", "warm, fused copy first",
+         "prefetched to ready vs step", "hot vs step", "warm, read whole first",
+         "streamed vs whole", "warm, fused copy first",
          "stored vs copy", "warm, one stream", "spread vs one", "warm, plain ops",
-         "fused vs plain", "read + verify", "dequantize", "dequantize, fused copy",
+         "fused vs plain", "stage", "read + verify", "of it beside", "waited",
+         "read whole", "dequantize", "dequantize, fused copy",
          "dequantize, plain", "forward", "other"],
         [
             [n, *(f"{r[k]:.2f}x" for k in (
                 "warm_vs_seed_path", "warm_vs_floor", "hot_stored_vs_warm",
                 "prefetched_ready_vs_step", "hot_vs_step")),
+             ms[n]["warm_whole_s"], f"{r['warm_streamed_vs_whole']:.2f}x",
              ms[n]["warm_copy_s"], f"{r['warm_stored_vs_copy']:.2f}x",
              ms[n]["warm_one_stream_s"], f"{r['warm_spread_vs_one_stream']:.2f}x",
              ms[n]["warm_plain_s"], f"{r['warm_fused_vs_plain']:.2f}x",
              *(ms[n][k] for k in (
-                "warm_read_verify_s", "warm_dequantize_s", "warm_copy_dequantize_s",
+                "warm_stage_s", "warm_read_verify_s", "warm_overlap_s", "warm_wait_s",
+                "warm_whole_read_verify_s", "warm_dequantize_s", "warm_copy_dequantize_s",
                 "warm_plain_dequantize_s",
                 "warm_forward_s", "warm_other_s"))]
             for n, r in rows

@@ -29,9 +29,10 @@ to the same token (:meth:`AgentKV.reusable`), or from nothing when none is left.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
+import numpy as np
 
 from . import fused
 from ._qmath import affine
@@ -42,12 +43,40 @@ from .qcodec import KVCodec, Role
 from .quantized_turn import QuantizedTurnCache
 from .stored import Parts, StoredRange, cache_nbytes, segment_layout
 
-__all__ = ("DEFAULT_CHECKPOINTS", "AgentKV", "StoredRange", "cache_nbytes", "segment_layout")
+__all__ = (
+    "DEFAULT_CHECKPOINTS",
+    "AgentKV",
+    "Landing",
+    "StoredRange",
+    "Unverified",
+    "cache_nbytes",
+    "segment_layout",
+)
 
 #: Ranges whose checkpoint (recurrent state at their end) an agent keeps, by default: a
 #: turn stores its prompt and its answer as ranges of their own, so 4 are the last two
 #: turns (resume after either, or redo the last answer).
 DEFAULT_CHECKPOINTS = 4
+
+
+class Landing(Protocol):
+    """Stored arrays whose bytes are still on their way in (a layer-streamed warm load:
+    ``actors.warm``'s StreamedRead writes them from its reader threads)."""
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until entry ``layer``'s bytes are in (trusted only once :meth:`wait`
+        says None)."""
+        ...
+
+    def wait(self) -> str | None:
+        """Block until every byte is in: None when they all matched their checksums, else
+        why they cannot be trusted."""
+        ...
+
+
+class Unverified(RuntimeError):
+    """A cache whose streamed bytes failed their checksum or could not be read: it holds
+    nothing to use (:meth:`AgentKV.settle`)."""
 
 
 class AgentKV:
@@ -94,6 +123,8 @@ class AgentKV:
         # ``Residents`` sets it). A working cache also grows in place during its turn; a
         # ready copy does not (a trim is a change of the stored ranges).
         self.on_change: Callable[[], None] | None = None
+        # Its stored arrays' bytes still on their way in (fill_streamed), until settle().
+        self.landing: Landing | None = None
 
     @property
     def stored_gen(self) -> int:
@@ -135,6 +166,49 @@ class AgentKV:
             self.window_start = lacking[-1].stop
         self.slide(len(tokens))  # what it read is on disk
         mx.eval(list(self.stored_arrays()))
+
+    def fill_streamed(
+        self,
+        tokens: list[int],
+        ranges: Sequence[tuple[int, int, Mapping[str, tuple[tuple[int, ...], str]]]],
+        landing: Landing,
+    ) -> list[dict[str, np.ndarray[Any, Any]]]:
+        """Fill this empty cache with arrays of the shapes and dtypes ``ranges`` names
+        (``(start, stop, {tensor: (shape, dtype)})``), whose bytes ``landing`` will write:
+        their host views (writable, zero-copy on the CPU), per range, for it to write
+        into. Until :meth:`settle`, a turn's first forward over the stored form waits for
+        each layer as it attends (``QuantizedTurnCache``), and everything else that reads
+        the stored arrays waits for all of them and their checksums first. Raises
+        ValueError as :meth:`fill_staged` does, or where a host view is not the array's
+        memory (nothing then waits on ``landing``)."""
+        # Made from numpy's untouched memory: a copy each, materialized at once, where
+        # mx.zeros is an op each to evaluate (~4x the time for a cache's 540 arrays).
+        made = [
+            (start, stop, {n: mx.array(np.empty(shape, dtype)) for n, (shape, dtype) in t.items()})
+            for start, stop, t in ranges
+        ]
+        views = [{n: np.array(a, copy=False) for n, a in t.items()} for *_, t in made]
+        places = [v.ctypes.data for t in views for v in t.values() if v.size]
+        if len(set(places)) != len(places) or not all(
+            v.flags.writeable and v.flags.c_contiguous for t in views for v in t.values()
+        ):
+            raise ValueError("the arrays' host views are not their own memory")
+        self.fill_staged(tokens, made)
+        self.landing = landing
+        return views
+
+    #: Groups of layers whose float copies a streamed cache makes as they land.
+    _GROUPS = 4
+
+    def settle(self) -> None:
+        """Wait until its streamed bytes (:meth:`fill_streamed`) are all in and checked.
+        Raises Unverified (the cache holds nothing to use: drop it) when they failed."""
+        if self.landing is None:
+            return
+        why = self.landing.wait()
+        if why is not None:
+            raise Unverified(why)
+        self.landing = None
 
     # -- sizes ------------------------------------------------------------------------
     @property
@@ -281,6 +355,7 @@ class AgentKV:
         tokens and stored ranges, their arrays shared, not copied: nothing writes stored
         arrays in place (cuts slice them, ``slide`` drops them from the ranges' own
         lists). Between turns only. Returns ``into``."""
+        self.settle()
         if self.work is not None:
             raise ValueError("cannot fork a cache during its turn")
         return self.share_into(into, len(self.ranges))
@@ -294,6 +369,7 @@ class AgentKV:
         """``into`` (empty, same codec and geometry) holding this cache's first ``count``
         stored ranges and their tokens, the arrays shared, not copied (see ``fork``).
         The ranges are immutable, so this is safe during this cache's turn too."""
+        self.settle()
         shared = self.ranges[:count]
         stop = shared[-1].stop if shared else 0
         into.tokens = list(self.tokens[:stop])
@@ -474,19 +550,35 @@ class AgentKV:
         widths = [codec.role_spec(role)[0] for role in roles]
         if not fused.ready() or 16 in widths or (codec.rotate and not rotated):
             return None
-        jobs = [
-            self._fused_job(self._spans(i, role, ranges), role, room)
-            for i in layers
-            for role in roles
-        ]
-        made = fused.dequantize_many(jobs)
-        if made is None:
-            return None
-        return [(made[2 * k], made[2 * k + 1]) for k in range(len(layers))]
+        if self.landing is not None:  # streaming in: a group at a time, as its layers land
+            size = -(-len(layers) // self._GROUPS)
+            groups = [list(layers[k : k + size]) for k in range(0, len(layers), size)]
+        else:
+            groups = [list(layers)]
+        out: dict[int, tuple[mx.array, mx.array]] = {}
+        for group in groups:
+            for i in group:
+                if self.landing is not None:
+                    self.landing.wait_layer(i)
+            jobs = [
+                self._fused_job(self._spans(i, role, ranges, landed=True), role, room)
+                for i in group
+                for role in roles
+            ]
+            made = fused.dequantize_many(jobs)
+            if made is None:
+                return None
+            out.update((i, (made[2 * k], made[2 * k + 1])) for k, i in enumerate(group))
+        return [out[i] for i in layers]
 
-    def _spans(self, layer: int, role: Role, ranges: slice) -> list[tuple[Parts, int, int]]:
+    def _spans(
+        self, layer: int, role: Role, ranges: slice, *, landed: bool = False
+    ) -> list[tuple[Parts, int, int]]:
         """(parts, start, tokens) of each stored range ``ranges`` selects, for one layer's
-        role. Raises ValueError when it selects none."""
+        role (their bytes in: :meth:`settle`, unless ``landed``: the caller waited for the
+        layer). Raises ValueError when it selects none."""
+        if not landed:
+            self.settle()
         spans = [
             (parts, r.start, r.stop - r.start)
             for parts, r in zip(
@@ -556,7 +648,8 @@ class AgentKV:
 
     def trim(self, keep: int) -> None:
         """Forget every token from ``keep`` on (a prompt that diverged there). Raises
-        ValueError during a turn (the working cache holds them too): end the turn first."""
+        ValueError during a turn (the working cache holds them too): end the turn first.
+        Streamed arrays still landing are cut lazily (nothing read)."""
         if len(self.tokens) <= keep:
             return
         if self.work is not None:
@@ -604,4 +697,5 @@ class AgentKV:
 
     def ranges_from(self, token: int) -> Sequence[StoredRange]:
         """The stored ranges that hold any token at or after ``token``."""
+        self.settle()
         return [r for r in self.ranges if r.stop > token]

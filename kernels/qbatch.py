@@ -131,6 +131,9 @@ class QuantizedBatchCache:
         self.values: mx.array | None = None
         self._idx = 0  # tail columns in use
         self.offset = mx.array([sum(r[i] for r in region_lengths) for i in range(rows)])
+        # Waits until the regions' bytes are in (a layer-streamed load: AgentKV.landing);
+        # called before anything reads them, then dropped.
+        self.landing: Callable[[], None] | None = None
 
     # -- building -------------------------------------------------------------------
     @classmethod
@@ -279,6 +282,9 @@ class QuantizedBatchCache:
         if self.keys is None or self.values is None:
             raise ValueError("attend needs the step's keys and values first (update_and_fetch)")
         self._unattended = False
+        if self.landing is not None:
+            self.landing()
+            self.landing = None
         if not isinstance(mask, mx.array):
             mask = None  # make_mask always gives an array: anything else is no mask
         kernel = self._kernel_for(queries)

@@ -3,6 +3,7 @@ are plus a float tail of the turn, and each recurrent layer's state."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, ClassVar
 
@@ -47,15 +48,18 @@ class QuantizedTurnCache(Entries):
         if kv.geometry.state(i) is not None:
             return state_layer(kv, i)
         g = kv.geometry.layer(i)
-        return QuantizedBatchCache.from_parts(
+        out = QuantizedBatchCache.from_parts(
             kv.codec,
             g.n_kv_heads,
             (g.key_dim, g.value_dim),
-            concat_parts(kv.layer_parts(i, "key")),
+            concat_parts(kv.layer_parts(i, "key")),  # lazy: read when it attends
             concat_parts(kv.layer_parts(i, "value")),
             kv.stored_tokens,
             cls.kernel,
         )
+        if kv.landing is not None:  # streamed in: this layer's bytes first (fill_streamed)
+            out.landing = functools.partial(kv.landing.wait_layer, i)
+        return out
 
     @classmethod
     def prepare(cls, model: nn.Module, geometry: CacheGeometry | None = None) -> None:

@@ -92,10 +92,11 @@ class StoredRange:
         start: int,
         stop: int,
         geometry: CacheGeometry,
-        tensors: Mapping[str, np.ndarray[Any, Any]],
+        tensors: Mapping[str, np.ndarray[Any, Any] | mx.array],
         may_lack: frozenset[int] = frozenset(),
     ) -> StoredRange:
-        """The inverse of ``to_numpy`` (one copy into MLX, states in their own dtype); the
+        """The inverse of ``to_numpy`` (one copy into MLX, states in their own dtype; MLX
+        arrays are taken as they are: ``AgentKV.fill_streamed``); the
         K/V entries in ``may_lack`` (sliding-window layers, see ``AgentKV.slide``) may have
         no parts at all, and the states may all be missing (no checkpoint). Raises KeyError
         on another missing layer, half of one, or part of a checkpoint."""
@@ -110,7 +111,8 @@ class StoredRange:
                 dtype = getattr(mx, g.dtypes[int(name)])
                 states.setdefault(int(layer), {})[name] = mx.array(array).astype(dtype)
             else:
-                layers[int(layer)][0 if kind == "k" else 1][name] = mx.array(array)
+                taken = array if isinstance(array, mx.array) else mx.array(array)
+                layers[int(layer)][0 if kind == "k" else 1][name] = taken
         state_layers = geometry.state_layers
         for i, (k, v) in enumerate(layers):
             if i in state_layers:

@@ -204,8 +204,11 @@ async def test_a_corrupt_segment_falls_back_to_cold_with_the_right_answer(tmp_pa
 
 
 async def test_a_cache_refused_while_staging_is_set_aside_and_listed_with_why(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Read whole before it is staged (a streamed stage answers before the checksums are
+    # known: tests/test_streamed_load.py refuses it as the turn's first forward ends).
+    monkeypatch.setenv("KVACTOR_STREAM", "0")
     refused = await save_then_corrupt(tmp_path, "c")
     async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
         result = await stage(kv, "c")
@@ -226,7 +229,10 @@ async def test_a_cache_refused_while_staging_is_set_aside_and_listed_with_why(
         assert (await agent.generate("and again", max_tokens=4)).path == Tier.WARM
 
 
-async def test_delete_rejected_deletes_a_cache_refused_while_staging(tmp_path: Path) -> None:
+async def test_delete_rejected_deletes_a_cache_refused_while_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVACTOR_STREAM", "0")  # read whole before it is staged (as above)
     await save_then_corrupt(tmp_path, "c")
     async with kvactor.open(tiny(), cache_dir=tmp_path, delete_rejected=True) as kv:
         result = await stage(kv, "c")

@@ -43,6 +43,7 @@ from ..messages import (
     GetModelInfo,
     HotQuery,
     Install,
+    InstallStreamed,
     ModelsQuery,
     Release,
     Reserve,
@@ -73,7 +74,7 @@ __all__ = ("FAIR_WAIT_S", "EngineActor")
 FAIR_WAIT_S = 2.0
 
 # Messages that need their model loaded; the others are answered without it.
-_NEEDS_MODEL = (Generate, Install)
+_NEEDS_MODEL = (Generate, Install, InstallStreamed)
 
 
 class _Waiting(NamedTuple):

@@ -42,6 +42,11 @@ class Generation:
     prefill_start: float = 0.0
     prefill_end: float = 0.0
     dequantize_s: float = 0.0  # making its working copy (0 from a ready copy)
+    # Its cache streaming in as its first forward runs (AgentKV.landing), until settled;
+    # then the read's seconds and how long the forward waited for bytes.
+    landing: Any = None
+    stream_s: float = 0.0
+    stream_wait_s: float = 0.0
     shared: int = 0  # prompt tokens reused from another agent's stored ranges
     cuts: tuple[int, ...] = ()  # where the prefill stores a range (Generate.cuts)
     answers: tuple[int, ...] = ()  # where decoded answers began (Generate.answers)
@@ -127,6 +132,8 @@ class Generation:
                     prefilled_tokens=len(self.prompt) - self.reused,
                     generated_tokens=len(self.generated),
                     dequantize_s=self.dequantize_s,
+                    stream_s=self.stream_s,
+                    stream_wait_s=self.stream_wait_s,
                     shared_tokens=self.shared,
                 ),
             )

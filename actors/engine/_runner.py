@@ -13,7 +13,7 @@ import mlx.core as mx
 import msgspec
 
 from ...kernels import fused
-from ...kernels.agent_cache import AgentKV
+from ...kernels.agent_cache import AgentKV, Unverified
 from ...kernels.attention import query_repeats
 from ...kernels.float_turn import FloatPrefix
 from ...kernels.memory import keep_freed_buffers
@@ -46,6 +46,7 @@ from ..messages import (
     Hint,
     HotQuery,
     Install,
+    InstallStreamed,
     Release,
     Reserve,
     StatsQuery,
@@ -282,6 +283,10 @@ class ModelRunner:
                 if installed and not pin:
                     pool.ready_ahead(agent)  # a hint: make the turn to come start ready
                 return installed
+            case InstallStreamed(agent, tokens, read, pin):
+                return pool.warm.install(
+                    agent, read.nbytes, lambda: self._streamed(tokens, read), pin=pin
+                )
             case Release(agent):
                 return pool.release(agent)
             case GetModelInfo():
@@ -464,6 +469,13 @@ class ModelRunner:
         kv.fill_staged(tokens, ranges)
         return kv
 
+    def _streamed(self, tokens: list[int], read: Any) -> AgentKV:
+        """A warm cache streaming in (``InstallStreamed``): its arrays allocated here, the
+        store's reader threads started on writing their bytes into them."""
+        kv = self.pool.new_kv()
+        read.start(kv.fill_streamed(tokens, read.ranges(), read))
+        return kv
+
     # -- the work loop ----------------------------------------------------------------
     def step(self) -> bool:
         """One round of work: a prefill chunk, a decode step, a layer of a ready copy;
@@ -565,7 +577,11 @@ class ModelRunner:
             request.prefill_start = time.perf_counter()
             self._ready_turns += kv.ready is not None
             first = self._first_queries(request)
-            made = self.pool.working_copy(request.agent, request.entry, first=first)
+            request.landing = kv.landing
+            try:
+                made = self.pool.working_copy(request.agent, request.entry, first=first)
+            except Unverified as exc:  # a copy made first waits for every byte
+                return self._unverified(request, exc)
             self._stored_first_turns += kv.stored_first
             self._dequantized += made
             request.dequantize_s = time.perf_counter() - request.prefill_start
@@ -585,6 +601,11 @@ class ModelRunner:
         finally:
             if stepwise:
                 work.stepwise(False)
+        if request.landing is not None:  # streamed in: trusted from here, or dropped
+            try:
+                self._settled(request)
+            except Unverified as exc:
+                return self._unverified(request, exc)
         request.tokens.extend(chunk)
         if request.todo:
             if len(kv.tokens) in request.cuts:
@@ -609,6 +630,30 @@ class ModelRunner:
             self._ready.append(request)
         else:
             self._park(request, finished=True)
+        return True
+
+    def _settled(self, request: Generation) -> None:
+        """Wait for the rest of the turn's streamed cache and its checksums (its first
+        forward ran as its layers landed); the read's seconds go into the turn's timings
+        and the pool's disk rate. Raises Unverified (nothing of the turn answered yet)."""
+        read, kv = request.landing, request.entry.kv
+        kv.settle()
+        request.landing = None
+        request.stream_s, request.stream_wait_s = read.read_s, read.waited_s
+        self.pool.rates.disk(read.nbytes, read.read_s)
+
+    def _unverified(self, request: Generation, exc: Unverified) -> bool:
+        """The turn's cache streamed in and failed its checksum (or could not be read):
+        drop it and fail the turn with CacheMiss before anything of it was answered. Its
+        agent stages it again; the store then reads it whole, refuses it with the reason,
+        and the agent goes on cold."""
+        self._prefilling.popleft()
+        request.entry.kv.clear_working()
+        self._park(request)
+        self.pool.drop(request.agent)
+        request.reply.fail(
+            CacheMiss(f"agent {request.agent!r}: its warm cache failed as it streamed in: {exc}")
+        )
         return True
 
     def _first_queries(self, request: Generation) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -12,9 +13,10 @@ import msgspec
 from ...runtime import Actor, ActorRef
 from ..enums import Room, StageOutcome
 from ..errors import CacheRejected, UnknownAgent
-from ..messages import EngineMessage, Install, Release, Reserve
+from ..messages import EngineMessage, Install, InstallStreamed, Release, Reserve
 from ._manifest import CacheManifest, Loaded
-from ._protocol import Load, Manifest, StoreMessage
+from ._protocol import Load, Manifest, StoreMessage, Stream
+from ._stream import StreamedRead
 
 __all__ = ("Prefetch", "PrefetchActor", "PrefetchMessage", "Stage", "StageResult")
 
@@ -50,8 +52,10 @@ class StageResult(msgspec.Struct, frozen=True):
     outcome: StageOutcome
     detail: str = ""  # why the store refused the cache (REJECTED), else ""
     nbytes: int = 0  # bytes read from disk
-    read_s: float = 0.0  # asking the store to read and verify the cache
-    install_s: float = 0.0  # the engine copying it in
+    # asking the store to read and verify the cache (streamed: to open it and check its
+    # headers; the read then runs beside the turn's first forward: Timings.stream_s)
+    read_s: float = 0.0
+    install_s: float = 0.0  # the engine copying it in (streamed: allocating its arrays)
 
     @property
     def staged(self) -> bool:
@@ -62,7 +66,9 @@ class StageResult(msgspec.Struct, frozen=True):
 class PrefetchActor(Actor):
     """Asks the store for a warm cache, read and verified into host memory off the event
     loop and off the engine's thread, then hands the arrays to the engine, which only
-    copies them in. Room is reserved in the hot budget before reading, so staged bytes
+    copies them in; for a Stage (a turn waits) the store instead opens the files and the
+    engine's first forward of the turn runs as their layers stream into its arrays
+    (``_stream``). Room is reserved in the hot budget before reading, so staged bytes
     always count. A cache the store refuses is the store's to handle: it says why in
     ListAgents and sets the cache aside (or deletes it, with ``delete_rejected``)."""
 
@@ -100,18 +106,23 @@ class PrefetchActor(Actor):
             return StageResult(agent, _NOT_STAGED[room])
         try:
             t0 = time.perf_counter()
-            loaded: Loaded = await self.store.ask(Load(agent), timeout=None)
-            t1 = time.perf_counter()
-            await self.engine.ask(
-                Install(
-                    agent,
-                    list(loaded.manifest.token_ids),
-                    loaded.ranges(),
-                    pin=wait,
-                    read_s=t1 - t0,
-                ),
-                timeout=None,
+            # A turn waits: its cache streams in as its first forward runs. A hint reads
+            # it whole (nothing waits, and its forward may not come soon), as every stage
+            # does with KVACTOR_STREAM=0 (read at each stage).
+            streams = wait and os.environ.get("KVACTOR_STREAM", "1") != "0"
+            got: Loaded | StreamedRead = await self.store.ask(
+                Stream(agent) if streams else Load(agent), timeout=None
             )
+            t1 = time.perf_counter()
+            tokens = list(got.manifest.token_ids)
+            if isinstance(got, StreamedRead):
+                try:
+                    await self.engine.ask(InstallStreamed(agent, tokens, got, wait), timeout=None)
+                finally:
+                    got.close()  # its files, where it never started (installed: it did)
+            else:
+                install = Install(agent, tokens, got.ranges(), pin=wait, read_s=t1 - t0)
+                await self.engine.ask(install, timeout=None)
         except (CacheRejected, UnknownAgent) as exc:
             await self.engine.ask(Release(agent))
             if isinstance(exc, CacheRejected):
@@ -123,4 +134,4 @@ class PrefetchActor(Actor):
             raise
         self.staged += 1
         t2 = time.perf_counter()
-        return StageResult(agent, StageOutcome.STAGED, "", loaded.nbytes, t1 - t0, t2 - t1)
+        return StageResult(agent, StageOutcome.STAGED, "", got.nbytes, t1 - t0, t2 - t1)

@@ -26,6 +26,7 @@ __all__ = (
     "StoreMessage",
     "StoreStats",
     "StoreStatsQuery",
+    "Stream",
     "Sweep",
     "WarmMoves",
 )
@@ -73,6 +74,16 @@ class Note(msgspec.Struct, frozen=True, tag=True):
 class Load(msgspec.Struct, frozen=True, tag=True):
     """Read and verify ``agent``'s warm cache: answers a Loaded. Raises UnknownAgent when
     there is none, CacheRejected when it cannot be trusted (ListAgents then says why)."""
+
+    agent: str
+
+
+class Stream(msgspec.Struct, frozen=True, tag=True):
+    """Ready ``agent``'s warm cache to stream into the engine (a layer-streamed load: its
+    files open, their headers and metadata checked, no data read): answers a
+    StreamedRead, or a Loaded (read and verified whole, as Load answers) where the cache
+    cannot stream or its last streamed read failed its checksum (that read refuses it
+    with the reason). Raises as Load does."""
 
     agent: str
 
@@ -190,6 +201,7 @@ StoreMessage = (
     Append
     | Note
     | Load
+    | Stream
     | Manifest
     | ListAgents
     | AgentNames

@@ -37,12 +37,13 @@ from ._manifest import (
     warm_info,
 )
 from ._paths import agent_dir, contained
-from ._safetensors import MAX_HEADER_BYTES, Expected, parse_segment
+from ._safetensors import MAX_HEADER_BYTES, Expected, ParsedSegment, parse_segment
 
 __all__ = (
     "agent_names",
     "disk_footprint",
     "list_agents",
+    "open_segment",
     "read_cache",
     "tree_bytes",
     "verify_cache",
@@ -124,13 +125,26 @@ def _read_segment(
         found = segment_matches(entry.checksum, buffer, pieces)
     if found is not None:
         raise refuse(f"checksum mismatch: the file has {found}, manifest says {entry.checksum}")
+    return _checked(buffer, entry, expected, identity, agent, version, refuse, arrays).tensors
+
+
+def _checked(
+    buffer: np.ndarray[Any, Any],
+    entry: SegmentEntry,
+    expected: Expected,
+    identity: CacheIdentity,
+    agent: str,
+    version: int,
+    refuse: Callable[[str], CacheRejected],
+    arrays: bool = True,
+) -> ParsedSegment:
+    """The segment in ``buffer`` parsed, its header checked against ``expected`` and its
+    metadata against the cache's (``refuse`` makes the error naming the first problem)."""
     try:
         parsed = parse_segment(buffer, expected, arrays=arrays)
     except CacheRejected as exc:
         raise refuse(exc.reason) from None
     # A fork's segments are its source's files (linked): their header names the source.
-    # A segment says the format it was written in: the manifest's, or an older one that
-    # an append to that cache kept (format 2 files in a format 3 cache).
     owner = entry.owner or agent
     # Each segment says the format it was written in; its checksum's kind says which
     # (a format-3 manifest may name the format-2 segments of a cache written before).
@@ -141,7 +155,40 @@ def _read_segment(
         said = parsed.metadata.get(key)
         if said != value:
             raise refuse(f"metadata {key} is {str(said)[:80]!r}, expected {value!r}")
-    return parsed.tensors
+    return parsed
+
+
+def open_segment(
+    path: Path,
+    entry: SegmentEntry,
+    expected: Expected,
+    identity: CacheIdentity,
+    agent: str,
+    version: int,
+) -> tuple[int, ParsedSegment]:
+    """A segment file opened (the descriptor, for the caller to close) with only its header
+    read, parsed and checked as ``_read_segment`` checks it; its data bytes and checksum
+    are the caller's to read and check (``_stream``). Raises as ``_read_segment`` does."""
+
+    def refuse(reason: str) -> CacheRejected:
+        return CacheRejected(f"{entry.file}: {reason}", str(path))
+
+    need = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expected.values())
+    fd, size = open_regular(path, need + 8 + MAX_HEADER_BYTES)
+    try:
+        if size != entry.nbytes:
+            raise refuse(f"{size} bytes, the manifest says {entry.nbytes}")
+        try:
+            buffer = _read_header(fd, size)
+        except ShortRead as exc:
+            raise refuse(f"truncated while reading: {exc.got} of {size} bytes") from None
+        except OSError as exc:
+            raise refuse(f"cannot read: {exc.strerror}") from None
+        parsed = _checked(buffer, entry, expected, identity, agent, version, refuse, False)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parsed
 
 
 def _read_header(fd: int, size: int) -> np.ndarray[Any, Any]:

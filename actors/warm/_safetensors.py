@@ -21,6 +21,7 @@ __all__ = (
     "MAX_HEADER_BYTES",
     "Expected",
     "ParsedSegment",
+    "Span",
     "build_header",
     "parse_segment",
     "tensor_bytes",
@@ -84,17 +85,27 @@ def build_header(
     return len(raw).to_bytes(8, "little") + raw
 
 
-class ParsedSegment:
-    """A checked segment: its metadata, its tensors (views of ``buffer``), its data area."""
+#: Where a tensor lies in its file: ``(begin, end, name, dtype, shape)``, in file offsets.
+Span = tuple[int, int, str, np.dtype[Any], tuple[int, ...]]
 
-    __slots__ = ("data", "metadata", "tensors")
+
+class ParsedSegment:
+    """A checked segment: its metadata, its tensors (views of ``buffer``), its data area,
+    and where each tensor lies in the file (``spans``, in file order)."""
+
+    __slots__ = ("data", "metadata", "spans", "tensors")
 
     def __init__(
-        self, metadata: dict[str, str], tensors: dict[str, np.ndarray[Any, Any]], data: memoryview
+        self,
+        metadata: dict[str, str],
+        tensors: dict[str, np.ndarray[Any, Any]],
+        data: memoryview,
+        spans: list[Span],
     ) -> None:
         self.metadata = metadata
         self.tensors = tensors
         self.data = data
+        self.spans = spans
 
 
 def parse_segment(
@@ -156,7 +167,11 @@ def parse_segment(
         for begin, _, name, dtype, shape in (spans if arrays else ())
     }
     data = buffer.data[data_start:]
-    return ParsedSegment(metadata, tensors, data)
+    at: list[Span] = [
+        (data_start + begin, data_start + stop, name, dtype, shape)
+        for begin, stop, name, dtype, shape in spans
+    ]
+    return ParsedSegment(metadata, tensors, data, at)
 
 
 def _check_entry(

@@ -77,10 +77,12 @@ from ._protocol import (
     StoreMessage,
     StoreStats,
     StoreStatsQuery,
+    Stream,
     Sweep,
     WarmMoves,
 )
 from ._read import agent_names, disk_footprint, list_agents, list_some, read_cache
+from ._stream import StreamedRead, plan_stream
 from ._usage import (
     AgentFiles,
     DiskUsage,
@@ -113,6 +115,8 @@ __all__ = (
     "ListAgents",
     "Load",
     "Loaded",
+    "Stream",
+    "StreamedRead",
     "Manifest",
     "Note",
     "SegmentEntry",
@@ -186,6 +190,8 @@ class StoreActor(Actor):
         # Why Load refused a cache still in place: for ListAgents, and so that the next
         # Append sets it aside instead of building on it.
         self._refused: dict[str, str] = {}
+        # Streamed reads not known to have landed whole and matched (``Stream``).
+        self._streams: dict[str, StreamedRead] = {}
         self._io = StoreStats()
         self.moves = MoveLog()  # the agents it made cold, for a dashboard
         # The disk limit (a count shared by the stores of one cache directory) and the
@@ -216,6 +222,8 @@ class StoreActor(Actor):
                 return await self._note(message)
             case Load(agent):
                 return await self._load(check_agent_id(agent))
+            case Stream(agent):
+                return await self._stream(check_agent_id(agent))
             case Manifest(agent):
                 return await self._manifest(check_agent_id(agent))
             case ListAgents():
@@ -678,6 +686,29 @@ class StoreActor(Actor):
         self._keep(agent, loaded.manifest)
         self._count(reads=1, bytes_read=loaded.nbytes, read_s=time.perf_counter() - t0)
         return loaded
+
+    async def _stream(self, agent: str) -> StreamedRead | Loaded:
+        # Only a failed read is remembered: its agent's cache is read whole next time (the
+        # only way to refuse it with the reason, set it aside and have its agent go cold).
+        self._streams = {
+            a: s for a, s in self._streams.items() if not s.settled or s.wait() is not None
+        }
+        last = self._streams.pop(agent, None)
+        if last is not None and await anyio.to_thread.run_sync(last.wait) is not None:
+            return await self._load(agent)
+        t0 = time.perf_counter()
+        try:
+            read = await anyio.to_thread.run_sync(
+                plan_stream, self.root, self.identity, self.expect, agent
+            )
+        except (CacheRejected, FileNotFoundError):
+            read = None  # read whole: Load names the reason (and sets the cache aside)
+        if read is None:
+            return await self._load(agent)
+        self._streams[agent] = read
+        self._keep(agent, read.manifest)
+        self._count(reads=1, bytes_read=read.nbytes, read_s=time.perf_counter() - t0)
+        return read
 
     async def _manifest(self, agent: str) -> CacheManifest | None:
         if agent in self._manifests:
