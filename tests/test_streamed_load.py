@@ -20,6 +20,7 @@ import pytest
 import kvactor
 from kvactor.actors.models import make_tiny_model
 from kvactor.actors.warm import read_cache
+from kvactor.actors.warm._protocol import Stream
 from kvactor.actors.warm._stream import StreamedRead, plan_stream
 from kvactor.kernels import fused
 from kvactor.kernels.agent_cache import AgentKV, Unverified
@@ -233,3 +234,20 @@ def test_a_failed_read_leaves_nothing_to_use() -> None:
     with pytest.raises(Unverified, match="checksum mismatch"):
         kv.ranges_from(0)
     assert kv.landing is not None
+
+
+async def test_a_read_the_engine_never_took_is_closed_by_the_next_stream(
+    tmp_path: Path,
+) -> None:
+    await _cold(tmp_path)
+    async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
+        assert kv.store is not None
+        before = len(os.listdir("/proc/self/fd"))
+        abandoned = await kv.store.ask(Stream("a"))  # a stage that ended before installing
+        assert isinstance(abandoned, StreamedRead) and not abandoned.started
+        assert len(os.listdir("/proc/self/fd")) > before
+        again = await kv.store.ask(Stream("a"))  # streams again: not read whole
+        assert isinstance(again, StreamedRead)
+        assert abandoned.settled and abandoned.wait() == "never read"
+        again.close()
+        assert len(os.listdir("/proc/self/fd")) == before

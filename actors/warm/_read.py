@@ -96,26 +96,14 @@ def _read_segment(
     file's ``xxh3t`` checksum, taken as its bytes were written (an import): then only its
     header is read, the data bytes left as they are on disk (the arrays returned are not
     the file's: a check only). ``arrays`` False: a check only, no arrays returned."""
-
-    def refuse(reason: str) -> CacheRejected:
-        return CacheRejected(f"{entry.file}: {reason}", str(path))
-
-    need = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expected.values())
-    fd, size = open_regular(path, need + 8 + MAX_HEADER_BYTES)
+    refuse = _refuser(entry, path)
+    fd = _opened(path, entry, expected, refuse)
     try:
-        if size < entry.nbytes:
-            raise refuse(f"truncated: {size} of {entry.nbytes} bytes")
-        if size != entry.nbytes:
-            raise refuse(f"{size} bytes, the manifest says {entry.nbytes}")
-        try:
+        with _read_errors(refuse, entry.nbytes):
             if summed is not None:
-                buffer = _read_header(fd, size)
+                buffer = _read_header(fd, entry.nbytes)
             else:
-                buffer, pieces = read_whole(fd, size)
-        except ShortRead as exc:
-            raise refuse(f"truncated while reading: {exc.got} of {size} bytes") from None
-        except OSError as exc:
-            raise refuse(f"cannot read: {exc.strerror}") from None
+                buffer, pieces = read_whole(fd, entry.nbytes)
     finally:
         os.close(fd)
     # The sum covers the header too: nothing of the file is parsed before it matches.
@@ -169,26 +157,51 @@ def open_segment(
     """A segment file opened (the descriptor, for the caller to close) with only its header
     read, parsed and checked as ``_read_segment`` checks it; its data bytes and checksum
     are the caller's to read and check (``_stream``). Raises as ``_read_segment`` does."""
-
-    def refuse(reason: str) -> CacheRejected:
-        return CacheRejected(f"{entry.file}: {reason}", str(path))
-
-    need = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expected.values())
-    fd, size = open_regular(path, need + 8 + MAX_HEADER_BYTES)
+    refuse = _refuser(entry, path)
+    fd = _opened(path, entry, expected, refuse)
     try:
-        if size != entry.nbytes:
-            raise refuse(f"{size} bytes, the manifest says {entry.nbytes}")
-        try:
-            buffer = _read_header(fd, size)
-        except ShortRead as exc:
-            raise refuse(f"truncated while reading: {exc.got} of {size} bytes") from None
-        except OSError as exc:
-            raise refuse(f"cannot read: {exc.strerror}") from None
+        with _read_errors(refuse, entry.nbytes):
+            buffer = _read_header(fd, entry.nbytes)
         parsed = _checked(buffer, entry, expected, identity, agent, version, refuse, False)
     except BaseException:
         os.close(fd)
         raise
     return fd, parsed
+
+
+def _refuser(entry: SegmentEntry, path: Path) -> Callable[[str], CacheRejected]:
+    """The error refusing ``entry``'s file (at ``path``) for a reason."""
+
+    def refuse(reason: str) -> CacheRejected:
+        return CacheRejected(f"{entry.file}: {reason}", str(path))
+
+    return refuse
+
+
+def _opened(
+    path: Path, entry: SegmentEntry, expected: Expected, refuse: Callable[[str], CacheRejected]
+) -> int:
+    """The segment file opened (its descriptor, the caller's to close) once it is a regular
+    file of the size its manifest entry says."""
+    need = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expected.values())
+    fd, size = open_regular(path, need + 8 + MAX_HEADER_BYTES)
+    if size != entry.nbytes:
+        os.close(fd)
+        if size < entry.nbytes:
+            raise refuse(f"truncated: {size} of {entry.nbytes} bytes")
+        raise refuse(f"{size} bytes, the manifest says {entry.nbytes}")
+    return fd
+
+
+@contextlib.contextmanager
+def _read_errors(refuse: Callable[[str], CacheRejected], size: int) -> Iterator[None]:
+    """A short read or an OS error of a ``size``-byte file's read, as its refusal."""
+    try:
+        yield
+    except ShortRead as exc:
+        raise refuse(f"truncated while reading: {exc.got} of {size} bytes") from None
+    except OSError as exc:
+        raise refuse(f"cannot read: {exc.strerror}") from None
 
 
 def _read_header(fd: int, size: int) -> np.ndarray[Any, Any]:

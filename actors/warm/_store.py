@@ -688,11 +688,17 @@ class StoreActor(Actor):
         return loaded
 
     async def _stream(self, agent: str) -> StreamedRead | Loaded:
-        # Only a failed read is remembered: its agent's cache is read whole next time (the
-        # only way to refuse it with the reason, set it aside and have its agent go cold).
-        self._streams = {
-            a: s for a, s in self._streams.items() if not s.settled or s.wait() is not None
-        }
+        # Kept: reads still landing, and failed ones, whose agent's cache is read whole next
+        # time (the only way to refuse it with the reason, set it aside and have its agent
+        # go cold). A read never started was abandoned (the prefetch actor stages one cache
+        # at a time, and its stage has ended): its files are closed.
+        kept = {}
+        for name, other in self._streams.items():
+            if not other.started:
+                other.close()
+            elif not other.settled or other.wait() is not None:
+                kept[name] = other
+        self._streams = kept
         last = self._streams.pop(agent, None)
         if last is not None and await anyio.to_thread.run_sync(last.wait) is not None:
             return await self._load(agent)

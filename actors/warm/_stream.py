@@ -296,16 +296,23 @@ class StreamedRead:
         return self._error
 
     @property
+    def started(self) -> bool:
+        """Whether :meth:`start` began reading."""
+        return bool(self._started)
+
+    @property
     def settled(self) -> bool:
         """Whether every piece is in (:meth:`wait` answers at once)."""
         return self._done.is_set()
 
     def close(self) -> None:
-        """Close its files when it will never :meth:`start` (a staging that failed)."""
+        """Close its files when it will never :meth:`start` (a staging that failed or was
+        abandoned); nothing once it started (its files close as their last pieces land)."""
         if not self._started:
-            _close(self._files)
+            with self._lock:
+                _close(self._files)
+                self._error = self._error or "never read"
             self._done.set()
-            self._error = self._error or "never read"
 
 
 def _overlapping(file: _File, a: int, b: int) -> list[_Tensor]:
