@@ -164,13 +164,16 @@ async def test_a_read_never_started_closes_its_files(tmp_path: Path) -> None:
     read.close()
     assert len(os.listdir("/proc/self/fd")) == before
     assert read.settled and read.wait() is not None
-    # Arrays it cannot write into whole: refused before anything is read.
+    with pytest.raises(ValueError, match="given up"):  # closed: it never starts
+        read.start(_host_arrays(read))
+    # Arrays it cannot write into whole: refused before anything is read, its files closed.
     other = plan_stream(tmp_path, identity, layout, "a")
     assert other is not None
     with pytest.raises(ValueError, match="writable C-contiguous"):
         other.start([{n: np.empty(s, d).T for n, (s, d) in t.items()} for *_, t in read.ranges()])
-    other.close()
     assert len(os.listdir("/proc/self/fd")) == before
+    assert other.wait() == "never read" and not other.started
+    other.wait_layer(0)  # wakes at once: nothing will land
 
 
 class _Landing:

@@ -5,6 +5,7 @@ explicitly. The hot tier's accounting is the CachePool's."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from typing import Any, cast
@@ -25,6 +26,7 @@ from ...kernels.turn_cache import TurnCache
 from ...runtime import Reply
 from ..enums import FinishReason, Room, Tier
 from ..errors import (
+    AgentBusy,
     BudgetExceeded,
     CacheMiss,
     ContextOverflow,
@@ -650,7 +652,8 @@ class ModelRunner:
         self._prefilling.popleft()
         request.entry.kv.clear_working()
         self._park(request)
-        self.pool.drop(request.agent)
+        with contextlib.suppress(AgentBusy):  # another turn of it queued: it fails there too
+            self.pool.drop(request.agent)
         request.reply.fail(
             CacheMiss(f"agent {request.agent!r}: its warm cache failed as it streamed in: {exc}")
         )

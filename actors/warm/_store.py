@@ -703,15 +703,19 @@ class StoreActor(Actor):
         if last is not None and await anyio.to_thread.run_sync(last.wait) is not None:
             return await self._load(agent)
         t0 = time.perf_counter()
-        try:
-            read = await anyio.to_thread.run_sync(
-                plan_stream, self.root, self.identity, self.expect, agent
-            )
-        except (CacheRejected, FileNotFoundError):
-            read = None  # read whole: Load names the reason (and sets the cache aside)
+        # Shielded: a read made is kept (and closed by the next Stream if its stage gives
+        # up), never lost with its files open.
+        with anyio.CancelScope(shield=True):
+            try:
+                read = await anyio.to_thread.run_sync(
+                    plan_stream, self.root, self.identity, self.expect, agent
+                )
+            except (CacheRejected, FileNotFoundError):
+                read = None  # read whole: Load names the reason (and sets the cache aside)
+            if read is not None:
+                self._streams[agent] = read
         if read is None:
             return await self._load(agent)
-        self._streams[agent] = read
         self._keep(agent, read.manifest)
         self._count(reads=1, bytes_read=read.nbytes, read_s=time.perf_counter() - t0)
         return read

@@ -20,6 +20,7 @@ runs anywhere but on the engine's thread. Everything here blocks except ``start`
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import threading
 import time
@@ -154,8 +155,9 @@ class _NotStreamed(Exception):
 def _close(files: Sequence[_File]) -> None:
     for file in files:
         if file.fd >= 0:
-            os.close(file.fd)
-            file.fd = -1
+            fd, file.fd = file.fd, -1
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class StreamedRead:
@@ -172,6 +174,7 @@ class StreamedRead:
         self._error: str | None = None
         self._left = 0
         self._started = self._ended = 0.0
+        self._closed = False  # given up before it started (close)
         self.waited_s = 0.0  # how long the engine's thread waited for bytes
 
     # -- what it holds ------------------------------------------------------------------
@@ -197,13 +200,20 @@ class StreamedRead:
         """Read the files into ``arrays`` (per range of :meth:`ranges`, host views of the
         engine's arrays of those shapes, C-contiguous, writable), in the background, the
         earliest layers first (each reader thread works out where its piece goes). Raises
-        ValueError (nothing read) for arrays of other shapes."""
+        ValueError (nothing read) for arrays of other shapes, or once :meth:`close`d (a
+        stage given up: its files are closed)."""
+        with self._lock:
+            if self._closed:
+                raise ValueError("this read was given up before it started")
+            try:
+                for file, views in zip(self._files, arrays, strict=True):
+                    _check_views(file, views)
+            except ValueError:
+                self._give_up()
+                raise
+            self._started = time.perf_counter()
         order = []
         for i, (file, views) in enumerate(zip(self._files, arrays, strict=True)):
-            for t in file.tensors:
-                view = views[t.name]
-                if view.shape != t.want or not (view.flags.c_contiguous and view.flags.writeable):
-                    raise ValueError(f"{t.name}: a writable C-contiguous {t.want} array is needed")
             file.views = views
             file.begins = [t.begin for t in file.tensors]
             file.digests = [0] * file.pieces()
@@ -217,7 +227,6 @@ class StreamedRead:
             if not pending:
                 event.set()
         self._left = len(order)
-        self._started = time.perf_counter()
         if not order:
             self._finish()
         for _, i, p, layers in sorted(order, key=lambda o: o[:3]):
@@ -248,23 +257,28 @@ class StreamedRead:
         with self._lock:
             file.digests[p] = digest
             file.left -= 1
-            if not file.left:
-                os.close(file.fd)
-                file.fd = -1
-                if self._error is None:
-                    found = tree_checksum(file.digests)
-                    if found != file.checksum:
-                        self._error = (
-                            f"{file.name}: checksum mismatch: the file has {found}, "
-                            f"manifest says {file.checksum}"
-                        )
-            for layer in layers:
-                self._pending[layer] -= 1
-                if not self._pending[layer]:
-                    self._layers[layer].set()
-            self._left -= 1
-            if not self._left:
-                self._finish()
+            try:
+                if not file.left:
+                    _close([file])
+                    if self._error is None:
+                        found = tree_checksum(file.digests)
+                        if found != file.checksum:
+                            self._error = (
+                                f"{file.name}: checksum mismatch: the file has {found}, "
+                                f"manifest says {file.checksum}"
+                            )
+            finally:  # whatever happened, its layers and the read are counted down
+                self._count_down(layers)
+
+    def _count_down(self, layers: set[int]) -> None:
+        """One piece in (with the lock held): its layers' counts and the read's."""
+        for layer in layers:
+            self._pending[layer] -= 1
+            if not self._pending[layer]:
+                self._layers[layer].set()
+        self._left -= 1
+        if not self._left:
+            self._finish()
 
     def _fail(self, reason: str) -> None:
         with self._lock:
@@ -307,12 +321,29 @@ class StreamedRead:
 
     def close(self) -> None:
         """Close its files when it will never :meth:`start` (a staging that failed or was
-        abandoned); nothing once it started (its files close as their last pieces land)."""
-        if not self._started:
-            with self._lock:
-                _close(self._files)
-                self._error = self._error or "never read"
-            self._done.set()
+        abandoned; :meth:`start` refuses from then on); nothing once it started (its files
+        close as their last pieces land)."""
+        with self._lock:
+            if not (self._started or self._closed):
+                self._give_up()
+
+    def _give_up(self) -> None:
+        """Never to start (with the lock held): its files closed, every waiter woken, and
+        :meth:`wait` says so."""
+        self._closed = True
+        _close(self._files)
+        self._error = self._error or "never read"
+        for event in self._layers:
+            event.set()
+        self._done.set()
+
+
+def _check_views(file: _File, views: Mapping[str, np.ndarray[Any, Any]]) -> None:
+    """Raise ValueError unless each of the file's tensors has a view it can write whole."""
+    for t in file.tensors:
+        view = views[t.name]
+        if view.shape != t.want or not (view.flags.c_contiguous and view.flags.writeable):
+            raise ValueError(f"{t.name}: a writable C-contiguous {t.want} array is needed")
 
 
 def _overlapping(file: _File, a: int, b: int) -> list[_Tensor]:
