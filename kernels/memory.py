@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .workers import drop_streams
 
-__all__ = ("FREED_BUFFER_BYTES", "keep_freed_buffers", "release_thread")
+__all__ = ("FREED_BUFFER_BYTES", "host_views", "keep_freed_buffers", "release_thread")
 
 FREED_BUFFER_BYTES = 1 << 30
 """What the engine asks MLX to keep (capped at an eighth of the machine's memory)."""
@@ -47,3 +47,11 @@ def release_thread() -> None:
     mx.synchronize()
     drop_streams()
     mx.clear_streams()
+
+
+def host_views() -> bool:
+    """Whether an array's host view (``np.array(a, copy=False)``) is the array's own memory,
+    for another thread to write its bytes into (a streamed warm load:
+    ``AgentKV.fill_streamed``): on the CPU, and on Metal's unified memory. Not assumed
+    elsewhere (CUDA, untested here): a warm cache is then read whole before it is staged."""
+    return bool(mx.default_device() == mx.cpu or mx.metal.is_available())

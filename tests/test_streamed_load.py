@@ -25,6 +25,7 @@ from kvactor.actors.warm._stream import StreamedRead, plan_stream
 from kvactor.kernels import fused
 from kvactor.kernels.agent_cache import AgentKV, Unverified
 from kvactor.kernels.float_turn import FloatTurnCache
+from kvactor.kernels.memory import host_views
 from kvactor.kernels.qcodec import DEFAULT_CODEC
 from kvactor.kernels.quantized_turn import QuantizedTurnCache
 
@@ -155,14 +156,29 @@ async def test_a_file_cut_short_while_it_streams_is_named(tmp_path: Path) -> Non
     assert why is not None and biggest.name in why and "truncated" in why
 
 
+def _segments_open(root: Path) -> int:
+    """How many descriptors of this process are open on the agent's segment files (other
+    threads' files come and go meanwhile: only these are counted)."""
+    folder = str((root / "agents" / "a").resolve())
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        count += target.startswith(folder + "/seg-")
+    return count
+
+
 async def test_a_read_never_started_closes_its_files(tmp_path: Path) -> None:
     await _cold(tmp_path)
     identity, layout = await _identity(tmp_path)
-    before = len(os.listdir("/proc/self/fd"))
+    files = len(list((tmp_path / "agents" / "a").glob("seg-*")))
+    assert _segments_open(tmp_path) == 0
     read = plan_stream(tmp_path, identity, layout, "a")
-    assert read is not None and len(os.listdir("/proc/self/fd")) > before
+    assert read is not None and _segments_open(tmp_path) == files
     read.close()
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert _segments_open(tmp_path) == 0
     assert read.settled and read.wait() is not None
     with pytest.raises(ValueError, match="given up"):  # closed: it never starts
         read.start(_host_arrays(read))
@@ -171,7 +187,7 @@ async def test_a_read_never_started_closes_its_files(tmp_path: Path) -> None:
     assert other is not None
     with pytest.raises(ValueError, match="writable C-contiguous"):
         other.start([{n: np.empty(s, d).T for n, (s, d) in t.items()} for *_, t in read.ranges()])
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert _segments_open(tmp_path) == 0
     assert other.wait() == "never read" and not other.started
     other.wait_layer(0)  # wakes at once: nothing will land
 
@@ -245,12 +261,24 @@ async def test_a_read_the_engine_never_took_is_closed_by_the_next_stream(
     await _cold(tmp_path)
     async with kvactor.open(tiny(), cache_dir=tmp_path) as kv:
         assert kv.store is not None
-        before = len(os.listdir("/proc/self/fd"))
+        files = len(list((tmp_path / "agents" / "a").glob("seg-*")))
         abandoned = await kv.store.ask(Stream("a"))  # a stage that ended before installing
         assert isinstance(abandoned, StreamedRead) and not abandoned.started
-        assert len(os.listdir("/proc/self/fd")) > before
+        assert _segments_open(tmp_path) == files
         again = await kv.store.ask(Stream("a"))  # streams again: not read whole
         assert isinstance(again, StreamedRead)
         assert abandoned.settled and abandoned.wait() == "never read"
+        assert _segments_open(tmp_path) == files  # the new read's only
         again.close()
-        assert len(os.listdir("/proc/self/fd")) == before
+        assert _segments_open(tmp_path) == 0
+
+
+def test_here_an_arrays_host_view_is_its_memory() -> None:
+    # What a streamed load relies on (kernels.memory.host_views): bytes written through
+    # the host view are the array's, as MLX then reads them.
+    assert host_views()
+    array = mx.array(np.zeros(4, np.uint32))
+    view = np.array(array, copy=False)
+    assert view.flags.writeable and view.flags.c_contiguous
+    view[1] = 7
+    assert (array + 1).tolist() == [1, 8, 1, 1]

@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from ...kernels.memory import host_views
 from ...runtime import Actor, ActorRef
 from ..enums import Room, StageOutcome
 from ..errors import CacheRejected, UnknownAgent
@@ -108,8 +109,9 @@ class PrefetchActor(Actor):
             t0 = time.perf_counter()
             # A turn waits: its cache streams in as its first forward runs. A hint reads
             # it whole (nothing waits, and its forward may not come soon), as every stage
-            # does with KVACTOR_STREAM=0 (read at each stage).
-            streams = wait and os.environ.get("KVACTOR_STREAM", "1") != "0"
+            # does with KVACTOR_STREAM=0 (read at each stage) or where the engine's arrays
+            # are not host memory the readers could write.
+            streams = wait and os.environ.get("KVACTOR_STREAM", "1") != "0" and host_views()
             got: Loaded | StreamedRead = await self.store.ask(
                 Stream(agent) if streams else Load(agent), timeout=None
             )
