@@ -20,6 +20,7 @@ import pytest
 import kvactor
 from kvactor.actors.models import make_tiny_model
 from kvactor.actors.warm import read_cache
+from kvactor.actors.warm._prefetch import PrefetchActor
 from kvactor.actors.warm._protocol import Stream
 from kvactor.actors.warm._stream import StreamedRead, plan_stream
 from kvactor.kernels import fused
@@ -37,6 +38,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
 @pytest.fixture(scope="module", autouse=True)
 def kernel() -> None:
     assert fused.wait(300), fused.unavailable()
+
+
+@pytest.fixture(autouse=True)
+def small_caches_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tiny model's caches are a few KB: below the default size a stage streams from.
+    monkeypatch.setattr(PrefetchActor, "stream_min_bytes", 0)
 
 
 def tiny() -> Any:
@@ -282,3 +289,13 @@ def test_here_an_arrays_host_view_is_its_memory() -> None:
     assert view.flags.writeable and view.flags.c_contiguous
     view[1] = 7
     assert (array + 1).tolist() == [1, 8, 1, 1]
+
+
+async def test_a_cache_below_the_streaming_size_is_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _cold(tmp_path)
+    size = sum(p.stat().st_size for p in (tmp_path / "agents" / "a").glob("seg-*"))
+    monkeypatch.setattr(PrefetchActor, "stream_min_bytes", size + 1)
+    done = await _warm(tmp_path, PROMPT + " And so", monkeypatch, stream=True)
+    assert done.path == "warm" and done.timings.stream_s == 0 and done.timings.load_s > 0
