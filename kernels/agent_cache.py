@@ -86,6 +86,9 @@ class AgentKV:
     Invariant: when not active, the stored ranges cover every token.
     """
 
+    #: Groups of layers whose float copies a streamed cache makes as they land.
+    _GROUPS = 4
+
     def __init__(
         self,
         codec: KVCodec,
@@ -196,9 +199,6 @@ class AgentKV:
         self.fill_staged(tokens, made)
         self.landing = landing
         return views
-
-    #: Groups of layers whose float copies a streamed cache makes as they land.
-    _GROUPS = 4
 
     def settle(self) -> None:
         """Wait until its streamed bytes (:meth:`fill_streamed`) are all in and checked.
@@ -550,16 +550,17 @@ class AgentKV:
         widths = [codec.role_spec(role)[0] for role in roles]
         if not fused.ready() or 16 in widths or (codec.rotate and not rotated):
             return None
-        if self.landing is not None:  # streaming in: a group at a time, as its layers land
+        landing = self.landing
+        if landing is not None:  # streaming in: a group at a time, as its layers land
             size = -(-len(layers) // self._GROUPS)
             groups = [list(layers[k : k + size]) for k in range(0, len(layers), size)]
         else:
             groups = [list(layers)]
         out: dict[int, tuple[mx.array, mx.array]] = {}
         for group in groups:
-            for i in group:
-                if self.landing is not None:
-                    self.landing.wait_layer(i)
+            if landing is not None:
+                for i in group:
+                    landing.wait_layer(i)
             jobs = [
                 self._fused_job(self._spans(i, role, ranges, landed=True), role, room)
                 for i in group

@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from _stored_ranges import stored_kv
 
 import kvactor
 from kvactor.actors.models import make_tiny_model
@@ -46,21 +47,11 @@ def tiny() -> Any:
     return functools.partial(make_tiny_model, 0, head_dim=64)
 
 
-def _stored(lm: Any, codec: KVCodec = DEFAULT_CODEC) -> AgentKV:
-    kv = AgentKV(codec, lm.geometry)
-    for n in (40, 25):  # two stored ranges
-        ids = [7 + (len(kv.tokens) + i) % 50 for i in range(n)]
-        lm.model(mx.array([ids]), cache=kv.activate().layers)
-        kv.tokens.extend(ids)
-        kv.deactivate()
-    return kv
-
-
 def test_the_copy_made_after_holds_the_stored_values_and_the_forwards_tokens() -> None:
     lm = make_tiny_model(0, head_dim=64)
     FloatTurnCache.prepare(lm.model)
     QuantizedTurnCache.prepare(lm.model)
-    kv = _stored(lm)
+    kv = stored_kv(lm)
     assert FloatTurnCache.defers(kv, 8)
     first = kv.activate_stored()
     assert isinstance(first, QuantizedTurnCache) and kv.stored_first
@@ -89,10 +80,10 @@ def test_what_cannot_defer(monkeypatch: pytest.MonkeyPatch) -> None:
     lm = make_tiny_model(0, head_dim=64)
     FloatTurnCache.prepare(lm.model)
     QuantizedTurnCache.prepare(lm.model)
-    kv = _stored(lm)
+    kv = stored_kv(lm)
     assert FloatTurnCache.defers(kv, stored_attend.MAX_QUERIES)
     assert not FloatTurnCache.defers(kv, stored_attend.MAX_QUERIES + 1)  # a prefill chunk
-    assert not FloatTurnCache.defers(_stored(lm, KVCodec(bits=16)), 2)  # fp16: nothing to read
+    assert not FloatTurnCache.defers(stored_kv(lm, KVCodec(bits=16)), 2)  # fp16: nothing to read
     assert not FloatTurnCache.defers(AgentKV(DEFAULT_CODEC, lm.geometry), 2)  # nothing stored
     monkeypatch.setenv("KVACTOR_FUSED", "0")
     assert not FloatTurnCache.defers(kv, 2)  # the kernel switched off

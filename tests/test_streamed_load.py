@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from _stored_ranges import stored_kv
 
 import kvactor
 from kvactor.actors.models import make_tiny_model
@@ -27,7 +28,6 @@ from kvactor.kernels import fused
 from kvactor.kernels.agent_cache import AgentKV, Unverified
 from kvactor.kernels.float_turn import FloatTurnCache
 from kvactor.kernels.memory import host_views
-from kvactor.kernels.qcodec import DEFAULT_CODEC
 from kvactor.kernels.quantized_turn import QuantizedTurnCache
 
 pytestmark = pytest.mark.one_backend  # the engine's turns, not the event loop
@@ -220,13 +220,7 @@ def _stored_kv() -> tuple[Any, AgentKV]:
     lm = make_tiny_model(0, head_dim=64)
     FloatTurnCache.prepare(lm.model)
     QuantizedTurnCache.prepare(lm.model)
-    kv = AgentKV(DEFAULT_CODEC, lm.geometry)
-    for n in (40, 25):  # two stored ranges
-        ids = [7 + (len(kv.tokens) + i) % 50 for i in range(n)]
-        lm.model(mx.array([ids]), cache=kv.activate().layers)
-        kv.tokens.extend(ids)
-        kv.deactivate()
-    return lm, kv
+    return lm, stored_kv(lm)
 
 
 @pytest.mark.parametrize("first", ["copy", "stored"])

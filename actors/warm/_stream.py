@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
+import math
 import os
 import threading
 import time
@@ -31,12 +33,12 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..errors import UnknownAgent
+from ..errors import CacheRejected, UnknownAgent
 from ._checksum import PIECE, tree_checksum
 from ._fileio import ShortRead, in_background
 from ._manifest import CacheIdentity, CacheManifest, ExpectFn, SegmentKind, load_manifest
 from ._paths import agent_dir
-from ._read import _planned, open_segment
+from ._read import _planned, _read_errors, open_segment
 
 __all__ = ("StreamedRead", "plan_stream")
 
@@ -47,16 +49,17 @@ _IOV_MAX = 512  # buffers per preadv call (Linux takes 1024)
 
 @dataclass(frozen=True)
 class _Tensor:
-    """One tensor of a file: its bytes ``[begin, end)``, its shape there, the shape the
-    cache keeps of it (a prefix along one axis where the cache uses fewer tokens than the
-    file holds), its dtype name and the layer it belongs to."""
+    """One tensor of a file: its bytes ``[begin, end)``, the shape the cache keeps of it
+    (a prefix along one axis where the cache uses fewer tokens than the file holds: then
+    ``rows``, the rows of the axes before that one, each kept in part; 0 when it is kept
+    whole), its dtype name and the layer it belongs to."""
 
     name: str
     layer: int
     begin: int
     end: int
-    shape: tuple[int, ...]
     want: tuple[int, ...]
+    rows: int
     dtype: str
 
 
@@ -136,9 +139,11 @@ def plan_stream(
             files.append(file)
             for begin, end, name, _, shape in parsed.spans:
                 want, dtype = kept[name]  # the header's dtype: checked to be this one
-                if want != shape and _cut_axis(shape, want) is None:
+                axis = _cut_axis(shape, want)
+                if axis is None:
                     raise _NotStreamed
-                file.tensors.append(_Tensor(name, _layer_of(name), begin, end, shape, want, dtype))
+                rows = math.prod(shape[:axis]) if axis >= 0 else 0
+                file.tensors.append(_Tensor(name, _layer_of(name), begin, end, want, rows, dtype))
     except _NotStreamed:
         _close(files)
         return None
@@ -219,35 +224,36 @@ class StreamedRead:
             file.digests = [0] * file.pieces()
             file.left = file.pieces()
             for p in range(file.pieces()):
-                layers = {t.layer for t in _overlapping(file, p * PIECE, (p + 1) * PIECE)}
+                tensors = _overlapping(file, p * PIECE, (p + 1) * PIECE)
+                layers = {t.layer for t in tensors}
                 for layer in layers:
                     self._pending[layer] += 1
-                order.append((min(layers, default=-1), i, p, layers))
+                order.append((min(layers, default=-1), i, p, (i, p, tensors, layers)))
         for pending, event in zip(self._pending, self._layers, strict=True):
             if not pending:
                 event.set()
         self._left = len(order)
         if not order:
             self._finish()
-        for _, i, p, layers in sorted(order, key=lambda o: o[:3]):
-            in_background(self._read_piece, (i, p, layers))
+        for *_, job in sorted(order, key=lambda o: o[:3]):
+            in_background(self._read_piece, job)
 
-    def _read_piece(self, job: tuple[int, int, set[int]]) -> None:
-        i, p, layers = job
+    def _read_piece(self, job: tuple[int, int, list[_Tensor], set[int]]) -> None:
+        i, p, tensors, layers = job
         file = self._files[i]
         digest = 0
         try:
             if self._error is None:
-                buffers = _buffers(file, p * PIECE, min((p + 1) * PIECE, file.size))
-                _read_into(file.fd, buffers, p * PIECE)
+                buffers = _buffers(file, p * PIECE, min((p + 1) * PIECE, file.size), tensors)
+                refuse = functools.partial(_refused, file.name)
+                with _read_errors(refuse, file.size):
+                    _read_into(file.fd, buffers, p * PIECE)
                 hasher = xxhash.xxh3_64()
                 for buffer in buffers:
                     hasher.update(buffer)
                 digest = hasher.intdigest()
-        except ShortRead as exc:
-            self._fail(f"{file.name}: truncated while reading: {exc.got} of {file.size} bytes")
-        except OSError as exc:
-            self._fail(f"{file.name}: cannot read: {exc.strerror}")
+        except CacheRejected as exc:
+            self._fail(exc.reason)
         except BaseException as exc:  # a reader thread must always count its piece down
             self._fail(f"{file.name}: {exc!r}")
         finally:
@@ -338,6 +344,10 @@ class StreamedRead:
         self._done.set()
 
 
+def _refused(file: str, reason: str) -> CacheRejected:
+    return CacheRejected(f"{file}: {reason}", file)
+
+
 def _check_views(file: _File, views: Mapping[str, np.ndarray[Any, Any]]) -> None:
     """Raise ValueError unless each of the file's tensors has a view it can write whole."""
     for t in file.tensors:
@@ -358,21 +368,20 @@ def _overlapping(file: _File, a: int, b: int) -> list[_Tensor]:
     return out
 
 
-def _buffers(file: _File, a: int, b: int) -> list[memoryview]:
-    """Where bytes ``[a, b)`` of the file go, in order: slices of the engine's views, and
+def _buffers(file: _File, a: int, b: int, tensors: list[_Tensor]) -> list[memoryview]:
+    """Where bytes ``[a, b)`` of the file (``tensors``: those with bytes there,
+    ``_overlapping``) go, in order: slices of the engine's views, and
     a scratch buffer of their own for bytes read only to be summed (the header; the
     tokens of a tensor past those the cache uses, a row of the axes before the cut)."""
     runs: list[tuple[int, int, memoryview | None]] = [(0, file.data_start, None)]
-    for t in _overlapping(file, a, b):
+    for t in tensors:
         out = file.views[t.name].reshape(-1).view(np.uint8).data
-        axis = _cut_axis(t.shape, t.want)
-        if axis is None or axis < 0:
+        if not t.rows:
             runs.append((t.begin, t.end - t.begin, out))
             continue
-        rows = int(np.prod(t.shape[:axis], dtype=np.int64))
-        row = (t.end - t.begin) // max(rows, 1)  # bytes of one row in the file
-        keep = out.nbytes // max(rows, 1)
-        for r in range(rows):
+        row = (t.end - t.begin) // t.rows  # bytes of one row in the file
+        keep = out.nbytes // t.rows
+        for r in range(t.rows):
             runs.append((t.begin + r * row, keep, out[r * keep : (r + 1) * keep]))
             runs.append((t.begin + r * row + keep, row - keep, None))
     parts: list[tuple[int, int, memoryview | None]] = []
