@@ -68,6 +68,11 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     # how long that forward waited for bytes; 0 for a cache read whole first.
     stream_s: float = 0.0
     stream_wait_s: float = 0.0
+    # A float working copy filled beside the turn's first forward (``dequantize_s`` then
+    # only made its arrays): the filling's seconds, and how long that forward waited for
+    # it (both in prefill_s); 0 for a copy made first, a ready copy or none.
+    copy_s: float = 0.0
+    copy_wait_s: float = 0.0
     # Before all of the above (not in ttft_s): rendering the conversation, tokenizing it
     # and matching it against the agent's cache, on the agent's side.
     prompt_s: float = 0.0

@@ -21,16 +21,21 @@ turn); ``fused_dequantize`` says whether the numba kernels ran (numba present an
 compiled before the measured turns). ``warm_s`` attends over the
 stored form in its first forward (``kernels.stored_attend``: no float copy before its
 first token, none at all for this one-token turn); ``warm_copy_s`` is the same turn with
-that off (``KVACTOR_STORED_FIRST=0``: the fused copy first), ``warm_stored_vs_copy`` the
-ratio. ``warm_s`` streams its cache in (a layer-streamed load: the files read into the
-engine's arrays as its first forward runs); ``warm_whole_s`` reads it whole first
-(``KVACTOR_STREAM=0``), ``warm_streamed_vs_whole`` the ratio. The warm turn's parts:
-``warm_stage_s`` (before the turn: the files opened and checked, the arrays allocated),
-``warm_read_verify_s`` (the read and its checksums, beside the forward), of it
-``warm_overlap_s`` beside the compute and ``warm_wait_s`` waited for, ``warm_dequantize_s``,
-``warm_forward_s``, ``warm_other_s`` (actor hops, queueing); ``warm_whole_read_verify_s``
-the whole read's staging. Ratios of the medians: ``warm_vs_seed_path``, ``warm_vs_floor``,
-``hot_stored_vs_warm``, ``prefetched_ready_vs_step``, ``hot_vs_step``.
+that off (``KVACTOR_STORED_FIRST=0``: the fused copy), ``warm_stored_vs_copy`` the
+ratio. That copy fills beside the first forward (``kernels.beside``: the arrays made
+first, ``warm_copy_dequantize_s``; filled in layer order on a thread of their own,
+``warm_copy_fill_s``, of which the forward waited ``warm_copy_wait_s``);
+``warm_first_s`` makes it whole before the forward (``KVACTOR_BESIDE=0`` too),
+``warm_beside_vs_first`` the ratio. ``warm_s`` streams its cache in (a layer-streamed
+load: the files read into the engine's arrays as its first forward runs);
+``warm_whole_s`` reads it whole first (``KVACTOR_STREAM=0``), ``warm_streamed_vs_whole``
+the ratio. The warm turn's parts: ``warm_stage_s`` (before the turn: the files opened and
+checked, the arrays allocated), ``warm_read_verify_s`` (the read and its checksums,
+beside the forward), of it ``warm_overlap_s`` beside the compute and ``warm_wait_s``
+waited for, ``warm_dequantize_s``, ``warm_forward_s``, ``warm_other_s`` (actor hops,
+queueing); ``warm_whole_read_verify_s`` the whole read's staging. Ratios of the medians:
+``warm_vs_seed_path``, ``warm_vs_floor``, ``hot_stored_vs_warm``,
+``prefetched_ready_vs_step``, ``hot_vs_step``.
 
     python bench/ttft.py [--contexts 1024 2048 4096] [--json PATH]
 
@@ -173,13 +178,14 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
         "warm": {},
         "whole": {"KVACTOR_STREAM": "0"},
         "copy": {"KVACTOR_STORED_FIRST": "0"},
+        "first": {"KVACTOR_STORED_FIRST": "0", "KVACTOR_BESIDE": "0"},
         "plain": {"KVACTOR_FUSED": "0"},
         "one": {"KVACTOR_FUSED": "0", "KVACTOR_ARRAY_STREAMS": "1"},
     }
     turns: dict[str, list[tuple[float, kvactor.Completion]]] = {way: [] for way in ways}
     for way in [*ways, *reversed(ways)]:
         turns[way].append(await warm_turn(root, f"ttft-{n}", prompt, ways[way]))
-    warm_s, warm_whole_s, warm_copy_s, warm_plain_s, warm_one_s = (
+    warm_s, warm_whole_s, warm_copy_s, warm_first_s, warm_plain_s, warm_one_s = (
         statistics.fmean(s for s, _ in turns[w]) for w in ways
     )
 
@@ -246,6 +252,10 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
         "warm_whole_read_verify_s": mean("whole", lambda t: t.load_s),
         "warm_copy_s": warm_copy_s,
         "warm_copy_dequantize_s": mean("copy", lambda t: t.dequantize_s),
+        "warm_copy_fill_s": mean("copy", lambda t: t.copy_s),
+        "warm_copy_wait_s": mean("copy", lambda t: t.copy_wait_s),
+        "warm_first_s": warm_first_s,
+        "warm_first_dequantize_s": mean("first", lambda t: t.dequantize_s),
         "warm_one_stream_s": warm_one_s,
         "warm_one_stream_dequantize_s": mean("one", lambda t: t.dequantize_s),
         "warm_plain_s": warm_plain_s,
@@ -340,6 +350,7 @@ async def main(contexts: list[int], runs: int) -> dict[str, Any]:
         r["warm_spread_vs_one_stream"] = r["warm_plain_s"] / r["warm_one_stream_s"]
         r["warm_fused_vs_plain"] = r["warm_copy_s"] / r["warm_plain_s"]
         r["warm_stored_vs_copy"] = r["warm_s"] / r["warm_copy_s"]
+        r["warm_beside_vs_first"] = r["warm_copy_s"] / r["warm_first_s"]
         r["warm_streamed_vs_whole"] = r["warm_s"] / r["warm_whole_s"]
     return {
         "fused_dequantize": fused.ready(),
@@ -386,22 +397,25 @@ if __name__ == "__main__":
     table(
         ["context", "warm vs seed path", "warm vs floor", "hot from stored vs warm",
          "prefetched to ready vs step", "hot vs step", "warm, read whole first",
-         "streamed vs whole", "warm, fused copy first",
-         "stored vs copy", "warm, one stream", "spread vs one", "warm, plain ops",
+         "streamed vs whole", "warm, fused copy", "stored vs copy", "warm, copy made first",
+         "beside vs first", "warm, one stream", "spread vs one", "warm, plain ops",
          "fused vs plain", "stage", "read + verify", "of it beside", "waited",
-         "read whole", "dequantize", "dequantize, fused copy",
-         "dequantize, plain", "forward", "other"],
+         "read whole", "dequantize", "dequantize, fused copy", "fused copy filled beside",
+         "of it waited", "dequantize, copy made first", "dequantize, plain", "forward",
+         "other"],
         [
             [n, *(f"{r[k]:.2f}x" for k in (
                 "warm_vs_seed_path", "warm_vs_floor", "hot_stored_vs_warm",
                 "prefetched_ready_vs_step", "hot_vs_step")),
              ms[n]["warm_whole_s"], f"{r['warm_streamed_vs_whole']:.2f}x",
              ms[n]["warm_copy_s"], f"{r['warm_stored_vs_copy']:.2f}x",
+             ms[n]["warm_first_s"], f"{r['warm_beside_vs_first']:.2f}x",
              ms[n]["warm_one_stream_s"], f"{r['warm_spread_vs_one_stream']:.2f}x",
              ms[n]["warm_plain_s"], f"{r['warm_fused_vs_plain']:.2f}x",
              *(ms[n][k] for k in (
                 "warm_stage_s", "warm_read_verify_s", "warm_overlap_s", "warm_wait_s",
                 "warm_whole_read_verify_s", "warm_dequantize_s", "warm_copy_dequantize_s",
+                "warm_copy_fill_s", "warm_copy_wait_s", "warm_first_dequantize_s",
                 "warm_plain_dequantize_s",
                 "warm_forward_s", "warm_other_s"))]
             for n, r in rows

@@ -18,6 +18,7 @@ from .rotated import RotatedBasis, RotatedKVCache
 
 if TYPE_CHECKING:
     from .agent_cache import AgentKV
+    from .beside import CopyBeside
     from .stored import Parts, StoredRange
 
 #: Tokens of room a float working or ready copy keeps past its last one, so that the next
@@ -197,6 +198,12 @@ class TurnCache(Protocol):
         start and in a ready copy: counted once, by ``AgentKV``)."""
         ...
 
+    def landed(self) -> CopyBeside | None:
+        """Block until its arrays are all in: a float copy filled beside the first forward
+        (``kernels.beside``), returned for its seconds; None when none was filling.
+        Raises RuntimeError when it could not be filled."""
+        ...
+
     def before_step(self) -> None:
         """The next forward is a decode step (one token per row) that :meth:`unfeed` may
         take back: recurrent layers keep the state from before it."""
@@ -281,6 +288,9 @@ class Entries:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self._layers)
+
+    def landed(self) -> CopyBeside | None:
+        return None
 
     def before_step(self) -> None:
         for layer in self._layers:

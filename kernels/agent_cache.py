@@ -28,6 +28,7 @@ to the same token (:meth:`AgentKV.reusable`), or from nothing when none is left.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
 
@@ -37,6 +38,7 @@ import numpy as np
 from . import fused
 from ._qmath import affine
 from ._turn_base import TurnCache
+from .beside import CopyBeside
 from .float_turn import FloatPrefix, FloatTurnCache
 from .geometry import CacheGeometry
 from .qcodec import KVCodec, Role
@@ -63,9 +65,9 @@ class Landing(Protocol):
     """Stored arrays whose bytes are still on their way in (a layer-streamed warm load:
     ``actors.warm``'s StreamedRead writes them from its reader threads)."""
 
-    def wait_layer(self, layer: int) -> None:
+    def wait_layer(self, layer: int, *, counted: bool = True) -> None:
         """Block until entry ``layer``'s bytes are in (trusted only once :meth:`wait`
-        says None)."""
+        says None); ``counted``: the engine's thread waits (not a copy's thread)."""
         ...
 
     def wait(self) -> str | None:
@@ -309,11 +311,12 @@ class AgentKV:
         return self.stored_bytes + self.copies_bytes
 
     # -- transitions ------------------------------------------------------------------
-    def activate(self, prefix: FloatPrefix | None = None) -> TurnCache:
+    def activate(self, prefix: FloatPrefix | None = None, *, beside: bool = False) -> TurnCache:
         """The working cache of a turn (made once per turn): one row over the stored ranges,
         the ready copy when there is one; ``prefix``: the float copy of its first stored
         ranges, shared with other caches (``FloatPrefix``), so that only the rest is
-        dequantized (float attention only)."""
+        dequantized (float attention only). ``beside``: a float copy may fill beside the
+        turn's first forward, which must follow at once (``FloatTurnCache.start``)."""
         if self.work is None:
             if self.ready is not None:
                 self.work, self.ready = self.ready, None
@@ -321,6 +324,8 @@ class AgentKV:
                 if not issubclass(self.turn_cache, FloatTurnCache):
                     raise ValueError("a float prefix serves dequantized attention only")
                 self.work = self.turn_cache.start(self, prefix)
+            elif beside and issubclass(self.turn_cache, FloatTurnCache):
+                self.work = self.turn_cache.start(self, beside=True)
             else:
                 self.work = self.turn_cache.start(self)
         return self.work
@@ -571,6 +576,33 @@ class AgentKV:
                 return None
             out.update((i, (made[2 * k], made[2 * k + 1])) for k, i in enumerate(group))
         return [out[i] for i in layers]
+
+    def dequantize_beside(
+        self, layers: Sequence[int], *, rotated: bool = False, room: int = 0
+    ) -> tuple[list[tuple[mx.array, mx.array]], CopyBeside] | None:
+        """The arrays of :meth:`dequantize_layers` (every stored range), made but not
+        filled: the returned :class:`~kvactor.kernels.beside.CopyBeside` fills them in
+        layer order once started, each layer after its streamed bytes land (nothing reads
+        them before its ``wait_layer``). None where the fused path cannot take them."""
+        codec = self.codec
+        roles: tuple[Role, Role] = ("key", "value")
+        widths = [codec.role_spec(role)[0] for role in roles]
+        if fused.compiled("one") is None or 16 in widths or (codec.rotate and not rotated):
+            return None
+        jobs = [
+            self._fused_job(self._spans(i, role, slice(None), landed=True), role, room)
+            for i in layers
+            for role in roles
+        ]
+        made = fused.allocate(jobs)
+        if made is None:
+            return None
+        outs, fills = made
+        pairs = [(outs[2 * k], outs[2 * k + 1]) for k in range(len(layers))]
+        per_layer = [fills[2 * k : 2 * k + 2] for k in range(len(layers))]
+        landing = self.landing
+        waits = None if landing is None else functools.partial(landing.wait_layer, counted=False)
+        return pairs, CopyBeside(per_layer, layers, waits)
 
     def _spans(
         self, layer: int, role: Role, ranges: slice, *, landed: bool = False

@@ -3,6 +3,7 @@ row's stored tokens, made once per turn, and each recurrent layer's state."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -15,6 +16,7 @@ from . import stored_attend
 from ._qmath import rotate_rows
 from ._turn_base import ROOM, Entries, TurnCache, geometry_slots, new_values, state_layer, with_room
 from .attention import bind_attention
+from .beside import CopyBeside
 from .geometry import CacheGeometry
 from .mlx_lm_compat import batch_of_one, row_of
 from .recurrent import RecurrentCache
@@ -98,17 +100,64 @@ class FloatTurnCache(Entries):
     """False: copy as mlx-lm's ``merge`` / ``extract`` do and settle into a new copy (what
     ``bench/turn_buffers.py`` measures against); the arrays' values are the same."""
 
+    copying: CopyBeside | None = None
+    """The copy still filling beside the first forward (:meth:`start` with ``beside``)."""
+
     @classmethod
-    def start(cls, kv: AgentKV, prefix: FloatPrefix | None = None) -> FloatTurnCache:
+    def start(
+        cls, kv: AgentKV, prefix: FloatPrefix | None = None, *, beside: bool = False
+    ) -> FloatTurnCache:
         # With room for the turn's first tokens: the first step writes in place instead of
         # growing (copying) every layer, as KVCache would by the same 256 tokens.
-        # At once by the fused kernel, else layer by layer spread over the CPU's cores.
+        # At once by the fused kernel, else layer by layer spread over the CPU's cores;
+        # with ``beside``, filled beside the forward that follows (``kernels.beside``).
+        if prefix is None and beside:
+            made = cls._beside(kv)
+            if made is not None:
+                return made
         if prefix is None:
             layers = cls.rows(kv, 0, kv.geometry.n_layers, ROOM)
         else:
             every = kv.geometry.n_layers
             layers = spread(every, lambda i: cls.row_layer(kv, i, ROOM, prefix), _arrays)
         return cls(layers, geometry_slots(kv.geometry))
+
+    @classmethod
+    def _beside(cls, kv: AgentKV) -> FloatTurnCache | None:
+        """:meth:`start`'s copy, its arrays made and filled on ``kernels.beside``'s thread
+        in layer order; each layer's cache waits for its own as the forward first hands it
+        new tokens (``landing``), :meth:`landed` for all. None where the fused path
+        cannot take it (plain attention layers only)."""
+        geometry = kv.geometry
+        if not kv.ranges or not FloatPrefix.serves(geometry) or not geometry.kv_layers:
+            return None
+        if os.environ.get("KVACTOR_BESIDE", "1") == "0":
+            return None
+        rotated = works_rotated(kv.codec)
+        attending = list(range(geometry.n_layers))
+        made = kv.dequantize_beside(attending, rotated=rotated, room=ROOM)
+        if made is None:
+            return None
+        pairs, copying = made
+        layers = []
+        for k, pair in enumerate(pairs):
+            layer = _kv_row(rotated, *pair, kv.stored_tokens)
+            layer.landing = functools.partial(copying.wait_layer, k)
+            layers.append(layer)
+        out = cls(layers, geometry_slots(geometry))
+        out.copying = copying
+        copying.start()
+        return out
+
+    def landed(self) -> CopyBeside | None:
+        copying = self.copying
+        if copying is None:
+            return None
+        for layer in self._layers:
+            layer.landing = None
+        self.copying = None
+        copying.wait()
+        return copying
 
     stored_first_tokens: ClassVar[int] = 1536
     """Stored tokens from which a first forward over the stored form beats making the copy
@@ -229,6 +278,7 @@ class FloatTurnCache(Entries):
             yield len(built), cls(layers, geometry_slots(kv.geometry)) if done else None
 
     def _batched(self) -> list[Any]:
+        self.landed()
         join = batch_of_one if self.keeps_buffers else (lambda row: type(row).merge([row]))
         return self._mark(
             [
@@ -268,6 +318,7 @@ class FloatTurnCache(Entries):
         )
 
     def added(self, layer: int, start: int, stop: int) -> tuple[mx.array, mx.array, bool]:
+        self.landed()
         cache = self._layers[layer]
         rotated = isinstance(cache, RotatedBasis)
         if rotated:
@@ -276,6 +327,7 @@ class FloatTurnCache(Entries):
         return keys[:, :, start:stop, :], values[:, :, start:stop, :], rotated
 
     def adopt(self, kv: AgentKV, new: StoredRange) -> None:
+        self.landed()
         for layer, stored in zip(self._layers, new_values(self._layers, kv, new), strict=True):
             if stored is None:
                 continue
@@ -284,6 +336,7 @@ class FloatTurnCache(Entries):
             layer.values[:, :, new.start : new.stop, :] = values.astype(layer.values.dtype)
 
     def settle(self, kv: AgentKV, new: StoredRange | None) -> FloatTurnCache | None:
+        self.landed()
         total = kv.stored_tokens
         cut = new.start if new is not None else total
         if not all(
@@ -344,6 +397,7 @@ class FloatTurnCache(Entries):
                 layer.trim(n)
 
     def arrays(self) -> list[mx.array]:
+        self.landed()
         return [a for layer in self._layers for a in _arrays(layer)]
 
 

@@ -18,7 +18,9 @@ an engine loads a model (:func:`warm`); until it is ready, and wherever numba is
 path. The engine's thread is still the only caller of MLX: it makes the output array,
 evaluates it and lets the kernel write into that array's memory before anything reads it.
 numba's default thread pool takes one caller at a time, so calls are serialized by a lock.
-The same thread compiles the kernel of the stored-form attention (``kernels.stored_attend``),
+A one-thread build of the kernel (:func:`fill_one`, no pool, no lock) fills a turn's copy
+beside its forward (``kernels.beside``) into arrays :func:`allocate` made. The same
+thread compiles the kernel of the stored-form attention (``kernels.stored_attend``),
 under the same switch and lock.
 """
 
@@ -36,11 +38,14 @@ from ._qparts import SINK, SINK_BITS
 from .workers import worker_streams
 
 __all__ = (
+    "Fill",
     "Job",
+    "allocate",
     "calling",
     "compiled",
     "dequantize",
     "dequantize_many",
+    "fill_one",
     "host",
     "ready",
     "unavailable",
@@ -50,7 +55,13 @@ __all__ = (
 
 _lock = threading.Lock()  # one caller at a time in numba's thread pool
 _ready = threading.Event()
-_state: dict[str, Any] = {"started": False, "kernel": None, "attend": None, "error": None}
+_state: dict[str, Any] = {
+    "started": False,
+    "kernel": None,
+    "one": None,
+    "attend": None,
+    "error": None,
+}
 
 
 def _enabled() -> bool:
@@ -78,13 +89,14 @@ def warm() -> None:
 
 def _build() -> None:
     try:
-        from ._fused_kernel import unpack_scale
+        from ._fused_kernel import unpack_scale, unpack_scale_one
         from ._stored_attend_kernel import attend_layer
 
         codes = np.zeros((1, 1, 8), np.uint8)  # compile for the one signature used
         side = np.ones((1, 1, 1), np.float32)
-        unpack_scale(codes, side, side, 8, 8, np.empty((1, 1, 8), np.float32), 0)
-        _state["kernel"] = unpack_scale
+        for kernel in (unpack_scale, unpack_scale_one):
+            kernel(codes, side, side, 8, 8, np.empty((1, 1, 8), np.float32), 0)
+        _state["kernel"], _state["one"] = unpack_scale, unpack_scale_one
         # The stored-form attention (``kernels.stored_attend``), its one signature too.
         words = np.zeros((1, 1, 1, 1), np.uint32)
         side4 = np.ones((1, 1, 1, 1), np.float32)
@@ -178,13 +190,33 @@ def dequantize(
 
 
 def dequantize_many(jobs: Sequence[Job]) -> list[mx.array] | None:
-    """:func:`dequantize` of each job (None if any is not covered). The copies' arrays are
-    made first, side by side over the worker streams (``kernels.workers``): in fresh memory
-    most of a copy's time is the first touch of its pages, which one zero-fill per array on
-    one stream would leave to one core. Then the kernel fills them, one after another, each
-    over every core."""
+    """:func:`dequantize` of each job (None if any is not covered): their arrays made
+    (:func:`allocate`), then filled one after another, each over every core."""
     kernel: Callable[..., None] | None = _state["kernel"]
-    if kernel is None or not ready():
+    made = allocate(jobs)
+    if made is None or kernel is None:
+        return None
+    outs, fills = made
+    with _lock:
+        for fill in fills:
+            _run(kernel, fill)
+    return outs
+
+
+Fill = tuple[np.ndarray[Any, Any], list[tuple[Any, ...]]]
+"""What fills one copy: its memory (``(H, T, D)`` fp32) and each quantized piece's codes
+(uint8), scales and biases (as stored: converted to fp32 as the piece is filled, when its
+bytes are in) and width, in token order."""
+
+
+def allocate(jobs: Sequence[Job]) -> tuple[list[mx.array], list[Fill]] | None:
+    """The copies of ``jobs`` made, not filled yet: each job's fp32 array (evaluated, all of
+    them side by side over the worker streams, ``kernels.workers``: in fresh memory most
+    of a copy's time is the first touch of its pages, which one zero-fill per array on one
+    stream would leave to one core), and what :func:`fill_one` (or the kernel over every
+    core) fills it with. Reads no stored bytes. None where the kernel does not cover a
+    job or is not ready."""
+    if _state["kernel"] is None or not ready():
         return None
     plans = [(_pieces(ranges, bits), room) for ranges, bits, room in jobs]
     shapes = [_shape(pieces, room) for pieces, room in plans]
@@ -201,16 +233,26 @@ def dequantize_many(jobs: Sequence[Job]) -> list[mx.array] | None:
     targets = [np.asarray(out) for out in outs]
     if not all(t.flags.c_contiguous and t.flags.writeable and t.base is not None for t in targets):
         return None
-    with _lock:
-        for target, (pieces, _) in zip(targets, plans, strict=True):
-            _fill(kernel, target[0], pieces)
-    return outs
+    fills = [
+        (target[0], [(np.asarray(q), np.asarray(s), np.asarray(b), w) for q, s, b, w in pieces])
+        for target, (pieces, _) in zip(targets, plans, strict=True)
+    ]
+    return outs, fills
 
 
-def _fill(kernel: Callable[..., None], target: Any, pieces: list[tuple[Any, ...]]) -> None:
+def fill_one(fill: Fill) -> None:
+    """Fill one copy of :func:`allocate` on the calling thread alone, any thread (no MLX,
+    no thread pool: beside the engine's forward, ``kernels.beside``)."""
+    kernel: Callable[..., None] = _state["one"]
+    _run(kernel, fill)
+
+
+def _run(kernel: Callable[..., None], fill: Fill) -> None:
+    target, pieces = fill
     heads, start = target.shape[0], 0
     for q, scales, biases, width in pieces:
-        codes = host(q).view(np.uint8).reshape(heads, q.shape[2], -1)
-        s32, b32 = host(scales, np.float32)[0], host(biases, np.float32)[0]
+        codes = np.ascontiguousarray(q).view(np.uint8).reshape(heads, q.shape[2], -1)
+        s32 = np.ascontiguousarray(scales.astype(np.float32, copy=False))[0]
+        b32 = np.ascontiguousarray(biases.astype(np.float32, copy=False))[0]
         kernel(codes, s32, b32, width, target.shape[2] // s32.shape[-1], target, start)
         start += q.shape[2]

@@ -29,6 +29,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ._qmath import rotate, rotate_rows
 from ._shared_kv import note_fetched
+from .beside import land
 from .qcodec import KVCodec
 from .rowwise import RowwiseBatch, attend_steps, sdpa_call
 
@@ -113,7 +114,12 @@ def _check_rotated(caches: Sequence[object]) -> None:
 class RotatedKVCache(RotatedBasis, KVCache):
     """One row's float K/V (fp32) in the Hadamard basis."""
 
+    landing: Callable[[], None] | None = None
+    """Blocks until its stored tokens are in, before it first takes new ones (a copy
+    filled beside the forward: ``kernels.beside``)."""
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        land(self, keys, values)
         out = super().update_and_fetch(*self._entering(keys, values))
         note_fetched(self, out[0])
         return out

@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ._shared_kv import note_fetched
+from .beside import land
 
 __all__ = (
     "PlainBatchKVCache",
@@ -248,6 +249,15 @@ class RowwiseBatch:
 class PlainKVCache(KVCache):
     """One row's float K/V in the model's basis (an mlx-lm ``KVCache``) whose batches
     attend row by row."""
+
+    landing: Callable[[], None] | None = None
+    """Blocks until its stored tokens are in, before it first takes new ones (a copy
+    filled beside the forward: ``kernels.beside``)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        land(self, keys, values)
+        out: tuple[mx.array, mx.array] = super().update_and_fetch(keys, values)
+        return out
 
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> PlainBatchKVCache:

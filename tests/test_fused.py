@@ -122,3 +122,27 @@ def test_layers_at_once_hold_the_plain_copies(monkeypatch: pytest.MonkeyPatch) -
                 assert np.array_equal(np.array(got), np.array(plain))
         monkeypatch.delenv("KVACTOR_FUSED")
     assert kv.dequantize_layers([0], rotated=False) is None  # only in the stored basis
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_a_copy_filled_on_one_thread_is_the_copy_over_every_core(bits: int) -> None:
+    """``fused.allocate`` then ``fill_one`` (a copy filled beside a forward,
+    ``kernels.beside``): the values of ``dequantize_many``, bit for bit, room zeros."""
+    kv = _kv(KVCodec(bits=bits, group_size=32, sink_tokens=4), 64, (3, 70, 333), seed=3)
+    roles: tuple[Role, Role] = ("key", "value")
+    jobs: list[fused.Job] = [
+        ([r.layers[layer][j] for r in kv.ranges], kv.codec.role_spec(role)[0], 7)
+        for layer in (0, 1)
+        for j, role in enumerate(roles)
+    ]
+    made = fused.allocate(jobs)
+    assert made is not None
+    outs, fills = made
+    for fill in fills:
+        fused.fill_one(fill)
+    every_core = fused.dequantize_many(jobs)
+    assert every_core is not None
+    for got, want in zip(outs, every_core, strict=True):
+        assert got.shape == (1, 3, 340, 64)
+        assert np.array_equal(np.array(got), np.array(want))
+        assert not np.array(got)[:, :, 333:].any()

@@ -33,7 +33,9 @@ class ModelBasis(FloatTurnCache):
     turn's tokens are rotated when they are quantized."""
 
     @classmethod
-    def start(cls, kv: AgentKV, prefix: FloatPrefix | None = None) -> ModelBasis:
+    def start(
+        cls, kv: AgentKV, prefix: FloatPrefix | None = None, *, beside: bool = False
+    ) -> ModelBasis:
         assert prefix is None  # used on an AgentKV directly: no hot tier, no prefix
         layers = []
         for i in range(kv.geometry.n_layers):

@@ -208,7 +208,7 @@ class _Landing:
         self.waits = 0
         self.why = why
 
-    def wait_layer(self, layer: int) -> None:
+    def wait_layer(self, layer: int, *, counted: bool = True) -> None:
         self.layers.append(layer)
 
     def wait(self) -> str | None:

@@ -47,6 +47,10 @@ class Generation:
     landing: Any = None
     stream_s: float = 0.0
     stream_wait_s: float = 0.0
+    # Its float copy filled beside its first forward (kernels.beside): the filling's
+    # seconds, and how long that forward waited for it.
+    copy_s: float = 0.0
+    copy_wait_s: float = 0.0
     shared: int = 0  # prompt tokens reused from another agent's stored ranges
     cuts: tuple[int, ...] = ()  # where the prefill stores a range (Generate.cuts)
     answers: tuple[int, ...] = ()  # where decoded answers began (Generate.answers)
@@ -134,6 +138,8 @@ class Generation:
                     dequantize_s=self.dequantize_s,
                     stream_s=self.stream_s,
                     stream_wait_s=self.stream_wait_s,
+                    copy_s=self.copy_s,
+                    copy_wait_s=self.copy_wait_s,
                     shared_tokens=self.shared,
                 ),
             )

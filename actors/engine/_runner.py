@@ -603,6 +603,9 @@ class ModelRunner:
         finally:
             if stepwise:
                 work.stepwise(False)
+        copied = work.landed()  # a copy filled beside this forward: in before anything else
+        if copied is not None:
+            request.copy_s, request.copy_wait_s = copied.fill_s, copied.waited_s
         if request.landing is not None:  # streamed in: trusted from here, or dropped
             try:
                 self._settled(request)

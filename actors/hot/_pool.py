@@ -364,7 +364,7 @@ class CachePool:
             kv.activate_stored()
             return 0
         prefix, made = self.ready.shared.copy_for(agent, kv, lambda n: self._room(entry, n))
-        kv.activate(prefix)
+        kv.activate(prefix, beside=True)  # the turn's first forward follows at once
         if made:
             self.ledger.measure()
         return len(kv.tokens) - (prefix.tokens if prefix is not None else 0) + made

@@ -297,14 +297,16 @@ class StreamedRead:
         self._done.set()
 
     # -- waiting ------------------------------------------------------------------------
-    def wait_layer(self, layer: int) -> None:
+    def wait_layer(self, layer: int, *, counted: bool = True) -> None:
         """Block until entry ``layer``'s bytes are all in (or the read failed: then
-        :meth:`wait` says why; they are not to be trusted before it says None)."""
+        :meth:`wait` says why; they are not to be trusted before it says None). The
+        engine's waits are ``counted`` in :attr:`waited_s`, not another thread's."""
         event = self._layers[layer]
         if not event.is_set():
             t0 = time.perf_counter()
             event.wait()
-            self.waited_s += time.perf_counter() - t0
+            if counted:
+                self.waited_s += time.perf_counter() - t0
 
     def wait(self) -> str | None:
         """Block until every piece is in: None when every file matched its checksum, else
