@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import os
 import shutil
 import stat
@@ -70,13 +71,10 @@ def _prefix(
     out: dict[str, np.ndarray[Any, Any]] = {}
     for name, (shape, _) in want.items():
         array = tensors.get(name)
-        if (
-            array is None
-            or array.ndim != len(shape)
-            or any(w > h for w, h in zip(shape, array.shape, strict=True))
-        ):
+        have = () if array is None else array.shape
+        if array is None or len(have) != len(shape) or not all(map(operator.le, shape, have)):
             raise ValueError(f"the codec's part {name!r} cannot be cut to a token prefix")
-        out[name] = array[tuple(slice(0, w) for w in shape)]
+        out[name] = array if have == shape else array[tuple(map(slice, shape))]
     return out
 
 
