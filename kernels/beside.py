@@ -66,7 +66,8 @@ class CopyBeside:
     ) -> None:
         if len(fills) != len(layers):
             raise ValueError("one layer index per entry to fill")
-        self._fills, self._layers, self._landing = fills, layers, landing
+        self._fills = [list(layer) for layer in fills]
+        self._layers, self._landing = layers, landing
         self._done = [threading.Event() for _ in fills]
         self._ended = threading.Event()
         self._error: BaseException | None = None
@@ -80,29 +81,38 @@ class CopyBeside:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            for k, fills in enumerate(self._fills):
+            for k, layer in enumerate(self._layers):
                 if self._landing is not None:
-                    self._landing(self._layers[k])
-                for fill in fills:
-                    fused.fill_one(fill)
+                    self._landing(layer)
+                self._fill(k)
                 self._done[k].set()
         except BaseException as exc:  # told at the next wait, on the engine's thread
             self._error = exc
         finally:
             self.fill_s = time.perf_counter() - t0
-            self._fills = ()  # their views keep the arrays' memory: let go
+            self._fills = []  # their views keep the arrays' memory: let go
             for event in self._done:
                 event.set()
             self._ended.set()
 
+    def _fill(self, k: int) -> None:
+        # Its views are let go before the forward may write the layer in place (a view
+        # still held would keep MLX from reusing the buffer: it would copy it).
+        fills, self._fills[k] = self._fills[k], []
+        for fill in fills:
+            fused.fill_one(fill)
+
     def wait_layer(self, k: int) -> None:
-        """Block until entry ``k`` is filled. Raises RuntimeError when filling failed."""
+        """Block until entry ``k`` is filled, or filling failed (inside the forward: it
+        runs on, and :meth:`wait` raises after it)."""
         self._wait(self._done[k])
 
     def wait(self) -> None:
         """Block until every entry is filled (the thread let go of their memory). Raises
-        RuntimeError when filling failed."""
+        RuntimeError when filling failed: nothing of the copy is to be used."""
         self._wait(self._ended)
+        if self._error is not None:
+            raise RuntimeError(f"the float copy failed as it was filled: {self._error}")
 
     @property
     def filled(self) -> bool:
@@ -113,8 +123,6 @@ class CopyBeside:
             t0 = time.perf_counter()
             event.wait()
             self.waited_s += time.perf_counter() - t0
-        if self._error is not None:
-            raise RuntimeError(f"the float copy failed as it was filled: {self._error}")
 
 
 def land(cache: Any, keys: mx.array, values: mx.array) -> None:

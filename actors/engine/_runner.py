@@ -603,7 +603,10 @@ class ModelRunner:
         finally:
             if stepwise:
                 work.stepwise(False)
-        copied = work.landed()  # a copy filled beside this forward: in before anything else
+        try:  # a copy filled beside this forward: all in before anything else reads it
+            copied = work.landed()
+        except RuntimeError as exc:
+            return self._copy_failed(request, exc)
         if copied is not None:
             request.copy_s, request.copy_wait_s = copied.fill_s, copied.waited_s
         if request.landing is not None:  # streamed in: trusted from here, or dropped
@@ -660,6 +663,16 @@ class ModelRunner:
         request.reply.fail(
             CacheMiss(f"agent {request.agent!r}: its warm cache failed as it streamed in: {exc}")
         )
+        return True
+
+    def _copy_failed(self, request: Generation, exc: RuntimeError) -> bool:
+        """The turn's float copy could not be filled beside its first forward (which then
+        read what it held): fail the turn before anything of it was answered, its working
+        copy dropped; its stored cache is untouched and its next turn starts afresh."""
+        self._prefilling.popleft()
+        request.entry.kv.clear_working()
+        self._park(request)
+        request.reply.fail(exc)
         return True
 
     def _first_queries(self, request: Generation) -> int:
