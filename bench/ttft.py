@@ -131,7 +131,11 @@ async def timed_hot(
 
 
 async def decode_rate(agent: kvactor.Agent, prompt: str, tokens: int = 17) -> float:
-    """Decode tokens/s of one agent at this context (after its first token)."""
+    """Decode tokens/s of one agent at this context (after its first token), from its
+    second turn: a first turn whose first forward attended over the stored form (2K up)
+    makes its float copy between its first and second token, which is not a step (until
+    d24ebfb it was counted: one step at 4K read 157-159 ms where mlx-lm's took 119)."""
+    await agent.complete(prompt, max_tokens=tokens)
     done = await agent.complete(prompt, max_tokens=tokens)
     return (done.timings.generated_tokens - 1) / done.timings.decode_s
 
