@@ -56,7 +56,7 @@ def unpack_scale_one(
     codes: Any, scales: Any, biases: Any, bits: int, group: int, out: Any, start: int
 ) -> None:  # pragma: no cover - compiled by numba, which coverage does not see
     """:func:`unpack_scale` on the calling thread alone (no thread pool: a copy filled
-    beside the engine's forward, ``kernels.fused.fill_beside``), the same values."""
+    beside the engine's forward, ``kernels.fused.fill_one``), the same values."""
     heads, tokens, _ = codes.shape
     for row in range(heads * tokens):
         _row(codes, scales, biases, bits, group, out, start, row)

@@ -550,10 +550,7 @@ class AgentKV:
         their arrays allocated side by side first, then filled), evaluated; None where the
         fused path cannot take them: the caller asks :meth:`dequantize` layer by layer.
         Raises ValueError like :meth:`dequantize`."""
-        codec = self.codec
-        roles: tuple[Role, Role] = ("key", "value")
-        widths = [codec.role_spec(role)[0] for role in roles]
-        if not fused.ready() or 16 in widths or (codec.rotate and not rotated):
+        if not fused.ready() or not self._fused_covers(rotated):
             return None
         landing = self.landing
         if landing is not None:  # streaming in: a group at a time, as its layers land
@@ -566,12 +563,7 @@ class AgentKV:
             if landing is not None:
                 for i in group:
                     landing.wait_layer(i)
-            jobs = [
-                self._fused_job(self._spans(i, role, ranges, landed=True), role, room)
-                for i in group
-                for role in roles
-            ]
-            made = fused.dequantize_many(jobs)
+            made = fused.dequantize_many(self._layer_jobs(group, room, ranges))
             if made is None:
                 return None
             out.update((i, (made[2 * k], made[2 * k + 1])) for k, i in enumerate(group))
@@ -584,17 +576,9 @@ class AgentKV:
         filled: the returned :class:`~kvactor.kernels.beside.CopyBeside` fills them in
         layer order once started, each layer after its streamed bytes land (nothing reads
         them before its ``wait_layer``). None where the fused path cannot take them."""
-        codec = self.codec
-        roles: tuple[Role, Role] = ("key", "value")
-        widths = [codec.role_spec(role)[0] for role in roles]
-        if fused.compiled("one") is None or 16 in widths or (codec.rotate and not rotated):
+        if fused.compiled("one") is None or not self._fused_covers(rotated):
             return None
-        jobs = [
-            self._fused_job(self._spans(i, role, slice(None), landed=True), role, room)
-            for i in layers
-            for role in roles
-        ]
-        made = fused.allocate(jobs)
+        made = fused.allocate(self._layer_jobs(layers, room, slice(None)))
         if made is None:
             return None
         outs, fills = made
@@ -603,6 +587,24 @@ class AgentKV:
         landing = self.landing
         waits = None if landing is None else functools.partial(landing.wait_layer, counted=False)
         return pairs, CopyBeside(per_layer, layers, waits)
+
+    def _fused_covers(self, rotated: bool) -> bool:
+        """Whether the fused kernel makes this codec's copies: no 16-bit role, and a
+        rotating codec's copy left in its stored basis (``rotated``)."""
+        codec = self.codec
+        if any(codec.role_spec(role)[0] == 16 for role in ("key", "value")):
+            return False
+        return rotated or not codec.rotate
+
+    def _layer_jobs(self, layers: Sequence[int], room: int, ranges: slice) -> list[fused.Job]:
+        """The fused kernel's jobs for the keys, then the values, of each of ``layers``
+        (shapes checked, their bytes not waited for)."""
+        roles: tuple[Role, Role] = ("key", "value")
+        return [
+            self._fused_job(self._spans(i, role, ranges, landed=True), role, room)
+            for i in layers
+            for role in roles
+        ]
 
     def _spans(
         self, layer: int, role: Role, ranges: slice, *, landed: bool = False

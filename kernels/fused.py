@@ -145,8 +145,8 @@ def unavailable() -> str | None:
 
 
 def host(array: mx.array, dtype: Any = None) -> np.ndarray[Any, Any]:
-    """A C-contiguous NumPy array of an MLX one (evaluated; no copy when it can be): what
-    the numba kernels read."""
+    """A C-contiguous NumPy array of an MLX one (evaluated), or of a NumPy one (no MLX call
+    then: any thread), no copy when it can be: what the numba kernels read."""
     out = np.asarray(array)
     return np.ascontiguousarray(out if dtype is None else out.astype(dtype, copy=False))
 
@@ -251,8 +251,7 @@ def _run(kernel: Callable[..., None], fill: Fill) -> None:
     target, pieces = fill
     heads, start = target.shape[0], 0
     for q, scales, biases, width in pieces:
-        codes = np.ascontiguousarray(q).view(np.uint8).reshape(heads, q.shape[2], -1)
-        s32 = np.ascontiguousarray(scales.astype(np.float32, copy=False))[0]
-        b32 = np.ascontiguousarray(biases.astype(np.float32, copy=False))[0]
+        codes = host(q).view(np.uint8).reshape(heads, q.shape[2], -1)
+        s32, b32 = host(scales, np.float32)[0], host(biases, np.float32)[0]
         kernel(codes, s32, b32, width, target.shape[2] // s32.shape[-1], target, start)
         start += q.shape[2]
