@@ -228,6 +228,13 @@ class TurnCache(Protocol):
         causal prefill); False when its kind cannot (nothing changed)."""
         ...
 
+    def dispatching(self, on: bool) -> None:
+        """A one-row cache: make each K/V layer dispatch the forward's work so far
+        (``mx.async_eval``) as the forward hands it new tokens, so the layers before it run
+        while the model's graph for the rest is built (a turn's forward; a pipelined
+        decode step builds its graph while the step before it runs), or stop."""
+        ...
+
 
 _E = TypeVar("_E", bound="Entries")
 
@@ -273,6 +280,15 @@ class Entries:
         for layer in self._layers:
             layer.stepwise = on
         return True
+
+    def dispatching(self, on: bool) -> None:
+        """Make each K/V entry dispatch the forward's work so far as it takes new tokens
+        (``kernels.beside.land``, ``QuantizedBatchCache.update_and_fetch``), or stop: a
+        one-token forward at 1K built its graph for ~6 ms before any of it ran (mlx-lm's
+        own loop hides that by building each step while the one before runs)."""
+        for layer in self._layers:
+            if not isinstance(layer, RecurrentCache):
+                layer.dispatch = on
 
     @property
     def layers(self) -> Sequence[Any]:

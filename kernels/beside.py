@@ -127,11 +127,14 @@ class CopyBeside:
 
 def land(cache: Any, keys: mx.array, values: mx.array) -> None:
     """In a layer cache's ``update_and_fetch``, before it takes the forward's new ``keys``
-    and ``values``: where its copy is still filling (``cache.landing``, set by
+    and ``values``: where the forward dispatches as it goes (``cache.dispatch``:
+    ``TurnCache.dispatching``) or its copy is still filling (``cache.landing``, set by
     ``FloatTurnCache.start`` with ``beside``), dispatch the layers before it
-    (``mx.async_eval``: they run while this thread waits) and wait for its own copy, once."""
+    (``mx.async_eval``: they run while this thread builds the rest or waits); then wait
+    for its own copy, once."""
     landing: Callable[[], None] | None = cache.landing
-    if landing is not None:
+    if cache.dispatch or landing is not None:
         mx.async_eval(keys, values)
+    if landing is not None:
         landing()
         cache.landing = None

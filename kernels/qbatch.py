@@ -134,6 +134,9 @@ class QuantizedBatchCache:
         # Waits until the regions' bytes are in (a layer-streamed load: AgentKV.landing);
         # called before anything reads them, then dropped.
         self.landing: Callable[[], None] | None = None
+        # Dispatch the forward's work so far as it hands this layer new tokens
+        # (TurnCache.dispatching): a turn's first forward, not a pipelined decode step.
+        self.dispatch = False
 
     # -- building -------------------------------------------------------------------
     @classmethod
@@ -203,6 +206,8 @@ class QuantizedBatchCache:
     # -- the mlx-lm cache protocol --------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` ``(B, H, N, D)`` to every row's tail."""
+        if self.dispatch:
+            mx.async_eval(keys, values)
         n = keys.shape[2]
         prev = self._idx
         if self.keys is None or self.values is None or prev + n > self.keys.shape[2]:

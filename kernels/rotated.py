@@ -117,6 +117,9 @@ class RotatedKVCache(RotatedBasis, KVCache):
     landing: Callable[[], None] | None = None
     """Blocks until its stored tokens are in, before it first takes new ones (a copy
     filled beside the forward: ``kernels.beside``)."""
+    dispatch: bool = False
+    """Dispatch the forward's work so far as it hands this layer new tokens
+    (``TurnCache.dispatching``)."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         land(self, keys, values)

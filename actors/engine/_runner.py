@@ -598,9 +598,11 @@ class ModelRunner:
         del request.todo[: len(chunk)]
         if stepwise:
             work.stepwise(True)
+        work.dispatching(True)  # its layers run as the rest of its graph is built
         try:
             logits = self.lm.model(mx.array(chunk, dtype=mx.uint32)[None], cache=work.layers)
         finally:
+            work.dispatching(False)
             if stepwise:
                 work.stepwise(False)
         try:  # a copy filled beside this forward: all in before anything else reads it
