@@ -35,7 +35,8 @@ beside the forward), of it ``warm_overlap_s`` beside the compute and ``warm_wait
 waited for, ``warm_dequantize_s``, ``warm_forward_s``, ``warm_other_s`` (actor hops,
 queueing); ``warm_whole_read_verify_s`` the whole read's staging. Ratios of the medians:
 ``warm_vs_seed_path``, ``warm_vs_floor``, ``hot_stored_vs_warm``,
-``prefetched_ready_vs_step``, ``hot_vs_step``.
+``prefetched_ready_vs_step``, ``hot_vs_step``; ``each_run`` lists those ratios and their
+seconds run by run (a single turn swings between runs: the medians hide by how much).
 
     python bench/ttft.py [--contexts 1024 2048 4096] [--json PATH]
 
@@ -326,6 +327,30 @@ def seed_path_s(prompt: str, root: Path) -> tuple[float, float]:
     return elapsed, (time.perf_counter() - t0) / n
 
 
+EACH_RUN = (
+    "warm_s", "seed_path_s", "floor_s", "hot_s", "hot_stored_s", "prefetched_ready_s",
+    "decode_step_s", "mlx_lm_decode_step_s", "warm_vs_seed_path", "warm_vs_floor",
+    "hot_stored_vs_warm", "prefetched_ready_vs_step", "hot_vs_step",
+)  # fmt: skip
+"""The keys each context's ``each_run`` lists run by run (the rest are medians only)."""
+
+
+def ratios(r: dict[str, Any]) -> dict[str, float]:
+    """The targets' ratios and the ways' comparisons of one run's (or the medians') keys."""
+    return {
+        "warm_vs_seed_path": r["warm_s"] / r["seed_path_s"],
+        "warm_vs_floor": r["warm_s"] / r["floor_s"],
+        "hot_stored_vs_warm": r["hot_stored_s"] / r["warm_s"],
+        "prefetched_ready_vs_step": r["prefetched_ready_s"] / r["decode_step_s"],
+        "hot_vs_step": r["hot_s"] / r["decode_step_s"],
+        "warm_spread_vs_one_stream": r["warm_plain_s"] / r["warm_one_stream_s"],
+        "warm_fused_vs_plain": r["warm_copy_s"] / r["warm_plain_s"],
+        "warm_stored_vs_copy": r["warm_s"] / r["warm_copy_s"],
+        "warm_beside_vs_first": r["warm_copy_s"] / r["warm_first_s"],
+        "warm_streamed_vs_whole": r["warm_s"] / r["warm_whole_s"],
+    }
+
+
 async def main(contexts: list[int], runs: int) -> dict[str, Any]:
     text = TEXT.read_text()
     while len(text) < 6 * max(contexts):  # ~4 characters a token: repeat for long contexts
@@ -349,17 +374,11 @@ async def main(contexts: list[int], runs: int) -> dict[str, Any]:
         | {"page_cache_dropped": all(t["page_cache_dropped"] for t in ts), "runs": len(ts)}
         for n, ts in trials.items()
     }
-    for r in results.values():  # the issues' targets, as ratios of the medians
-        r["warm_vs_seed_path"] = r["warm_s"] / r["seed_path_s"]
-        r["warm_vs_floor"] = r["warm_s"] / r["floor_s"]
-        r["hot_stored_vs_warm"] = r["hot_stored_s"] / r["warm_s"]
-        r["prefetched_ready_vs_step"] = r["prefetched_ready_s"] / r["decode_step_s"]
-        r["hot_vs_step"] = r["hot_s"] / r["decode_step_s"]
-        r["warm_spread_vs_one_stream"] = r["warm_plain_s"] / r["warm_one_stream_s"]
-        r["warm_fused_vs_plain"] = r["warm_copy_s"] / r["warm_plain_s"]
-        r["warm_stored_vs_copy"] = r["warm_s"] / r["warm_copy_s"]
-        r["warm_beside_vs_first"] = r["warm_copy_s"] / r["warm_first_s"]
-        r["warm_streamed_vs_whole"] = r["warm_s"] / r["warm_whole_s"]
+    for key, r in results.items():  # the issues' targets, as ratios of the medians
+        r.update(ratios(r))
+        # And each run's own, beside its seconds: a single turn swings between runs.
+        each = [t | ratios(t) for t in trials[key]]
+        r["each_run"] = {k: [t[k] for t in each] for k in EACH_RUN}
     return {
         "fused_dequantize": fused.ready(),
         "contexts": results,
