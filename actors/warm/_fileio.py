@@ -15,8 +15,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ __all__ = (
     "CLOEXEC",
     "NOFOLLOW",
     "ShortRead",
+    "each_file",
     "file_kind",
     "in_background",
     "open_regular",
@@ -48,6 +49,14 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+#: Files of one cache opened and read side by side (``each_file``): a cache written over
+#: many departures is a file each, and each file's first read waits a round trip of the
+#: disk (page cache dropped, a 1K cache in 10 files: its read 23-34 ms one file after
+#: another, against 11-14 ms for the same bytes in 2 files).
+_FILES = 4
+_file_pool: ThreadPoolExecutor | None = None
+
+
 def _executor() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
@@ -55,9 +64,32 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
+def _forget_pools() -> None:  # a forked child has none of its parent's threads
+    global _pool, _file_pool
+    _pool = _file_pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
+
+
 def in_background(fn: Callable[[T], R], arg: T) -> Future[R]:
     """``fn(arg)`` on one of the I/O threads (for work that drops the GIL)."""
     return _executor().submit(fn, arg)
+
+
+def each_file(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[fn(item) for item in items]``, up to ``_FILES`` at once on threads of their own
+    (not the I/O threads, which ``fn`` may wait on: ``read_whole``). Every call ends
+    before it returns; then the first call that raised, in ``items``' order, raises."""
+    global _file_pool
+    if len(items) < 2:
+        return [fn(item) for item in items]
+    if _file_pool is None:
+        _file_pool = ThreadPoolExecutor(_FILES, thread_name_prefix="kvactor-file")
+    futures = [_file_pool.submit(fn, item) for item in items]
+    wait(futures)
+    return [future.result() for future in futures]
 
 
 class ShortRead(Exception):

@@ -9,6 +9,7 @@ orphans are removed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import operator
 import os
@@ -23,7 +24,7 @@ import numpy as np
 from ..errors import CacheRejected, InvalidAgentId, UnknownAgent
 from ..ids import check_agent_id
 from ._checksum import segment_matches, segment_version
-from ._fileio import ShortRead, file_kind, open_regular, read_whole
+from ._fileio import ShortRead, each_file, file_kind, open_regular, read_whole
 from ._manifest import (
     CacheIdentity,
     CacheManifest,
@@ -35,6 +36,7 @@ from ._manifest import (
     load_manifest,
     segment_holds,
     segment_metadata,
+    split_layers,
     warm_info,
 )
 from ._paths import agent_dir, contained
@@ -52,6 +54,7 @@ __all__ = (
 )
 
 _READ_ATTEMPTS = 8
+_itemsize = functools.cache(lambda dtype: np.dtype(dtype).itemsize)  # np.dtype(str) is slow
 
 
 # ------------------------------------------------------------------------------ read
@@ -181,7 +184,7 @@ def _opened(
 ) -> int:
     """The segment file opened (its descriptor, the caller's to close) once it is a regular
     file of the size its manifest entry says."""
-    need = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expected.values())
+    need = sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in expected.values())
     fd, size = open_regular(path, need + 8 + MAX_HEADER_BYTES)
     if size != entry.nbytes:
         os.close(fd)
@@ -224,15 +227,19 @@ def _planned(
     """Each segment file the manifest names, its kind, its path, and the tensors expected
     of it for a range of tokens."""
     geometry = identity.layer_geometry()
+    # A model with neither sliding-window layers nor states keeps every tensor in its
+    # segments: no names to sift (a cache in many files has thousands).
+    whole = split_layers(geometry) is None and not identity.states
     for kind in SegmentKind:
-        keep = segment_holds(geometry, kind)
+        keep = None if whole and kind is SegmentKind.SEGMENT else segment_holds(geometry, kind)
         for entry in manifest.of(kind):
             path = folder / entry.file
 
             def layout(
-                start: int, stop: int, path: Path = path, keep: Callable[[str], bool] = keep
+                start: int, stop: int, path: Path = path, keep: Callable[[str], bool] | None = keep
             ) -> Expected:
-                return {k: v for k, v in _expect(expect, start, stop, path).items() if keep(k)}
+                found = _expect(expect, start, stop, path)
+                return found if keep is None else {k: v for k, v in found.items() if keep(k)}
 
             yield kind, entry, path, layout
 
@@ -241,10 +248,17 @@ def _read_segments(
     folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
 ) -> Loaded:
     out: dict[SegmentKind, list[dict[str, np.ndarray[Any, Any]]]] = {k: [] for k in SegmentKind}
-    for kind, entry, path, layout in _planned(folder, manifest, identity, expect):
+    planned = list(_planned(folder, manifest, identity, expect))
+
+    def read(plan: tuple[SegmentKind, SegmentEntry, Path, Callable[[int, int], Expected]]) -> Any:
+        _, entry, path, layout = plan
         tensors = _read_entry(path, entry, layout, identity, manifest)
         if entry.use < entry.stop - entry.start:
             tensors = _prefix(tensors, layout(entry.start, entry.start + entry.use))
+        return tensors
+
+    # Side by side: each file's first read waits a round trip of the disk.
+    for (kind, *_), tensors in zip(planned, each_file(read, planned), strict=True):
         out[kind].append(tensors)
     nbytes = sum(s.nbytes for s in manifest.all_segments)
     return Loaded(

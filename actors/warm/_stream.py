@@ -92,6 +92,8 @@ def _layer_of(name: str) -> int:
 def _cut_axis(shape: tuple[int, ...], want: tuple[int, ...]) -> int | None:
     """The one axis along which ``want`` is a prefix of ``shape`` (-1: the same shape);
     None where it is not a prefix along one axis."""
+    if shape == want:
+        return -1
     if len(shape) != len(want) or any(w > s for w, s in zip(want, shape, strict=True)):
         return None
     cut = [i for i, (w, s) in enumerate(zip(want, shape, strict=True)) if w != s]
@@ -121,7 +123,7 @@ def plan_stream(
                 raise _NotStreamed
             expected = layout(entry.start, entry.stop)
             kept = layout(entry.start, entry.start + entry.use)
-            if any(dtype not in _STREAMED for _, dtype in expected.values()):
+            if not _STREAMED.issuperset({dtype for _, dtype in expected.values()}):
                 raise _NotStreamed
             fd, parsed = open_segment(
                 path, entry, expected, identity, agent, manifest.format_version
