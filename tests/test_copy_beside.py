@@ -130,6 +130,7 @@ async def test_warm_and_hot_turns_answer_alike_with_the_copy_beside_or_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
 ) -> None:
     monkeypatch.setattr(PrefetchActor, "stream_min_bytes", 0)
+    monkeypatch.setattr(PrefetchActor, "stream_min_file_bytes", 0)
     monkeypatch.setenv("KVACTOR_STREAM", "1" if stream else "0")
     answers: dict[str, list[Any]] = {}
     for beside in ("1", "0"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ def kernel() -> None:
 def small_caches_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     # The tiny model's caches are a few KB: below the default size a stage streams from.
     monkeypatch.setattr(PrefetchActor, "stream_min_bytes", 0)
+    monkeypatch.setattr(PrefetchActor, "stream_min_file_bytes", 0)
 
 
 def tiny() -> Any:
@@ -293,3 +295,27 @@ async def test_a_cache_below_the_streaming_size_is_read_whole(
     monkeypatch.setattr(PrefetchActor, "stream_min_bytes", size + 1)
     done = await _warm(tmp_path, PROMPT + " And so", monkeypatch, stream=True)
     assert done.path == "warm" and done.timings.stream_s == 0 and done.timings.load_s > 0
+
+
+async def test_a_cache_in_many_small_files_is_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = tmp_path / "built"
+    for turn in range(3):  # a session each: a segment file per departure
+        async with kvactor.open(tiny(), cache_dir=built) as kv:
+            await (await kv.spawn_agent("a")).generate(f"Turn {turn}: {PROMPT}", max_tokens=3)
+    files = list((built / "agents" / "a").glob("seg-*"))
+    per_file = sum(p.stat().st_size for p in files) // len(files)
+    assert len(files) >= 3
+    monkeypatch.setenv("KVACTOR_STREAM", "1")
+    answers = []
+    for least, streams in ((per_file + 1, False), (per_file - 1, True)):
+        monkeypatch.setattr(PrefetchActor, "stream_min_file_bytes", least)
+        root = tmp_path / str(least)
+        shutil.copytree(built, root)  # the same cache each time (a turn writes its own)
+        async with kvactor.open(tiny(), cache_dir=root) as kv:
+            done = await (await kv.spawn_agent("a")).generate("And so", max_tokens=5)
+        assert done.path == "warm" and (done.timings.stream_s > 0) == streams
+        assert done.timings.load_s > 0
+        answers.append(done.token_ids)
+    assert answers[0] == answers[1]

@@ -77,6 +77,13 @@ class PrefetchActor(Actor):
     #: pay for the finer split (bench/ttft.py, 3 runs each, streamed against read whole:
     #: 1.06x and 1.07x at 1K, a 6.7 MB cache; 0.88x at 2K, 13 MB; 0.86-1.02x at 4K).
     stream_min_bytes = 8 << 20
+    #: Bytes per file, on average, from which a stage streams: a cache written over many
+    #: departures is many small files, and a streamed read pays per file and per tensor
+    #: (its files' headers checked, each tensor's array allocated and viewed) where a whole
+    #: read checks them side by side (the default model, 8 warm turns each way: 2K in 10
+    #: files of 1.3 MB streamed 1.18x read whole, 4K in 10 files of 2.7 MB 1.05-1.07x, 4K
+    #: in 4 files of 6.7 MB 1.03x, stage 0.85x).
+    stream_min_file_bytes = 4 << 20
 
     def __init__(self, engine: ActorRef[EngineMessage], store: ActorRef[StoreMessage]) -> None:
         self.engine = engine
@@ -113,12 +120,14 @@ class PrefetchActor(Actor):
         try:
             t0 = time.perf_counter()
             # A turn waits: its cache streams in as its first forward runs. A hint reads
-            # it whole (nothing waits, and its forward may not come soon), as a small cache
-            # does, and every stage with KVACTOR_STREAM=0 (read at each stage) or where the
-            # engine's arrays are not host memory the readers could write.
+            # it whole (nothing waits, and its forward may not come soon), as a small
+            # cache or one in many small files does, and every stage with
+            # KVACTOR_STREAM=0 (read at each stage) or where the engine's arrays are not
+            # host memory the readers could write.
             streams = (
                 wait
                 and nbytes >= self.stream_min_bytes
+                and nbytes >= self.stream_min_file_bytes * len(manifest.all_segments)
                 and os.environ.get("KVACTOR_STREAM", "1") != "0"
                 and host_views()
             )
