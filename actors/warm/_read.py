@@ -9,7 +9,6 @@ orphans are removed.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import operator
 import os
@@ -40,7 +39,13 @@ from ._manifest import (
     warm_info,
 )
 from ._paths import agent_dir, contained
-from ._safetensors import MAX_HEADER_BYTES, Expected, ParsedSegment, parse_segment
+from ._safetensors import (
+    MAX_HEADER_BYTES,
+    Expected,
+    ParsedSegment,
+    dtype_named,
+    parse_segment,
+)
 
 __all__ = (
     "agent_names",
@@ -54,7 +59,10 @@ __all__ = (
 )
 
 _READ_ATTEMPTS = 8
-_itemsize = functools.cache(lambda dtype: np.dtype(dtype).itemsize)  # np.dtype(str) is slow
+
+Planned = tuple[SegmentKind, SegmentEntry, Path, Callable[[int, int], Expected]]
+"""A segment file of a manifest (``_planned``): its kind, entry, path and the tensors
+expected of it for a range of tokens."""
 
 
 # ------------------------------------------------------------------------------ read
@@ -184,7 +192,7 @@ def _opened(
 ) -> int:
     """The segment file opened (its descriptor, the caller's to close) once it is a regular
     file of the size its manifest entry says."""
-    need = sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in expected.values())
+    need = sum(math.prod(shape) * dtype_named(dtype).itemsize for shape, dtype in expected.values())
     fd, size = open_regular(path, need + 8 + MAX_HEADER_BYTES)
     if size != entry.nbytes:
         os.close(fd)
@@ -223,7 +231,7 @@ def _read_header(fd: int, size: int) -> np.ndarray[Any, Any]:
 
 def _planned(
     folder: Path, manifest: CacheManifest, identity: CacheIdentity, expect: ExpectFn
-) -> Iterator[tuple[SegmentKind, SegmentEntry, Path, Callable[[int, int], Expected]]]:
+) -> Iterator[Planned]:
     """Each segment file the manifest names, its kind, its path, and the tensors expected
     of it for a range of tokens."""
     geometry = identity.layer_geometry()
@@ -250,7 +258,7 @@ def _read_segments(
     out: dict[SegmentKind, list[dict[str, np.ndarray[Any, Any]]]] = {k: [] for k in SegmentKind}
     planned = list(_planned(folder, manifest, identity, expect))
 
-    def read(plan: tuple[SegmentKind, SegmentEntry, Path, Callable[[int, int], Expected]]) -> Any:
+    def read(plan: Planned) -> dict[str, np.ndarray[Any, Any]]:
         _, entry, path, layout = plan
         tensors = _read_entry(path, entry, layout, identity, manifest)
         if entry.use < entry.stop - entry.start:

@@ -8,6 +8,7 @@ caller expects (name, shape, dtype), and the data offsets must tile the data are
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -23,9 +24,14 @@ __all__ = (
     "ParsedSegment",
     "Span",
     "build_header",
+    "dtype_named",
     "parse_segment",
     "tensor_bytes",
 )
+
+dtype_named = functools.cache(np.dtype)
+"""The numpy dtype of a name ("uint8"), kept: ``np.dtype(str)`` is slow, and a cache in
+many files checks thousands of tensors."""
 
 #: Our headers are a few KiB; anything above this is hostile or not ours.
 MAX_HEADER_BYTES = 16 << 20

@@ -9,7 +9,6 @@ forgetting and collecting are ``_warm_forget``'s, forks and shared prefixes ``_w
 
 from __future__ import annotations
 
-import functools
 import operator
 import os
 import sys
@@ -42,12 +41,11 @@ from ._manifest import (
     split_layers,
 )
 from ._paths import agent_dir, rejected_dir
-from ._safetensors import build_header, tensor_bytes
+from ._safetensors import build_header, dtype_named, tensor_bytes
 
 __all__ = ("append_cache", "note_conversation")
 
 _LITTLE = sys.byteorder == "little"
-_dtype = functools.cache(np.dtype)  # dtype objects by name (np.dtype(str) is slow)
 
 Arrays = list[tuple[str, np.ndarray[Any, Any]]]
 
@@ -213,7 +211,7 @@ def _check_tensors(
         array = tensors[name]
         if not isinstance(array, np.ndarray):
             raise TypeError(f"tensor {name!r} is a {type(array).__name__}, not a numpy array")
-        if array.shape != tuple(shape) or array.dtype != _dtype(dtype):
+        if array.shape != tuple(shape) or array.dtype != dtype_named(dtype):
             raise ValueError(
                 f"tensor {name!r} is {array.dtype.name}{list(array.shape)}, "
                 f"expected {dtype}{list(shape)} for tokens [{start}, {start + n})"
