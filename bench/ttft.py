@@ -170,6 +170,63 @@ async def warm_turn(
                 os.environ[key] = value
 
 
+# Warm turns, each in a new session (nothing hot), page cache dropped: as it runs, with
+# the plain array ops (KVACTOR_FUSED=0), and those on one MLX stream (the first way).
+WAYS: dict[str, dict[str, str]] = {
+    "warm": {},
+    "whole": {"KVACTOR_STREAM": "0"},
+    "copy": {"KVACTOR_STORED_FIRST": "0"},
+    "first": {"KVACTOR_STORED_FIRST": "0", "KVACTOR_BESIDE": "0"},
+    "plain": {"KVACTOR_FUSED": "0"},
+    "one": {"KVACTOR_FUSED": "0", "KVACTOR_ARRAY_STREAMS": "1"},
+}
+
+
+async def warm_ways(
+    root: Path, name: str, prompt: str
+) -> dict[str, list[tuple[float, kvactor.Completion]]]:
+    """``warm_turn`` of each of ``WAYS`` twice, in turn order then reversed (a process's
+    sessions differ with what ran before them: its first new session faults its memory in
+    fresh), after one warm turn not measured: the process's first warm session faults the
+    float copy's memory in fresh, which would fall on whichever way came first (1K, 3 runs
+    on 673653e: 130 ms for the first way, 108-109 for the same turn in the ways after it)."""
+    turns: dict[str, list[tuple[float, kvactor.Completion]]] = {way: [] for way in WAYS}
+    await warm_turn(root, name, prompt, {})
+    for way in [*WAYS, *reversed(WAYS)]:
+        turns[way].append(await warm_turn(root, name, prompt, WAYS[way]))
+    return turns
+
+
+async def whole_read_gbps(root: Path, name: str) -> float:
+    """The rate of a stage's read alone, read whole (``KVACTOR_STREAM=0``: its read_s),
+    in a new session; the caller drops the page cache first."""
+    os.environ["KVACTOR_STREAM"] = "0"
+    try:
+        async with kvactor.open(cache_dir=root) as kv:
+            agent = await kv.spawn_agent(name)
+            staged = await kv.prefetcher.ask(Stage(agent.name), timeout=None)  # type: ignore[union-attr]
+            return float(staged.nbytes / staged.read_s / 1e9)
+    finally:
+        del os.environ["KVACTOR_STREAM"]
+
+
+async def prefetched_turn(
+    root: Path, name: str, prompt: str
+) -> tuple[float, float, kvactor.Completion]:
+    """A turn after a prefetch hint staged its cache (no ready copy), page cache dropped:
+    the seconds the staging took, then ``timed``."""
+    drop_page_cache(root / "agents" / name)
+    async with kvactor.open(cache_dir=root, ready_copies=False) as kv:
+        agent = await kv.spawn_agent(name)
+        t0 = time.perf_counter()
+        await kv.prefetch(agent.name)
+        while (await kv.stats()).installs == 0:
+            await anyio.sleep(0.001)
+        staged_s = time.perf_counter() - t0
+        seconds, turn = await timed(agent, prompt)
+    return staged_s, seconds, turn
+
+
 async def prefetched_ready_turn(
     root: Path, name: str, prompt: str
 ) -> tuple[float, kvactor.Completion]:
@@ -201,50 +258,17 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
     folder = root / "agents" / f"ttft-{n}"
     file_bytes = sum(p.stat().st_size for p in folder.glob("seg-*"))
     same_size_gbps = disk_read_gbps(root, file_bytes, repeats=3)
-    # Warm turns, each in a new session (nothing hot), page cache dropped: as it runs, with
-    # the plain array ops (KVACTOR_FUSED=0), and those on one MLX stream (the first way).
-    # Each way twice, in turn order then reversed (a process's sessions differ with what
-    # ran before them: its first new session faults its memory in fresh); the means.
-    ways = {
-        "warm": {},
-        "whole": {"KVACTOR_STREAM": "0"},
-        "copy": {"KVACTOR_STORED_FIRST": "0"},
-        "first": {"KVACTOR_STORED_FIRST": "0", "KVACTOR_BESIDE": "0"},
-        "plain": {"KVACTOR_FUSED": "0"},
-        "one": {"KVACTOR_FUSED": "0", "KVACTOR_ARRAY_STREAMS": "1"},
-    }
-    turns: dict[str, list[tuple[float, kvactor.Completion]]] = {way: [] for way in ways}
-    # One warm turn first, not measured: the process's first warm session faults the float
-    # copy's memory in fresh, which would fall on whichever way came first (1K, 3 runs on
-    # 673653e: 130 ms for the first way, 108-109 for the same turn in the ways after it).
-    await warm_turn(root, f"ttft-{n}", prompt, {})
-    for way in [*ways, *reversed(ways)]:
-        turns[way].append(await warm_turn(root, f"ttft-{n}", prompt, ways[way]))
+    turns = await warm_ways(root, f"ttft-{n}", prompt)
     warm_s, warm_whole_s, warm_copy_s, warm_first_s, warm_plain_s, warm_one_s = (
-        statistics.fmean(s for s, _ in turns[w]) for w in ways
+        statistics.fmean(s for s, _ in turns[w]) for w in WAYS
     )
 
     def mean(way: str, part: Callable[[Any], float]) -> float:
         return statistics.fmean(part(c.timings) for _, c in turns[way])
 
     dropped = drop_page_cache(folder)
-    os.environ["KVACTOR_STREAM"] = "0"  # the read alone, whole (a stage's read_s)
-    try:
-        async with kvactor.open(cache_dir=root) as kv:
-            agent = await kv.spawn_agent(f"ttft-{n}")
-            staged = await kv.prefetcher.ask(Stage(agent.name), timeout=None)  # type: ignore[union-attr]
-            warm_load_gbps = staged.nbytes / staged.read_s / 1e9
-    finally:
-        del os.environ["KVACTOR_STREAM"]
-    drop_page_cache(folder)
-    async with kvactor.open(cache_dir=root, ready_copies=False) as kv:
-        agent = await kv.spawn_agent(f"ttft-{n}")
-        t0 = time.perf_counter()
-        await kv.prefetch(agent.name)
-        while (await kv.stats()).installs == 0:
-            await anyio.sleep(0.001)
-        staged_s = time.perf_counter() - t0
-        prefetched_s, prefetched = await timed(agent, prompt)
+    warm_load_gbps = await whole_read_gbps(root, f"ttft-{n}")
+    staged_s, prefetched_s, prefetched = await prefetched_turn(root, f"ttft-{n}", prompt)
     readies = [await prefetched_ready_turn(root, f"ttft-{n}", prompt) for _ in range(3)]
     prefetched_ready_s = statistics.median(s for s, _ in readies)
     prefetched_ready = readies[-1][1]
@@ -257,7 +281,7 @@ async def measure(n: int, text: str, root: Path) -> dict[str, Any]:
         decode_q = await decode_rate(agent, prompt)
     async with kvactor.open(cache_dir=root, attention="dequantized") as kv:
         decode_d = await decode_rate(await kv.spawn_agent(f"ttft-{n}"), prompt)
-    warms = [c for way in ways for _, c in turns[way]]
+    warms = [c for way in WAYS for _, c in turns[way]]
     paths = (cold, hot, hot_stored, prefetched, prefetched_ready, warm_q, hot_q, *warms)
     want = (COLD, HOT, HOT, HOT, HOT, WARM, HOT, *(WARM for _ in warms))
     assert tuple(d.path for d in paths) == want, [d.path for d in paths]
